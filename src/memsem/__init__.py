@@ -1,0 +1,30 @@
+"""memsem: memory semantics for remote tensors.
+
+Wrap an existing tensor as a window, hand its small serialized ref to anyone, and get / put /
+xcopy byte ranges and tiles of it one-sidedly, with generation and lease checks, topology-aware
+engines and tile-ready events. See docs/architecture.md.
+"""
+from memsem._errors import (
+    AccessDeniedError,
+    EngineError,
+    LeaseExpiredError,
+    LeaseHeldError,
+    MemsemError,
+    MemsemTimeoutError,
+    NotSupportedError,
+    OutOfMemoryError,
+    PeerLostError,
+    StaleReferenceError,
+    WindowNotFoundError,
+)
+from memsem.refs import Runtime, TensorRef, default_runtime
+from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessDeniedError", "Batch", "Completion", "EngineError", "Lease", "LeaseExpiredError",
+    "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
+    "PeerLostError", "RangeResult", "Runtime", "StaleReferenceError", "State", "Stats", "TensorRef",
+    "WindowNotFoundError", "default_runtime", "__version__",
+]

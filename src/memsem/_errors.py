@@ -1,0 +1,111 @@
+"""The memsem error tree.
+
+Every failure memsem reports is a :class:`MemsemError` (caller mistakes are ``TypeError`` /
+``ValueError`` naming the argument). Engine and native failures are translated into these
+classes at one boundary, the runtime, and chained with ``raise ... from``.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+__all__ = [
+    "MemsemError",
+    "StaleReferenceError",
+    "LeaseExpiredError",
+    "LeaseHeldError",
+    "PeerLostError",
+    "AccessDeniedError",
+    "NotSupportedError",
+    "EngineError",
+    "MemsemTimeoutError",
+    "WindowNotFoundError",
+    "OutOfMemoryError",
+]
+
+
+class MemsemError(Exception):
+    """Root of every error memsem raises for a failed operation."""
+
+
+class StaleReferenceError(MemsemError):
+    """The window's generation moved: the ref was minted for memory that was unpublished,
+    republished, resized or reused. No byte of the transfer is valid."""
+
+    def __init__(self, message: str, *, window: str | None = None,
+                 expected: int | None = None, found: int | None = None) -> None:
+        super().__init__(message)
+        self.window = window
+        self.expected = expected
+        self.found = found
+
+
+class WindowNotFoundError(StaleReferenceError):
+    """No window is published at that GVA or name (any more)."""
+
+
+class LeaseExpiredError(MemsemError):
+    """The caller's lease on the window expired, before or during the access."""
+
+
+class LeaseHeldError(MemsemError):
+    """The owner tried to unpublish or reuse a window while unexpired leases exist.
+
+    Attributes:
+        holders: list of ``(pid, seconds_left)`` of the leases still held.
+    """
+
+    def __init__(self, message: str, *, holders: list[tuple[int, float]] | None = None) -> None:
+        super().__init__(message)
+        self.holders = holders or []
+
+
+class PeerLostError(MemsemError):
+    """The window's owner (or the peer of a connection) is dead or unreachable."""
+
+
+class AccessDeniedError(MemsemError, PermissionError):
+    """Wrong access key, or a write through a read-only ref or to a read-only window."""
+
+
+class NotSupportedError(MemsemError, NotImplementedError):
+    """The route or engine cannot do this here (the message names the route/engine and why)."""
+
+
+class OutOfMemoryError(MemsemError, MemoryError):
+    """A shared segment or symmetric heap could not be sized (checked at publish/alloc time)."""
+
+
+class EngineError(MemsemError):
+    """A native or engine failure.
+
+    Attributes:
+        code: the native return code, if any.
+        errno: the OS errno, if any.
+        name: a symbolic name (errno name, work-completion status name, SHMEM function).
+    """
+
+    def __init__(self, message: str, *, code: int | None = None, errno: int | None = None,
+                 name: str | None = None) -> None:
+        if errno is not None and name is None:
+            name = _errno.errorcode.get(errno)
+        detail = []
+        if name:
+            detail.append(name)
+        if errno is not None:
+            detail.append(f"errno {errno}: {os.strerror(errno)}")
+        if code is not None and errno is None:
+            detail.append(f"code {code}")
+        super().__init__(f"{message} ({', '.join(detail)})" if detail else message)
+        self.code = code
+        self.errno = errno
+        self.name = name
+
+
+class MemsemTimeoutError(MemsemError, TimeoutError):
+    """A bounded wait ran out. ``what`` names what was waited for."""
+
+    def __init__(self, message: str, *, what: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.what = what
+        self.timeout = timeout

@@ -1,0 +1,296 @@
+"""The engine interface: engines move bytes; the runtime owns policy.
+
+An engine knows regions, descriptors and byte ranges. It knows nothing of generations, leases or
+permissions beyond the narrowest access flags a registration asks for: the runtime checks those
+before and after every call. Engines raise :class:`memsem.EngineError` (with errno / status name)
+or :class:`memsem.NotSupportedError`; the runtime translates them at one boundary.
+
+Life cycle (pyverbs-style ownership: the runtime owns engines, engines own registrations and
+attachments, ``close()`` releases children first):
+
+owner side:     ``register(region) -> Descriptor`` ... ``deregister(descriptor)``
+consumer side:  ``attach(descriptor) -> RemoteRegion`` ... ``detach(remote)``
+data:           ``get(remote, offset, dst)`` / ``put(remote, offset, src)`` (blocking, remote
+                completion) and ``submit(ops) -> Request`` (non-blocking batch).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    """Whether an engine can run here. ``reason`` says why not (printed by ``memsem topo``)."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclasses.dataclass(frozen=True)
+class Descriptor:
+    """How one engine reaches a window: engine-tagged, JSON-serializable ``fields``.
+
+    A descriptor is only ever interpreted by the engine named in ``engine``; handing it to another
+    engine raises ``ValueError`` (never reinterpreted).
+    """
+
+    engine: str
+    fields: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "fields": self.fields}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Descriptor":
+        return cls(str(data["engine"]), dict(data["fields"]))
+
+
+@dataclasses.dataclass
+class LocalRegion:
+    """Owner-side memory to make reachable.
+
+    Attributes:
+        address: first byte in the owner's address space.
+        nbytes: size in bytes.
+        writable: whether remote writes may be allowed (MR flags, mapping protection).
+        segment: name of the shared segment holding the memory, if any.
+        segment_offset: byte offset of ``address`` inside ``segment``.
+        keepalive: object owning the memory.
+    """
+
+    address: int
+    nbytes: int
+    writable: bool
+    segment: str | None = None
+    segment_offset: int = 0
+    keepalive: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectAccess:
+    """A remote region that the CPU of this process can reach with one native copy call.
+
+    ``method`` is ``memsem.native.COPY_MEMCPY`` (``address`` mapped here) or ``COPY_VM_READ`` /
+    ``COPY_VM_WRITE`` selection by direction (``address`` in ``pid``'s address space).
+    """
+
+    cma: bool
+    pid: int
+    address: int
+
+
+class RemoteRegion:
+    """Consumer-side handle on a window's memory, created by ``Engine.attach``.
+
+    Attributes:
+        engine: the engine that made it.
+        nbytes: size in bytes.
+        direct: set when a native CPU copy can reach it (the runtime's guarded fast path).
+    """
+
+    def __init__(self, engine: "Engine", nbytes: int, direct: DirectAccess | None = None) -> None:
+        self.engine = engine
+        self.nbytes = nbytes
+        self.direct = direct
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.detach(self)
+
+
+class OpKind(enum.IntEnum):
+    GET = 1  #: remote -> local
+    PUT = 2  #: local -> remote
+
+
+class OpState(enum.IntEnum):
+    """State of one operation or range. Final states: DONE, FAILED, CANCELLED."""
+
+    PENDING = 0
+    RUNNING = 1
+    DONE = 2
+    FAILED = 3
+    CANCELLED = 4
+
+    @property
+    def final(self) -> bool:
+        return self >= OpState.DONE
+
+
+@dataclasses.dataclass
+class Op:
+    """One byte-range transfer between a remote region and a local uint8 array."""
+
+    kind: OpKind
+    remote: RemoteRegion
+    offset: int  # bytes into the remote region
+    local: np.ndarray  # flat uint8, C-contiguous; written for GET, read for PUT
+    state: OpState = OpState.PENDING
+    error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local.nbytes)
+
+
+class Request:
+    """A submitted batch of ops. ``wait`` blocks until every op has a final state.
+
+    The default implementation runs the ops on a thread (numpy/native copies release the GIL);
+    engines with real asynchronous hardware (CQs, streams) subclass it.
+    """
+
+    def __init__(self, ops: Sequence[Op]) -> None:
+        self.ops = list(ops)
+        self._done = threading.Event()
+
+    def _finish(self) -> None:
+        self._done.set()
+
+    def poll(self) -> bool:
+        """True when every op has a final state. Never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> None:
+        """Block until every op is final, at most ``timeout`` seconds.
+
+        Raises:
+            MemsemTimeoutError: the ops did not finish in time (they keep running; poll again).
+        """
+        if not self._done.wait(timeout):
+            raise MemsemTimeoutError(
+                f"engine request of {len(self.ops)} ops not complete after {timeout} s",
+                what="engine request", timeout=timeout)
+
+    def cancel(self) -> None:
+        """Best effort: ops not started yet end CANCELLED."""
+        for op in self.ops:
+            if op.state == OpState.PENDING:
+                op.state = OpState.CANCELLED
+
+
+class Engine(abc.ABC):
+    """Base class of every engine. Subclasses set ``name`` and implement the abstract methods.
+
+    Thread safety: ``get``/``put``/``submit`` may be called from several threads at once.
+    """
+
+    name: ClassVar[str] = "?"
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Whether this engine can run on this machine (no side effects)."""
+        return Availability(True)
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    # -- owner side -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register(self, region: LocalRegion) -> Descriptor:
+        """Make ``region`` reachable; return the descriptor consumers attach with."""
+
+    def deregister(self, descriptor: Descriptor) -> None:
+        """Undo ``register``. Safe for descriptors this engine made; others raise ValueError."""
+        self._check_descriptor(descriptor)
+
+    # -- consumer side --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+        """Open the window described by ``descriptor`` (made by this engine type elsewhere)."""
+
+    def detach(self, remote: RemoteRegion) -> None:
+        """Release what ``attach`` opened (called by ``RemoteRegion.close``)."""
+
+    def view(self, remote: RemoteRegion) -> np.ndarray:
+        """A flat uint8 array over the remote memory itself, or NotSupportedError."""
+        raise NotSupportedError(f"engine {self.name!r} cannot map remote memory for view()")
+
+    # -- data -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        """Copy ``dst.nbytes`` bytes from ``remote`` at ``offset`` into ``dst``; returns when the
+        bytes are in ``dst``."""
+
+    @abc.abstractmethod
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        """Copy ``src`` into ``remote`` at ``offset``; returns when the bytes are visible at the
+        target (remote completion), not merely when ``src`` may be reused."""
+
+    def submit(self, ops: Sequence[Op]) -> Request:
+        """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op."""
+        req = Request(ops)
+        threading.Thread(target=self._run_ops, args=(req,), daemon=True,
+                         name=f"memsem-{self.name}-submit").start()
+        return req
+
+    def _run_ops(self, req: Request) -> None:
+        try:
+            for op in req.ops:
+                if op.state == OpState.CANCELLED:
+                    continue
+                op.state = OpState.RUNNING
+                try:
+                    if op.kind == OpKind.GET:
+                        self.get(op.remote, op.offset, op.local)
+                    else:
+                        self.put(op.remote, op.offset, op.local)
+                    op.state = OpState.DONE
+                except BaseException as exc:  # recorded per op, reported by the runtime
+                    op.error = exc
+                    op.state = OpState.FAILED
+        finally:
+            req._finish()
+
+    def fence(self) -> None:
+        """Order earlier puts before later ones to the same target (no-op for synchronous engines)."""
+
+    def quiet(self) -> None:
+        """Wait for remote completion of every outstanding operation (no-op when synchronous)."""
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every native resource; safe twice."""
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_descriptor(self, descriptor: Descriptor) -> None:
+        if descriptor.engine != self.name:
+            raise ValueError(
+                f"descriptor is tagged for engine {descriptor.engine!r}, not {self.name!r}; "
+                "descriptors are never reinterpreted across engines")
+
+    @staticmethod
+    def _check_range(remote: RemoteRegion, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > remote.nbytes:
+            raise ValueError(
+                f"range [{offset}, {offset + nbytes}) lies outside the region of {remote.nbytes} bytes")
+
+
+__all__ = [
+    "Availability", "Descriptor", "DirectAccess", "Engine", "LocalRegion", "Op", "OpKind",
+    "OpState", "RemoteRegion", "Request", "MemsemError",
+]

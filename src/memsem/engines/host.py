@@ -1,0 +1,106 @@
+"""Host engine: same node, another process.
+
+Two descriptor kinds, both tagged ``host``:
+
+* ``shm``: the window lives in a shared segment (``Runtime.alloc``); consumers map it and copy
+  with memcpy, or hand out a zero-copy ``view``.
+* ``cma``: the window is ordinary private memory of the owner (any numpy array or tensor);
+  consumers use cross-memory attach (``process_vm_readv`` / ``process_vm_writev``), one copy,
+  no staging. Needs the same user (or CAP_SYS_PTRACE) and a ptrace scope that allows it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from memsem import native
+from memsem._buffers import address_view
+from memsem._errors import NotSupportedError
+from memsem.engines._base import Availability, Descriptor, DirectAccess, Engine, LocalRegion, RemoteRegion
+from memsem.native import Segment
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+class HostEngine(Engine):
+    """Same-node engine over shared segments and cross-memory attach."""
+
+    name = "host"
+
+    @classmethod
+    def probe(cls) -> Availability:
+        if not os.path.isdir(native.segment_dir()):
+            return Availability(False, f"segment directory {native.segment_dir()} does not exist")
+        return Availability(True)
+
+    @staticmethod
+    def cma_availability() -> Availability:
+        scope = _ptrace_scope()
+        if scope >= 2 and os.geteuid() != 0:
+            return Availability(False, f"kernel.yama.ptrace_scope={scope} forbids process_vm_readv "
+                                       "between processes without CAP_SYS_PTRACE")
+        return Availability(True)
+
+    def register(self, region: LocalRegion) -> Descriptor:
+        fields = {"pid": os.getpid(), "address": region.address, "writable": region.writable}
+        if region.segment is not None:
+            fields.update(kind="shm", segment=region.segment, offset=region.segment_offset)
+        else:
+            fields.update(kind="cma")
+        return Descriptor(self.name, fields)
+
+    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+        self._check_descriptor(descriptor)
+        f = descriptor.fields
+        writable = bool(f.get("writable", True))
+        if f["kind"] == "shm":
+            off = int(f.get("offset", 0))
+            seg = Segment.attach(str(f["segment"]), off + nbytes, writable=writable)
+            remote = RemoteRegion(self, nbytes, DirectAccess(False, int(f["pid"]), seg.address + off))
+            remote.segment = seg  # type: ignore[attr-defined]
+        elif f["kind"] == "cma":
+            avail = self.cma_availability()
+            if not avail:
+                raise NotSupportedError(f"host engine (cross-memory attach): {avail.reason}")
+            remote = RemoteRegion(self, nbytes, DirectAccess(True, int(f["pid"]), int(f["address"])))
+        else:
+            raise ValueError(f"host descriptor kind {f['kind']!r} is unknown")
+        remote.writable = writable  # type: ignore[attr-defined]
+        return remote
+
+    def detach(self, remote: RemoteRegion) -> None:
+        seg = getattr(remote, "segment", None)
+        if seg is not None:
+            seg.close()
+
+    def view(self, remote: RemoteRegion) -> np.ndarray:
+        seg = getattr(remote, "segment", None)
+        if seg is None:
+            raise NotSupportedError(
+                "view() needs a shared segment; this window is private memory of another process "
+                "(route host/cma): use get(), or publish memory from Runtime.alloc()")
+        return address_view(remote.direct.address, remote.nbytes, seg,
+                            readonly=not getattr(remote, "writable", True))
+
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        self._check_range(remote, offset, dst.nbytes)
+        d = remote.direct
+        if d.cma:
+            native.vm_read(d.pid, dst.ctypes.data, d.address + offset, dst.nbytes)
+        else:
+            native.memcpy(dst.ctypes.data, d.address + offset, dst.nbytes)
+
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        self._check_range(remote, offset, src.nbytes)
+        d = remote.direct
+        if d.cma:
+            native.vm_write(d.pid, src.ctypes.data, d.address + offset, src.nbytes)
+        else:
+            native.memcpy(d.address + offset, src.ctypes.data, src.nbytes)

@@ -1,0 +1,43 @@
+"""Loopback engine: the window lives in this very process; one memcpy (or zero with view)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from memsem import native
+from memsem._buffers import address_view
+from memsem._errors import NotSupportedError
+from memsem.engines._base import Descriptor, DirectAccess, Engine, LocalRegion, RemoteRegion
+
+
+class LoopbackEngine(Engine):
+    """Same-process engine. Descriptor fields: ``pid``, ``address``, ``writable``."""
+
+    name = "loopback"
+
+    def register(self, region: LocalRegion) -> Descriptor:
+        return Descriptor(self.name, {"pid": os.getpid(), "address": region.address,
+                                      "writable": region.writable})
+
+    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+        self._check_descriptor(descriptor)
+        pid = int(descriptor.fields["pid"])
+        if pid != os.getpid():
+            raise NotSupportedError(f"loopback reaches only this process ({os.getpid()}), not pid {pid}")
+        remote = RemoteRegion(self, nbytes, DirectAccess(False, pid, int(descriptor.fields["address"])))
+        remote.writable = bool(descriptor.fields.get("writable", True))  # type: ignore[attr-defined]
+        return remote
+
+    def view(self, remote: RemoteRegion) -> np.ndarray:
+        d = remote.direct
+        return address_view(d.address, remote.nbytes, remote,
+                            readonly=not getattr(remote, "writable", True))
+
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        self._check_range(remote, offset, dst.nbytes)
+        native.memcpy(dst.ctypes.data, remote.direct.address + offset, dst.nbytes)
+
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        self._check_range(remote, offset, src.nbytes)
+        native.memcpy(remote.direct.address + offset, src.ctypes.data, src.nbytes)

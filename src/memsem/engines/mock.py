@@ -1,0 +1,89 @@
+"""A scripted engine for logic tests: wraps a real engine and slows, fails or reorders it.
+
+Used by memsem's own tests (slow gets racing a lease expiry, failing ranges in a batch) and
+offered to users for theirs. It never hides a real failure: every injected fault is explicit.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from memsem._errors import EngineError
+from memsem.engines._base import Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request
+
+
+class ScriptedEngine(Engine):
+    """Delegates to ``inner`` with scripted behaviour.
+
+    Args:
+        inner: the engine doing the real work.
+        delay: seconds to sleep before each get/put (the copy happens after the sleep).
+        fail: ``fail(kind, offset, nbytes) -> bool``; True makes that op raise EngineError.
+        reorder: run the ops of a submitted batch in a random order.
+        seed: seed for ``reorder``.
+    """
+
+    def __init__(self, inner: Engine, *, delay: float = 0.0,
+                 fail: Callable[[str, int, int], bool] | None = None,
+                 reorder: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name  # descriptors stay tagged with the real engine
+        self.delay = delay
+        self.fail = fail
+        self.reorder = reorder
+        self._rng = random.Random(seed)
+        self.calls: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def register(self, region: LocalRegion) -> Descriptor:
+        return self.inner.register(region)
+
+    def deregister(self, descriptor: Descriptor) -> None:
+        self.inner.deregister(descriptor)
+
+    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+        # No DirectAccess: the runtime must come through get/put so the script applies.
+        remote = RemoteRegion(self, nbytes, None)
+        remote._real = self.inner.attach(descriptor, nbytes)  # type: ignore[attr-defined]
+        return remote
+
+    def detach(self, remote: RemoteRegion) -> None:
+        remote._real.close()  # type: ignore[attr-defined]
+
+    def view(self, remote: RemoteRegion) -> np.ndarray:
+        return self.inner.view(remote._real)  # type: ignore[attr-defined]
+
+    def _step(self, kind: str, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self.calls.append((kind, offset, nbytes))
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail is not None and self.fail(kind, offset, nbytes):
+            raise EngineError(f"scripted failure of {kind} at offset {offset} ({nbytes} bytes)",
+                              name="SCRIPTED")
+
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        self._step("get", offset, dst.nbytes)
+        self.inner.get(remote._real, offset, dst)  # type: ignore[attr-defined]
+
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        self._step("put", offset, src.nbytes)
+        self.inner.put(remote._real, offset, src)  # type: ignore[attr-defined]
+
+    def submit(self, ops: Sequence[Op]) -> Request:
+        ops = list(ops)
+        if self.reorder:
+            order = ops[:]
+            self._rng.shuffle(order)
+            req = super().submit(order)
+            req.ops = ops
+            return req
+        return super().submit(ops)
+
+    def close(self) -> None:
+        super().close()

@@ -1,0 +1,31 @@
+"""GVA layer: address space, windows' control blocks, generation, lease and ready-word logic.
+
+Pure data plus atomics; no transport.
+"""
+from memsem.gva import _lease as lease
+from memsem.gva import _ready as ready
+from memsem.gva._address import (
+    GVA_ALIGN,
+    RANK_SHIFT,
+    SliceAllocator,
+    WindowInfo,
+    key_digest,
+    key_matches,
+    make_gva,
+    split_gva,
+)
+from memsem.gva._refspec import RefSpec
+from memsem.gva._control import (
+    PERM_READ,
+    PERM_WRITE,
+    ControlBlock,
+    WindowState,
+    control_block_bytes,
+    new_generation,
+)
+
+__all__ = [
+    "GVA_ALIGN", "RANK_SHIFT", "SliceAllocator", "WindowInfo", "key_digest", "key_matches",
+    "make_gva", "split_gva", "PERM_READ", "PERM_WRITE", "ControlBlock", "WindowState",
+    "control_block_bytes", "new_generation", "lease", "ready", "RefSpec",
+]

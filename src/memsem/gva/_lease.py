@@ -1,0 +1,104 @@
+"""Leases and in-flight accounting on a control block (same-node, lock-free).
+
+A lease is a slot in the window's control block: holder pid + start time, expiry (monotonic
+ns) and a random lease id. The owner cannot unpublish or reuse a window while an unexpired lease
+of a live holder exists. Protocol (Dekker-style, with sequentially consistent fences):
+
+* consumer: claim a free or reclaimable slot with CAS on its lease id, write pid/start/expiry,
+  fence, then read the window state; if it is not LIVE, free the slot and fail.
+* owner: set state CLOSING, fence, then scan the slots; it proceeds only when no slot holds an
+  unexpired lease of a live process (dead holders are reaped on the way).
+
+So either the owner sees the lease, or the consumer sees CLOSING: never neither.
+"""
+from __future__ import annotations
+
+import secrets
+
+from memsem import native
+from memsem.gva._control import LEASE_WORDS, W_STATE, ControlBlock, WindowState
+from memsem.native import process_alive
+
+
+class LeaseSlotsFull(Exception):
+    """Internal: no free lease slot (the runtime turns it into a MemsemError)."""
+
+
+class WindowClosing(Exception):
+    """Internal: the window is not LIVE (closing or dead)."""
+
+
+def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int) -> tuple[int, int]:
+    """Claim a lease slot; returns ``(slot, lease_id)``."""
+    now = native.monotonic_ns()
+    lease_id = secrets.randbits(63) | 1
+    for slot in range(cb.n_lease):
+        a = cb.lease_slot_addr(slot)
+        cur = native.load_acquire(a + 24)
+        if cur != 0:
+            # Reclaim a slot whose lease expired or whose holder died.
+            expiry = native.load_acquire(a + 16)
+            holder, hstart = native.load_acquire(a), native.load_acquire(a + 8)
+            if expiry > now and process_alive(holder, hstart):
+                continue
+        ok, _ = native.compare_exchange(a + 24, cur, lease_id)
+        if not ok:
+            continue
+        native.store_release(a, pid)
+        native.store_release(a + 8, start)
+        native.store_release(a + 16, now + ttl_ns)
+        native.lib.memsem_fence_seq_cst()
+        if cb.word(W_STATE) != WindowState.LIVE:
+            release(cb, slot, lease_id)
+            raise WindowClosing()
+        return slot, lease_id
+    raise LeaseSlotsFull()
+
+
+def expiry_of(cb: ControlBlock, slot: int, lease_id: int) -> int:
+    """Expiry (monotonic ns) of the lease, or 0 when the slot no longer holds it."""
+    a = cb.lease_slot_addr(slot)
+    exp = native.load_acquire(a + 16)
+    if native.load_acquire(a + 24) != lease_id:
+        return 0
+    return exp
+
+
+def renew(cb: ControlBlock, slot: int, lease_id: int, ttl_ns: int) -> int:
+    """Extend an unexpired lease; returns the new expiry, or 0 when it already expired/was lost."""
+    a = cb.lease_slot_addr(slot)
+    now = native.monotonic_ns()
+    exp = native.load_acquire(a + 16)
+    if native.load_acquire(a + 24) != lease_id or exp <= now:
+        return 0
+    native.store_release(a + 16, now + ttl_ns)
+    if native.load_acquire(a + 24) != lease_id:  # reclaimed between the two loads
+        return 0
+    return now + ttl_ns
+
+
+def release(cb: ControlBlock, slot: int, lease_id: int) -> None:
+    """Free the slot if it still holds this lease (idempotent)."""
+    a = cb.lease_slot_addr(slot)
+    native.compare_exchange(a + 24, lease_id, 0)
+
+
+def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float]]:
+    """``(pid, seconds_left)`` of unexpired leases held by live processes. Reaps dead holders'
+    slots when ``reap``."""
+    native.lib.memsem_fence_seq_cst()
+    now = native.monotonic_ns()
+    out = []
+    for slot, pid, start, expiry, lid in cb.lease_slots():
+        if expiry <= now:
+            continue
+        if not process_alive(pid, start):
+            if reap:
+                release(cb, slot, lid)
+            continue
+        out.append((pid, (expiry - now) / 1e9))
+    return out
+
+
+def lease_words() -> int:
+    return LEASE_WORDS

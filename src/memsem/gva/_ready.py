@@ -1,0 +1,39 @@
+"""Tile-ready words: one 64-bit word per tile holding the generation it was marked ready for.
+
+Producer: write the tile, then ``mark`` (release store of the generation, then futex wake on the
+word's low 32 bits). Consumer: acquire-load; if not ready, futex-wait on that very word with a
+bounded slice, re-checking the owner's liveness between slices. A mark from an old generation
+never equals the current generation, so it never satisfies a wait on the new one.
+"""
+from __future__ import annotations
+
+from memsem import native
+from memsem.gva._control import ControlBlock
+
+
+def is_ready(cb: ControlBlock, tile: int, generation: int) -> bool:
+    return native.load_acquire(cb.ready_addr(tile)) == generation
+
+
+def mark(cb: ControlBlock, tile: int, generation: int) -> None:
+    a = cb.ready_addr(tile)
+    native.store_release(a, generation)
+    native.futex_wake(a)
+
+
+def clear(cb: ControlBlock, tile: int) -> None:
+    native.store_release(cb.ready_addr(tile), 0)
+
+
+def wait_slice(cb: ControlBlock, tile: int, generation: int, slice_s: float) -> bool:
+    """Wait at most ``slice_s`` for the tile; True when it is ready for ``generation``."""
+    a = cb.ready_addr(tile)
+    v = native.load_acquire(a)
+    if v == generation:
+        return True
+    native.futex_wait(a, v & 0xFFFFFFFF, slice_s)
+    return native.load_acquire(a) == generation
+
+
+def ready_tiles(cb: ControlBlock, generation: int) -> list[int]:
+    return [i for i in range(cb.n_ready) if native.load_acquire(cb.ready_addr(i)) == generation]

@@ -1,0 +1,37 @@
+"""Native layer: atomics, futex, cross-memory attach, shared segments, process liveness.
+
+Everything here wraps ``memsem._native`` (cffi, API mode, built from ``native/``). Addresses are
+plain integers (bytes); callers keep the memory they point at alive.
+"""
+from memsem.native._lib import (
+    GUARD_AFTER,
+    GUARD_BEFORE,
+    COPY_MEMCPY,
+    COPY_VM_READ,
+    COPY_VM_WRITE,
+    check_rc,
+    compare_exchange,
+    fetch_add,
+    fetch_sub,
+    ffi,
+    futex_wait,
+    futex_wake,
+    guarded_copy,
+    lib,
+    load_acquire,
+    memcpy,
+    monotonic_ns,
+    store_release,
+    vm_read,
+    vm_write,
+)
+from memsem.native._proc import ProcessIdentity, node_id, process_alive, process_start_time
+from memsem.native._segment import Segment, segment_dir, segment_prefix
+
+__all__ = [
+    "GUARD_AFTER", "GUARD_BEFORE", "COPY_MEMCPY", "COPY_VM_READ", "COPY_VM_WRITE",
+    "check_rc", "compare_exchange", "fetch_add", "fetch_sub", "ffi", "futex_wait", "futex_wake",
+    "guarded_copy", "lib", "load_acquire", "memcpy", "monotonic_ns", "store_release", "vm_read",
+    "vm_write", "ProcessIdentity", "node_id", "process_alive", "process_start_time", "Segment",
+    "segment_dir", "segment_prefix",
+]

@@ -1,0 +1,170 @@
+"""``memsem.Runtime``: the user-facing runtime (publishes TensorRefs, builds pipelines)."""
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from memsem.gva import RefSpec
+from memsem.refs._tensorref import TensorRef, check_ref
+from memsem.runtime import Batch, Lease, RuntimeCore
+from memsem.topology import Route
+
+
+class Runtime(RuntimeCore):
+    """A process's memsem runtime. Use as a context manager, or call ``close()``.
+
+    Args:
+        directory: ``"local"`` (default, or ``MEMSEM_DIRECTORY``): processes of one machine find
+            each other's windows with no server; ``"redis://host:port/db"`` for many nodes.
+        engines: engines to enable (default ``("loopback", "host")``); a requested engine that
+            is unavailable raises NotSupportedError naming it.
+        engine_objects: engine instances by name (e.g. ``memsem.engines.mock.ScriptedEngine``).
+        job: directory namespace (``MEMSEM_JOB``, default "default").
+        timeout: default bound in seconds of every blocking call (default 30).
+        prefer: force an engine for every route (``explain`` shows alternatives).
+
+    Example::
+
+        with memsem.Runtime() as rt:
+            ref = rt.publish(weights, name="w", access="r")
+            send(ref.to_bytes())           # any control channel
+            ...                            # consumer: TensorRef.from_bytes(b).get()
+    """
+
+    # -- publish ---------------------------------------------------------------------------------
+    def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
+                tile_bytes: int | None = None, tiles: int | None = None) -> TensorRef:
+        """Publish ``obj`` in place (no staging copy) as a window and return its ref.
+
+        Args:
+            obj: C-contiguous CPU memory: a numpy array, a CPU torch tensor, an object with
+                ``__dlpack__`` (its ``byte_offset`` is honoured and carried in the ref) or a
+                buffer-protocol object. Non-contiguous views are rejected (ValueError): make them
+                contiguous first or publish their base. The window keeps ``obj`` alive until
+                unpublished.
+            name: optional name, unique in this runtime. Publishing an existing name again is a
+                republish: the old generation is retired (waiting for its leases) and old refs
+                become stale.
+            access: "r" (read-only window: puts are refused) or "rw". Default "r" for read-only
+                sources (a read-only numpy array), else "rw".
+            tile_bytes / tiles: give the window ready words, one per tile of ``tile_bytes``
+                bytes (or ``tiles`` equal tiles), for ``mark_ready``/``wait_tile`` and pipelines.
+
+        Returns:
+            A TensorRef with the window's generation and a fresh 128-bit access key.
+
+        Raises:
+            TypeError: unsupported object or dtype. ValueError: non-contiguous or non-CPU memory,
+            bad name/access/tiling. AccessDeniedError: ``access="rw"`` on read-only memory.
+            LeaseHeldError: republish while leases on the old generation outlast the timeout.
+        """
+        return TensorRef(self.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
+                                           tiles=tiles), self)
+
+    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """A zero-filled array in a shared segment (mode 0600, unguessable name), ready to be
+        published for zero-copy ``view()`` by same-node consumers.
+
+        Raises:
+            OutOfMemoryError: the segment directory (tmpfs) cannot hold ``shape`` x itemsize bytes;
+                checked now, so no SIGBUS happens later.
+        """
+        return self.alloc_array(shape, dtype)
+
+    def unpublish(self, ref: TensorRef | str, *, timeout: float | None = None) -> None:
+        """Retire a window this runtime owns: refuse new leases, wait up to ``timeout`` s for
+        held leases, bump the generation (every outstanding ref becomes stale), wait for
+        in-flight copies to drain, then release the memory.
+
+        Raises:
+            LeaseHeldError: leases outlasted ``timeout`` (the window stays published).
+            WindowNotFoundError: this runtime owns no such window.
+            StaleReferenceError: ``ref`` is from an older generation.
+        """
+        self.unpublish_spec(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
+
+    def lookup(self, name: str) -> TensorRef:
+        """Ref of a window this runtime published under ``name``."""
+        return TensorRef(self.lookup_spec(name), self)
+
+    def ref(self, data: bytes | bytearray | memoryview) -> TensorRef:
+        """Deserialize a ref and bind it to this runtime."""
+        return TensorRef.from_bytes(data, self)
+
+    # -- data ------------------------------------------------------------------------------------
+    def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
+        """Copy a batch of ranges, non-blocking; every range ends DONE, FAILED or CANCELLED.
+
+        Args:
+            pairs: ``(src, dst)`` pairs; each side is a TensorRef (a window or a range of one,
+                see ``TensorRef.bytes``/``tile``) or a local buffer with the same byte count. At
+                least one side of each pair is a ref. Ref-to-ref copies go straight between
+                mapped memories when the source route allows, else through a bounce buffer
+                (counted in ``stats().bounce_bytes``).
+            lease: optional lease checked for the ranges of its window.
+
+        Returns:
+            A Batch; ``batch.wait(timeout)`` returns the per-range results and raises only on
+            timeout; failed ranges carry their error (``batch.errors``).
+        """
+        specs = []
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}")
+            specs.append(tuple(p.spec if isinstance(p, TensorRef) else p for p in pair))
+        return self.xcopy_specs(specs, lease=lease)
+
+    def lease(self, ref: TensorRef, ttl: float | None = 10.0) -> Lease:
+        """A lease on ``ref``'s window, acquired on ``with`` entry or by ``acquire()``.
+
+        Args:
+            ttl: seconds until expiry unless renewed; None holds until release (reaped if this
+                process dies).
+        """
+        return Lease(self, check_ref(ref, "ref").spec, ttl)
+
+    def explain(self, ref: TensorRef) -> str:
+        """Which route reaches ``ref`` from here, why, its modeled cost, and why not the others."""
+        return self.route_of(check_ref(ref, "ref").spec).explain()
+
+    def route(self, ref: TensorRef) -> Route:
+        return self.route_of(check_ref(ref, "ref").spec)
+
+    # -- pipeline & fields -----------------------------------------------------------------------
+    def pipeline(self, ref: TensorRef, *, tile_bytes: int, depth: int = 2, wait_ready: bool | None = None,
+                 timeout: float | None = None, out: Any = None):
+        """Iterate tiles of ``ref`` with a double (``depth``-slot) buffer: tile i+1 moves while the
+        caller computes tile i. See :class:`memsem.pipeline.Pipeline`."""
+        from memsem.pipeline import Pipeline
+
+        return Pipeline(self, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
+                        wait_ready=wait_ready, timeout=self.timeout if timeout is None else timeout)
+
+    def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | None = None, name: str | None = None,
+                       access: str = "rw"):
+        """Publish a batch of named fields (an RL sample batch) as a FieldSet.
+
+        See :meth:`memsem.refs.FieldSet.publish`.
+        """
+        from memsem.refs._fields import FieldSet
+
+        return FieldSet.publish(self, fields, tile_rows=tile_rows, name=name, access=access)
+
+
+_default: Runtime | None = None
+_default_lock = threading.Lock()
+
+
+def default_runtime() -> Runtime:
+    """The process's default runtime (created on first use, closed at exit). Used by refs that
+    were deserialized without an explicit runtime (e.g. unpickled in a worker)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Runtime()
+            atexit.register(_default.close)
+        return _default

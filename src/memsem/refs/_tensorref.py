@@ -1,0 +1,313 @@
+"""TensorRef: the user-facing handle on a published tensor (or a byte range / tile of one)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from memsem import _dtypes
+from memsem._errors import MemsemError
+from memsem.gva import RefSpec
+from memsem.runtime import Completion, Lease, RuntimeCore, current_core
+
+
+def _default_runtime() -> RuntimeCore:
+    rt = current_core()
+    if rt is not None:
+        return rt
+    from memsem.refs._runtime import default_runtime
+
+    return default_runtime()
+
+
+class TensorRef:
+    """A small, serializable reference to (part of) a published window.
+
+    Hand it to anyone (``to_bytes()``, or pickle); a consumer's runtime resolves it. It holds no
+    pointer valid on its own: the GVA is resolved through the directory and the access key is
+    checked before any byte moves.
+
+    Attributes:
+        spec: the addressing data (:class:`memsem.gva.RefSpec`).
+        shape: element shape (C order). dtype: numpy dtype (ml_dtypes for bf16/fp8).
+        nbytes: bytes covered by this ref. name: window name ("" when unnamed).
+        generation: window generation this ref was minted for.
+        access: "r" or "rw".
+    """
+
+    __slots__ = ("spec", "_rt")
+
+    def __init__(self, spec: RefSpec, runtime: RuntimeCore | None = None) -> None:
+        if not isinstance(spec, RefSpec):
+            raise TypeError(f"spec must be a RefSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self._rt = runtime
+
+    # -- identity --------------------------------------------------------------------------------
+    @property
+    def runtime(self) -> RuntimeCore:
+        rt = self._rt
+        if rt is None or rt.closed:
+            rt = _default_runtime()
+        return rt
+
+    def bind(self, runtime: RuntimeCore) -> "TensorRef":
+        """The same ref, bound to ``runtime``."""
+        return type(self)(self.spec, runtime)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _dtypes.numpy_dtype(self.spec.dtype_code)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def gva(self) -> int:
+        """GVA of this ref's first byte (window base + offset)."""
+        return self.spec.gva + self.spec.offset
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def access(self) -> str:
+        return self.spec.access
+
+    @property
+    def byte_offset(self) -> int:
+        """DLPack byte_offset the producer exported with (re-exported by ``get(framework='dlpack')``)."""
+        return self.spec.byte_offset
+
+    # -- serialization ---------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Compact wire form (60 bytes + 8 per dimension + name). Carries the access key: treat
+        it like a capability."""
+        return self.spec.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: RuntimeCore | None = None) -> "TensorRef":
+        """Rebuild a ref; bound to ``runtime`` or, lazily, the current/default runtime.
+
+        Raises:
+            ValueError: ``data`` is not a serialized ref.
+        """
+        return cls(RefSpec.from_bytes(data), runtime)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self).from_bytes, (self.spec.to_bytes(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorRef) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return (f"TensorRef({self.spec.label}, gen={self.spec.generation}, shape={self.shape}, "
+                f"dtype={_dtypes.name_of(self.spec.dtype_code)}, access={self.access!r}, "
+                f"bytes [{self.spec.offset}, {self.spec.offset + self.nbytes}))")
+
+    # -- sub-ranges ------------------------------------------------------------------------------
+    def bytes(self, offset: int, nbytes: int) -> "TensorRef":
+        """A uint8 ref to ``nbytes`` bytes starting ``offset`` bytes into this ref.
+
+        Raises:
+            ValueError: the range lies outside this ref.
+        """
+        if not isinstance(offset, (int, np.integer)) or not isinstance(nbytes, (int, np.integer)):
+            raise TypeError(f"offset and nbytes must be ints, got {offset!r}, {nbytes!r}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.spec.nbytes:
+            raise ValueError(f"byte range [{offset}, {offset + nbytes}) lies outside the ref's "
+                             f"{self.spec.nbytes} bytes")
+        s = self.spec
+        return type(self)(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + int(offset), int(nbytes),
+                                  _dtypes.code_of("uint8"), (int(nbytes),), 0, "numpy", s.name), self._rt)
+
+    def tile(self, index: int, tile_bytes: int) -> "TensorRef":
+        """Tile ``index`` of ``tile_bytes`` bytes (the last one may be shorter), as a uint8 ref."""
+        if not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
+            raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
+        n = self.num_tiles(tile_bytes)
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < n:
+            raise ValueError(f"index must be in [0, {n}), got {index!r}")
+        start = int(index) * int(tile_bytes)
+        return self.bytes(start, min(int(tile_bytes), self.spec.nbytes - start))
+
+    def num_tiles(self, tile_bytes: int) -> int:
+        return max(1, -(-self.spec.nbytes // int(tile_bytes)))
+
+    # -- data ------------------------------------------------------------------------------------
+    def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None) -> Any:
+        """Copy the ref's bytes here. Blocking; returns when every byte is in the result.
+
+        Args:
+            out: destination with exactly ``nbytes`` bytes (numpy array, CPU torch tensor,
+                DLPack or buffer object), or None to allocate one of ``shape``/``dtype``.
+            framework: "numpy" (default for numpy/buffer sources), "torch" (default when the
+                producer published a torch tensor and torch is importable) or "dlpack" (a
+                :class:`DLPackBuffer` re-exporting the producer's byte_offset). Ignored with out.
+            lease: a held Lease on the window; checked before and after the copy.
+
+        Returns:
+            ``out``, or a new array / tensor of ``shape`` and the ref's dtype.
+
+        Raises:
+            StaleReferenceError: the generation moved before or during the copy (no valid bytes).
+            LeaseExpiredError: ``lease`` expired before or during the copy.
+            PeerLostError: the owner is dead. AccessDeniedError: wrong key.
+            ValueError / TypeError: ``out`` has the wrong size or is read-only.
+        """
+        rt = self.runtime
+        if out is not None:
+            return rt.get_spec(self.spec, out, lease=lease)
+        fw = framework or self._default_framework()
+        if fw == "numpy":
+            return rt.get_spec(self.spec, None, lease=lease)
+        if fw == "torch":
+            import torch
+
+            t = torch.empty(self.shape, dtype=_dtypes.torch_dtype(self.spec.dtype_code))
+            rt.get_spec(self.spec, t, lease=lease)
+            return t
+        if fw == "dlpack":
+            from memsem.refs._dlpack import DLPackBuffer
+
+            buf = DLPackBuffer(self.spec.dtype_code, self.shape, self.spec.byte_offset)
+            rt.get_spec(self.spec, buf.array, lease=lease)
+            return buf
+        raise ValueError(f"framework must be 'numpy', 'torch' or 'dlpack', got {framework!r}")
+
+    def _default_framework(self) -> str:
+        if self.spec.framework == "torch" and ("torch" in sys.modules or _torch_importable()):
+            return "torch"
+        return "numpy"
+
+    def get_async(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None) -> Completion:
+        """Start a get; returns a Completion whose ``wait(timeout)`` returns what ``get`` would.
+
+        Completion is remote completion (bytes in ``out``). Errors surface from ``wait``.
+        """
+        if out is None:
+            out = self._alloc(framework)
+        return self.runtime.submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
+
+    def _alloc(self, framework: str | None) -> Any:
+        fw = framework or self._default_framework()
+        if fw == "torch":
+            import torch
+
+            return torch.empty(self.shape, dtype=_dtypes.torch_dtype(self.spec.dtype_code))
+        if fw == "numpy":
+            return np.empty(self.shape, self.dtype)
+        raise ValueError(f"framework must be 'numpy' or 'torch' for get_async, got {framework!r}")
+
+    def put(self, src: Any, *, lease: Lease | None = None) -> None:
+        """Write ``src`` (exactly ``nbytes`` bytes, same dtype or uint8) into the window.
+
+        Blocking; returns when the bytes are visible at the target (remote completion).
+
+        Raises:
+            AccessDeniedError: the ref is read-only, or the window was published read-only.
+            StaleReferenceError / LeaseExpiredError / PeerLostError: as for ``get``; on a stale
+                error the target is being retired and the bytes count for nothing.
+            ValueError / TypeError: size or dtype mismatch.
+        """
+        self.runtime.put_spec(self.spec, src, lease=lease)
+
+    def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
+        """Start a put; ``src`` must not change until the Completion is final."""
+        return self.runtime.submit(f"put to {self.spec.label}", lambda: self.put(src, lease=lease))
+
+    def view(self, *, lease: Lease | None = None, framework: str | None = None) -> Any:
+        """Zero-copy array over the window's memory itself (same process, or same node with a
+        shared segment). O(1): nothing is copied.
+
+        The view is held under a lease: ``lease`` if given (which then refuses ``release`` while
+        the view lives), else a lease of its own, released when the array is garbage collected.
+        The owner cannot unpublish while it exists (it waits, then raises LeaseHeldError).
+        A read-only ref gives a read-only array.
+
+        Raises:
+            NotSupportedError: the route cannot map the memory (it names the route); use get().
+        """
+        arr = self.runtime.view_spec(self.spec, lease=lease)
+        if (framework or "numpy") == "torch":
+            import torch
+
+            return torch.from_numpy(arr) if self.spec.dtype_code not in (13, 14, 15) else \
+                torch.from_numpy(arr.view(np.uint8)).view(_dtypes.torch_dtype(self.spec.dtype_code)).reshape(self.shape)
+        return arr
+
+    def lease(self, ttl: float | None = 10.0) -> Lease:
+        """A (not yet acquired) lease on this ref's window; use as ``with ref.lease(ttl) as l:``."""
+        return Lease(self.runtime, self.spec, ttl)
+
+    # -- tile-ready events -----------------------------------------------------------------------
+    def mark_ready(self, index: int) -> None:
+        """Producer: publish tile ``index`` as ready (release store; data written before is
+        visible to any consumer that sees the mark)."""
+        self.runtime.mark_ready(self.spec, index)
+
+    def put_tile(self, index: int, data: Any) -> None:
+        """Producer: write tile ``index`` (its bytes, per the window's tile size), then mark it
+        ready. Blocking."""
+        rt = self.runtime
+        res = rt._resolve(self.spec)
+        tb = res.info.tile_bytes
+        if not tb:
+            raise ValueError(f"{self.spec.label} was published without tiles")
+        self.bytes(0, self.nbytes).tile(index, tb).put(data)
+        rt.mark_ready(self.spec, index)
+
+    def wait_tile(self, index: int, timeout: float | None = None) -> None:
+        """Consumer: block until tile ``index`` is ready for this ref's generation.
+
+        Raises:
+            MemsemTimeoutError (a TimeoutError): not ready within ``timeout`` s; names window and tile.
+            PeerLostError: the owner died while waiting (within 0.05 s of its death).
+            StaleReferenceError: the window's generation moved.
+        """
+        self.runtime.wait_tile(self.spec, index, timeout)
+
+    def ready_tiles(self) -> list[int]:
+        """Indices of the tiles ready for this ref's generation (a snapshot)."""
+        return self.runtime.ready_tiles(self.spec)
+
+    def is_ready(self, index: int) -> bool:
+        return self.runtime.is_ready(self.spec, index)
+
+    @property
+    def tile_bytes(self) -> int:
+        """Tile size in bytes of the window's ready words (0 when published without tiles)."""
+        return self.runtime._resolve(self.spec).info.tile_bytes
+
+    def route(self) -> Any:
+        """The :class:`memsem.topology.Route` this process uses to reach the window."""
+        return self.runtime.route_of(self.spec)
+
+
+def _torch_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def check_ref(obj: Any, argname: str) -> TensorRef:
+    if not isinstance(obj, TensorRef):
+        raise TypeError(f"{argname} must be a TensorRef, got {type(obj).__name__}")
+    return obj
+
+
+__all__ = ["TensorRef", "check_ref", "MemsemError"]

@@ -1,0 +1,1032 @@
+"""The runtime core: publish, resolve, lease, get/put/xcopy, route selection.
+
+This is the one place that checks generation, lease and permission, and that turns engine
+errors into memsem errors. It works on :class:`memsem.gva.RefSpec`; the user-facing
+``memsem.Runtime`` (refs layer) wraps specs into TensorRefs.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextvars
+import dataclasses
+import errno as _errno
+import logging
+import os
+import secrets
+import select
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from memsem import _dtypes, native
+from memsem._buffers import BufferInfo, address_view, as_byte_array, buffer_info
+from memsem._errors import (
+    AccessDeniedError,
+    EngineError,
+    LeaseExpiredError,
+    LeaseHeldError,
+    MemsemError,
+    MemsemTimeoutError,
+    NotSupportedError,
+    PeerLostError,
+    StaleReferenceError,
+    WindowNotFoundError,
+)
+from memsem.directory import Directory, open_directory
+from memsem.engines import Availability, Engine, LocalRegion, RemoteRegion, engine_class
+from memsem.gva import (
+    PERM_READ,
+    PERM_WRITE,
+    ControlBlock,
+    RefSpec,
+    SliceAllocator,
+    WindowInfo,
+    WindowState,
+    key_digest,
+    key_matches,
+    lease as _lease,
+    ready as _ready,
+    split_gva,
+)
+from memsem.gva._control import W_NBYTES, W_PERMS, W_STATE
+from memsem.native import ProcessIdentity, Segment, process_alive
+from memsem.runtime._completion import Batch, Completion, RangeResult, State
+from memsem.runtime._telemetry import Stats, Telemetry
+from memsem.topology import Location, Route, choose_route
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 30.0
+#: liveness of a window's owner is re-checked after transfers of at least this many bytes
+LIVENESS_CHECK_BYTES = 1 << 18
+#: slice of a blocking wait between liveness checks (seconds)
+WAIT_SLICE = 0.05
+
+_current: contextvars.ContextVar["RuntimeCore | None"] = contextvars.ContextVar("memsem_runtime", default=None)
+_instances: "list[weakref.ref[RuntimeCore]]" = []
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Owned:
+    """Owner-side state of one window."""
+
+    info: WindowInfo
+    cb: ControlBlock
+    key: bytes
+    keepalive: Any
+    region: LocalRegion
+    engines: list[Engine]
+    generation: int
+    views: int = 0
+
+
+class _Owner:
+    """Liveness of a window's owner (same node: pidfd, so a recycled pid is never mistaken)."""
+
+    __slots__ = ("pid", "start", "fd", "node")
+
+    def __init__(self, pid: int, start: int, node: str) -> None:
+        self.pid, self.start, self.node = pid, start, node
+        self.fd = -1
+        if node == native.node_id() and pid != os.getpid():
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                fd = -1
+            if fd >= 0 and not process_alive(pid, start):
+                os.close(fd)
+                fd = -1
+            self.fd = fd
+
+    def alive(self) -> bool:
+        if self.pid == os.getpid():
+            return True
+        if self.fd < 0:
+            return process_alive(self.pid, self.start) if self.node == native.node_id() else True
+        r, _, _ = select.select([self.fd], [], [], 0)
+        return not r
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclasses.dataclass
+class _Resolved:
+    """Consumer-side cache entry of a window (per GVA and generation)."""
+
+    info: WindowInfo
+    cb: ControlBlock | None
+    remote: RemoteRegion
+    route: Route
+    engine: Engine
+    owner: _Owner
+    own_cb: bool
+
+
+# ----------------------------------------------------------------------------------------------
+class Lease:
+    """A consumer's time-bounded, renewable claim on a window (see DESIGN.md, Lease).
+
+    While unexpired, the owner cannot unpublish or reuse the window. Transfers made with the lease
+    check it before and after the copy: expiry at any point raises LeaseExpiredError.
+    ``release`` refuses while views taken under this lease are alive.
+    """
+
+    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None) -> None:
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds or None (until released), got {ttl!r}")
+        self.runtime = runtime
+        self.spec = spec
+        self.ttl = ttl
+        self._slot = -1
+        self._id = 0
+        self._cb: ControlBlock | None = None
+        self._views = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._id != 0
+
+    def _ttl_ns(self, ttl: float | None) -> int:
+        return (1 << 62) if ttl is None else int(ttl * 1e9)
+
+    def acquire(self) -> "Lease":
+        """Claim the lease. Raises StaleReferenceError (window gone or closing), PeerLostError,
+        AccessDeniedError (wrong key), MemsemError (no free lease slot)."""
+        if self.held:
+            raise MemsemError("lease already held; renew() it instead")
+        res = self.runtime._resolve(self.spec)
+        if res.cb is None:
+            raise NotSupportedError(f"leases across nodes need a directory that holds them (route {res.route.kind})")
+        me = self.runtime.identity
+        try:
+            slot, lid = _lease.acquire(res.cb, me.pid, me.start_time, self._ttl_ns(self.ttl))
+        except _lease.WindowClosing:
+            raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
+                                      window=self.spec.name) from None
+        except _lease.LeaseSlotsFull:
+            raise MemsemError(f"{self.spec.label}: all {res.cb.n_lease} lease slots are held") from None
+        if res.cb.generation != self.spec.generation:
+            _lease.release(res.cb, slot, lid)
+            raise self.runtime._stale(self.spec, res.cb.generation)
+        self._cb, self._slot, self._id = res.cb, slot, lid
+        self.runtime._leases.add(self)
+        return self
+
+    def renew(self, ttl: float | None = None) -> float:
+        """Extend to ``ttl`` (default: the original ttl) from now; returns the new expiry as
+        seconds from now. Raises LeaseExpiredError if it already expired or was reclaimed."""
+        if not self.held:
+            raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
+        ttl = self.ttl if ttl is None else ttl
+        exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
+        if not exp:
+            self._forget()
+            raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
+        return (exp - native.monotonic_ns()) / 1e9
+
+    def remaining(self) -> float:
+        """Seconds until expiry (<= 0 when expired or released)."""
+        if not self.held:
+            return 0.0
+        exp = _lease.expiry_of(self._cb, self._slot, self._id)
+        return (exp - native.monotonic_ns()) / 1e9 if exp else 0.0
+
+    def check(self, when: str) -> None:
+        """Raise LeaseExpiredError unless the lease is held and unexpired now."""
+        if not self.held:
+            raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
+        exp = _lease.expiry_of(self._cb, self._slot, self._id)
+        if exp == 0 or exp <= native.monotonic_ns():
+            raise LeaseExpiredError(f"lease on {self.spec.label} expired {when}")
+
+    def release(self) -> None:
+        """Give the lease back. Safe twice. Raises MemsemError while views taken under it live."""
+        with self._lock:
+            if self._views:
+                raise MemsemError(f"lease on {self.spec.label} still backs {self._views} view(s); "
+                                  "drop them before release()")
+            if self.held:
+                _lease.release(self._cb, self._slot, self._id)
+            self._forget()
+
+    def _forget(self) -> None:
+        self._id = 0
+        self.runtime._leases.discard(self)
+
+    def __enter__(self) -> "Lease":
+        if not self.held:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.spec.label} {'held' if self.held else 'released'} {self.remaining():.3f}s left>"
+
+
+# ----------------------------------------------------------------------------------------------
+class RuntimeCore:
+    """A process's memsem runtime: owns its windows, resolves others', moves bytes.
+
+    Args:
+        directory: ``"local"`` (default; or ``MEMSEM_DIRECTORY``) or ``"redis://host:port/db"``.
+        engines: engine names to enable; default loopback and host (others by name, e.g.
+            ``("loopback", "host", "mte")``). An engine named here that is unavailable raises
+            NotSupportedError naming it (never a silent fallback).
+        engine_objects: ready engine instances (e.g. a ScriptedEngine for tests), by name;
+            they replace the named ones.
+        job: namespace of the directory (``MEMSEM_JOB``).
+        timeout: default bound in seconds of every blocking call.
+        prefer: engine to force for routes (``Runtime.explain`` shows the alternatives).
+
+    Thread safety: all methods may be called from several threads.
+    """
+
+    def __init__(self, *, directory: str | None = None, engines: Sequence[str] | None = None,
+                 engine_objects: dict[str, Engine] | None = None, job: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None,
+                 workers: int = 4) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.prefer = prefer
+        self.identity = ProcessIdentity.current()
+        self._closed = False
+        self._lock = threading.RLock()
+        self.telemetry = Telemetry()
+        self._owned: dict[int, _Owned] = {}
+        self._names: dict[str, int] = {}
+        self._resolved: dict[int, _Resolved] = {}
+        self._owners: dict[tuple[int, int], _Owner] = {}
+        self._segments: dict[int, Segment] = {}  # alloc'd segments by address
+        self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        self._engines: dict[str, Engine] = {}
+        self._available: dict[str, Availability] = {}
+        self.location_attrs: dict[str, Any] = {}
+        names = list(engines) if engines is not None else ["loopback", "host"]
+        objs = dict(engine_objects or {})
+        for name in names + [n for n in objs if n not in names]:
+            if name in objs:
+                eng = objs[name]
+                self._engines[name] = eng
+                self._available[name] = Availability(True)
+                continue
+            cls = engine_class(name)
+            avail = cls.probe()
+            self._available[name] = avail
+            if not avail:
+                raise NotSupportedError(f"engine {name!r} was requested but is unavailable here: {avail.reason}")
+            self._engines[name] = cls() if not hasattr(cls, "from_runtime") else cls.from_runtime(self)
+        for eng in self._engines.values():
+            attrs = getattr(eng, "location_attrs", None)
+            if attrs:
+                self.location_attrs.update(attrs)
+        from memsem.runtime._gc import collect
+
+        collect(dry_run=False)  # reap segments of dead processes of this user (cheap: one listdir)
+        self.directory: Directory = open_directory(directory, job=job, alive=_record_alive)
+        rec = {"pid": self.identity.pid, "start": self.identity.start_time, "node": self.identity.node}
+        self.rank = self.directory.claim_rank(rec)
+        self._gva = SliceAllocator(self.rank)
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
+        self._token = None
+        _instances.append(weakref.ref(self))
+        for eng in self._engines.values():
+            hook = getattr(eng, "bind_runtime", None)
+            if hook is not None:
+                hook(self)
+
+    # -- context ---------------------------------------------------------------------------------
+    def __enter__(self):
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MemsemError("runtime is closed")
+
+    @property
+    def location(self) -> Location:
+        return Location(self.identity.node, self.identity.pid, self.location_attrs)
+
+    def engine(self, name: str) -> Engine:
+        try:
+            return self._engines[name]
+        except KeyError:
+            raise NotSupportedError(f"engine {name!r} is not enabled in this runtime "
+                                    f"(enabled: {', '.join(self._engines)})") from None
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        return dict(self._engines)
+
+    # -- publish ---------------------------------------------------------------------------------
+    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """A new zero-filled array of ``shape``/``dtype`` in a shared segment (mode 0600).
+
+        Publishing it gives a window that same-node consumers can ``view()`` zero-copy. The
+        segment is unlinked when the array is garbage collected or the runtime closes.
+
+        Raises:
+            OutOfMemoryError: the segment directory cannot hold it (checked now, not at first touch).
+        """
+        self._check_open()
+        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape_t):
+            raise ValueError(f"shape must be non-negative, got {shape_t}")
+        code = _dtypes.code_of(dtype)
+        dt = _dtypes.numpy_dtype(code)
+        nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+        seg = Segment.create("data", max(nbytes, 1))
+        with self._lock:
+            self._segments[seg.address] = seg
+        raw = address_view(seg.address, nbytes, seg)
+        arr = raw.view(dt).reshape(shape_t)
+        weakref.finalize(arr, _drop_segment, weakref.ref(self), seg.address)
+        return arr
+
+    def _segment_of(self, address: int, nbytes: int) -> Segment | None:
+        with self._lock:
+            for base, seg in self._segments.items():
+                if base <= address and address + nbytes <= base + seg.nbytes:
+                    return seg
+        return None
+
+    def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
+                     tile_bytes: int | None = None, tiles: int | None = None) -> RefSpec:
+        """Publish ``obj`` in place (no staging copy) as a window; return its RefSpec.
+
+        See ``memsem.Runtime.publish`` for the argument contract.
+        """
+        self._check_open()
+        if name is not None and (not isinstance(name, str) or not name or len(name.encode()) > 255):
+            raise ValueError(f"name must be a non-empty str of at most 255 bytes, got {name!r}")
+        info = buffer_info(obj, "obj")
+        if access is None:
+            access = "r" if info.readonly else "rw"
+        if access not in ("r", "rw"):
+            raise ValueError(f"access must be 'r' or 'rw', got {access!r}")
+        if access == "rw" and info.readonly:
+            raise AccessDeniedError(f"obj is read-only ({type(obj).__name__}); it can only be published access='r'")
+        n_ready, tb = _tiling(info.nbytes, tile_bytes, tiles)
+        with self._lock:
+            if name is not None and name in self._names:
+                old = self._owned[self._names[name]]
+                return self._republish(old, info, access, n_ready, tb)
+            gva = self._gva.allocate(info.nbytes)
+            return self._publish_at(gva, name or "", info, access, n_ready, tb, cb=None)
+
+    def _publish_at(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int,
+                    tile_bytes: int, cb: ControlBlock | None) -> RefSpec:
+        me = self.identity
+        perms = PERM_READ | (PERM_WRITE if access == "rw" else 0)
+        seg = self._segment_of(info.address, info.nbytes)
+        region = LocalRegion(info.address, info.nbytes, access == "rw",
+                             segment=seg.name if seg is not None else None,
+                             segment_offset=info.address - seg.address if seg is not None else 0,
+                             keepalive=info.keepalive)
+        if cb is None:
+            cb = ControlBlock.create(owner_pid=me.pid, owner_start=me.start_time, nbytes=info.nbytes,
+                                     perms=perms, n_ready=n_ready, tile_bytes=tile_bytes)
+        else:
+            cb.set_word(W_NBYTES, info.nbytes)
+            cb.set_word(W_PERMS, perms)
+        gen = cb.generation
+        descriptors = {}
+        engines = []
+        try:
+            for ename, eng in self._engines.items():
+                descriptors[ename] = eng.register(region)
+                engines.append(eng)
+                self.telemetry.registrations[ename] += 1
+        except BaseException:
+            for eng, d in zip(engines, descriptors.values()):
+                eng.deregister(d)
+            raise
+        key = secrets.token_bytes(16)
+        winfo = WindowInfo(gva=gva, nbytes=info.nbytes, name=name, generation=gen, access=access,
+                           key_digest=key_digest(key), rank=self.rank, owner_pid=me.pid,
+                           owner_start=me.start_time, node=me.node, control=cb.segment.name,
+                           n_ready=cb.n_ready, tile_bytes=tile_bytes, descriptors=descriptors,
+                           dtype_code=info.dtype_code, shape=info.shape, byte_offset=info.byte_offset,
+                           framework=info.framework)
+        owned = _Owned(winfo, cb, key, info.keepalive, region, engines, gen)
+        cb.set_word(W_STATE, WindowState.LIVE)
+        self._owned[gva] = owned
+        if name:
+            self._names[name] = gva
+        for hook in self._publish_hooks():
+            hook(owned)
+        self.directory.put_window(gva, name, winfo.to_json())
+        return RefSpec(gva, gen, key, access, 0, info.nbytes, info.dtype_code, info.shape,
+                       info.byte_offset, info.framework, name)
+
+    def _publish_hooks(self) -> list:
+        return [h for e in self._engines.values() if (h := getattr(e, "on_publish", None))]
+
+    def _republish(self, old: _Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int) -> RefSpec:
+        self._retire(old, timeout=self.timeout, keep_name=True)
+        reuse = old.cb if old.cb.n_ready == n_ready and not old.cb.segment._closed else None
+        if reuse is None:
+            self._close_cb(old.cb)
+        span_ok = info.nbytes <= max(old.info.nbytes, 1)
+        gva = old.info.gva if span_ok else self._gva.allocate(info.nbytes)
+        if reuse is not None and not span_ok:
+            self._close_cb(reuse)
+            reuse = None
+        return self._publish_at(gva, old.info.name, info, access, n_ready, tile_bytes, cb=reuse)
+
+    def _retire(self, owned: _Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:
+        """Close a window: refuse new leases, wait out leases, bump generation, drain in-flight
+        copies, deregister. Raises LeaseHeldError (window left LIVE) when leases outlast
+        ``timeout`` and not ``force``."""
+        cb = owned.cb
+        label = f"window {owned.info.name!r} (gva {owned.info.gva:#x})" if owned.info.name else f"window gva {owned.info.gva:#x}"
+        cb.set_word(W_STATE, WindowState.CLOSING)
+        deadline = time.monotonic() + timeout
+        while True:
+            holders = _lease.blocking_holders(cb)
+            if not holders:
+                break
+            if time.monotonic() >= deadline:
+                if force:
+                    warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning, stacklevel=3)
+                    break
+                cb.set_word(W_STATE, WindowState.LIVE)
+                raise LeaseHeldError(
+                    f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
+                    f"held by " + ", ".join(f"pid {p} ({left:.2f} s left)" for p, left in holders),
+                    holders=holders)
+            time.sleep(min(WAIT_SLICE, max(0.0, min(h[1] for h in holders)) + 0.001))
+        cb.bump_generation()
+        # Drain copies that started under the old generation (they will see it moved).
+        while native.load_acquire(cb.inflight_addr):
+            if time.monotonic() >= deadline + 1.0:
+                if not force:
+                    raise MemsemTimeoutError(f"{label}: in-flight transfers did not drain in {timeout} s",
+                                             what="in-flight transfers", timeout=timeout)
+                break
+            time.sleep(0.0005)
+        cb.set_word(W_STATE, WindowState.DEAD)
+        for eng, d in zip(owned.engines, owned.info.descriptors.values()):
+            try:
+                eng.deregister(d)
+            except MemsemError as exc:
+                log.warning("deregistering %s from engine %s failed: %s", label, eng.name, exc)
+        self._owned.pop(owned.info.gva, None)
+        if owned.info.name and not keep_name:
+            self._names.pop(owned.info.name, None)
+        self.directory.remove_window(owned.info.gva, "" if keep_name else owned.info.name)
+        self._resolved.pop(owned.info.gva, None)
+        owned.keepalive = None
+
+    def _close_cb(self, cb: ControlBlock) -> None:
+        try:
+            cb.segment.unlink()
+        finally:
+            cb.close()
+
+    def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
+        """Unpublish a window this runtime owns (see ``memsem.Runtime.unpublish``)."""
+        self._check_open()
+        with self._lock:
+            owned = self._owned_for(spec_or_name)
+            self._retire(owned, timeout=self.timeout if timeout is None else timeout)
+            self._close_cb(owned.cb)
+
+    def _owned_for(self, spec_or_name: RefSpec | str) -> _Owned:
+        if isinstance(spec_or_name, str):
+            gva = self._names.get(spec_or_name)
+            if gva is None:
+                raise WindowNotFoundError(f"this runtime publishes no window named {spec_or_name!r}")
+        else:
+            gva = spec_or_name.gva
+        owned = self._owned.get(gva)
+        if owned is None:
+            raise WindowNotFoundError(f"this runtime does not own window gva {gva:#x}")
+        if not isinstance(spec_or_name, str) and spec_or_name.generation != owned.generation:
+            raise self._stale(spec_or_name, owned.generation)
+        return owned
+
+    def lookup_spec(self, name: str) -> RefSpec:
+        """RefSpec of the window published under ``name`` (any process of the job).
+
+        Only the owner knows the access key; a lookup by name therefore works within this
+        runtime, or where the directory entry carries a key for the caller (see refs layer).
+
+        Raises:
+            WindowNotFoundError: no such name.
+        """
+        self._check_open()
+        gva = self._names.get(name)
+        if gva is not None:
+            o = self._owned[gva]
+            return RefSpec(gva, o.generation, o.key, o.info.access, 0, o.info.nbytes, o.info.dtype_code,
+                           o.info.shape, o.info.byte_offset, o.info.framework, name)
+        raise WindowNotFoundError(f"no window named {name!r} is published by this runtime; pass the "
+                                  "serialized ref (to_bytes) to consumers instead")
+
+    # -- resolve ---------------------------------------------------------------------------------
+    def _stale(self, spec: RefSpec, found: int | None) -> StaleReferenceError:
+        return StaleReferenceError(
+            f"{spec.label} moved from generation {spec.generation} to {found}: the ref is stale "
+            "(unpublished, republished or reused); no byte of it is valid",
+            window=spec.name, expected=spec.generation, found=found)
+
+    def _owner(self, pid: int, start: int, node: str) -> _Owner:
+        key = (pid, start)
+        o = self._owners.get(key)
+        if o is None or o.node != node:
+            o = _Owner(pid, start, node)
+            self._owners[key] = o
+        return o
+
+    def _resolve(self, spec: RefSpec) -> _Resolved:
+        self._check_open()
+        res = self._resolved.get(spec.gva)
+        if res is not None and res.info.generation == spec.generation:
+            return res
+        with self._lock:
+            res = self._resolved.get(spec.gva)
+            if res is not None and res.info.generation == spec.generation:
+                return res
+            if res is not None:
+                self._drop_resolved(spec.gva)
+            res = self._resolve_uncached(spec)
+            self._resolved[spec.gva] = res
+            return res
+
+    def _resolve_uncached(self, spec: RefSpec) -> _Resolved:
+        owned = self._owned.get(spec.gva)
+        if owned is not None:
+            info, cb, own_cb = owned.info, owned.cb, True
+        else:
+            rec = self.directory.get_window(spec.gva)
+            if rec is None:
+                rank, _ = split_gva(spec.gva)
+                rrec = self.directory.rank_record(rank)
+                if rrec is not None and not _record_alive(rrec):
+                    raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+                raise WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
+                                          "exited): the ref is stale", window=spec.name,
+                                          expected=spec.generation)
+            info = WindowInfo.from_json(rec)
+            cb, own_cb = None, False
+        if not key_matches(spec.key, info.key_digest):
+            raise AccessDeniedError(f"wrong access key for {spec.label}: the ref was not minted by its owner")
+        if spec.offset < 0 or spec.offset + spec.nbytes > info.nbytes:
+            raise ValueError(f"ref range [{spec.offset}, {spec.offset + spec.nbytes}) lies outside "
+                             f"{spec.label} of {info.nbytes} bytes")
+        owner = self._owner(info.owner_pid, info.owner_start, info.node)
+        if not owned and not owner.alive():
+            raise PeerLostError(f"the owner of {spec.label} (pid {info.owner_pid} on {info.node}) is dead")
+        if info.generation != spec.generation:
+            raise self._stale(spec, info.generation)
+        if cb is None and info.node == self.identity.node and info.control:
+            try:
+                cb = ControlBlock.attach(info.control)
+            except WindowNotFoundError:
+                raise self._stale(spec, None) from None
+            if cb.generation != spec.generation:
+                found = cb.generation
+                cb.close()
+                raise self._stale(spec, found)
+        route = choose_route(self.location, Location(info.node, info.owner_pid), info.descriptors,
+                             self._available, nbytes=info.nbytes, prefer=self.prefer)
+        eng = self._engines[route.engine]
+        try:
+            remote = eng.attach(info.descriptors[route.engine], info.nbytes)
+        except EngineError as exc:
+            if cb is not None and not own_cb:
+                cb.close()
+            raise self._translate(exc, spec, owner) from exc
+        except WindowNotFoundError:
+            if cb is not None and not own_cb:
+                cb.close()
+            raise self._stale(spec, None) from None
+        return _Resolved(info, cb, remote, route, eng, owner, own_cb)
+
+    def _drop_resolved(self, gva: int) -> None:
+        res = self._resolved.pop(gva, None)
+        if res is not None:
+            res.remote.close()
+            if res.cb is not None and not res.own_cb:
+                res.cb.close()
+
+    def route_of(self, spec: RefSpec) -> Route:
+        """The route this runtime uses for ``spec`` (resolving it if needed)."""
+        return self._resolve(spec).route
+
+    # -- errors ----------------------------------------------------------------------------------
+    def _translate(self, exc: BaseException, spec: RefSpec, owner: _Owner | None) -> MemsemError:
+        if isinstance(exc, MemsemError) and not isinstance(exc, EngineError):
+            return exc
+        err = getattr(exc, "errno", None)
+        if owner is not None and (err == _errno.ESRCH or not owner.alive()):
+            return PeerLostError(f"the owner of {spec.label} (pid {owner.pid}) died during the transfer")
+        if isinstance(exc, EngineError):
+            return exc
+        return EngineError(f"transfer on {spec.label} failed: {exc}")
+
+    # -- data movement ---------------------------------------------------------------------------
+    def transfer(self, spec: RefSpec, kind: str, offset: int, local: np.ndarray, *,
+                 lease: Lease | None = None) -> None:
+        """Move ``local.nbytes`` bytes between ``local`` (flat uint8) and the window at
+        ``spec.offset + offset``; ``kind`` is "get" or "put". Blocking, remote completion.
+
+        Generation is checked before and after the copy (seqlock); the lease, when given, too.
+        """
+        t0 = time.perf_counter_ns()
+        n = local.nbytes
+        if offset < 0 or offset + n > spec.nbytes:
+            raise ValueError(f"range [{offset}, {offset + n}) lies outside the ref's {spec.nbytes} bytes")
+        if kind == "put" and not spec.writable:
+            raise AccessDeniedError(f"put through a read-only ref to {spec.label}")
+        res = self._resolve(spec)
+        if kind == "put" and res.info.access != "rw":
+            raise AccessDeniedError(f"{spec.label} was published read-only")
+        if lease is not None:
+            if lease.spec.gva != spec.gva:
+                raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+            lease.check("before the transfer")
+        at = spec.offset + offset
+        cb = res.cb
+        d = res.remote.direct
+        if cb is not None and d is not None:
+            method = native.COPY_MEMCPY if not d.cma else (native.COPY_VM_READ if kind == "get" else native.COPY_VM_WRITE)
+            local_addr = local.__array_interface__["data"][0] if n else 0
+            if d.cma:
+                rc = native.guarded_copy(cb.generation_addr, spec.generation, cb.inflight_addr, method,
+                                         d.pid, local_addr, d.address + at, n)
+            elif kind == "get":
+                rc = native.guarded_copy(cb.generation_addr, spec.generation, cb.inflight_addr, method,
+                                         0, local_addr, d.address + at, n)
+            else:  # memcpy put: local is the source; swap roles in the native call
+                rc = native.lib.memsem_guarded_copy(
+                    native.ffi.cast("uint64_t *", cb.generation_addr), spec.generation,
+                    native.ffi.cast("uint64_t *", cb.inflight_addr), method, 0,
+                    native.ffi.cast("void *", d.address + at), local_addr, n)
+            if rc != 0:
+                if rc == native.GUARD_BEFORE or rc == native.GUARD_AFTER:
+                    raise self._stale(spec, cb.generation)
+                exc = EngineError(f"{kind} on {spec.label}", errno=-rc)
+                if cb.generation != spec.generation:
+                    raise self._stale(spec, cb.generation) from exc
+                raise self._translate(exc, spec, res.owner) from exc
+        else:
+            self._engine_transfer(res, spec, kind, at, local)
+        if lease is not None:
+            lease.check("during the transfer; the bytes moved are not valid")
+        if n >= LIVENESS_CHECK_BYTES and not res.own_cb and not res.owner.alive():
+            raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died during the transfer")
+        self.telemetry.record(kind, res.route.kind, n, time.perf_counter_ns() - t0)
+
+    def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray) -> None:
+        cb = res.cb
+        guard = getattr(res.engine, "guarded", False)
+        if cb is None and not guard:
+            raise NotSupportedError(f"route {res.route.kind} to {spec.label} has no generation guard")
+        if cb is not None:
+            native.fetch_add(cb.inflight_addr, 1)
+        try:
+            if cb is not None and cb.generation != spec.generation:
+                raise self._stale(spec, cb.generation)
+            try:
+                if guard:
+                    res.engine.guarded_transfer(res.remote, kind, at, local, spec)
+                elif kind == "get":
+                    res.engine.get(res.remote, at, local)
+                else:
+                    res.engine.put(res.remote, at, local)
+            except MemsemError as exc:
+                if cb is not None and cb.generation != spec.generation:
+                    raise self._stale(spec, cb.generation) from exc
+                raise self._translate(exc, spec, res.owner) from exc
+            if cb is not None and cb.generation != spec.generation:
+                raise self._stale(spec, cb.generation)
+        finally:
+            if cb is not None:
+                native.fetch_sub(cb.inflight_addr, 1)
+
+    def get_spec(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None) -> np.ndarray:
+        """Blocking get of the whole ref into ``out`` (or a new array); returns the numpy array
+        of shape ``spec.shape`` and the ref's dtype (``out``'s own array when given)."""
+        dt = _dtypes.numpy_dtype(spec.dtype_code)
+        if out is None:
+            arr = np.empty(spec.shape, dt)
+            flat = arr.reshape(-1).view(np.uint8)
+        else:
+            flat, info = as_byte_array(out, "out", writable=True)
+            if info.nbytes != spec.nbytes:
+                raise ValueError(f"out holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes "
+                                 f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
+            arr = out
+        self.transfer(spec, "get", 0, flat, lease=lease)
+        return arr
+
+    def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> None:
+        """Blocking put of ``src`` (exactly the ref's bytes) into the window."""
+        flat, info = as_byte_array(src, "src", writable=False)
+        if info.nbytes != spec.nbytes:
+            raise ValueError(f"src holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes")
+        if info.dtype_code != spec.dtype_code and spec.dtype_code != _dtypes.code_of("uint8") \
+                and info.dtype_code != _dtypes.code_of("uint8"):
+            raise TypeError(f"src dtype {_dtypes.name_of(info.dtype_code)} differs from the ref's "
+                            f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
+        self.transfer(spec, "put", 0, flat, lease=lease)
+
+    def submit(self, what: str, fn) -> Completion:
+        self._check_open()
+        return Completion.run(self._pool, what, fn)
+
+    def xcopy_specs(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
+        """Start a batch of copies. Each pair is ``(src, dst)``; each side is a RefSpec (a
+        window range) or a local buffer; at least one side is a RefSpec. Ranges fail
+        independently; the Batch gives every range a final state."""
+        self._check_open()
+        jobs = []
+        results = []
+        for i, pair in enumerate(pairs):
+            try:
+                src, dst = pair
+            except (TypeError, ValueError):
+                raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}") from None
+            r = RangeResult(i, getattr(src, "nbytes", 0) if isinstance(src, RefSpec) else getattr(dst, "nbytes", 0))
+            results.append(r)
+            jobs.append((r, src, dst))
+        batch = Batch(results)
+
+        def run(r: RangeResult, src: Any, dst: Any) -> None:
+            r.state = State.RUNNING
+            try:
+                self._copy_one(src, dst, lease)
+            except BaseException as exc:
+                batch._settle(r, State.FAILED, exc)
+            else:
+                batch._settle(r, State.DONE)
+
+        for r, src, dst in jobs:
+            batch._futures.append(self._pool.submit(run, r, src, dst))
+        return batch
+
+    def _copy_one(self, src: Any, dst: Any, lease: Lease | None) -> None:
+        t0 = time.perf_counter_ns()
+        if isinstance(src, RefSpec) and isinstance(dst, RefSpec):
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"xcopy sizes differ: src {src.nbytes} bytes, dst {dst.nbytes} bytes")
+            if not dst.writable:
+                raise AccessDeniedError(f"xcopy into read-only ref {dst.label}")
+            rs = self._resolve(src)
+            if rs.route.zero_copy and rs.cb is not None:
+                # Source mappable: copy straight from its memory (read guarded after the put).
+                view = rs.engine.view(rs.remote)[src.offset:src.offset + src.nbytes]
+                native.fetch_add(rs.cb.inflight_addr, 1)
+                try:
+                    if rs.cb.generation != src.generation:
+                        raise self._stale(src, rs.cb.generation)
+                    self.transfer(dst, "put", 0, view, lease=lease if lease and lease.spec.gva == dst.gva else None)
+                    if rs.cb.generation != src.generation:
+                        raise self._stale(src, rs.cb.generation)
+                finally:
+                    native.fetch_sub(rs.cb.inflight_addr, 1)
+            else:
+                bounce = np.empty(src.nbytes, np.uint8)
+                self.transfer(src, "get", 0, bounce, lease=lease if lease and lease.spec.gva == src.gva else None)
+                self.transfer(dst, "put", 0, bounce, lease=lease if lease and lease.spec.gva == dst.gva else None)
+                self.telemetry.bounce_bytes += src.nbytes
+        elif isinstance(src, RefSpec):
+            flat, info = as_byte_array(dst, "dst", writable=True)
+            if info.nbytes != src.nbytes:
+                raise ValueError(f"xcopy sizes differ: src ref {src.nbytes} bytes, dst {info.nbytes} bytes")
+            self.transfer(src, "get", 0, flat, lease=lease)
+        elif isinstance(dst, RefSpec):
+            flat, info = as_byte_array(src, "src", writable=False)
+            if info.nbytes != dst.nbytes:
+                raise ValueError(f"xcopy sizes differ: src {info.nbytes} bytes, dst ref {dst.nbytes} bytes")
+            self.transfer(dst, "put", 0, flat, lease=lease)
+        else:
+            raise TypeError("xcopy: at least one side of each pair must be a ref")
+        self.telemetry.record("xcopy", "xcopy", getattr(src, "nbytes", 0), time.perf_counter_ns() - t0)
+
+    def view_spec(self, spec: RefSpec, *, lease: Lease | None = None) -> np.ndarray:
+        """Zero-copy array over the window itself (see ``memsem.TensorRef.view``)."""
+        t0 = time.perf_counter_ns()
+        res = self._resolve(spec)
+        if not res.route.zero_copy:
+            raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
+                                    f"({res.route.reason}); use get()")
+        own_lease = lease is None
+        if own_lease:
+            lease = Lease(self, spec, None).acquire()
+        elif lease.spec.gva != spec.gva:
+            raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+        try:
+            lease.check("at view()")
+            raw = res.engine.view(res.remote)
+            if res.cb is not None and res.cb.generation != spec.generation:
+                raise self._stale(spec, res.cb.generation)
+            dt = _dtypes.numpy_dtype(spec.dtype_code)
+            flat = raw[spec.offset:spec.offset + spec.nbytes]
+            if not spec.writable and flat.flags.writeable:
+                flat = flat.view()
+                flat.flags.writeable = False
+            arr = flat.view(dt).reshape(spec.shape)
+        except BaseException:
+            if own_lease:
+                lease.release()
+            raise
+        with lease._lock:
+            lease._views += 1
+        weakref.finalize(arr, _view_gone, lease, own_lease)
+        self.telemetry.record("view", res.route.kind, 0, time.perf_counter_ns() - t0)
+        return arr
+
+    # -- tile-ready words ------------------------------------------------------------------------
+    def _ready_cb(self, spec: RefSpec) -> tuple[_Resolved, ControlBlock]:
+        res = self._resolve(spec)
+        if res.cb is None:
+            hook = getattr(res.engine, "ready_words", None)
+            if hook is None:
+                raise NotSupportedError(f"ready words of {spec.label} are not reachable on route {res.route.kind}")
+        if res.cb.n_ready == 0:
+            raise ValueError(f"{spec.label} was published without tiles (pass tile_bytes= or tiles= to publish)")
+        return res, res.cb
+
+    def mark_ready(self, spec: RefSpec, tile: int) -> None:
+        """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
+        res, cb = self._ready_cb(spec)
+        _check_tile(tile, cb.n_ready, spec)
+        if cb.generation != spec.generation:
+            raise self._stale(spec, cb.generation)
+        _ready.mark(cb, tile, spec.generation)
+
+    def clear_ready(self, spec: RefSpec, tile: int) -> None:
+        res, cb = self._ready_cb(spec)
+        _check_tile(tile, cb.n_ready, spec)
+        _ready.clear(cb, tile)
+
+    def is_ready(self, spec: RefSpec, tile: int) -> bool:
+        res, cb = self._ready_cb(spec)
+        _check_tile(tile, cb.n_ready, spec)
+        return _ready.is_ready(cb, tile, spec.generation)
+
+    def ready_tiles(self, spec: RefSpec) -> list[int]:
+        res, cb = self._ready_cb(spec)
+        if cb.generation != spec.generation:
+            raise self._stale(spec, cb.generation)
+        return _ready.ready_tiles(cb, spec.generation)
+
+    def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
+        """Block until tile ``tile`` is marked ready for the ref's generation.
+
+        Raises:
+            MemsemTimeoutError: not ready within ``timeout`` s (names the window and tile).
+            PeerLostError: the owner died while waiting (detected within WAIT_SLICE s).
+            StaleReferenceError: the generation moved while waiting.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        res, cb = self._ready_cb(spec)
+        _check_tile(tile, cb.n_ready, spec)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if _ready.wait_slice(cb, tile, spec.generation, max(0.0, min(WAIT_SLICE, left))):
+                return
+            if cb.generation != spec.generation:
+                raise self._stale(spec, cb.generation)
+            if not res.own_cb and not res.owner.alive():
+                raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died while "
+                                    f"tile {tile} was awaited")
+            if time.monotonic() >= deadline:
+                raise MemsemTimeoutError(f"tile {tile} of {spec.label} not ready after {timeout} s",
+                                         what=f"tile {tile} of {spec.label}", timeout=timeout)
+
+    # -- telemetry & lifetime --------------------------------------------------------------------
+    def stats(self) -> Stats:
+        """A snapshot of this runtime's telemetry."""
+        return self.telemetry.snapshot(len(self._owned))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Unpublish every window (waiting up to ``timeout`` for leases, then warning and
+        retiring anyway: the memory is going away), release leases, close engines and the
+        directory, unlink this runtime's segments. Safe twice."""
+        if self._closed:
+            return
+        timeout = min(self.timeout, 5.0) if timeout is None else timeout
+        with self._lock:
+            for lease in list(self._leases):
+                lease._views = 0
+                lease.release()
+            for owned in list(self._owned.values()):
+                try:
+                    self._retire(owned, timeout=timeout, force=True)
+                finally:
+                    self._close_cb(owned.cb)
+            for gva in list(self._resolved):
+                self._drop_resolved(gva)
+            for o in self._owners.values():
+                o.close()
+            self._closed = True
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            for eng in reversed(list(self._engines.values())):
+                eng.close()
+            try:
+                self.directory.release_rank(self.rank)
+            finally:
+                self.directory.close()
+            for seg in self._segments.values():
+                seg.unlink()
+                seg.close()
+            self._segments.clear()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_owned", None):
+            warnings.warn(f"memsem runtime (rank {self.rank}) was not closed; call close() or use "
+                          "'with'", ResourceWarning, stacklevel=2)
+
+
+# ----------------------------------------------------------------------------------------------
+def _record_alive(rec: dict[str, Any]) -> bool:
+    node = rec.get("node")
+    if node is not None and node != native.node_id():
+        return True  # another node: its directory liveness (heartbeats) decides, not our pids
+    pid = int(rec.get("pid", 0))
+    if pid == -1:
+        return True
+    return process_alive(pid, int(rec.get("start", 0)))
+
+
+def _tiling(nbytes: int, tile_bytes: int | None, tiles: int | None) -> tuple[int, int]:
+    if tile_bytes is not None and tiles is not None:
+        raise ValueError("pass tile_bytes or tiles, not both")
+    if tile_bytes is not None:
+        if not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
+            raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
+        return max(1, -(-nbytes // int(tile_bytes))), int(tile_bytes)
+    if tiles is not None:
+        if not isinstance(tiles, (int, np.integer)) or tiles <= 0:
+            raise ValueError(f"tiles must be a positive int, got {tiles!r}")
+        return int(tiles), -(-nbytes // int(tiles)) if nbytes else 0
+    return 0, 0
+
+
+def _check_tile(tile: int, n: int, spec: RefSpec) -> None:
+    if not isinstance(tile, (int, np.integer)) or not 0 <= tile < n:
+        raise ValueError(f"tile must be an int in [0, {n}) for {spec.label}, got {tile!r}")
+
+
+def _view_gone(lease: Lease, own: bool) -> None:
+    with lease._lock:
+        lease._views = max(0, lease._views - 1)
+    if own and not lease.runtime.closed:
+        try:
+            lease.release()
+        except MemsemError:
+            pass
+
+
+def _drop_segment(rt_ref: "weakref.ref[RuntimeCore]", address: int) -> None:
+    rt = rt_ref()
+    if rt is None:
+        return
+    with rt._lock:
+        seg = rt._segments.pop(address, None)
+    if seg is not None:
+        seg.unlink()
+        seg.close()
+
+
+def current_core() -> RuntimeCore | None:
+    """The runtime of the innermost ``with Runtime()`` block of this context, else the most
+    recently created open runtime of this process, else None."""
+    rt = _current.get()
+    if rt is not None and not rt.closed:
+        return rt
+    for ref in reversed(list(_instances)):
+        r = ref()
+        if r is not None and not r.closed:
+            return r
+    return None

@@ -1,0 +1,102 @@
+"""pytest plugin that points TransferQueue's backend-neutral e2e tests at extra backends.
+
+Load it with ``-p conftest_plugin`` (its folder on PYTHONPATH). It
+
+* imports the backend modules named in ``TQ_EXTRA_BACKEND_MODULES`` (comma-separated,
+  default ``probe_backend``), which registers them with TQ's factories in the driver;
+* makes every Ray worker import them too: it sets ``RAY_RUNTIME_ENV_HOOK`` so each
+  ``ray.init()`` the tests make gets a ``worker_process_setup_hook`` that imports the
+  module, and puts this folder on ``PYTHONPATH`` so raylet-spawned workers can import it;
+* after collection, adds a ``BACKEND_CONFIGS[name]`` entry to each collected test module
+  that has that dict (tests/e2e/test_e2e_lifecycle_consistency.py and
+  tests/e2e/test_kv_interface_e2e.py), so ``TQ_TEST_BACKEND=name`` selects it. TQ's
+  files are not edited: the dict is read at fixture time, after collection.
+
+Each extra backend module must define ``BACKEND_NAME`` and may define
+``E2E_BACKEND_CONFIG`` (the dict to add; default: polling_mode controller + an empty
+``backend.<name>`` section) and ``remove_run_dirs()`` (called at session end).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_MODULES: list = []
+
+
+def _default_config(name: str) -> dict:
+    return {
+        "controller": {"polling_mode": True},
+        "backend": {"storage_backend": name, name: {}},
+    }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Workers are spawned by raylet, which inherits this process's environment when
+    # ray.init() starts the local cluster: set both variables before any ray.init().
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _HERE not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([_HERE, *paths])
+
+    names = [m.strip() for m in os.environ.get("TQ_EXTRA_BACKEND_MODULES", "probe_backend").split(",") if m.strip()]
+    for name in names:
+        _MODULES.append(importlib.import_module(name))
+
+    # One module can be named in RAY_RUNTIME_ENV_HOOK; a hook in the first module adds a
+    # worker setup hook that imports them all (see _chain_hook below).
+    os.environ.setdefault("TQ_EXTRA_BACKEND_MODULES", ",".join(names))
+    os.environ.setdefault("RAY_RUNTIME_ENV_HOOK", f"{__name__}.ray_runtime_env_hook")
+
+
+def ray_runtime_env_hook(runtime_env: dict | None) -> dict:
+    """Ray calls this (via RAY_RUNTIME_ENV_HOOK) with each ray.init()'s runtime_env."""
+    runtime_env = dict(runtime_env or {})
+    existing = runtime_env.get("worker_process_setup_hook")
+    if existing is not None:
+        raise RuntimeError(
+            f"conftest_plugin: ray.init() already sets worker_process_setup_hook={existing!r}; "
+            "cannot add the backend import hook"
+        )
+    runtime_env["worker_process_setup_hook"] = f"{__name__}.worker_setup"
+    return runtime_env
+
+
+def worker_setup() -> None:
+    """Ray worker_process_setup_hook: import (hence register) every extra backend."""
+    for name in os.environ.get("TQ_EXTRA_BACKEND_MODULES", "probe_backend").split(","):
+        if name.strip():
+            mod = importlib.import_module(name.strip())
+            hook = getattr(mod, "worker_setup", None)
+            if callable(hook):
+                hook()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    seen = set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        configs = getattr(module, "BACKEND_CONFIGS", None)
+        if not isinstance(configs, dict):
+            continue
+        for mod in _MODULES:
+            name = mod.BACKEND_NAME
+            entry = getattr(mod, "E2E_BACKEND_CONFIG", None) or _default_config(name)
+            configs.setdefault(name, copy.deepcopy(entry))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for mod in _MODULES:
+        cleanup = getattr(mod, "remove_run_dirs", None)
+        if callable(cleanup):
+            try:
+                cleanup()
+            except Exception:
+                pass
