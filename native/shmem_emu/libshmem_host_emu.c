@@ -247,12 +247,18 @@ static int emu_barrier(const char *func, uint32_t timeout_s)
     for (;;) {
         if (__atomic_load_n(&c->bar_gen, __ATOMIC_ACQUIRE) != gen)
             return ACLSHMEM_SUCCESS;
-        if (__atomic_load_n(&c->broken, __ATOMIC_ACQUIRE))
+        if (__atomic_load_n(&c->broken, __ATOMIC_ACQUIRE)) {
+            if (__atomic_load_n(&c->bar_gen, __ATOMIC_ACQUIRE) != gen)
+                return ACLSHMEM_SUCCESS;
             return emu_fail(func, ACLSHMEM_INNER_ERROR,
                             "barrier broken by another PE (timeout or lost peer)");
+        }
         int pe = dead_peer();
         if (pe < 0)
             pe = departed_peer();
+        /* The last arriver bumps bar_gen before it can depart or exit: look again. */
+        if (pe >= 0 && __atomic_load_n(&c->bar_gen, __ATOMIC_ACQUIRE) != gen)
+            return ACLSHMEM_SUCCESS;
         if (pe >= 0) {
             __atomic_store_n(&c->broken, 1, __ATOMIC_RELEASE);
             futex_wake_all(&c->bar_gen);
@@ -1053,6 +1059,8 @@ EXPORT void aclshmem_signal_wait_until(int32_t *sig_addr, int cmp, int32_t cmp_v
         if (cmp_ok(v, cmp, cmp_val))
             return;
         int pe = dead_peer();
+        if (pe >= 0 && cmp_ok(__atomic_load_n(w, __ATOMIC_ACQUIRE), cmp, cmp_val))
+            return;   /* it signalled just before it died */
         if (pe >= 0) {
             emu_fail(f, ACLSHMEM_BOOTSTRAP_ERROR,
                      "PE %d died while PE %d waits on signal %p (value %d, cmp %d, want %d)", pe,

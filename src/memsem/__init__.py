@@ -17,13 +17,14 @@ from memsem._errors import (
     StaleReferenceError,
     WindowNotFoundError,
 )
-from memsem.refs import Runtime, TensorRef, default_runtime
+from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, TensorRef, default_runtime
 from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Batch", "Completion", "EngineError", "Lease", "LeaseExpiredError",
+    "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
+    "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
     "PeerLostError", "RangeResult", "Runtime", "StaleReferenceError", "State", "Stats", "TensorRef",
     "WindowNotFoundError", "default_runtime", "__version__",

@@ -8,7 +8,7 @@ buffer, received into a preallocated destination. Run as two processes (one per 
 The client prints one JSON line: size, iters, recv method, and latency stats (us) or throughput
 (GB/s, 1e9 bytes/s), and whether every payload it checked was intact. The server answers
 ``b"get" + size(8 bytes LE)`` with ``size`` bytes of its source array (``copy=False`` for sizes at or
-above zmq.COPY_THRESHOLD; pyzmq copies smaller ones anyway), and ``b"quit"`` with ``b"bye"``.
+above zmq.COPY_THRESHOLD; pyzmq copies smaller ones anyway), and ``b"quit"`` (client ``--quit``) with ``b"bye"`` and exits.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def serve(bind: str, max_bytes: int, pattern: str) -> None:
 
 
 def client(connect: str, size: int, iters: int, warmup: int, recv: str, pattern: str,
-           verify: bool) -> dict:
+           verify: bool, quit_server: bool = False) -> dict:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER if pattern == "dealer" else zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -97,8 +97,9 @@ def client(connect: str, size: int, iters: int, warmup: int, recv: str, pattern:
     total = time.perf_counter() - t_all
     if verify:
         ok = ok and bool(np.array_equal(dst, expect))
-    sock.send(b"quit")
-    sock.recv()
+    if quit_server:
+        sock.send(b"quit")
+        sock.recv()
     sock.close(linger=0)
     ctx.term()
     times.sort()
@@ -130,13 +131,14 @@ def main(argv=None) -> int:
     c.add_argument("--recv", choices=["recv_into", "frame"], default="recv_into")
     c.add_argument("--pattern", choices=["reqrep", "dealer"], default="reqrep")
     c.add_argument("--no-verify", action="store_true")
+    c.add_argument("--quit", action="store_true", help="tell the server to exit afterwards")
     a = ap.parse_args(argv)
     if a.role == "server":
         serve(a.bind, a.max_bytes, a.pattern)
     else:
         warmup = a.warmup if a.warmup is not None else max(2, a.iters // 10)
         print(json.dumps(client(a.connect, a.size, a.iters, warmup, a.recv, a.pattern,
-                                not a.no_verify)), flush=True)
+                                not a.no_verify, a.quit)), flush=True)
     return 0
 
 

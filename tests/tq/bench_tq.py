@@ -210,6 +210,10 @@ def main() -> int:
             f.write(line + "\n")
     tq.close()
     ray.shutdown()
+    for m in modules:  # tq.close() tears down only TQ's own backends
+        cleanup = getattr(sys.modules[m], "remove_run_dirs", None)
+        if callable(cleanup):
+            cleanup()
     return 0 if ok == args.batches * bs else 1
 
 

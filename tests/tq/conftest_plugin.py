@@ -12,7 +12,7 @@ Load it with ``-p conftest_plugin`` (its folder on PYTHONPATH). It
   tests/e2e/test_kv_interface_e2e.py), so ``TQ_TEST_BACKEND=name`` selects it. TQ's
   files are not edited: the dict is read at fixture time, after collection.
 
-Each extra backend module must define ``BACKEND_NAME`` and may define
+Each extra backend module should define ``BACKEND_NAME`` (else TQ_TEST_BACKEND is used) and may define
 ``E2E_BACKEND_CONFIG`` (the dict to add; default: polling_mode controller + an empty
 ``backend.<name>`` section) and ``remove_run_dirs()`` (called at session end).
 """
@@ -87,7 +87,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if not isinstance(configs, dict):
             continue
         for mod in _MODULES:
-            name = mod.BACKEND_NAME
+            name = getattr(mod, "BACKEND_NAME", None) or os.environ.get("TQ_TEST_BACKEND")
+            if not name:
+                continue
             entry = getattr(mod, "E2E_BACKEND_CONFIG", None) or _default_config(name)
             configs.setdefault(name, copy.deepcopy(entry))
 

@@ -190,6 +190,12 @@ class Engine(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    #: How a stale handle is kept from touching memory when the runtime cannot map the window's
+    #: control block (consumer on another node): "" (it must be mapped), "device" (the owner
+    #: deregisters the region at each generation bump, so old handles fault in hardware, e.g. a
+    #: revoked rkey), "owner" (the owner's runtime checks a credential with every request; see
+    #: ``attach``'s ``credential``).
+    enforces_generation: ClassVar[str] = ""
 
     @classmethod
     def probe(cls) -> Availability:
@@ -201,8 +207,10 @@ class Engine(abc.ABC):
 
     # -- owner side -----------------------------------------------------------------------------
     @abc.abstractmethod
-    def register(self, region: LocalRegion) -> Descriptor:
-        """Make ``region`` reachable; return the descriptor consumers attach with."""
+    def register(self, region: LocalRegion) -> Descriptor | None:
+        """Make ``region`` reachable; return the descriptor consumers attach with, or None when
+        this engine cannot reach such memory (e.g. not in its symmetric heap): the window then
+        simply has no route through this engine."""
 
     def deregister(self, descriptor: Descriptor) -> None:
         """Undo ``register``. Safe for descriptors this engine made; others raise ValueError."""
@@ -210,8 +218,12 @@ class Engine(abc.ABC):
 
     # -- consumer side --------------------------------------------------------------------------
     @abc.abstractmethod
-    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
-        """Open the window described by ``descriptor`` (made by this engine type elsewhere)."""
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
+        """Open the window described by ``descriptor`` (made by this engine type elsewhere).
+
+        ``credential`` is an opaque token the runtime hands to engines whose
+        ``enforces_generation`` is "owner": they send it with each request and the owner's
+        runtime validates it (the engine never interprets it)."""
 
     def detach(self, remote: RemoteRegion) -> None:
         """Release what ``attach`` opened (called by ``RemoteRegion.close``)."""

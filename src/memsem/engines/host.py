@@ -56,7 +56,7 @@ class HostEngine(Engine):
             fields.update(kind="cma")
         return Descriptor(self.name, fields)
 
-    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
         f = descriptor.fields
         writable = bool(f.get("writable", True))

@@ -20,7 +20,7 @@ class LoopbackEngine(Engine):
         return Descriptor(self.name, {"pid": os.getpid(), "address": region.address,
                                       "writable": region.writable})
 
-    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
         pid = int(descriptor.fields["pid"])
         if pid != os.getpid():

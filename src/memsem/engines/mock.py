@@ -40,16 +40,16 @@ class ScriptedEngine(Engine):
         self.calls: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
 
-    def register(self, region: LocalRegion) -> Descriptor:
+    def register(self, region: LocalRegion) -> Descriptor | None:
         return self.inner.register(region)
 
     def deregister(self, descriptor: Descriptor) -> None:
         self.inner.deregister(descriptor)
 
-    def attach(self, descriptor: Descriptor, nbytes: int) -> RemoteRegion:
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         # No DirectAccess: the runtime must come through get/put so the script applies.
         remote = RemoteRegion(self, nbytes, None)
-        remote._real = self.inner.attach(descriptor, nbytes)  # type: ignore[attr-defined]
+        remote._real = self.inner.attach(descriptor, nbytes, credential)  # type: ignore[attr-defined]
         return remote
 
     def detach(self, remote: RemoteRegion) -> None:

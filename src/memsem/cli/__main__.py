@@ -1,0 +1,5 @@
+import sys
+
+from memsem.cli import main
+
+sys.exit(main())

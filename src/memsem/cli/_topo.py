@@ -1,0 +1,67 @@
+"""``memsem topo``: what this machine has and which route each case takes."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from memsem import native
+from memsem.engines import engine_class, engine_names
+from memsem.engines.host import HostEngine
+
+
+def probe_engines() -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for name in engine_names():
+        try:
+            cls = engine_class(name)
+            avail = cls.probe()
+            out[name] = {"available": bool(avail), "reason": avail.reason}
+        except Exception as exc:  # an engine that cannot even be imported is reported, not fatal
+            out[name] = {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    cma = HostEngine.cma_availability()
+    out["host"]["cross_memory_attach"] = bool(cma)
+    if not cma:
+        out["host"]["reason"] = (out["host"]["reason"] + "; " if out["host"]["reason"] else "") + cma.reason
+    return out
+
+
+def run_topo(args) -> int:
+    from memsem import Runtime
+
+    engines = probe_engines()
+    info: dict[str, object] = {
+        "node": native.node_id(), "pid": os.getpid(), "segment_dir": native.segment_dir(),
+        "engines": engines, "routes": {},
+    }
+    with Runtime() as rt:
+        priv = rt.publish(np.zeros(1 << 20, np.uint8), name="topo-private")
+        shm = rt.alloc(1 << 20, np.uint8)
+        shared = rt.publish(shm, name="topo-shared")
+        routes = {"same process": rt.route(priv)}
+        # What a same-node process would get: reason from the other side's point of view.
+        from memsem.topology import Location, choose_route
+
+        other = Location(native.node_id(), -1, {})
+        for label, ref in (("same node, private memory", priv), ("same node, shared segment", shared)):
+            res = rt._resolve(ref.spec)
+            routes[label] = choose_route(other, Location(res.info.node, res.info.owner_pid),
+                                         res.info.descriptors, rt._available, nbytes=ref.nbytes)
+        for label, r in routes.items():
+            info["routes"][label] = {"engine": r.engine, "kind": r.kind, "reason": r.reason,
+                                     "alpha_us": r.alpha * 1e6, "beta_GBps": r.beta / 1e9,
+                                     "cost_1MiB_us": r.cost(1 << 20) * 1e6, "zero_copy": r.zero_copy}
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"node {info['node']}  pid {info['pid']}  segments in {info['segment_dir']}")
+    print("engines:")
+    for name, e in engines.items():
+        state = "available" if e["available"] else "unavailable"
+        print(f"  {name:9s} {state}{': ' + str(e['reason']) if e['reason'] else ''}")
+    print("routes (modeled cost of 1 MiB):")
+    for label, r in info["routes"].items():
+        print(f"  {label:28s} -> {r['kind']:9s} {r['cost_1MiB_us']:8.1f} us  "
+              f"view: {'zero-copy' if r['zero_copy'] else 'no'}  ({r['reason']})")
+    return 0

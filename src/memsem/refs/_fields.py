@@ -1,0 +1,574 @@
+"""FieldRef and FieldSet: the RL data plane.
+
+A sample batch has named fields (``prompts``, ``responses``, ``logprobs``, ``values``,
+``rewards``...) that different producers fill at different times, with different dtypes and
+shapes. ``rt.publish_fields(...)`` publishes one window per field, tiled by rows (``tile_rows``
+rows per tile, one ready word per tile), and returns a :class:`FieldSet`: a small serializable
+bundle of :class:`FieldRef` objects. A FieldRef is a TensorRef with a field name and a schema,
+plus row-level producer/consumer calls (``put_rows``, ``wait_rows``, ``get_rows``). Consumers
+wait for one field's tile range, iterate fields or tiles as they become ready
+(``FieldSet.as_ready``, ``FieldSet.tile_events``), or stream a field through a pipeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import struct
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from memsem import _dtypes
+from memsem._buffers import buffer_info
+from memsem._errors import MemsemError, MemsemTimeoutError
+from memsem.gva import RefSpec
+from memsem.refs._tensorref import TensorRef
+from memsem.runtime import RuntimeCore
+
+FIELD_MAGIC = b"MSFR"
+SET_MAGIC = b"MSFS"
+SET_VERSION = 1
+#: how long tile_events blocks on one pending ready word before re-scanning the others (s)
+EVENT_SLICE_S = 0.005
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSchema:
+    """Shape, dtype and tiling of one field.
+
+    Attributes:
+        name: field name. dtype_code: wire dtype code (``dtype`` gives the numpy dtype).
+        shape: element shape; the first dimension is rows (samples). tile_rows: rows per tile
+            (the last tile may hold fewer).
+    """
+
+    name: str
+    dtype_code: int
+    shape: tuple[int, ...]
+    tile_rows: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _dtypes.numpy_dtype(self.dtype_code)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (one sample)."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.tile_rows * self.row_bytes
+
+    @property
+    def n_tiles(self) -> int:
+        return max(1, -(-self.rows // self.tile_rows))
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def rows_of_tile(self, tile: int) -> tuple[int, int]:
+        """``(start, stop)`` rows of tile ``tile``."""
+        if not isinstance(tile, (int, np.integer)) or not 0 <= tile < self.n_tiles:
+            raise ValueError(f"tile must be an int in [0, {self.n_tiles}) for field {self.name!r}, got {tile!r}")
+        start = int(tile) * self.tile_rows
+        return start, min(start + self.tile_rows, self.rows)
+
+    def tiles_of_rows(self, start: int, stop: int) -> range:
+        """Tiles that rows ``[start, stop)`` touch."""
+        if stop <= start:
+            return range(0)
+        return range(start // self.tile_rows, (stop - 1) // self.tile_rows + 1)
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.shape} {_dtypes.name_of(self.dtype_code)}, "
+                f"{self.tile_rows} rows/tile ({self.n_tiles} tiles of {self.tile_bytes} B)")
+
+
+def _check_rows(schema: FieldSchema, start: int, stop: int | None, argname: str = "rows") -> tuple[int, int]:
+    stop = schema.rows if stop is None else stop
+    if not isinstance(start, (int, np.integer)) or not isinstance(stop, (int, np.integer)):
+        raise TypeError(f"{argname} bounds must be ints, got {start!r}, {stop!r}")
+    if not 0 <= start <= stop <= schema.rows:
+        raise ValueError(f"{argname} [{start}, {stop}) lie outside field {schema.name!r} of {schema.rows} rows")
+    return int(start), int(stop)
+
+
+# ----------------------------------------------------------------------------------------------
+class FieldRef(TensorRef):
+    """A TensorRef to one named field of a :class:`FieldSet`, tiled by rows.
+
+    Attributes:
+        name: the field name (``spec.name`` is the window's name, ``"<set>/<field>"``).
+        schema: :class:`FieldSchema` (shape, dtype, rows per tile).
+
+    Serializes (``to_bytes``, pickle) with its name and tiling; ``spec.to_bytes()`` gives the
+    plain TensorRef form.
+    """
+
+    __slots__ = ("field", "tile_rows")
+
+    def __init__(self, spec: RefSpec, runtime: RuntimeCore | None = None, *, field: str, tile_rows: int) -> None:
+        super().__init__(spec, runtime)
+        if not isinstance(field, str) or not field:
+            raise ValueError(f"field must be a non-empty str, got {field!r}")
+        if not isinstance(tile_rows, (int, np.integer)) or tile_rows <= 0:
+            raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}")
+        if not spec.shape:
+            raise ValueError(f"field {field!r} must have at least one dimension (rows)")
+        self.field = field
+        self.tile_rows = int(tile_rows)
+
+    # -- identity --------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The field's name."""
+        return self.field
+
+    @property
+    def window_name(self) -> str:
+        return self.spec.name
+
+    @property
+    def schema(self) -> FieldSchema:
+        return FieldSchema(self.field, self.spec.dtype_code, self.spec.shape, self.tile_rows)
+
+    @property
+    def rows(self) -> int:
+        return self.spec.shape[0]
+
+    @property
+    def tile_bytes(self) -> int:  # type: ignore[override]
+        """Bytes per tile (``tile_rows`` rows)."""
+        return self.schema.tile_bytes
+
+    @property
+    def n_tiles(self) -> int:
+        return self.schema.n_tiles
+
+    def bind(self, runtime: RuntimeCore) -> "FieldRef":
+        return FieldRef(self.spec, runtime, field=self.field, tile_rows=self.tile_rows)
+
+    def bytes(self, offset: int, nbytes: int) -> TensorRef:
+        """A plain uint8 TensorRef to a byte range of the field (see ``TensorRef.bytes``)."""
+        return TensorRef(self.spec, self._rt).bytes(offset, nbytes)
+
+    def rows_ref(self, start: int, stop: int) -> TensorRef:
+        """A TensorRef to rows ``[start, stop)`` (dtype and trailing shape of the field)."""
+        sc = self.schema
+        start, stop = _check_rows(sc, start, stop)
+        s = self.spec
+        return TensorRef(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + start * sc.row_bytes,
+                                 (stop - start) * sc.row_bytes, s.dtype_code, (stop - start,) + s.shape[1:],
+                                 0, s.framework, s.name), self._rt)
+
+    # -- serialization ---------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Wire form: ``"MSFR" | tile_rows u32 | name_len u8 | name | RefSpec bytes``. Carries the
+        access key: treat it like a capability."""
+        f = self.field.encode()
+        return FIELD_MAGIC + struct.pack("<IB", self.tile_rows, len(f)) + f + self.spec.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: RuntimeCore | None = None) -> "FieldRef":
+        """Rebuild a FieldRef from ``to_bytes`` output.
+
+        Raises:
+            ValueError: ``data`` is not a serialized FieldRef.
+        """
+        data = bytes(data)
+        if len(data) < 9 or data[:4] != FIELD_MAGIC:
+            raise ValueError(f"data is not a serialized FieldRef (got {len(data)} bytes starting {data[:4]!r})")
+        tile_rows, nlen = struct.unpack_from("<IB", data, 4)
+        field = data[9:9 + nlen].decode()
+        return cls(RefSpec.from_bytes(data[9 + nlen:]), runtime, field=field, tile_rows=tile_rows)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FieldRef.from_bytes, (self.to_bytes(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FieldRef) and other.spec == self.spec and other.field == self.field
+
+    def __hash__(self) -> int:
+        return hash((self.spec, self.field))
+
+    def __repr__(self) -> str:
+        return (f"FieldRef({self.field!r}, shape={self.shape}, dtype={_dtypes.name_of(self.spec.dtype_code)}, "
+                f"tile_rows={self.tile_rows}, {self.spec.label}, gen={self.spec.generation})")
+
+    # -- producer --------------------------------------------------------------------------------
+    def put_rows(self, start: int, data: Any, *, mark: bool = True) -> list[int]:
+        """Write ``data`` (``k`` rows: shape ``(k, *shape[1:])``, the field's dtype) at row
+        ``start``, then mark ready every tile the write completes (tiles lying wholly inside
+        ``[start, start + k)``). Blocking; the bytes are visible at the window before any mark.
+
+        Returns:
+            The tiles marked ready.
+
+        Raises:
+            ValueError / TypeError: wrong shape, dtype or range. AccessDeniedError: read-only.
+        """
+        sc = self.schema
+        arr = np.asarray(data)
+        if arr.shape[1:] != sc.shape[1:] or arr.ndim != len(sc.shape):
+            raise ValueError(f"data must have shape (k, {', '.join(map(str, sc.shape[1:]))}) for field "
+                             f"{self.field!r}, got {arr.shape}")
+        if arr.dtype != sc.dtype:
+            raise TypeError(f"data dtype {arr.dtype} differs from field {self.field!r}'s {sc.dtype}")
+        start, stop = _check_rows(sc, start, start + arr.shape[0])
+        if stop > start:
+            self.rows_ref(start, stop).put(np.ascontiguousarray(arr))
+        done = []
+        if mark:
+            for t in sc.tiles_of_rows(start, stop):
+                a, b = sc.rows_of_tile(t)
+                if start <= a and b <= stop:
+                    self.runtime.mark_ready(self.spec, t)
+                    done.append(t)
+        return done
+
+    def mark_rows(self, start: int, stop: int) -> list[int]:
+        """Mark ready the tiles lying wholly inside rows ``[start, stop)`` (for data written in
+        place by the owner); returns them."""
+        sc = self.schema
+        start, stop = _check_rows(sc, start, stop)
+        done = []
+        for t in sc.tiles_of_rows(start, stop):
+            a, b = sc.rows_of_tile(t)
+            if start <= a and b <= stop:
+                self.runtime.mark_ready(self.spec, t)
+                done.append(t)
+        return done
+
+    # -- consumer --------------------------------------------------------------------------------
+    def wait_tiles(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
+        """Block until tiles ``[start, stop)`` (default: all) are ready; ``timeout`` bounds the
+        whole wait (default the runtime's).
+
+        Raises:
+            MemsemTimeoutError: names the window and the first tile not ready. PeerLostError: the
+            owner died. StaleReferenceError: the generation moved.
+        """
+        n = self.n_tiles
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"tiles [{start}, {stop}) lie outside field {self.field!r}'s {n} tiles")
+        rt = self.runtime
+        timeout = rt.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for t in range(start, stop):
+            rt.wait_tile(self.spec, t, max(0.0, deadline - time.monotonic()))
+
+    def wait_rows(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
+        """Block until every tile holding rows ``[start, stop)`` is ready (see ``wait_tiles``)."""
+        sc = self.schema
+        start, stop = _check_rows(sc, start, stop)
+        r = sc.tiles_of_rows(start, stop)
+        if len(r):
+            self.wait_tiles(r.start, r.stop, timeout)
+
+    def rows_ready(self, start: int = 0, stop: int | None = None) -> bool:
+        """Whether every tile holding rows ``[start, stop)`` is ready now (no wait)."""
+        sc = self.schema
+        start, stop = _check_rows(sc, start, stop)
+        rt = self.runtime
+        return all(rt.is_ready(self.spec, t) for t in sc.tiles_of_rows(start, stop))
+
+    def get_rows(self, start: int = 0, stop: int | None = None, *, wait: bool = True,
+                 timeout: float | None = None, out: Any = None) -> np.ndarray:
+        """Copy rows ``[start, stop)`` here (shape ``(stop - start, *shape[1:])``, the field's
+        dtype), first waiting for their tiles when ``wait``. Blocking."""
+        sc = self.schema
+        start, stop = _check_rows(sc, start, stop)
+        if wait:
+            self.wait_rows(start, stop, timeout)
+        return self.rows_ref(start, stop).get(out, framework="numpy" if out is None else None)
+
+    def pipeline(self, *, tiles_per_step: int = 1, depth: int = 2, timeout: float | None = None,
+                 zero_copy: bool | None = None, out: Any = None):
+        """A :class:`memsem.pipeline.Pipeline` over this field whose tiles are ``tiles_per_step``
+        field tiles (whole rows: ``tile.array`` has shape ``(rows, *shape[1:])`` and
+        ``tile.rows`` gives the row range); it waits for each tile's ready words."""
+        from memsem.pipeline import Pipeline
+
+        if not isinstance(tiles_per_step, (int, np.integer)) or tiles_per_step < 1:
+            raise ValueError(f"tiles_per_step must be an int >= 1, got {tiles_per_step!r}")
+        rt = self.runtime
+        tb = max(1, self.tile_bytes * int(tiles_per_step))
+        return Pipeline(rt, self.spec, tile_bytes=tb, depth=depth, timeout=timeout,
+                        zero_copy=zero_copy, out=out)
+
+
+# ----------------------------------------------------------------------------------------------
+class FieldSet(Mapping[str, FieldRef]):
+    """A batch of named fields, each a tiled window; a read-only mapping ``name -> FieldRef``.
+
+    Build one with ``rt.publish_fields(...)`` (the owner), or ``FieldSet.from_bytes(data)`` /
+    unpickling (anyone). ``to_bytes()`` gives a compact wire form carrying every field's ref.
+
+    Attributes:
+        name: the set's name (window names are ``"<name>/<field>"``).
+        schema: ``{field: FieldSchema}``.
+    """
+
+    def __init__(self, name: str, refs: Iterable[FieldRef], runtime: RuntimeCore | None = None,
+                 local: dict[str, np.ndarray] | None = None) -> None:
+        self.name = name
+        self._refs: dict[str, FieldRef] = {}
+        for r in refs:
+            if not isinstance(r, FieldRef):
+                raise TypeError(f"refs must be FieldRefs, got {type(r).__name__}")
+            if r.field in self._refs:
+                raise ValueError(f"field {r.field!r} appears twice")
+            self._refs[r.field] = r if runtime is None else r.bind(runtime)
+        self._rt = runtime
+        self._local = dict(local or {})
+
+    # -- publish ---------------------------------------------------------------------------------
+    @classmethod
+    def publish(cls, runtime: RuntimeCore, fields: Mapping[str, Any], *,
+                tile_rows: int | Mapping[str, int] | None = None, name: str | None = None,
+                access: str = "rw") -> "FieldSet":
+        """Publish ``fields`` as one window each, with one ready word per ``tile_rows`` rows.
+
+        Args:
+            runtime: the owner's runtime.
+            fields: ``{name: value}``; a value is either existing memory (a C-contiguous numpy
+                array or CPU tensor with at least one dimension, published in place) or a schema
+                ``(shape, dtype)`` / ``{"shape": ..., "dtype": ...}`` for which a zero-filled
+                shared-segment array is allocated (``FieldSet.local(name)`` gives it to the owner;
+                same-node consumers can ``view()`` it).
+            tile_rows: rows per tile, one int for every field or ``{field: rows}``; default (None)
+                the whole field is one tile.
+            name: the set's name (default a random ``fields-xxxxxxxx``); window names are
+                ``"<name>/<field>"``, so two sets in one runtime need different names.
+            access: "rw" (default: producers put rows) or "r".
+
+        Raises:
+            ValueError / TypeError: empty fields, bad names, 0-d values, bad tile_rows.
+        """
+        if not isinstance(fields, Mapping) or not fields:
+            raise ValueError("fields must be a non-empty mapping of field name to array or (shape, dtype)")
+        set_name = name if name is not None else f"fields-{secrets.token_hex(4)}"
+        if not isinstance(set_name, str) or not set_name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        refs: list[FieldRef] = []
+        local: dict[str, np.ndarray] = {}
+        try:
+            for fname, value in fields.items():
+                if not isinstance(fname, str) or not fname or "/" in fname:
+                    raise ValueError(f"field names must be non-empty str without '/', got {fname!r}")
+                if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], np.ndarray):
+                    shape, dtype = value
+                    obj = runtime.alloc_array(shape, dtype)
+                elif isinstance(value, Mapping):
+                    obj = runtime.alloc_array(value["shape"], value.get("dtype", np.float32))
+                else:
+                    obj = value
+                info = buffer_info(obj, f"fields[{fname!r}]")
+                if not info.shape:
+                    raise ValueError(f"field {fname!r} must have at least one dimension (rows), got shape ()")
+                tr = tile_rows.get(fname) if isinstance(tile_rows, Mapping) else tile_rows
+                tr = info.shape[0] if tr is None else tr
+                if not isinstance(tr, (int, np.integer)) or isinstance(tr, bool) or tr < 0:
+                    raise ValueError(f"tile_rows for field {fname!r} must be a positive int, got {tr!r}")
+                tr = max(1, int(tr))
+                sc = FieldSchema(fname, info.dtype_code, tuple(info.shape), tr)
+                tiling = {"tile_bytes": sc.tile_bytes} if sc.tile_bytes else {"tiles": 1}
+                spec = runtime.publish_spec(obj, name=f"{set_name}/{fname}", access=access, **tiling)
+                refs.append(FieldRef(spec, runtime, field=fname, tile_rows=tr))
+                if isinstance(obj, np.ndarray):
+                    local[fname] = obj
+        except BaseException:
+            for r in refs:
+                try:
+                    runtime.unpublish_spec(r.spec)
+                except MemsemError:
+                    pass
+            raise
+        return cls(set_name, refs, runtime, local)
+
+    def unpublish(self, *, timeout: float | None = None) -> None:
+        """Owner: unpublish every field (see ``Runtime.unpublish``). Fields already gone are
+        skipped."""
+        rt = self.runtime
+        errors = []
+        for r in self._refs.values():
+            try:
+                rt.unpublish_spec(r.spec, timeout=timeout)
+            except MemsemError as exc:
+                if type(exc).__name__ != "WindowNotFoundError":
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def local(self, field: str) -> np.ndarray:
+        """Owner: the array backing ``field`` in this process (to write in place, then
+        ``self[field].mark_rows(...)``)."""
+        try:
+            return self._local[field]
+        except KeyError:
+            raise KeyError(f"field {field!r} has no local array here (only the publisher holds them)") from None
+
+    # -- mapping ---------------------------------------------------------------------------------
+    def __getitem__(self, field: str) -> FieldRef:
+        try:
+            return self._refs[field]
+        except KeyError:
+            raise KeyError(f"no field {field!r} in field set {self.name!r} (fields: {', '.join(self._refs)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self._refs)
+
+    @property
+    def schema(self) -> dict[str, FieldSchema]:
+        return {k: r.schema for k, r in self._refs.items()}
+
+    @property
+    def runtime(self) -> RuntimeCore:
+        return next(iter(self._refs.values())).runtime
+
+    def bind(self, runtime: RuntimeCore) -> "FieldSet":
+        return FieldSet(self.name, self._refs.values(), runtime)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def wait(self, field: str | None = None, *, rows: tuple[int, int] | None = None,
+             timeout: float | None = None) -> None:
+        """Block until ``field``'s rows ``rows`` (default: all of them) are ready; with
+        ``field=None``, until every field is complete. ``timeout`` bounds the whole wait."""
+        if field is None:
+            if rows is not None:
+                raise ValueError("rows= needs field=")
+            rt = self.runtime
+            timeout = rt.timeout if timeout is None else timeout
+            deadline = time.monotonic() + timeout
+            for r in self._refs.values():
+                r.wait_tiles(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        r = self[field]
+        if rows is None:
+            r.wait_tiles(timeout=timeout)
+        else:
+            r.wait_rows(rows[0], rows[1], timeout)
+
+    def tile_events(self, fields: Iterable[str] | None = None, *,
+                    timeout: float | None = None) -> Iterator[tuple[FieldRef, int]]:
+        """Yield ``(field_ref, tile)`` once for every tile of ``fields`` (default all), in the
+        order they become ready (tiles already ready first). ``timeout`` bounds the time from the
+        start to the last event.
+
+        Raises:
+            MemsemTimeoutError: not every tile became ready in time (names what is missing).
+            PeerLostError: a field's owner died.
+        """
+        refs = [self[f] for f in (self.fields if fields is None else fields)]
+        rt = self.runtime
+        timeout = rt.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pending = [set(range(r.n_tiles)) for r in refs]
+        turn = 0
+        while any(pending):
+            progressed = False
+            for r, pend in zip(refs, pending):
+                if not pend:
+                    continue
+                for t in sorted(pend.intersection(r.ready_tiles())):
+                    pend.discard(t)
+                    progressed = True
+                    yield r, t
+            if progressed:
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = ", ".join(f"{r.field} tiles {sorted(p)[:8]}{'...' if len(p) > 8 else ''}"
+                                    for r, p in zip(refs, pending) if p)
+                raise MemsemTimeoutError(f"field set {self.name!r}: not ready after {timeout} s: {missing}",
+                                         what=f"fields of {self.name!r}", timeout=timeout)
+            waiting = [i for i, p in enumerate(pending) if p]
+            i = waiting[turn % len(waiting)]
+            turn += 1
+            try:
+                rt.wait_tile(refs[i].spec, min(pending[i]), min(EVENT_SLICE_S, left))
+            except MemsemTimeoutError:
+                pass
+
+    def as_ready(self, fields: Iterable[str] | None = None, *,
+                 timeout: float | None = None) -> Iterator[FieldRef]:
+        """Yield each of ``fields`` (default all) once it is complete (every tile ready), in the
+        order they complete. ``timeout`` bounds the whole iteration (MemsemTimeoutError)."""
+        names = list(self.fields if fields is None else fields)
+        left = {n: self[n].n_tiles for n in names}
+        for r, _ in self.tile_events(names, timeout=timeout):
+            left[r.field] -= 1
+            if left[r.field] == 0:
+                yield r
+
+    # -- serialization ---------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Wire form: ``"MSFS" | version u8 | name_len u8 | name | n u16 | n x (len u32 |
+        FieldRef bytes)``. Carries every field's access key: treat it like a capability."""
+        nm = self.name.encode()[:255]
+        parts = [SET_MAGIC, struct.pack("<BB", SET_VERSION, len(nm)), nm, struct.pack("<H", len(self._refs))]
+        for r in self._refs.values():
+            b = r.to_bytes()
+            parts.append(struct.pack("<I", len(b)))
+            parts.append(b)
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: RuntimeCore | None = None) -> "FieldSet":
+        """Rebuild a FieldSet (bound to ``runtime`` or, lazily, the current/default runtime).
+
+        Raises:
+            ValueError: ``data`` is not a serialized FieldSet.
+        """
+        data = bytes(data)
+        if len(data) < 8 or data[:4] != SET_MAGIC:
+            raise ValueError(f"data is not a serialized FieldSet (got {len(data)} bytes starting {data[:4]!r})")
+        version, nlen = struct.unpack_from("<BB", data, 4)
+        if version != SET_VERSION:
+            raise ValueError(f"serialized FieldSet version {version}; this memsem reads {SET_VERSION}")
+        at = 6
+        name = data[at:at + nlen].decode()
+        at += nlen
+        (n,) = struct.unpack_from("<H", data, at)
+        at += 2
+        refs = []
+        for _ in range(n):
+            (ln,) = struct.unpack_from("<I", data, at)
+            at += 4
+            refs.append(FieldRef.from_bytes(data[at:at + ln], runtime))
+            at += ln
+        if at != len(data):
+            raise ValueError(f"serialized FieldSet has {len(data)} bytes, its contents end at {at}")
+        return cls(name, refs, runtime)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FieldSet.from_bytes, (self.to_bytes(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FieldSet) and other.name == self.name and other._refs == self._refs
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(self._refs.values())))
+
+    def __repr__(self) -> str:
+        inner = "; ".join(str(s) for s in self.schema.values())
+        return f"FieldSet({self.name!r}: {inner})"
+
+
+__all__ = ["FieldRef", "FieldSchema", "FieldSet"]
