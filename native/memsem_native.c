@@ -83,8 +83,10 @@ void memsem_memcpy(void *dst, const void *src, uint64_t nbytes) {
     memcpy(dst, src, (size_t)nbytes);
 }
 
-int memsem_guarded_copy(const uint64_t *guard, uint64_t expected, uint64_t *inflight,
-                        int method, int pid, void *local, uint64_t remote, uint64_t nbytes) {
+int memsem_guarded_copy(uint64_t guard_addr, uint64_t expected, uint64_t inflight_addr,
+                        int method, int pid, uint64_t dst, uint64_t src, uint64_t nbytes) {
+    const uint64_t *guard = (const uint64_t *)(uintptr_t)guard_addr;
+    uint64_t *inflight = (uint64_t *)(uintptr_t)inflight_addr;
     int rc = 0;
     if (inflight) __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(guard, __ATOMIC_SEQ_CST) != expected) {
@@ -93,15 +95,15 @@ int memsem_guarded_copy(const uint64_t *guard, uint64_t expected, uint64_t *infl
     }
     switch (method) {
     case MEMSEM_COPY_MEMCPY:
-        memcpy(local, (const void *)(uintptr_t)remote, (size_t)nbytes);
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes);
         break;
     case MEMSEM_COPY_VM_READ: {
-        int64_t n = vm_transfer(pid, local, remote, nbytes, 0);
+        int64_t n = vm_transfer(pid, (void *)(uintptr_t)dst, src, nbytes, 0);
         if (n < 0) { rc = (int)n; goto out; }
         break;
     }
     case MEMSEM_COPY_VM_WRITE: {
-        int64_t n = vm_transfer(pid, local, remote, nbytes, 1);
+        int64_t n = vm_transfer(pid, (void *)(uintptr_t)src, dst, nbytes, 1);
         if (n < 0) { rc = (int)n; goto out; }
         break;
     }

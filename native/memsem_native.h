@@ -36,9 +36,11 @@ int64_t memsem_vm_write(int pid, const void *local, uint64_t remote, uint64_t nb
 /* Plain copy that releases the GIL (cffi drops it around every call). */
 void memsem_memcpy(void *dst, const void *src, uint64_t nbytes);
 
-/* Guarded copy, one call for the hot path: checks that *guard == expected, counts itself in
- * *inflight, copies (method 0: memcpy between two mapped addresses, method 1: process_vm_readv,
- * method 2: process_vm_writev), drops the in-flight count and checks the guard again.
+/* Guarded copy, one call for the hot path: checks that the 64-bit word at guard_addr equals
+ * expected, counts itself in the word at inflight_addr (0: none), copies nbytes (method 0:
+ * memcpy from src to dst, both mapped here; method 1: process_vm_readv from src in pid into dst;
+ * method 2: process_vm_writev from src into dst in pid), drops the in-flight count and checks
+ * the guard again. Addresses are passed as integers so the Python side needs no casts.
  * Returns 0 on success, MEMSEM_GUARD_BEFORE when the guard differed before any byte moved,
  * MEMSEM_GUARD_AFTER when it changed during the copy (the bytes are not valid), or -errno. */
 #define MEMSEM_GUARD_BEFORE 1
@@ -46,8 +48,8 @@ void memsem_memcpy(void *dst, const void *src, uint64_t nbytes);
 #define MEMSEM_COPY_MEMCPY 0
 #define MEMSEM_COPY_VM_READ 1
 #define MEMSEM_COPY_VM_WRITE 2
-int memsem_guarded_copy(const uint64_t *guard, uint64_t expected, uint64_t *inflight,
-                        int method, int pid, void *local, uint64_t remote, uint64_t nbytes);
+int memsem_guarded_copy(uint64_t guard_addr, uint64_t expected, uint64_t inflight_addr,
+                        int method, int pid, uint64_t dst, uint64_t src, uint64_t nbytes);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);

@@ -139,9 +139,8 @@ _DL_TYPES = {
 }
 _NAME_TO_DL = {v: k for k, v in _DL_TYPES.items()}
 
-_capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_get.restype = ctypes.c_void_p
-_capsule_get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 def from_dlpack(obj: Any, argname: str = "obj") -> BufferInfo:
@@ -249,3 +248,25 @@ def address_view(address: int, nbytes: int, owner: Any, *, readonly: bool = Fals
 
 def dlpack_type_of(code: int) -> tuple[int, int]:
     return _NAME_TO_DL[_dtypes.name_of(code)]
+
+
+# Address lookup of numpy arrays on the hot path: ``__array_interface__`` costs ~1 us, so the data
+# address is cached per live array (weakly; verified by identity and size, since an in-place
+# ``ndarray.resize`` to another size may move the data).
+_ADDR: dict[int, tuple[Any, int, int]] = {}
+
+
+def array_address(a: np.ndarray) -> int:
+    """Data address of a numpy array (cached while the array lives)."""
+    import weakref
+
+    k = id(a)
+    c = _ADDR.get(k)
+    n = a.nbytes
+    if c is not None and c[0]() is a and c[2] == n:
+        return c[1]
+    addr = a.__array_interface__["data"][0]
+    if len(_ADDR) > 4096:
+        _ADDR.clear()
+    _ADDR[k] = (weakref.ref(a), addr, n)
+    return addr

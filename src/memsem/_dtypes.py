@@ -40,6 +40,13 @@ def supported_names() -> list[str]:
 
 def code_of(dtype: object) -> int:
     """Wire code of a numpy dtype, torch dtype or dtype name. Raises TypeError if unsupported."""
+    if type(dtype) is not str:
+        try:
+            hit = _BY_NUMPY.get(dtype)  # fast path: a native numpy dtype object
+        except TypeError:
+            hit = None
+        if hit is not None:
+            return hit
     if isinstance(dtype, str) and dtype in _BY_NAME:
         return _BY_NAME[dtype]
     torch = sys.modules.get("torch")

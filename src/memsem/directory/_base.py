@@ -6,7 +6,19 @@ data. It knows nothing about what a record means: the GVA layer above parses the
 from __future__ import annotations
 
 import abc
+import re
 from typing import Any
+
+from memsem._errors import NotSupportedError
+
+_ENTRY_KEY = re.compile(r"[A-Za-z0-9._/-]{1,200}")
+
+
+def check_entry_key(key: str) -> str:
+    """Validate an entry key: 1..200 characters of ``[A-Za-z0-9._/-]`` (ValueError otherwise)."""
+    if not isinstance(key, str) or not _ENTRY_KEY.fullmatch(key):
+        raise ValueError(f"entry key must be 1..200 characters of [A-Za-z0-9._/-], got {key!r}")
+    return key
 
 
 class Directory(abc.ABC):
@@ -49,6 +61,26 @@ class Directory(abc.ABC):
     @abc.abstractmethod
     def ranks(self) -> dict[int, dict[str, Any]]:
         """Every rank record."""
+
+    # -- small records for engines' connection setup (e.g. RDMA QP exchange) --------------------
+    def put_entry(self, key: str, record: dict[str, Any]) -> None:
+        """Store (or replace) a small JSON-able ``record`` under ``key`` (``[A-Za-z0-9._/-]``).
+
+        Engines use entries to rendezvous (the rdma engine exchanges QP numbers and GIDs); the
+        directory does not interpret them. Raises NotSupportedError where a backend lacks them."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} stores no entries")
+
+    def get_entry(self, key: str) -> dict[str, Any] | None:
+        """The record stored under ``key``, or None."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} stores no entries")
+
+    def remove_entry(self, key: str) -> None:
+        """Remove ``key`` if present."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} stores no entries")
+
+    def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every entry whose key starts with ``prefix``, by key."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} stores no entries")
 
     def heartbeat(self, rank: int) -> None:
         """Refresh this rank's liveness (no-op where pid liveness is enough)."""

@@ -1,7 +1,7 @@
 """The ``local`` directory: files in a 0700 folder next to the segments, one machine, no server.
 
 Layout of ``<segment dir>/memsem.<uid>.dir.<job>/``: ``r.<rank>`` (rank records), ``w.<gva hex>``
-(window records), ``n.<hex of name>`` (name -> gva). Every file is written to a temporary name
+(window records), ``n.<hex of name>`` (name -> gva), ``k.<hex of key>`` (engine entries). Every file is written to a temporary name
 and renamed, so readers never see a torn record. The job (``MEMSEM_JOB``, default ``default``)
 namespaces everything.
 """
@@ -12,7 +12,7 @@ import os
 import secrets
 from typing import Any, Callable
 
-from memsem.directory._base import Directory
+from memsem.directory._base import Directory, check_entry_key
 from memsem.native import segment_dir
 
 _MAX_RANKS = 1 << 16
@@ -140,4 +140,31 @@ class LocalDirectory(Directory):
                 rec = self.get_window(int(f[2:], 16))
                 if rec is not None:
                     out.append(rec)
+        return out
+
+    # -- entries --------------------------------------------------------------------------------
+    def put_entry(self, key: str, record: dict[str, Any]) -> None:
+        self._write(f"k.{check_entry_key(key).encode().hex()}", record)
+
+    def get_entry(self, key: str) -> dict[str, Any] | None:
+        text = self._read(f"k.{check_entry_key(key).encode().hex()}")
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return None
+
+    def remove_entry(self, key: str) -> None:
+        self._unlink(f"k.{check_entry_key(key).encode().hex()}")
+
+    def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
+        head = f"k.{prefix.encode().hex()}"
+        out = {}
+        for f in os.listdir(self.path):
+            if f.startswith(head) and len(f) % 2 == 0:  # "k." + whole bytes of hex
+                key = bytes.fromhex(f[2:]).decode()
+                rec = self.get_entry(key)
+                if rec is not None:
+                    out[key] = rec
         return out

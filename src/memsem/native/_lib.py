@@ -97,11 +97,11 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
 
 
 def guarded_copy(guard: int, expected: int, inflight: int, method: int, pid: int,
-                 local: int, remote: int, nbytes: int) -> int:
+                 dst: int, src: int, nbytes: int) -> int:
     """One-call guarded copy (see native/memsem_native.h). Returns 0, GUARD_BEFORE, GUARD_AFTER
-    or a negative errno; the caller interprets them."""
-    return lib.memsem_guarded_copy(_cast(_u64p, guard), expected, _cast(_u64p, inflight), method,
-                                   pid, _cast(_voidp, local), remote, nbytes)
+    or a negative errno; the caller interprets them. For COPY_VM_READ ``src`` is in ``pid``; for
+    COPY_VM_WRITE ``dst`` is."""
+    return lib.memsem_guarded_copy(guard, expected, inflight, method, pid, dst, src, nbytes)
 
 
 def monotonic_ns() -> int:

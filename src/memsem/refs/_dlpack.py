@@ -17,19 +17,18 @@ from memsem import _dtypes
 from memsem._buffers import _DLManagedTensor, dlpack_type_of
 
 _DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_CAPSULE_DTOR = ctypes.CFUNCTYPE(None, ctypes.py_object)
+_CAPSULE_DTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # PyObject* being destroyed: never incref it
 _live: dict[int, Any] = {}
 _lock = threading.Lock()
 
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
-_PyCapsule_IsValid.restype = ctypes.c_int
-_PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
-_PyCapsule_GetPointer.restype = ctypes.c_void_p
-_PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+# Private prototypes (raw PyObject* as void*): setting argtypes on ctypes.pythonapi's shared
+# function objects would change them for every other user.
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 @_DELETER
@@ -39,7 +38,7 @@ def _deleter(ptr: int) -> None:
 
 
 @_CAPSULE_DTOR
-def _capsule_dtor(capsule: Any) -> None:
+def _capsule_dtor(capsule: int) -> None:
     if _PyCapsule_IsValid(capsule, b"dltensor"):  # never consumed: we still own it
         _deleter(_PyCapsule_GetPointer(capsule, b"dltensor"))
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _dtypes, native
-from memsem._buffers import BufferInfo, address_view, as_byte_array, buffer_info
+from memsem._buffers import BufferInfo, address_view, array_address, as_byte_array, buffer_info
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
@@ -67,6 +67,8 @@ LIVENESS_CHECK_BYTES = 1 << 18
 #: slice of a blocking wait between liveness checks (seconds)
 WAIT_SLICE = 0.05
 
+_guarded = native.lib.memsem_guarded_copy
+_UINT8 = _dtypes.code_of("uint8")
 _current: contextvars.ContextVar["RuntimeCore | None"] = contextvars.ContextVar("memsem_runtime", default=None)
 _instances: "list[weakref.ref[RuntimeCore]]" = []
 
@@ -129,6 +131,27 @@ class _Resolved:
     engine: Engine
     owner: _Owner
     own_cb: bool
+    # Hot-path plan, computed once per resolution.
+    writable: bool = False
+    direct: bool = False
+    base: int = 0
+    pid: int = 0
+    gen_addr: int = 0
+    inflight_addr: int = 0
+    get_method: int = 0
+    put_method: int = 0
+
+    def __post_init__(self) -> None:
+        self.writable = self.info.access == "rw"
+        d = self.remote.direct
+        if d is not None and self.cb is not None:
+            self.direct = True
+            self.base = d.address
+            self.pid = d.pid
+            self.gen_addr = self.cb.generation_addr
+            self.inflight_addr = self.cb.inflight_addr
+            self.get_method = native.COPY_VM_READ if d.cma else native.COPY_MEMCPY
+            self.put_method = native.COPY_VM_WRITE if d.cma else native.COPY_MEMCPY
 
 
 # ----------------------------------------------------------------------------------------------
@@ -663,50 +686,49 @@ class RuntimeCore:
 
         Generation is checked before and after the copy (seqlock); the lease, when given, too.
         """
-        t0 = time.perf_counter_ns()
         n = local.nbytes
+        self._transfer(spec, kind == "put", offset, array_address(local) if n else 0, n, local, lease)
+
+    def _transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, local: Any,
+                  lease: Lease | None) -> None:
+        t0 = time.perf_counter_ns()
         if offset < 0 or offset + n > spec.nbytes:
             raise ValueError(f"range [{offset}, {offset + n}) lies outside the ref's {spec.nbytes} bytes")
-        if kind == "put" and not spec.writable:
-            raise AccessDeniedError(f"put through a read-only ref to {spec.label}")
-        res = self._resolve(spec)
-        if kind == "put" and res.info.access != "rw":
-            raise AccessDeniedError(f"{spec.label} was published read-only")
+        res = self._resolved.get(spec.gva)
+        if res is None or res.info.generation != spec.generation:
+            res = self._resolve(spec)
+        if put:
+            if not spec.writable:
+                raise AccessDeniedError(f"put through a read-only ref to {spec.label}")
+            if not res.writable:
+                raise AccessDeniedError(f"{spec.label} was published read-only")
         if lease is not None:
             if lease.spec.gva != spec.gva:
                 raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
             lease.check("before the transfer")
-        at = spec.offset + offset
-        cb = res.cb
-        d = res.remote.direct
-        if cb is not None and d is not None:
-            method = native.COPY_MEMCPY if not d.cma else (native.COPY_VM_READ if kind == "get" else native.COPY_VM_WRITE)
-            local_addr = local.__array_interface__["data"][0] if n else 0
-            if d.cma:
-                rc = native.guarded_copy(cb.generation_addr, spec.generation, cb.inflight_addr, method,
-                                         d.pid, local_addr, d.address + at, n)
-            elif kind == "get":
-                rc = native.guarded_copy(cb.generation_addr, spec.generation, cb.inflight_addr, method,
-                                         0, local_addr, d.address + at, n)
-            else:  # memcpy put: local is the source; swap roles in the native call
-                rc = native.lib.memsem_guarded_copy(
-                    native.ffi.cast("uint64_t *", cb.generation_addr), spec.generation,
-                    native.ffi.cast("uint64_t *", cb.inflight_addr), method, 0,
-                    native.ffi.cast("void *", d.address + at), local_addr, n)
+        at = res.base + spec.offset + offset
+        if res.direct:
+            if put:
+                rc = _guarded(res.gen_addr, spec.generation, res.inflight_addr, res.put_method, res.pid, at, addr, n)
+            else:
+                rc = _guarded(res.gen_addr, spec.generation, res.inflight_addr, res.get_method, res.pid, addr, at, n)
             if rc != 0:
+                cb = res.cb
                 if rc == native.GUARD_BEFORE or rc == native.GUARD_AFTER:
                     raise self._stale(spec, cb.generation)
-                exc = EngineError(f"{kind} on {spec.label}", errno=-rc)
+                exc = EngineError(f"{'put' if put else 'get'} on {spec.label}", errno=-rc)
                 if cb.generation != spec.generation:
                     raise self._stale(spec, cb.generation) from exc
                 raise self._translate(exc, spec, res.owner) from exc
         else:
-            self._engine_transfer(res, spec, kind, at, local)
+            flat = local if isinstance(local, np.ndarray) and local.dtype == np.uint8 and local.ndim == 1 \
+                else address_view(addr, n, local)
+            self._engine_transfer(res, spec, "put" if put else "get", spec.offset + offset, flat)
         if lease is not None:
             lease.check("during the transfer; the bytes moved are not valid")
         if n >= LIVENESS_CHECK_BYTES and not res.own_cb and not res.owner.alive():
             raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died during the transfer")
-        self.telemetry.record(kind, res.route.kind, n, time.perf_counter_ns() - t0)
+        self.telemetry.record("put" if put else "get", res.route.kind, n, time.perf_counter_ns() - t0)
 
     def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray) -> None:
         cb = res.cb
@@ -744,29 +766,36 @@ class RuntimeCore:
     def get_spec(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None) -> np.ndarray:
         """Blocking get of the whole ref into ``out`` (or a new array); returns the numpy array
         of shape ``spec.shape`` and the ref's dtype (``out``'s own array when given)."""
-        dt = _dtypes.numpy_dtype(spec.dtype_code)
         if out is None:
-            arr = np.empty(spec.shape, dt)
-            flat = arr.reshape(-1).view(np.uint8)
-        else:
+            out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
+        elif not (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable):
             flat, info = as_byte_array(out, "out", writable=True)
             if info.nbytes != spec.nbytes:
                 raise ValueError(f"out holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes "
                                  f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
-            arr = out
-        self.transfer(spec, "get", 0, flat, lease=lease)
-        return arr
+            self._transfer(spec, False, 0, info.address, info.nbytes, flat, lease)
+            return out
+        n = out.nbytes
+        if n != spec.nbytes:
+            raise ValueError(f"out holds {n} bytes; the ref is {spec.nbytes} bytes "
+                             f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
+        self._transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease)
+        return out
 
     def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> None:
         """Blocking put of ``src`` (exactly the ref's bytes) into the window."""
-        flat, info = as_byte_array(src, "src", writable=False)
-        if info.nbytes != spec.nbytes:
-            raise ValueError(f"src holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes")
-        if info.dtype_code != spec.dtype_code and spec.dtype_code != _dtypes.code_of("uint8") \
-                and info.dtype_code != _dtypes.code_of("uint8"):
-            raise TypeError(f"src dtype {_dtypes.name_of(info.dtype_code)} differs from the ref's "
+        if type(src) is np.ndarray and src.flags.c_contiguous:
+            n, code = src.nbytes, _dtypes.code_of(src.dtype)
+            addr = array_address(src) if n else 0
+        else:
+            flat, info = as_byte_array(src, "src", writable=False)
+            n, code, addr, src = info.nbytes, info.dtype_code, info.address, flat
+        if n != spec.nbytes:
+            raise ValueError(f"src holds {n} bytes; the ref is {spec.nbytes} bytes")
+        if code != spec.dtype_code and spec.dtype_code != _UINT8 and code != _UINT8:
+            raise TypeError(f"src dtype {_dtypes.name_of(code)} differs from the ref's "
                             f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
-        self.transfer(spec, "put", 0, flat, lease=lease)
+        self._transfer(spec, True, 0, addr, n, src, lease)
 
     def submit(self, what: str, fn) -> Completion:
         self._check_open()

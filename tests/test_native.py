@@ -1,0 +1,136 @@
+"""The native layer: atomics, futex wait/wake with timeouts, cross-memory attach, segments."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from memsem import EngineError, OutOfMemoryError, native
+from memsem.native import Segment
+
+
+def _word_array(n=4):
+    a = np.zeros(n, np.uint64)
+    return a, a.__array_interface__["data"][0]
+
+
+def test_atomics_roundtrip():
+    a, base = _word_array()
+    native.store_release(base, 41)
+    assert native.load_acquire(base) == 41
+    assert native.fetch_add(base, 2) == 41
+    assert native.fetch_sub(base, 1) == 43
+    assert int(a[0]) == 42
+    ok, seen = native.compare_exchange(base, 0, 7)
+    assert not ok and seen == 42
+    ok, seen = native.compare_exchange(base, 42, 7)
+    assert ok and int(a[0]) == 7
+
+
+def test_fetch_add_is_atomic_across_threads():
+    a, base = _word_array()
+
+    def work():
+        for _ in range(20000):
+            native.fetch_add(base, 1)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    assert int(a[0]) == 80000
+
+
+def test_futex_times_out_and_wakes():
+    a = np.zeros(2, np.uint32)
+    addr = a.__array_interface__["data"][0]
+    t0 = time.monotonic()
+    assert native.futex_wait(addr, 0, 0.05) is False
+    assert 0.04 <= time.monotonic() - t0 < 1.0
+    assert native.futex_wait(addr, 5, 1.0) is True  # value differs: returns at once
+
+    def waker():
+        time.sleep(0.05)
+        a[0] = 1
+        native.futex_wake(addr)
+
+    th = threading.Thread(target=waker)
+    th.start()
+    t0 = time.monotonic()
+    assert native.futex_wait(addr, 0, 5.0) is True
+    assert time.monotonic() - t0 < 2.0
+    th.join(timeout=5)
+    with pytest.raises(ValueError, match="timeout"):
+        native.futex_wait(addr, 0, -1)
+
+
+def test_vm_read_write_self_and_errors():
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, np.uint8)
+    native.vm_read(os.getpid(), dst.ctypes.data, src.ctypes.data, 256)
+    assert (dst == src).all()
+    new = np.full(256, 9, np.uint8)
+    native.vm_write(os.getpid(), new.ctypes.data, src.ctypes.data, 256)
+    assert (src == 9).all()
+    with pytest.raises(EngineError) as ei:
+        native.vm_read(os.getpid(), dst.ctypes.data, 8, 16)  # unmapped remote address
+    assert ei.value.errno == errno.EFAULT
+
+
+def test_segment_mode_0600_unguessable_and_attach_never_unlinks():
+    seg = Segment.create("data", 4096)
+    try:
+        st = os.stat(seg.path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        token = seg.name.rsplit(".", 1)[1]
+        assert len(token) == 32 and int(token, 16) >= 0  # 128 random bits
+        other = Segment.create("data", 4096)
+        assert other.name != seg.name
+        other.unlink()
+        other.close()
+        att = Segment.attach(seg.name)
+        with pytest.raises(PermissionError):
+            att.unlink()
+        att.close()
+        assert os.path.exists(seg.path)
+    finally:
+        seg.unlink()
+        seg.close()
+    assert not os.path.exists(seg.path)
+
+
+def test_segment_bad_names_rejected():
+    with pytest.raises(ValueError, match="segment name"):
+        Segment.attach("../etc/passwd")
+    with pytest.raises(ValueError, match="nbytes"):
+        Segment.create("data", 0)
+
+
+def test_small_tmpfs_fails_at_create_not_sigbus(tmp_path, monkeypatch):
+    """Case 6: more than the segment directory can hold fails at creation with a clear error."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    rc = os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null")
+    if rc != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        monkeypatch.setenv("MEMSEM_SHM_DIR", str(mnt))
+        with pytest.raises(OutOfMemoryError, match="cannot reserve"):
+            Segment.create("data", 4 << 20)
+        assert os.listdir(mnt) == []  # nothing half-created left behind
+        import memsem
+
+        with memsem.Runtime() as rt:
+            with pytest.raises(OutOfMemoryError):
+                rt.alloc(8 << 20, np.uint8)
+            small = rt.alloc(1024, np.uint8)
+            small[:] = 1
+            assert small.sum() == 1024
+    finally:
+        os.system(f"umount {mnt}")
