@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -96,7 +97,8 @@ class Agent:
         self._lock = threading.Lock()
         self._regions: dict[int, _Region] = {}
         self._next_rid = 1
-        self._next_gen = 1
+        # Item generations are unique in this agent and, from a random 40-bit start, across agents.
+        self._next_gen = (secrets.randbits(40) + 1) << 20
         self._retire_q: list[_Region] = []
         self._stop = threading.Event()
         self.counters = {"allocs": 0, "alloc_bytes": 0, "frees": 0, "items_freed": 0, "regions_retired": 0,
@@ -121,19 +123,19 @@ class Agent:
             self.counters["alloc_bytes"] += int(nbytes)
         return {"ref": ref.to_bytes(), "rid": rid, "gen_base": gen_base}
 
-    def op_free(self, items: list[tuple[int, int, int]], timeout: float) -> dict[str, int]:
-        """Clear items ``(rid, index, generation)``. Waits (up to ``timeout`` s) while a reader
+    def op_free(self, items: list[tuple[int, int, int, int]], timeout: float) -> dict[str, int]:
+        """Clear items ``(rid, window gva, index, generation)``. Waits (up to ``timeout`` s) while a reader
         holds a lease on a region before zeroing its words; unknown or already cleared items are
         ignored (TransferQueue clears keys that were never put)."""
-        by_region: dict[int, list[tuple[int, int]]] = {}
-        for rid, index, gen in items:
-            by_region.setdefault(int(rid), []).append((int(index), int(gen)))
+        by_region: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for rid, gva, index, gen in items:
+            by_region.setdefault((int(rid), int(gva)), []).append((int(index), int(gen)))
         freed = missing = 0
         deadline = time.monotonic() + timeout
-        for rid, lst in by_region.items():
+        for (rid, gva), lst in by_region.items():
             with self._lock:
                 region = self._regions.get(rid)
-            if region is None or region.retiring:
+            if region is None or region.retiring or region.ref.spec.gva != gva:
                 missing += len(lst)
                 continue
             self._wait_unleased(region, deadline)

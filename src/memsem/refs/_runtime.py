@@ -65,15 +65,22 @@ class Runtime(RuntimeCore):
         return TensorRef(self.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
                                            tiles=tiles), self)
 
-    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
+              engine: str | None = None) -> np.ndarray:
         """A zero-filled array in a shared segment (mode 0600, unguessable name), ready to be
         published for zero-copy ``view()`` by same-node consumers.
 
+        ``engine="mte"`` allocates from the SHMEM symmetric heap instead (a collective call:
+        every PE of the team makes it with the same shape and dtype in the same order); its
+        windows are reached by the PEs of the team through route ``mte``. That memory is
+        released by ``rt.engine("mte").free(arr)`` (collective) or when the team closes.
+
         Raises:
             OutOfMemoryError: the segment directory (tmpfs) cannot hold ``shape`` x itemsize bytes;
-                checked now, so no SIGBUS happens later.
+                checked now, so no SIGBUS happens later (or the symmetric heap is full).
+            NotSupportedError: ``engine`` is not enabled here or cannot allocate memory.
         """
-        return self.alloc_array(shape, dtype)
+        return self.alloc_array(shape, dtype, engine=engine)
 
     def unpublish(self, ref: TensorRef | str, *, timeout: float | None = None) -> None:
         """Retire a window this runtime owns: refuse new leases, wait up to ``timeout`` s for

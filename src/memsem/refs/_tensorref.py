@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _dtypes
+from memsem._buffers import as_byte_array
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.runtime import Completion, Lease, RuntimeCore, current_core
@@ -262,13 +263,22 @@ class TensorRef:
 
     def put_tile(self, index: int, data: Any) -> None:
         """Producer: write tile ``index`` (its bytes, per the window's tile size), then mark it
-        ready. Blocking."""
+        ready. Blocking. On route ``mte`` the bytes and the tile's SHMEM signal word travel in
+        one ``aclshmemx_putmem_signal`` (the owner may wait on either)."""
         rt = self.runtime
         res = rt._resolve(self.spec)
         tb = res.info.tile_bytes
         if not tb:
             raise ValueError(f"{self.spec.label} was published without tiles")
-        self.bytes(0, self.nbytes).tile(index, tb).put(data)
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < res.info.n_ready:
+            raise ValueError(f"index must be an int in [0, {res.info.n_ready}) for {self.spec.label}, "
+                             f"got {index!r}")
+        tile = self.bytes(0, self.nbytes).tile(index, tb)
+        flat, info = as_byte_array(data, "data", writable=False)
+        if info.nbytes != tile.nbytes:
+            raise ValueError(f"data holds {info.nbytes} bytes; tile {index} is {tile.nbytes} bytes")
+        # On route mte the data and the tile's SHMEM signal word go in one putmem_signal.
+        rt.transfer(tile.spec, "put", 0, flat, signal_tile=int(index))
         rt.mark_ready(self.spec, index)
 
     def wait_tile(self, index: int, timeout: float | None = None) -> None:

@@ -365,16 +365,28 @@ class RuntimeCore:
         return dict(self._engines)
 
     # -- publish ---------------------------------------------------------------------------------
-    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
+                    engine: str | None = None) -> np.ndarray:
         """A new zero-filled array of ``shape``/``dtype`` in a shared segment (mode 0600).
 
         Publishing it gives a window that same-node consumers can ``view()`` zero-copy. The
         segment is unlinked when the array is garbage collected or the runtime closes.
 
+        ``engine`` names an enabled engine whose own memory the array must live in (the engine's
+        ``alloc_array``; e.g. ``"mte"``: the SHMEM symmetric heap, a *collective* call that
+        every PE makes with the same arguments in the same order). Such memory is released
+        by the engine (``MteEngine.free`` or team close), not by garbage collection.
+
         Raises:
-            OutOfMemoryError: the segment directory cannot hold it (checked now, not at first touch).
+            OutOfMemoryError: the segment directory (or the engine's heap) cannot hold it.
+            NotSupportedError: ``engine`` is not enabled or cannot allocate.
         """
         self._check_open()
+        if engine is not None:
+            alloc = getattr(self.engine(engine), "alloc_array", None)
+            if alloc is None:
+                raise NotSupportedError(f"engine {engine!r} has no memory of its own to allocate from")
+            return alloc(shape, dtype)
         shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape_t):
             raise ValueError(f"shape must be non-negative, got {shape_t}")
@@ -680,17 +692,22 @@ class RuntimeCore:
 
     # -- data movement ---------------------------------------------------------------------------
     def transfer(self, spec: RefSpec, kind: str, offset: int, local: np.ndarray, *,
-                 lease: Lease | None = None) -> None:
+                 lease: Lease | None = None, signal_tile: int | None = None) -> None:
         """Move ``local.nbytes`` bytes between ``local`` (flat uint8) and the window at
         ``spec.offset + offset``; ``kind`` is "get" or "put". Blocking, remote completion.
 
         Generation is checked before and after the copy (seqlock); the lease, when given, too.
+        ``signal_tile`` (puts only): where the route's engine can signal the window's tiles
+        (mte: ``aclshmemx_putmem_signal``), it also sets that tile's signal word, after the data,
+        to a value derived from the generation. Elsewhere it is ignored: the caller marks the
+        ready word itself (``TensorRef.put_tile`` does both).
         """
         n = local.nbytes
-        self._transfer(spec, kind == "put", offset, array_address(local) if n else 0, n, local, lease)
+        self._transfer(spec, kind == "put", offset, array_address(local) if n else 0, n, local, lease,
+                       signal_tile)
 
     def _transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, local: Any,
-                  lease: Lease | None) -> None:
+                  lease: Lease | None, signal_tile: int | None = None) -> None:
         t0 = time.perf_counter_ns()
         if offset < 0 or offset + n > spec.nbytes:
             raise ValueError(f"range [{offset}, {offset + n}) lies outside the ref's {spec.nbytes} bytes")
@@ -723,14 +740,16 @@ class RuntimeCore:
         else:
             flat = local if isinstance(local, np.ndarray) and local.dtype == np.uint8 and local.ndim == 1 \
                 else address_view(addr, n, local)
-            self._engine_transfer(res, spec, "put" if put else "get", spec.offset + offset, flat)
+            self._engine_transfer(res, spec, "put" if put else "get", spec.offset + offset, flat,
+                                  signal_tile if put else None)
         if lease is not None:
             lease.check("during the transfer; the bytes moved are not valid")
         if n >= LIVENESS_CHECK_BYTES and not res.own_cb and not res.owner.alive():
             raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died during the transfer")
         self.telemetry.record("put" if put else "get", res.route.kind, n, time.perf_counter_ns() - t0)
 
-    def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray) -> None:
+    def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray,
+                         signal_tile: int | None = None) -> None:
         cb = res.cb
         enforced = res.engine.enforces_generation
         if cb is None and not enforced:
@@ -744,6 +763,9 @@ class RuntimeCore:
             try:
                 if kind == "get":
                     res.engine.get(res.remote, at, local)
+                elif signal_tile is not None and getattr(res.engine, "can_signal", None) is not None \
+                        and res.engine.can_signal(res.remote):
+                    res.engine.put_signal(res.remote, at, local, signal_tile, spec.generation)
                 else:
                     res.engine.put(res.remote, at, local)
             except MemsemError as exc:

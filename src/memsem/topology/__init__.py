@@ -11,7 +11,8 @@ engine     reaches the window when
 loopback   same node and same pid
 host       same node (``shm`` descriptor: any same-user process; ``cma``: same user, ptrace
            scope allows process_vm_readv)
-mte        both ends are PEs of one SHMEM team with MTE reach (same server id / super-pod)
+mte        both ends are PEs of one SHMEM team with MTE reach (same server id / super-pod);
+           it then also excludes host/cma for that window (symmetric heap = NPU memory)
 rdma       different nodes (or forced) and both ends have an active RDMA port
 tcp        any node whose owner serves TCP
 =========  ==================================================================================
@@ -145,6 +146,13 @@ def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descript
         else:
             a, b = costs.get(engine, (100e-6, 1e9))
             ok.append(Route(engine, engine, "third-party engine", a, b, False))
+    if any(r.engine == "mte" for r in ok):
+        # A window in the SHMEM symmetric heap is NPU memory on hardware: cross-memory attach
+        # of its (device) address would read garbage, so the team's MTE route takes it.
+        for r in [r for r in ok if r.kind == "host/cma"]:
+            ok.remove(r)
+            no.append((r.engine, "the window lives in the SHMEM symmetric heap (NPU memory on "
+                                 "hardware): reached through mte, not cross-memory attach"))
     return ok, no
 
 

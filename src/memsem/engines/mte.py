@@ -1,0 +1,847 @@
+"""MTE engine: one-sided copies between PEs of an Ascend SHMEM team (``libshmem.so`` via cffi).
+
+An application makes the processes of a job one SHMEM team, then enables the engine::
+
+    from memsem.engines.mte import MteEngine
+
+    uid = MteEngine.new_uniqueid() if my_pe == 0 else None      # PE 0 only
+    uid = broadcast(uid)                 # any channel: torch.distributed, Ray, a file, ZMQ
+    team = MteEngine.init_team(my_pe, n_pes, uid, heap_bytes=1 << 30)   # collective
+    with memsem.Runtime(engines=("loopback", "host", "mte")) as rt:
+        w = rt.alloc((1024, 1024), np.float32, engine="mte")   # collective: symmetric heap
+        ref = rt.publish(w, name="w")                           # has an "mte" descriptor
+        ...
+    team.close()                                                # collective: aclshmem_finalize
+
+Mechanism (``memsem.engines._aclshmem`` holds the binding):
+
+* ``register`` gives a descriptor ``{team, pe, offset, nbytes, mapped, writable}`` only for a
+  region that lies in the symmetric heap; other memory gets no mte route (``None``).
+* ``attach`` translates the window's heap offset with ``aclshmem_ptr``; a peer whose heap is
+  not mapped (NULL) is an :class:`EngineError` naming ``aclshmem_ptr``.
+* ``get``/``put`` post ``aclshmemx_getmem_on_stream``/``putmem_on_stream`` on the engine's
+  stream and complete with ``aclshmemx_quiet_on_stream`` (plus ``aclrtSynchronizeStream`` on
+  an NPU): a blocking call returns at remote completion. ``submit`` posts a batch with the
+  ``_nbi`` calls and completes it with one quiet. ``view`` works where ``aclshmem_ptr`` gives
+  a host-usable address (the host emulator; not NPU memory).
+* Tile-ready: ``put_signal`` writes a tile and raises its SHMEM signal word in one
+  ``aclshmemx_putmem_signal``; the owner waits on it with ``wait_signal``
+  (``aclshmem_signal_wait_until``). See docs/mte.md for what maps onto memsem's ready words.
+
+The library is real Ascend SHMEM or its host emulator (a test double, loaded only when
+``MEMSEM_SHMEM_LIB`` names it); emulator-only calls are guarded by ``is_test_double``. Never
+imports torch_npu. Data-plane calls of the real library return void: ranges and PEs are
+checked here before each call, and with the emulator its recorded error is checked after.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from memsem import _dtypes
+from memsem._buffers import address_view
+from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, OutOfMemoryError
+from memsem.engines._base import (
+    Availability,
+    Descriptor,
+    Engine,
+    LocalRegion,
+    Op,
+    OpKind,
+    OpState,
+    RemoteRegion,
+    Request,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MteEngine", "ShmemTeam", "SymmetricAllocation", "current_team", "init_team", "new_uniqueid"]
+
+#: signal slots (one per tile of a published window) reserved per PE at team init
+DEFAULT_SIGNAL_SLOTS = 4096
+#: bytes per signal slot: the signal word is an int32 (ACLSHMEM_SIGNAL_SIZE is 8)
+SIGNAL_SLOT_BYTES = 8
+#: zeroed bytes kept next to the slots to clear them with a put (works on NPU memory too)
+_ZERO_BYTES = 4096
+_ENGINE_TYPES = {"mte": 1, "sdma": 2, "roce": 4, "udma": 8}
+_team_lock = threading.Lock()
+_team: "ShmemTeam | None" = None
+
+
+def _load(lib_path: str | os.PathLike[str] | None) -> tuple[Any, Any, pathlib.Path]:
+    from memsem.engines._aclshmem import find_library, load_aclshmem
+
+    path = find_library(lib_path)
+    ffi, lib = load_aclshmem(path)
+    return ffi, lib, path
+
+
+def signal_value(generation: int) -> int:
+    """The int32 value a tile's SHMEM signal word takes when ready for ``generation``
+    (never 0, which means "not ready"); a signal from another generation does not match
+    (modulo 2**31 - 1 generations)."""
+    return int(generation) % 0x7FFFFFFF + 1
+
+
+# ----------------------------------------------------------------------------------------------
+class _AclRuntime:
+    """The few libascendcl calls the engine needs on an NPU (never loaded for the emulator)."""
+
+    def __init__(self) -> None:
+        from cffi import FFI
+
+        self.ffi = FFI()
+        self.ffi.cdef("int aclrtSetDevice(int32_t deviceId);\n"
+                      "int aclrtCreateStream(void **stream);\n"
+                      "int aclrtDestroyStream(void *stream);\n"
+                      "int aclrtSynchronizeStream(void *stream);\n")
+        tried = []
+        home = os.environ.get("ASCEND_HOME_PATH")
+        names = ([str(pathlib.Path(home) / "lib64" / "libascendcl.so")] if home else []) + ["libascendcl.so"]
+        for name in names:
+            try:
+                self.lib = self.ffi.dlopen(name)
+                break
+            except OSError as exc:
+                tried.append(f"{name}: {exc}")
+        else:
+            raise NotSupportedError("mte engine on libshmem.so needs libascendcl.so (stream "
+                                    "synchronization) and could not load it: " + "; ".join(tried))
+
+    def check(self, rc: int, func: str) -> None:
+        if rc != 0:
+            raise EngineError(f"{func} failed", code=int(rc), name=func)
+
+
+@dataclasses.dataclass
+class SymmetricAllocation:
+    """One block of the symmetric heap (same offset on every PE).
+
+    Attributes:
+        address: its address in this process (NPU memory on hardware, host memory with the emulator).
+        offset: byte offset from the heap base (identical on every PE).
+        nbytes: size in bytes.
+    """
+
+    address: int
+    offset: int
+    nbytes: int
+    registrations: int = 0
+    freed: bool = False
+
+
+class ShmemTeam:
+    """This process's membership in a SHMEM team (Ascend SHMEM is one team per process).
+
+    Made by :func:`init_team`; ``close()`` (collective) finalizes the library. Attributes:
+    ``team_id`` (same string on every PE, derived from the unique id), ``my_pe``, ``n_pes``,
+    ``heap_base``, ``heap_bytes``, ``test_double`` (the host emulator is loaded),
+    ``host_mapped`` (heap addresses are host memory: ``view()`` possible), ``library``.
+    """
+
+    def __init__(self, ffi: Any, lib: Any, path: pathlib.Path, my_pe: int, n_pes: int,
+                 uniqueid: bytes, heap_bytes: int, *, timeout: float, engine_type: str,
+                 device: int | None, signal_slots: int) -> None:
+        from memsem.engines._aclshmem import is_test_double
+
+        self.ffi, self.lib, self.library = ffi, lib, str(path)
+        self.test_double = is_test_double(lib)
+        self.host_mapped = self.test_double  # the real heap is NPU memory
+        self.my_pe, self.n_pes, self.heap_bytes = my_pe, n_pes, heap_bytes
+        self.team_id = "shmem-" + hashlib.sha256(uniqueid).hexdigest()[:16]
+        self.device = device
+        self._tls = threading.local()
+        self.acl: _AclRuntime | None = None
+        self._closed = False
+        self._lock = threading.RLock()
+        self._allocs: dict[int, SymmetricAllocation] = {}
+        self._engines: "weakref.WeakSet[MteEngine]" = weakref.WeakSet()
+        if not self.test_double:
+            self.acl = _AclRuntime()
+            self.ensure_thread()
+        # The unique id and attr must stay alive until init_attr returned (kept for the team's life).
+        self._uid = ffi.new("aclshmemx_uniqueid_t *")
+        ffi.memmove(self._uid, uniqueid, len(uniqueid))
+        self._attr = ffi.new("aclshmemx_init_attr_t *")
+        rc = lib.aclshmemx_set_attr_uniqueid_args(my_pe, n_pes, heap_bytes, self._uid, self._attr)
+        self._check_rc(rc, "aclshmemx_set_attr_uniqueid_args")
+        o = self._attr.option_attr  # the C++ default initializer, written by hand from C
+        o.version = (1 << 16) + ffi.sizeof("aclshmem_init_optional_attr_t")
+        o.data_op_engine_type = _ENGINE_TYPES[engine_type]
+        secs = max(1, int(round(timeout)))
+        o.shm_init_timeout = o.shm_create_timeout = o.control_operation_timeout = secs
+        rc = lib.aclshmemx_init_attr(lib.ACLSHMEMX_INIT_WITH_UNIQUEID, self._attr)
+        self._check_rc(rc, "aclshmemx_init_attr")
+        try:
+            got = (lib.aclshmem_my_pe(), lib.aclshmem_n_pes())
+            if got != (my_pe, n_pes):
+                raise EngineError(f"SHMEM reports PE {got[0]} of {got[1]}, asked for {my_pe} of {n_pes}",
+                                  name="aclshmem_my_pe")
+            base = lib.aclshmemx_get_heap_base(lib.DEVICE_SIDE)
+            self.check("aclshmemx_get_heap_base")
+            if base == ffi.NULL:
+                raise EngineError("the symmetric heap has no base address", name="aclshmemx_get_heap_base")
+            self.heap_base = int(ffi.cast("uintptr_t", base))
+            # Signal slots (int32 words in 8-byte slots) plus a zero block to clear them with a put.
+            self.signal_slots = int(signal_slots)
+            self._sig = self.malloc(self.signal_slots * SIGNAL_SLOT_BYTES + _ZERO_BYTES, zero=True)
+            self._free_slots: list[tuple[int, int]] = [(0, self.signal_slots)]  # (start, count)
+        except BaseException:
+            lib.aclshmem_finalize()
+            raise
+
+    # -- error plumbing -----------------------------------------------------------------------
+    def _emu_error(self) -> tuple[int, str]:
+        if not self.test_double:
+            return 0, ""
+        from memsem.engines._aclshmem import emu_last_error
+
+        return emu_last_error(self.ffi, self.lib)
+
+    def _check_rc(self, rc: int, func: str) -> None:
+        code, msg = self._emu_error()
+        if rc != 0:
+            raise EngineError(f"{func} failed" + (f": {msg}" if msg else ""), code=int(rc), name=func)
+
+    def check(self, func: str) -> None:
+        """Raise the error the emulator recorded for the last call (no-op on libshmem.so,
+        whose data-plane calls return void: memsem checks their arguments beforehand)."""
+        code, msg = self._emu_error()
+        if code:
+            if code == self.lib.ACLSHMEM_TIMEOUT_ERROR:
+                raise MemsemTimeoutError(f"{func} timed out: {msg}", what=func)
+            raise EngineError(msg or f"{func} failed", code=code, name=func)
+
+    def ensure_thread(self) -> None:
+        """On an NPU, bind the calling thread to the team's device (ACL contexts are per thread)."""
+        if self.acl is not None and self.device is not None and not getattr(self._tls, "bound", False):
+            self.acl.check(self.acl.lib.aclrtSetDevice(self.device), "aclrtSetDevice")
+            self._tls.bound = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MemsemError(f"SHMEM team {self.team_id} is finalized")
+
+    # -- symmetric heap -----------------------------------------------------------------------
+    def in_heap(self, address: int, nbytes: int) -> bool:
+        return self.heap_base <= address and address + nbytes <= self.heap_base + self.heap_bytes
+
+    def malloc(self, nbytes: int, *, align: int = 0, zero: bool = False) -> SymmetricAllocation:
+        """Collective: every PE calls it with the same arguments in the same order.
+
+        Raises:
+            ValueError: ``nbytes`` not positive. OutOfMemoryError: the heap cannot hold it.
+            EngineError: the library refused (``name`` is the SHMEM function).
+        """
+        if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        if align and zero:
+            raise ValueError("pass align or zero, not both")
+        self._check_open()
+        lib, ffi = self.lib, self.ffi
+        self.ensure_thread()
+        if align:
+            func, p = "aclshmem_align", lib.aclshmem_align(int(align), int(nbytes))
+        elif zero:
+            func, p = "aclshmem_calloc", lib.aclshmem_calloc(1, int(nbytes))
+        else:
+            func, p = "aclshmem_malloc", lib.aclshmem_malloc(int(nbytes))
+        code, msg = self._emu_error()
+        if p == ffi.NULL:
+            if code in (0, lib.ACLSHMEM_MALLOC_FAILED):
+                raise OutOfMemoryError(f"{func}({nbytes}) failed: the {self.heap_bytes}-byte symmetric "
+                                       f"heap of PE {self.my_pe} cannot hold it" + (f" ({msg})" if msg else ""))
+            raise EngineError(msg or f"{func} failed", code=code, name=func)
+        addr = int(ffi.cast("uintptr_t", p))
+        a = SymmetricAllocation(addr, addr - self.heap_base, int(nbytes))
+        with self._lock:
+            self._allocs[addr] = a
+        return a
+
+    def free(self, alloc: SymmetricAllocation) -> None:
+        """Collective ``aclshmem_free``. Refused while a published window uses the block."""
+        with self._lock:
+            if alloc.freed:
+                return
+            if alloc.registrations:
+                raise MemsemError(f"symmetric block at heap offset {alloc.offset} is published in "
+                                  f"{alloc.registrations} window(s); unpublish before free")
+            alloc.freed = True
+            self._allocs.pop(alloc.address, None)
+        self.ensure_thread()
+        self.lib.aclshmem_free(self.ffi.cast("void *", alloc.address))
+        self.check("aclshmem_free")
+
+    def allocation_of(self, address: int, nbytes: int) -> SymmetricAllocation | None:
+        with self._lock:
+            for a in self._allocs.values():
+                if a.address <= address and address + nbytes <= a.address + a.nbytes:
+                    return a
+        return None
+
+    # -- signal slots (owner-local bookkeeping; offsets are the same on every PE) ---------------
+    def take_slots(self, n: int) -> int | None:
+        """First slot of ``n`` consecutive free signal slots, cleared; None when none are left."""
+        with self._lock:
+            for i, (start, count) in enumerate(self._free_slots):
+                if count >= n:
+                    self._free_slots[i] = (start + n, count - n)
+                    if count == n:
+                        del self._free_slots[i]
+                    break
+            else:
+                return None
+        self._clear_slots(start, n)
+        return start
+
+    def release_slots(self, start: int, n: int) -> None:
+        with self._lock:
+            self._free_slots.append((start, n))
+            self._free_slots.sort()
+            merged: list[tuple[int, int]] = []
+            for s, c in self._free_slots:
+                if merged and merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + c)
+                else:
+                    merged.append((s, c))
+            self._free_slots = merged
+
+    def slot_address(self, slot: int) -> int:
+        return self._sig.address + slot * SIGNAL_SLOT_BYTES
+
+    def _clear_slots(self, start: int, n: int) -> None:
+        zero = self._sig.address + self.signal_slots * SIGNAL_SLOT_BYTES
+        stream = self.ffi.NULL
+        done = 0
+        while done < n * SIGNAL_SLOT_BYTES:
+            chunk = min(_ZERO_BYTES, n * SIGNAL_SLOT_BYTES - done)
+            self.lib.aclshmemx_putmem_on_stream(self.ffi.cast("void *", self.slot_address(start) + done),
+                                                self.ffi.cast("void *", zero), chunk, self.my_pe, stream)
+            self.check("aclshmemx_putmem_on_stream")
+            done += chunk
+        self.complete(stream)
+
+    def complete(self, stream: Any) -> None:
+        """Remote completion of everything posted on ``stream``: quiet, then (NPU) synchronize."""
+        self.lib.aclshmemx_quiet_on_stream(stream)
+        self.check("aclshmemx_quiet_on_stream")
+        if self.acl is not None:
+            self.acl.check(self.acl.lib.aclrtSynchronizeStream(stream), "aclrtSynchronizeStream")
+
+    # -- collectives / lifetime --------------------------------------------------------------
+    def barrier(self) -> None:
+        """``aclshmem_barrier_all`` (collective; bounded by the team's control timeout)."""
+        self._check_open()
+        self.ensure_thread()
+        self.lib.aclshmem_barrier_all()
+        self.check("aclshmem_barrier_all")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Collective: finalize SHMEM (every symmetric block goes with it). Safe twice.
+        Engines of runtimes still open on this team are closed first."""
+        global _team
+        if self._closed:
+            return
+        for eng in list(self._engines):
+            eng.close()
+        self._closed = True
+        with _team_lock:
+            if _team is self:
+                _team = None
+        self.ensure_thread()
+        rc = self.lib.aclshmem_finalize()
+        self._check_rc(rc, "aclshmem_finalize")
+
+    def __enter__(self) -> "ShmemTeam":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "test double" if self.test_double else "libshmem.so"
+        return (f"<ShmemTeam {self.team_id} PE {self.my_pe}/{self.n_pes} heap {self.heap_bytes} B "
+                f"({kind} {self.library}){' finalized' if self._closed else ''}>")
+
+
+def new_uniqueid(lib_path: str | os.PathLike[str] | None = None) -> bytes:
+    """A fresh SHMEM unique id (``aclshmemx_get_uniqueid``) as bytes, to send to every PE.
+
+    Call it in the process that will be PE 0 (on an NPU the id carries PE 0's bootstrap
+    address) and hand the bytes to the others through any channel. 136 bytes.
+    """
+    ffi, lib, _ = _load(lib_path)
+    uid = ffi.new("aclshmemx_uniqueid_t *")
+    rc = lib.aclshmemx_get_uniqueid(uid)
+    if rc != 0:
+        raise EngineError("aclshmemx_get_uniqueid failed", code=int(rc), name="aclshmemx_get_uniqueid")
+    return bytes(ffi.buffer(uid))
+
+
+def init_team(my_pe: int, n_pes: int, uniqueid: bytes, heap_bytes: int, *,
+              timeout: float = 120.0, engine_type: str = "mte", device: int | None = None,
+              signal_slots: int = DEFAULT_SIGNAL_SLOTS,
+              lib_path: str | os.PathLike[str] | None = None) -> ShmemTeam:
+    """Join SHMEM team ``uniqueid`` as PE ``my_pe`` of ``n_pes`` (collective, blocking).
+
+    Args:
+        my_pe / n_pes: this process's PE number in ``[0, n_pes)`` and the team size.
+        uniqueid: the bytes :func:`new_uniqueid` made on PE 0 (136 bytes).
+        heap_bytes: size of this PE's symmetric heap (the same on every PE).
+        timeout: seconds for init (every PE must join) and for each collective control step.
+        engine_type: SHMEM data engine, ``"mte"`` (default), ``"sdma"``, ``"roce"``, ``"udma"``.
+        device: NPU device id bound to each thread that calls SHMEM (``aclrtSetDevice``); None
+            when the application set it already. Ignored by the host emulator.
+        signal_slots: tile-ready signal words reserved per PE (one per tile of a window).
+        lib_path: the library to load (default: ``MEMSEM_SHMEM_LIB``, SHMEM/CANN install).
+
+    Returns:
+        The process's :class:`ShmemTeam` (also what :func:`current_team` returns until closed).
+
+    Raises:
+        NotSupportedError: no SHMEM library (or it lacks a symbol). MemsemError: this process
+        is already a PE of a team. EngineError: init failed (``name`` is the SHMEM function,
+        ``code`` its return code; a PE that never joins gives ``ACLSHMEM_TIMEOUT_ERROR``).
+        ValueError / TypeError: bad arguments (named).
+    """
+    global _team
+    for nm, v in (("my_pe", my_pe), ("n_pes", n_pes), ("heap_bytes", heap_bytes), ("signal_slots", signal_slots)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise TypeError(f"{nm} must be an int, got {type(v).__name__}")
+    if n_pes <= 0 or not 0 <= my_pe < n_pes:
+        raise ValueError(f"my_pe must be in [0, n_pes) and n_pes > 0, got my_pe={my_pe} n_pes={n_pes}")
+    if heap_bytes <= 0:
+        raise ValueError(f"heap_bytes must be > 0, got {heap_bytes}")
+    if signal_slots < 0:
+        raise ValueError(f"signal_slots must be >= 0, got {signal_slots}")
+    if engine_type not in _ENGINE_TYPES:
+        raise ValueError(f"engine_type must be one of {sorted(_ENGINE_TYPES)}, got {engine_type!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if not isinstance(uniqueid, (bytes, bytearray, memoryview)):
+        raise TypeError(f"uniqueid must be bytes from new_uniqueid(), got {type(uniqueid).__name__}")
+    ffi, lib, path = _load(lib_path)
+    uniqueid = bytes(uniqueid)
+    if len(uniqueid) != ffi.sizeof("aclshmemx_uniqueid_t"):
+        raise ValueError(f"uniqueid must be {ffi.sizeof('aclshmemx_uniqueid_t')} bytes "
+                         f"(from new_uniqueid()), got {len(uniqueid)}")
+    with _team_lock:
+        if _team is not None and not _team.closed:
+            raise MemsemError(f"this process is already {_team!r}; close() it first")
+        team = ShmemTeam(ffi, lib, path, int(my_pe), int(n_pes), uniqueid, int(heap_bytes),
+                         timeout=float(timeout), engine_type=engine_type, device=device,
+                         signal_slots=int(signal_slots))
+        _team = team
+    log.debug("joined %r", team)
+    return team
+
+
+def current_team() -> ShmemTeam | None:
+    """The SHMEM team of this process (from :func:`init_team`), or None."""
+    t = _team
+    return t if t is not None and not t.closed else None
+
+
+# ----------------------------------------------------------------------------------------------
+class _MteRemote(RemoteRegion):
+    """A window reached through SHMEM: PE, local symmetric address of the same offset, and the
+    ``aclshmem_ptr`` translation (host-usable only where the team is ``host_mapped``)."""
+
+    def __init__(self, engine: "MteEngine", nbytes: int, pe: int, sym: int, ptr: int,
+                 writable: bool, sig_slot: int, n_sig: int) -> None:
+        super().__init__(engine, nbytes, None)
+        self.pe, self.sym, self.ptr, self.writable = pe, sym, ptr, writable
+        self.sig_slot, self.n_sig = sig_slot, n_sig
+
+
+class MteEngine(Engine):
+    """Engine over one Ascend SHMEM team (see the module docstring).
+
+    Constructed by the runtime (``Runtime(engines=(..., "mte"))``) on the process's team from
+    :func:`init_team`, or directly as ``MteEngine(team)``.
+
+    Attributes:
+        location_attrs: ``{"shmem_team": team_id, "shmem_pe": my_pe}``, merged into the
+            runtime's Location: the topology picks route ``mte`` for a window whose descriptor
+            names the same team.
+    """
+
+    name: ClassVar[str] = "mte"
+    new_uniqueid = staticmethod(new_uniqueid)
+    init_team = staticmethod(init_team)
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Whether a SHMEM library loads here; the reason names the library and says when it
+        is the host emulator (a test double). Does not initialize anything."""
+        from memsem.engines._aclshmem import is_test_double
+
+        try:
+            _ffi, lib, path = _load(None)
+        except MemsemError as exc:
+            return Availability(False, str(exc))
+        if is_test_double(lib):
+            return Availability(True, f"TEST DOUBLE: memsem shmem host emulator {path} (host memory, no NPU)")
+        return Availability(True, f"Ascend SHMEM {path}")
+
+    @classmethod
+    def from_runtime(cls, rt: Any) -> "MteEngine":
+        return cls()
+
+    def __init__(self, team: ShmemTeam | None = None) -> None:
+        super().__init__()
+        team = team if team is not None else current_team()
+        if team is None or team.closed:
+            raise NotSupportedError(
+                "engine 'mte' needs this process to be a PE of a SHMEM team: call "
+                "memsem.engines.mte.init_team(my_pe, n_pes, uniqueid, heap_bytes) before creating "
+                "the Runtime")
+        self.team = team
+        self.location_attrs = {"shmem_team": team.team_id, "shmem_pe": team.my_pe}
+        # The engine's stream: an aclrtStream on an NPU, an opaque handle for the emulator.
+        self._stream = team.ffi.cast("void *", 0x6D746500 + (id(self) & 0xFFFF) * 16)
+        if team.acl is not None:
+            team.ensure_thread()
+            p = team.acl.ffi.new("void **")
+            team.acl.check(team.acl.lib.aclrtCreateStream(p), "aclrtCreateStream")
+            self._stream = team.ffi.cast("void *", team.acl.ffi.cast("uintptr_t", p[0]))
+        self._regs: dict[int, tuple[SymmetricAllocation | None, int, int]] = {}
+        self._lock = threading.Lock()
+        team._engines.add(self)
+
+    # -- allocation (collective) -------------------------------------------------------------
+    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+        """Collective: a zero-filled array in the symmetric heap (``aclshmem_calloc``).
+
+        Every PE must call it with the same shape and dtype in the same order. The block is
+        released by :meth:`free` (collective) or at team close, never by garbage collection
+        (freeing is a collective call). Where the heap is NPU memory this raises
+        NotSupportedError (a numpy array cannot live there): use :meth:`malloc`.
+        """
+        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape_t):
+            raise ValueError(f"shape must be non-negative, got {shape_t}")
+        if not self.team.host_mapped:
+            raise NotSupportedError("the symmetric heap of libshmem.so is NPU memory: a numpy array "
+                                    "cannot live there; use MteEngine.malloc() and wrap the address "
+                                    "as a device tensor")
+        dt = _dtypes.numpy_dtype(_dtypes.code_of(dtype))
+        nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+        a = self.team.malloc(max(nbytes, 1), zero=True)
+        raw = address_view(a.address, nbytes, a)
+        return raw.view(dt).reshape(shape_t)
+
+    def malloc(self, nbytes: int, *, align: int = 0) -> SymmetricAllocation:
+        """Collective ``aclshmem_malloc``/``aclshmem_align`` of ``nbytes``; see ShmemTeam.malloc."""
+        return self.team.malloc(nbytes, align=align)
+
+    def free(self, obj: Any) -> None:
+        """Collective ``aclshmem_free`` of an array from :meth:`alloc_array` or an allocation."""
+        if isinstance(obj, SymmetricAllocation):
+            a = obj
+        else:
+            addr = obj.__array_interface__["data"][0] if hasattr(obj, "__array_interface__") else None
+            a = self.team.allocation_of(addr, 0) if addr is not None else None
+            if a is None or a.address != addr:
+                raise ValueError("obj is not a block from MteEngine.alloc_array/malloc")
+        self.team.free(a)
+
+    # -- owner side --------------------------------------------------------------------------
+    def register(self, region: LocalRegion) -> Descriptor | None:
+        """Descriptor for a region in the symmetric heap; None for any other memory."""
+        t = self.team
+        if self.closed or t.closed or not t.in_heap(region.address, region.nbytes):
+            return None
+        alloc = t.allocation_of(region.address, region.nbytes)
+        if alloc is not None:
+            with t._lock:
+                alloc.registrations += 1
+        offset = region.address - t.heap_base
+        with self._lock:
+            self._regs[offset] = (alloc, -1, 0)
+        return Descriptor(self.name, {"team": t.team_id, "pe": t.my_pe, "offset": offset,
+                                      "nbytes": region.nbytes, "mapped": t.host_mapped,
+                                      "writable": region.writable, "sig_slot": -1, "n_sig": 0})
+
+    def on_publish(self, owned: Any) -> None:
+        """Runtime hook after registration: give a tiled window one signal slot per tile."""
+        desc = owned.info.descriptors.get(self.name)
+        n = int(owned.info.n_ready)
+        if desc is None or n == 0:
+            return
+        slot = self.team.take_slots(n)
+        if slot is None:
+            log.info("mte: no %d free signal slots for window gva %#x; put_tile falls back to put + "
+                     "ready word", n, owned.info.gva)
+            return
+        desc.fields["sig_slot"], desc.fields["n_sig"] = slot, n
+        with self._lock:
+            alloc, _, _ = self._regs.get(desc.fields["offset"], (None, -1, 0))
+            self._regs[desc.fields["offset"]] = (alloc, slot, n)
+
+    def deregister(self, descriptor: Descriptor) -> None:
+        self._check_descriptor(descriptor)
+        with self._lock:
+            alloc, slot, n = self._regs.pop(int(descriptor.fields["offset"]), (None, -1, 0))
+        if alloc is not None:
+            with self.team._lock:
+                alloc.registrations = max(0, alloc.registrations - 1)
+        if slot >= 0 and not self.team.closed:
+            self.team.release_slots(slot, n)
+
+    # -- consumer side -----------------------------------------------------------------------
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
+        self._check_descriptor(descriptor)
+        self._check_usable()
+        t = self.team
+        f = descriptor.fields
+        if f.get("team") != t.team_id:
+            raise NotSupportedError(f"mte: the window belongs to SHMEM team {f.get('team')!r}; this "
+                                    f"process is PE {t.my_pe} of {t.team_id!r}")
+        pe, offset = int(f["pe"]), int(f["offset"])
+        if not 0 <= pe < t.n_pes:
+            raise EngineError(f"mte: the window's owner PE {pe} is outside team {t.team_id} of "
+                              f"{t.n_pes} PEs (aclshmem_ptr would return NULL)", name="aclshmem_ptr")
+        if offset < 0 or offset + nbytes > t.heap_bytes:
+            raise EngineError(f"mte: range [{offset}, {offset + nbytes}) lies outside the "
+                              f"{t.heap_bytes}-byte symmetric heap", name="aclshmem_ptr")
+        sym = t.heap_base + offset
+        t.ensure_thread()
+        p = t.lib.aclshmem_ptr(t.ffi.cast("void *", sym), pe)
+        code, msg = t._emu_error()
+        if p == t.ffi.NULL:
+            raise EngineError(f"mte: the heap of peer PE {pe} is not mapped in this process "
+                              f"(aclshmem_ptr returned NULL{': ' + msg if msg else ''})",
+                              name="aclshmem_ptr", code=code or None)
+        return _MteRemote(self, nbytes, pe, sym, int(t.ffi.cast("uintptr_t", p)),
+                          bool(f.get("writable", True)), int(f.get("sig_slot", -1)), int(f.get("n_sig", 0)))
+
+    def view(self, remote: RemoteRegion) -> np.ndarray:
+        r = self._remote(remote)
+        if not self.team.host_mapped:
+            raise NotSupportedError("mte: the window is NPU memory of PE %d; view() needs host-mapped "
+                                    "memory (use get())" % r.pe)
+        return address_view(r.ptr, r.nbytes, r, readonly=not r.writable)
+
+    # -- data --------------------------------------------------------------------------------
+    def _remote(self, remote: RemoteRegion) -> _MteRemote:
+        if not isinstance(remote, _MteRemote) or remote.engine is not self:
+            raise ValueError("remote was not attached by this mte engine")
+        return remote
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise MemsemError("mte engine is closed")
+        if self.team.closed:
+            raise MemsemError(f"SHMEM team {self.team.team_id} is finalized")
+
+    def _local(self, arr: np.ndarray, func: str) -> Any:
+        """cffi pointer to a local buffer; on an NPU it must be NPU memory (the heap)."""
+        addr = arr.__array_interface__["data"][0]
+        if not self.team.host_mapped and not self.team.in_heap(addr, arr.nbytes):
+            raise NotSupportedError(
+                f"{func} on libshmem.so needs its local buffer in NPU memory; this one is host memory "
+                "(memsem does not stage host buffers through the NPU yet)")
+        return self.team.ffi.cast("void *", addr)
+
+    def _post(self, kind: OpKind, r: _MteRemote, offset: int, local: np.ndarray, stream: Any) -> None:
+        self._check_range(r, offset, local.nbytes)
+        if local.nbytes == 0:
+            return
+        t = self.team
+        sym = t.ffi.cast("void *", r.sym + offset)
+        if kind == OpKind.GET:
+            func = "aclshmemx_getmem_on_stream"
+            t.lib.aclshmemx_getmem_on_stream(self._local(local, func), sym, local.nbytes, r.pe, stream)
+        else:
+            func = "aclshmemx_putmem_on_stream"
+            t.lib.aclshmemx_putmem_on_stream(sym, self._local(local, func), local.nbytes, r.pe, stream)
+        t.check(func)
+
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        """Copy ``dst.nbytes`` bytes of the window at ``offset`` into ``dst``; returns at completion."""
+        self._check_usable()
+        self.team.ensure_thread()
+        self._post(OpKind.GET, self._remote(remote), offset, dst, self._stream)
+        self.team.complete(self._stream)
+
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        """Copy ``src`` into the window at ``offset``; returns at remote completion."""
+        self._check_usable()
+        self.team.ensure_thread()
+        self._post(OpKind.PUT, self._remote(remote), offset, src, self._stream)
+        self.team.complete(self._stream)
+
+    def submit(self, ops: Sequence[Op]) -> Request:
+        """Post every op with ``aclshmem_getmem_nbi``/``putmem_nbi`` (library default stream),
+        then complete them all with one ``aclshmemx_quiet_on_stream``; runs on a helper thread.
+        Ops whose arguments are refused end FAILED at once; the others DONE after the quiet."""
+        req = Request(ops)
+
+        def run() -> None:
+            t = self.team
+            issued: list[Op] = []
+            try:
+                self._check_usable()
+                t.ensure_thread()
+                for op in req.ops:
+                    if op.state == OpState.CANCELLED:
+                        continue
+                    op.state = OpState.RUNNING
+                    try:
+                        r = self._remote(op.remote)
+                        self._check_range(r, op.offset, op.nbytes)
+                        if op.nbytes:
+                            sym = t.ffi.cast("void *", r.sym + op.offset)
+                            if op.kind == OpKind.GET:
+                                func = "aclshmem_getmem_nbi"
+                                t.lib.aclshmem_getmem_nbi(self._local(op.local, func), sym, op.nbytes, r.pe)
+                            else:
+                                func = "aclshmem_putmem_nbi"
+                                t.lib.aclshmem_putmem_nbi(sym, self._local(op.local, func), op.nbytes, r.pe)
+                            t.check(func)
+                        issued.append(op)
+                    except BaseException as exc:
+                        op.error, op.state = exc, OpState.FAILED
+                t.complete(t.ffi.NULL)
+                for op in issued:
+                    op.state = OpState.DONE
+            except BaseException as exc:
+                for op in req.ops:
+                    if not op.state.final:
+                        op.error, op.state = exc, OpState.FAILED
+            finally:
+                req._finish()
+
+        threading.Thread(target=run, daemon=True, name="memsem-mte-submit").start()
+        return req
+
+    def fence(self) -> None:
+        """Orders earlier puts before later ones: implemented as :meth:`quiet` (stronger)."""
+        self.quiet()
+
+    def quiet(self) -> None:
+        """Complete everything posted by this engine and on the library's default stream."""
+        self._check_usable()
+        self.team.ensure_thread()
+        self.team.complete(self._stream)
+        self.team.complete(self.team.ffi.NULL)
+
+    # -- tile-ready signals ------------------------------------------------------------------
+    def can_signal(self, remote: RemoteRegion) -> bool:
+        """Whether the window has SHMEM signal words (one per tile)."""
+        return self._remote(remote).n_sig > 0
+
+    def put_signal(self, remote: RemoteRegion, offset: int, src: np.ndarray, tile: int, generation: int) -> None:
+        """``aclshmemx_putmem_signal``: write ``src`` at ``offset``, then SET tile ``tile``'s signal
+        word of the window to ``signal_value(generation)`` (an int32); the target sees the
+        signal only after the data. Returns at remote completion.
+
+        Raises:
+            NotSupportedError: the window has no signal words. ValueError: bad range or tile.
+            EngineError: the library refused (named).
+        """
+        self._check_usable()
+        r = self._remote(remote)
+        if r.n_sig <= 0:
+            raise NotSupportedError("mte: this window has no SHMEM signal words (published without "
+                                    "tiles, or the team's signal slots were used up)")
+        if not isinstance(tile, (int, np.integer)) or not 0 <= tile < r.n_sig:
+            raise ValueError(f"tile must be an int in [0, {r.n_sig}), got {tile!r}")
+        value = signal_value(generation)
+        self._check_range(r, offset, src.nbytes)
+        t = self.team
+        t.ensure_thread()
+        func = "aclshmemx_putmem_signal"
+        dst = t.ffi.cast("void *", r.sym + offset)
+        t.lib.aclshmemx_putmem_signal(dst, self._local(src, func) if src.nbytes else dst, src.nbytes,
+                                      t.ffi.cast("void *", t.slot_address(r.sig_slot + int(tile))),
+                                      int(value), t.lib.ACLSHMEM_SIGNAL_SET, r.pe)
+        t.check(func)
+        t.complete(t.ffi.NULL)  # putmem_signal runs on the library's default stream
+
+    def wait_signal(self, descriptor: Descriptor, tile: int, generation: int, timeout: float) -> None:
+        """Owner side: block until tile ``tile``'s signal word of this PE's window
+        ``descriptor`` says ready for ``generation`` (``aclshmem_signal_wait_until``, CMP_EQ
+        ``signal_value(generation)``).
+
+        Bounded: the emulator through its wait bound; on libshmem.so (whose wait has no bound)
+        the wait runs on a helper thread and MemsemTimeoutError is raised after ``timeout`` s
+        while that native wait continues in the background.
+
+        Raises:
+            MemsemTimeoutError: not signalled in time. ValueError: not this PE's window, bad tile.
+            NotSupportedError: the window has no signal words.
+        """
+        self._check_descriptor(descriptor)
+        self._check_usable()
+        t = self.team
+        f = descriptor.fields
+        if f.get("team") != t.team_id or int(f["pe"]) != t.my_pe:
+            raise ValueError("wait_signal waits on this PE's own windows only "
+                             f"(descriptor is PE {f.get('pe')} of {f.get('team')!r})")
+        n, slot = int(f.get("n_sig", 0)), int(f.get("sig_slot", -1))
+        if n <= 0:
+            raise NotSupportedError("mte: this window has no SHMEM signal words")
+        if not isinstance(tile, (int, np.integer)) or not 0 <= tile < n:
+            raise ValueError(f"tile must be an int in [0, {n}), got {tile!r}")
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        value = signal_value(generation)
+        word = t.ffi.cast("int32_t *", t.slot_address(slot + int(tile)))
+        what = f"SHMEM signal of tile {tile} (heap offset {f['offset']})"
+        if t.test_double:
+            t.lib.aclshmemx_emu_set_wait_timeout_ms(max(1, int(timeout * 1000)))
+            t.lib.aclshmem_signal_wait_until(word, t.lib.ACLSHMEM_CMP_EQ, int(value))
+            code, msg = t._emu_error()
+            if code == t.lib.ACLSHMEM_TIMEOUT_ERROR:
+                raise MemsemTimeoutError(f"{what} not {value} after {timeout} s", what=what, timeout=timeout)
+            if code:
+                raise EngineError(msg, code=code, name="aclshmem_signal_wait_until")
+            return
+        done = threading.Event()
+
+        def wait() -> None:
+            t.ensure_thread()
+            t.lib.aclshmem_signal_wait_until(word, t.lib.ACLSHMEM_CMP_EQ, int(value))
+            done.set()
+
+        threading.Thread(target=wait, daemon=True, name="memsem-mte-signal-wait").start()
+        if not done.wait(timeout):
+            raise MemsemTimeoutError(f"{what} not {value} after {timeout} s (the native wait "
+                                     "continues in the background)", what=what, timeout=timeout)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the engine's stream (NPU). The team stays up: ``ShmemTeam.close()``."""
+        if self._closed:
+            return
+        self._closed = True
+        t = self.team
+        if t.acl is not None and not t.closed:
+            try:
+                t.acl.check(t.acl.lib.aclrtDestroyStream(self._stream), "aclrtDestroyStream")
+            except MemsemError as exc:
+                log.warning("mte: %s", exc)
+        with self._lock:
+            regs = list(self._regs.values())
+            self._regs.clear()
+        for alloc, slot, n in regs:
+            if alloc is not None:
+                with t._lock:
+                    alloc.registrations = max(0, alloc.registrations - 1)
+            if slot >= 0 and not t.closed:
+                t.release_slots(slot, n)
