@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
+from weakref import ref as _weakref
 from typing import Any
 
 import numpy as np
@@ -258,15 +259,11 @@ _ADDR: dict[int, tuple[Any, int, int]] = {}
 
 def array_address(a: np.ndarray) -> int:
     """Data address of a numpy array (cached while the array lives)."""
-    import weakref
-
-    k = id(a)
-    c = _ADDR.get(k)
-    n = a.nbytes
-    if c is not None and c[0]() is a and c[2] == n:
+    c = _ADDR.get(id(a))
+    if c is not None and c[0]() is a and c[2] == a.nbytes:
         return c[1]
     addr = a.__array_interface__["data"][0]
     if len(_ADDR) > 4096:
         _ADDR.clear()
-    _ADDR[k] = (weakref.ref(a), addr, n)
+    _ADDR[id(a)] = (_weakref(a), addr, a.nbytes)
     return addr

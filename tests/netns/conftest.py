@@ -40,6 +40,7 @@ def pytest_report_header(config):
 
 
 def pytest_sessionstart(session):
+    _redis_server.cleanup_stale_dirs()
     ok, _ = _netns.probe()
     if ok:
         removed = _netns.cleanup_stale()

@@ -92,14 +92,18 @@ class Namespace:
         kwargs.setdefault("text", True)
         return subprocess.run(self.argv(cmd), check=check, timeout=timeout, **kwargs)
 
-    def popen(self, cmd: Sequence[str], **kwargs) -> subprocess.Popen:
+    def popen(self, cmd: Sequence[str], *, die_with_parent: bool = True,
+              **kwargs) -> subprocess.Popen:
         """subprocess.Popen(cmd) inside the namespace.
 
         ``ip netns exec`` execs the command in place, so ``Popen.pid`` is the command's own pid
         (signals reach it directly). The process runs in its own session so that a terminal Ctrl-C
-        reaches pytest first; the pair's teardown kills it if the caller did not.
+        reaches pytest first; the pair's teardown kills it if the caller did not, and with
+        ``die_with_parent`` the kernel kills it if this process is SIGKILLed.
         """
         kwargs.setdefault("start_new_session", True)
+        if die_with_parent and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = _die_with_parent
         p = subprocess.Popen(self.argv(cmd), **kwargs)
         self._popens.append(p)
         return p
@@ -166,6 +170,20 @@ while True:
         print("reply from %s in %.1f us" % (addr, (time.perf_counter() - t0) * 1e6)); break
     if time.perf_counter() > deadline: sys.exit("timeout")
 """
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the thread that started it dies (PR_SET_PDEATHSIG).
+
+    Survives the exec of ``ip netns exec`` and of the command it runs, so a SIGKILLed test run
+    leaves no server behind. Caveat: "parent" is the starting *thread*; start long-lived
+    children from the main thread (pytest's), not from a short-lived worker thread.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _signal_pids(pids: Sequence[int], sig: int) -> None:
@@ -295,6 +313,15 @@ def _wait_link_up(*nss: Namespace, timeout: float = 5.0) -> None:
             time.sleep(0.01)
 
 
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a killed run's zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     """Delete ``<prefix>-*-<pid>-*`` namespaces whose creating pid is no longer alive.
 
@@ -310,7 +337,7 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
             owner = int(parts[-2])
         except ValueError:
             continue
-        if os.path.exists(f"/proc/{owner}"):
+        if _pid_alive(owner):
             continue
         ns = Namespace(name, "", "")
         ns.kill_all(grace=1.0)

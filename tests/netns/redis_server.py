@@ -14,7 +14,8 @@ The server runs in the foreground (``--daemonize no``) as a direct child, with n
 (``--save '' --appendonly no``), its working dir and log in a private temp dir, and also a unix
 socket in that dir. Unix sockets are filesystem objects, not per network namespace, so the parent
 can PING the server (readiness) and shut it down from the root namespace without entering the
-namespace. On exit: SIGTERM, wait, SIGKILL if needed, remove the temp dir; no process is left.
+namespace. On exit: SHUTDOWN NOSAVE, then SIGTERM / SIGKILL if needed, remove the temp dir; no
+process is left. If the test process itself is SIGKILLed, PR_SET_PDEATHSIG kills the server.
 
 Needs the ``redis-server`` binary (``sh tests/netns/install_redis.sh``); :func:`find_redis_server`
 returns its path or None.
@@ -33,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-__all__ = ["RedisServer", "RedisStartError", "redis_server", "find_redis_server", "free_port"]
+__all__ = ["RedisServer", "RedisStartError", "redis_server", "find_redis_server", "free_port",
+           "cleanup_stale_dirs"]
 
 
 class RedisStartError(RuntimeError):
@@ -53,6 +55,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: PR_SET_PDEATHSIG=SIGKILL (see netns._die_with_parent)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass
@@ -109,8 +118,14 @@ class RedisServer:
             return ""
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM (redis exits without saving: --save ''), then SIGKILL after ``timeout``."""
+        """SHUTDOWN NOSAVE over the unix socket (immediate; SIGTERM alone waits for redis's next
+        100 ms cron tick), then SIGTERM, then SIGKILL, each after ``timeout``."""
         p = self.proc
+        if p.poll() is None:
+            with contextlib.suppress(OSError, RedisStartError):
+                self.command("SHUTDOWN", "NOSAVE", timeout=timeout)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=timeout)
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
@@ -120,6 +135,28 @@ class RedisServer:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 p.wait(timeout=timeout)
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (a killed run's zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cleanup_stale_dirs() -> list[str]:
+    """Remove memsem-redis-<pid>-* temp dirs whose creating pid is gone (SIGKILLed runs)."""
+    removed = []
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        parts = name.split("-")
+        if name.startswith("memsem-redis-") and len(parts) >= 4 and parts[2].isdigit():
+            if not _pid_alive(int(parts[2])):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+                removed.append(name)
+    return removed
 
 
 @contextlib.contextmanager
@@ -144,7 +181,7 @@ def redis_server(ns=None, host: str | None = None, port: int | None = None, *, d
     if port is None:
         port = 6379 if ns_name is not None else free_port(host)
 
-    tmpdir = tempfile.mkdtemp(prefix="memsem-redis-")
+    tmpdir = tempfile.mkdtemp(prefix=f"memsem-redis-{os.getpid()}-")
     sock_path = os.path.join(tmpdir, "redis.sock")
     logfile = os.path.join(tmpdir, "redis.log")
     argv = [
@@ -172,8 +209,9 @@ def redis_server(ns=None, host: str | None = None, port: int | None = None, *, d
     log = open(logfile, "wb")
     # start_new_session: Ctrl-C at the terminal goes to pytest, which then stops the server cleanly.
     # `ip netns exec` execs redis-server in place, so proc.pid is redis-server's pid.
+    # preexec_fn: the kernel SIGKILLs redis if this process dies without running the teardown.
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent)
     log.close()
     srv = RedisServer(host, port, db, sock_path, proc, logfile, ns_name, password)
     try:

@@ -257,13 +257,18 @@ def test_zmq_zero_copy_roundtrip_across_veth(ns_pair):
     res = _zmq_pair_run(a, b, a.addr, [
         ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "recv_into"],
         ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "frame"],
+        ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "recv_into",
+         "--chunk", str(4 * MiB)],
+        ["--size", str(10 * MiB + 3), "--iters", "2", "--warmup", "1", "--recv", "frame",
+         "--chunk", str(1 * MiB)],
         ["--size", "64", "--iters", "50", "--recv", "recv_into"],
     ])
     assert all(r["intact"] for r in res), res
 
 
 def _fmt(r):
-    return (f"{r['size']:>9} B  {r['recv']:<9}  p50 {r['lat_us_p50']:>9.1f} us  "
+    chunk = f"{r['chunk'] >> 20} MiB frames" if r.get("chunk") else "one frame"
+    return (f"{r['size']:>9} B  {r['recv']:<9} {chunk:<13} p50 {r['lat_us_p50']:>9.1f} us  "
             f"p99 {r['lat_us_p99']:>9.1f} us  min {r['lat_us_min']:>8.1f} us  {r['gbps']:.3f} GB/s")
 
 
@@ -278,6 +283,8 @@ def test_zmq_bench_veth_vs_loopback(ns_pair):
         ["--size", "64", "--iters", lat_iters, "--recv", "recv_into"],
         ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "recv_into"],
         ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "frame"],
+        ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "recv_into",
+         "--chunk", str(4 * MiB)],
     ]
     veth = _zmq_pair_run(a, b, a.addr, clients)
     loop = _zmq_pair_run(None, None, "127.0.0.1", clients, port=_free_port())

@@ -3,11 +3,16 @@ buffer, received into a preallocated destination. Run as two processes (one per 
 
     python zmq_bench.py server --bind tcp://10.201.x.1:5555 [--max-bytes N]
     python zmq_bench.py client --connect tcp://10.201.x.1:5555 --size 64 --iters 2000 \
-        [--recv recv_into|frame] [--pattern reqrep|dealer]
+        [--recv recv_into|frame] [--pattern reqrep|dealer] [--chunk BYTES] [--quit]
+
+With ``--chunk`` the server sends the payload as one multipart message of chunk-sized frames and
+the client receives each frame into its slice of the destination. Measured here: 4-8 MiB frames
+move 64 MiB about 2x faster than one 64 MiB frame. (libzmq delivers a multipart message atomically,
+so the receiver still sees frame 0 only after the last frame arrived; no overlap of copy and wire.)
 
 The client prints one JSON line: size, iters, recv method, and latency stats (us) or throughput
 (GB/s, 1e9 bytes/s), and whether every payload it checked was intact. The server answers
-``b"get" + size(8 bytes LE)`` with ``size`` bytes of its source array (``copy=False`` for sizes at or
+``b"get" + size + chunk (8 bytes LE each)`` with ``size`` bytes of its source array (``copy=False`` for sizes at or
 above zmq.COPY_THRESHOLD; pyzmq copies smaller ones anyway), and ``b"quit"`` (client ``--quit``) with ``b"bye"`` and exits.
 """
 
@@ -47,17 +52,22 @@ def serve(bind: str, max_bytes: int, pattern: str) -> None:
             else:
                 sock.send(b"bye")
             break
-        (size,) = struct.unpack_from("<Q", req, 3)
+        size, chunk = struct.unpack_from("<QQ", req, 3)
         payload = memoryview(src)[:size]          # a view: no copy
         if pattern == "dealer":
             sock.send(ident, zmq.SNDMORE)
-        sock.send(payload, copy=False)            # zero-copy above zmq.COPY_THRESHOLD
+        if not chunk or chunk >= size:
+            sock.send(payload, copy=False)        # zero-copy above zmq.COPY_THRESHOLD
+        else:                                     # one multipart message of chunk-sized frames
+            for off in range(0, size, chunk):
+                last = off + chunk >= size
+                sock.send(payload[off:off + chunk], copy=False, flags=0 if last else zmq.SNDMORE)
     sock.close(linger=0)
     ctx.term()
 
 
 def client(connect: str, size: int, iters: int, warmup: int, recv: str, pattern: str,
-           verify: bool, quit_server: bool = False) -> dict:
+           verify: bool, quit_server: bool = False, chunk: int = 0) -> dict:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER if pattern == "dealer" else zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -65,22 +75,31 @@ def client(connect: str, size: int, iters: int, warmup: int, recv: str, pattern:
     sock.setsockopt(zmq.SNDTIMEO, 30_000)
     sock.connect(connect)
     dst = np.zeros(size, dtype=np.uint8)          # preallocated destination
-    req = b"get" + struct.pack("<Q", size)
+    req = b"get" + struct.pack("<QQ", size, chunk)
     expect = _pattern(size) if verify else None
     ok = True
 
+    dmv = memoryview(dst)
+
     def one() -> None:
         sock.send(req)
-        if recv == "recv_into":
-            n = sock.recv_into(dst)               # libzmq copies msg -> dst, GIL released
-            if n != size:
-                raise RuntimeError(f"got {n} bytes, expected {size} (truncated if larger)")
-        else:
-            frame = sock.recv(copy=False)         # Frame over libzmq's buffer, no copy yet
-            mv = frame.buffer
-            if mv.nbytes != size:
-                raise RuntimeError(f"got {mv.nbytes} bytes, expected {size}")
-            dst[:] = np.frombuffer(mv, dtype=np.uint8)   # the one copy into the destination
+        off = 0
+        while True:                               # one frame, or chunk frames of one message
+            if recv == "recv_into":
+                n = sock.recv_into(dmv[off:])     # libzmq copies msg -> dst, GIL released
+                if off + n > size:
+                    raise RuntimeError(f"frame of {n} B at {off} overflows {size} B (truncated)")
+            else:
+                frame = sock.recv(copy=False)     # Frame over libzmq's buffer, no copy yet
+                n = frame.buffer.nbytes
+                if off + n > size:
+                    raise RuntimeError(f"frame of {n} B at {off} overflows {size} B")
+                dmv[off:off + n] = frame.buffer   # the one copy into the destination
+            off += n
+            if not sock.getsockopt(zmq.RCVMORE):
+                break
+        if off != size:
+            raise RuntimeError(f"got {off} bytes, expected {size}")
 
     for _ in range(warmup):
         one()
@@ -106,6 +125,7 @@ def client(connect: str, size: int, iters: int, warmup: int, recv: str, pattern:
     us = [t * 1e6 for t in times]
     return {
         "connect": connect, "pattern": pattern, "recv": recv, "size": size, "iters": iters,
+        "chunk": chunk,
         "intact": ok,
         "lat_us_p50": round(statistics.median(us), 2),
         "lat_us_p99": round(us[min(len(us) - 1, int(len(us) * 0.99))], 2),
@@ -130,6 +150,8 @@ def main(argv=None) -> int:
     c.add_argument("--warmup", type=int, default=None)
     c.add_argument("--recv", choices=["recv_into", "frame"], default="recv_into")
     c.add_argument("--pattern", choices=["reqrep", "dealer"], default="reqrep")
+    c.add_argument("--chunk", type=int, default=0,
+                   help="server sends the payload as frames of this size (one multipart message)")
     c.add_argument("--no-verify", action="store_true")
     c.add_argument("--quit", action="store_true", help="tell the server to exit afterwards")
     a = ap.parse_args(argv)
@@ -138,7 +160,7 @@ def main(argv=None) -> int:
     else:
         warmup = a.warmup if a.warmup is not None else max(2, a.iters // 10)
         print(json.dumps(client(a.connect, a.size, a.iters, warmup, a.recv, a.pattern,
-                                not a.no_verify, a.quit)), flush=True)
+                                not a.no_verify, a.quit, a.chunk)), flush=True)
     return 0
 
 

@@ -284,7 +284,7 @@ class ShmemTeam:
     def allocation_of(self, address: int, nbytes: int) -> SymmetricAllocation | None:
         with self._lock:
             for a in self._allocs.values():
-                if a.address <= address and address + nbytes <= a.address + a.nbytes:
+                if a.address <= address and address + max(nbytes, 1) <= a.address + a.nbytes:
                     return a
         return None
 
@@ -492,7 +492,7 @@ class MteEngine(Engine):
         try:
             _ffi, lib, path = _load(None)
         except MemsemError as exc:
-            return Availability(False, str(exc))
+            return Availability(False, str(exc).replace("mte engine unavailable: ", "", 1))
         if is_test_double(lib):
             return Availability(True, f"TEST DOUBLE: memsem shmem host emulator {path} (host memory, no NPU)")
         return Availability(True, f"Ascend SHMEM {path}")
@@ -554,8 +554,9 @@ class MteEngine(Engine):
             a = obj
         else:
             addr = obj.__array_interface__["data"][0] if hasattr(obj, "__array_interface__") else None
-            a = self.team.allocation_of(addr, 0) if addr is not None else None
-            if a is None or a.address != addr:
+            with self.team._lock:
+                a = self.team._allocs.get(addr) if addr is not None else None
+            if a is None or a is self.team._sig:
                 raise ValueError("obj is not a block from MteEngine.alloc_array/malloc")
         self.team.free(a)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+import threading
 
 from memsem import native
 from memsem.native import Segment
@@ -72,7 +73,8 @@ class ControlBlock:
     threads.
     """
 
-    __slots__ = ("segment", "base", "n_ready", "n_lease", "_lease0", "_ready0", "__weakref__")
+    __slots__ = ("segment", "base", "n_ready", "n_lease", "_lease0", "_ready0", "_pins", "_close_pending",
+                 "_pin_lock", "__weakref__")
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
@@ -86,6 +88,9 @@ class ControlBlock:
         self.n_lease = self.word(W_NLEASE)
         self._lease0 = self.base + 8 * HEADER_WORDS
         self._ready0 = self._lease0 + 8 * LEASE_WORDS * self.n_lease
+        self._pins = 0
+        self._close_pending = False
+        self._pin_lock = threading.Lock()
 
     @classmethod
     def create(cls, *, owner_pid: int, owner_start: int, nbytes: int, perms: int, n_ready: int,
@@ -157,5 +162,33 @@ class ControlBlock:
             raise IndexError(f"tile {tile} out of range [0, {self.n_ready})")
         return self._ready0 + 8 * tile
 
+    # -- lifetime ---------------------------------------------------------------------------------
+    def pin(self) -> None:
+        """Keep the mapping while a holder (a Lease) may still read it: ``close`` is deferred
+        until the last ``unpin``. A lease outliving its window's resolution (republish, runtime
+        close) must never read unmapped memory."""
+        with self._pin_lock:
+            if self.segment._closed:
+                raise ValueError(f"control block {self.segment.name!r} is already unmapped")
+            self._pins += 1
+
+    def unpin(self) -> None:
+        with self._pin_lock:
+            self._pins -= 1
+            close = self._pins <= 0 and self._close_pending
+        if close:
+            self.segment.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called (the mapping may live on while pinned)."""
+        return self._close_pending or self.segment._closed
+
     def close(self) -> None:
+        """Unmap, or mark for unmapping at the last ``unpin``. Safe twice."""
+        with self._pin_lock:
+            if self._pins > 0:
+                self._close_pending = True
+                return
+            self._close_pending = True
         self.segment.close()

@@ -65,16 +65,29 @@ def expiry_of(cb: ControlBlock, slot: int, lease_id: int) -> int:
 
 
 def renew(cb: ControlBlock, slot: int, lease_id: int, ttl_ns: int) -> int:
-    """Extend an unexpired lease; returns the new expiry, or 0 when it already expired/was lost."""
+    """Extend an unexpired lease; returns the new expiry, or 0 when it already expired/was lost.
+
+    The extension is a CAS on the expiry word (a slot reclaimed meanwhile is never written), and
+    it counts only if the old expiry had not passed once the new one was in place: an owner that
+    judged the lease expired read its clock before the CAS, so it can never have passed a lease
+    this call reports renewed.
+    """
     a = cb.lease_slot_addr(slot)
     now = native.monotonic_ns()
     exp = native.load_acquire(a + 16)
     if native.load_acquire(a + 24) != lease_id or exp <= now:
         return 0
-    native.store_release(a + 16, now + ttl_ns)
-    if native.load_acquire(a + 24) != lease_id:  # reclaimed between the two loads
+    new = now + ttl_ns
+    ok, _ = native.compare_exchange(a + 16, exp, new)
+    if not ok or native.load_acquire(a + 24) != lease_id:  # reclaimed or changed meanwhile
         return 0
-    return now + ttl_ns
+    native.lib.memsem_fence_seq_cst()
+    if native.monotonic_ns() >= exp:
+        # The old expiry passed before the extension was visible: an owner may have passed the
+        # lease as expired. Undo (harmless if it fails) and report it lost.
+        native.compare_exchange(a + 16, new, exp)
+        return 0
+    return new
 
 
 def release(cb: ControlBlock, slot: int, lease_id: int) -> None:

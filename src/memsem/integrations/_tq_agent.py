@@ -20,7 +20,7 @@ and the unpublish is deferred.
 
 Control channel: ``multiprocessing.connection`` over an AF_UNIX socket in a 0700 directory, with
 a random authkey (HMAC challenge). Requests are ``(op, kwargs)``; replies ``("ok", value)`` or
-``("err", error class name, message)``. Ops: ``alloc``, ``free``, ``stats``, ``ping``, ``shutdown``.
+``("err", error class name, message)``. Ops: ``alloc``, ``abort``, ``free``, ``stats``, ``ping``, ``shutdown``.
 
 The agent exits when the process that started it exits (checked every 0.2 s), on ``shutdown``,
 or on SIGTERM; it then unpublishes everything and unlinks its segments. Segments of an agent
@@ -102,7 +102,7 @@ class Agent:
         self._retire_q: list[_Region] = []
         self._stop = threading.Event()
         self.counters = {"allocs": 0, "alloc_bytes": 0, "frees": 0, "items_freed": 0, "regions_retired": 0,
-                         "clear_waits": 0, "clear_wait_s": 0.0, "putters_reaped": 0}
+                         "clear_waits": 0, "clear_wait_s": 0.0, "putters_reaped": 0, "aborts": 0}
 
     # -- ops -------------------------------------------------------------------------------------
     def op_ping(self) -> str:
@@ -139,6 +139,7 @@ class Agent:
                 missing += len(lst)
                 continue
             self._wait_unleased(region, deadline)
+            freed_before = freed
             with self._lock:
                 words = region.words
                 for index, gen in lst:
@@ -152,9 +153,22 @@ class Agent:
                     region.retiring = True
                     self._retire_q.append(region)
                 self.counters["frees"] += 1
-                self.counters["items_freed"] += freed
+                self.counters["items_freed"] += freed - freed_before
         self._drain_retire_q()
         return {"freed": freed, "missing": missing}
+
+    def op_abort(self, rid: int, gva: int) -> bool:
+        """Free a region whose put failed before its commit (no item word set). Returns whether
+        it was freed."""
+        with self._lock:
+            region = self._regions.get(int(rid))
+            if region is None or region.retiring or region.ref.spec.gva != int(gva) or np.any(region.words):
+                return False
+            region.retiring = True
+            self._retire_q.append(region)
+            self.counters["aborts"] += 1
+        self._drain_retire_q()
+        return True
 
     def op_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -366,10 +380,13 @@ class AgentClient:
 
 
 class AgentProcess:
-    """A started agent: ``address`` and ``authkey`` for clients; ``stop()`` (safe twice)."""
+    """A started agent: ``address``, ``authkey``, memsem ``job`` and ``directory`` for clients;
+    ``stop()`` (safe twice)."""
 
-    def __init__(self, proc: subprocess.Popen, address: str, authkey: bytes) -> None:
+    def __init__(self, proc: subprocess.Popen, address: str, authkey: bytes, job: str,
+                 directory: str | None) -> None:
         self.proc, self.address, self.authkey = proc, address, authkey
+        self.job, self.directory = job, directory
 
     @property
     def pid(self) -> int:
@@ -395,15 +412,22 @@ class AgentProcess:
 def start_agent(*, job: str | None = None, directory: str | None = None, timeout: float = 30.0) -> AgentProcess:
     """Start an agent owned by this process (it exits when this process does).
 
+    Args:
+        job: memsem directory namespace of its windows (default ``MEMSEM_JOB`` or "default");
+            clients must use the same (the bootstrap provider writes it into the TQ config).
+        directory: memsem directory (default local).
+        timeout: seconds to wait for it to report ready.
+
     Raises:
         MemsemTimeoutError: it did not report ready within ``timeout`` s. MemsemError: it exited.
     """
+    from memsem.directory.local import default_job
     from memsem.native import ProcessIdentity
 
     me = ProcessIdentity.current()
-    cmd = [sys.executable, "-m", "memsem.integrations._tq_agent", "--parent", f"{me.pid}:{me.start_time}"]
-    if job:
-        cmd += ["--job", job]
+    job = job or default_job()  # fixed now: clients get it from the config, not their environment
+    cmd = [sys.executable, "-m", "memsem.integrations._tq_agent", "--parent", f"{me.pid}:{me.start_time}",
+           "--job", job]
     if directory:
         cmd += ["--directory", directory]
     authkey = os.urandom(32)
@@ -430,7 +454,7 @@ def start_agent(*, job: str | None = None, directory: str | None = None, timeout
     if not text.startswith("READY "):
         proc.kill()
         raise MemsemError(f"memsem TransferQueue agent: unexpected start line {text!r}")
-    return AgentProcess(proc, text[len("READY "):], authkey)
+    return AgentProcess(proc, text[len("READY "):], authkey, job, directory)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import pickle
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,6 +61,8 @@ from transfer_queue.storage.managers.base import KVStorageManager, StorageManage
 
 from memsem._errors import MemsemError, StaleReferenceError, WindowNotFoundError
 from memsem.integrations._tq_agent import ALIGN, AgentClient, AgentProcess, align, start_agent
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BACKEND_NAME", "CLIENT_NAME", "E2E_BACKEND_CONFIG", "MemsemStorageClient", "MemsemStorageManager",
@@ -333,12 +335,19 @@ class MemsemStorageClient(StorageKVClient):
         spec = TensorRef.from_bytes(ref_bytes, rt).spec
         gens = np.arange(grant["gen_base"], grant["gen_base"] + len(keys), dtype=np.uint64)
         moved = 0
-        with _PROC.using(rt, [spec]):
-            for off, src in sources:
-                rt.transfer(spec, "put", off, src)
-                moved += src.nbytes
-            # Commit: the item words go last; a reader accepts an item only once its word is set.
-            rt.transfer(spec, "put", 0, gens.view(np.uint8))
+        try:
+            with _PROC.using(rt, [spec]):
+                for off, src in sources:
+                    rt.transfer(spec, "put", off, src)
+                    moved += src.nbytes
+                # Commit: the item words go last; a reader accepts an item only once its word is set.
+                rt.transfer(spec, "put", 0, gens.view(np.uint8))
+        except BaseException:
+            try:
+                self._agent.call("abort", rid=int(grant["rid"]), gva=spec.gva)
+            except MemsemError as exc:  # the agent reaps it when this process exits
+                log.warning("Memsem backend: freeing the region of a failed put: %s", exc)
+            raise
         _count(put_bytes=moved, staged_bytes=staged, puts=1, regions=1, runs_put=len(sources))
         rid = int(grant["rid"])
         return [{"v": META_VERSION, "ref": ref_bytes, "rid": rid, "gva": spec.gva, "i": it.pos,
@@ -488,8 +497,7 @@ class MemsemStorageManager(KVStorageManager):
 
 
 # ----------------------------------------------------------------------------------------------
-_AGENTS: "weakref.WeakSet[AgentProcess]" = weakref.WeakSet()
-_AGENTS_STRONG: list[AgentProcess] = []
+_AGENTS: list[AgentProcess] = []
 
 
 @StorageBootstrapProvider.register_provider(BACKEND_NAME)
@@ -510,17 +518,17 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
         return {"agent": "external", "address": section.agent_address}
     stop_agents()
     agent = start_agent(job=section.get("job") or None, directory=section.get("directory") or None)
-    _AGENTS.add(agent)
-    _AGENTS_STRONG.append(agent)
+    _AGENTS.append(agent)
     section.agent_address = agent.address
     section.agent_authkey = agent.authkey.hex()
+    section.job = agent.job
     return {"agent": agent, "address": agent.address, "pid": agent.pid}
 
 
 def stop_agents() -> None:
     """Stop the storage agents this process started (their data is gone). Safe twice."""
-    while _AGENTS_STRONG:
-        _AGENTS_STRONG.pop().stop()
+    while _AGENTS:
+        _AGENTS.pop().stop()
 
 
 def remove_run_dirs() -> None:

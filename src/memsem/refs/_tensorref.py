@@ -170,7 +170,9 @@ class TensorRef:
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
             ValueError / TypeError: ``out`` has the wrong size or is read-only.
         """
-        rt = self.runtime
+        rt = self._rt
+        if rt is None or rt._closed:
+            rt = _default_runtime()
         if out is not None:
             return rt.get_spec(self.spec, out, lease=lease)
         fw = framework or self._default_framework()
@@ -225,7 +227,10 @@ class TensorRef:
                 error the target is being retired and the bytes count for nothing.
             ValueError / TypeError: size or dtype mismatch.
         """
-        self.runtime.put_spec(self.spec, src, lease=lease)
+        rt = self._rt
+        if rt is None or rt._closed:
+            rt = _default_runtime()
+        rt.put_spec(self.spec, src, lease=lease)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final."""

@@ -80,8 +80,16 @@ def _collect_dir(path: str, dry_run: bool) -> list[tuple[str, str]]:
             if rec.get("node") == node_id() and not process_alive(int(rec.get("owner_pid", 0)), int(rec.get("owner_start", 0))):
                 out.append((os.path.join(path, f), f"window {rec.get('name') or f[2:]} of dead process {rec.get('owner_pid')}"))
                 if rec.get("name"):
+                    # Only if the name still points at this dead window: a live process may have
+                    # published the same name since.
                     n = os.path.join(path, "n." + rec["name"].encode().hex())
-                    out.append((n, f"name of a window of dead process {rec.get('owner_pid')}"))
+                    try:
+                        with open(n) as fh:
+                            target = int(fh.read().strip() or "-1", 16)
+                    except (OSError, ValueError):
+                        target = -1
+                    if target == int(rec.get("gva", -2)):
+                        out.append((n, f"name {rec['name']!r} of a window of dead process {rec.get('owner_pid')}"))
     if not dry_run:
         for p, _ in out:
             try:

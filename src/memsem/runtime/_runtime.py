@@ -66,8 +66,11 @@ DEFAULT_TIMEOUT = 30.0
 LIVENESS_CHECK_BYTES = 1 << 18
 #: slice of a blocking wait between liveness checks (seconds)
 WAIT_SLICE = 0.05
+#: smaller transfers re-check the owner's liveness when the last check is older than this (s)
+LIVENESS_INTERVAL = 0.05
 
 _guarded = native.lib.memsem_guarded_copy
+_now = time.perf_counter_ns
 _UINT8 = _dtypes.code_of("uint8")
 _current: contextvars.ContextVar["RuntimeCore | None"] = contextvars.ContextVar("memsem_runtime", default=None)
 _instances: "list[weakref.ref[RuntimeCore]]" = []
@@ -91,11 +94,12 @@ class _Owned:
 class _Owner:
     """Liveness of a window's owner (same node: pidfd, so a recycled pid is never mistaken)."""
 
-    __slots__ = ("pid", "start", "fd", "node")
+    __slots__ = ("pid", "start", "fd", "node", "checked")
 
     def __init__(self, pid: int, start: int, node: str) -> None:
         self.pid, self.start, self.node = pid, start, node
         self.fd = -1
+        self.checked = 0.0
         if node == native.node_id() and pid != os.getpid():
             try:
                 fd = os.pidfd_open(pid)
@@ -109,6 +113,7 @@ class _Owner:
     def alive(self) -> bool:
         if self.pid == os.getpid():
             return True
+        self.checked = time.monotonic()
         if self.fd < 0:
             return process_alive(self.pid, self.start) if self.node == native.node_id() else True
         r, _, _ = select.select([self.fd], [], [], 0)
@@ -131,6 +136,11 @@ class _Resolved:
     engine: Engine
     owner: _Owner
     own_cb: bool
+    #: the access key this resolution was verified with (a cached entry serves only that key)
+    key: bytes = b""
+    #: views mapping this resolution's memory; a dropped entry is unmapped when they are gone
+    pins: int = 0
+    dropped: bool = False
     # Hot-path plan, computed once per resolution.
     writable: bool = False
     direct: bool = False
@@ -140,9 +150,15 @@ class _Resolved:
     inflight_addr: int = 0
     get_method: int = 0
     put_method: int = 0
+    nbytes: int = 0
+    # Telemetry of this route, bound once (see runtime._telemetry): [ops, bytes] and ring appends.
+    counter: Any = None
+    lat_get: Any = None
+    lat_put: Any = None
 
     def __post_init__(self) -> None:
         self.writable = self.info.access == "rw"
+        self.nbytes = self.info.nbytes
         d = self.remote.direct
         if d is not None and self.cb is not None:
             self.direct = True
@@ -173,7 +189,7 @@ class Lease:
         self._id = 0
         self._cb: ControlBlock | None = None
         self._views = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # RLock: a view's finalizer may run inside a held section
 
     @property
     def held(self) -> bool:
@@ -201,6 +217,7 @@ class Lease:
         if res.cb.generation != self.spec.generation:
             _lease.release(res.cb, slot, lid)
             raise self.runtime._stale(self.spec, res.cb.generation)
+        res.cb.pin()  # the lease reads its slot until released, whatever happens to the cache
         self._cb, self._slot, self._id = res.cb, slot, lid
         self.runtime._leases.add(self)
         return self
@@ -213,6 +230,7 @@ class Lease:
         ttl = self.ttl if ttl is None else ttl
         exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
         if not exp:
+            _lease.release(self._cb, self._slot, self._id)  # free the slot now (no-op if reclaimed)
             self._forget()
             raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
         return (exp - native.monotonic_ns()) / 1e9
@@ -228,8 +246,7 @@ class Lease:
         """Raise LeaseExpiredError unless the lease is held and unexpired now."""
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
-        exp = _lease.expiry_of(self._cb, self._slot, self._id)
-        if exp == 0 or exp <= native.monotonic_ns():
+        if self.expired():
             raise LeaseExpiredError(f"lease on {self.spec.label} expired {when}")
 
     def release(self) -> None:
@@ -243,8 +260,18 @@ class Lease:
             self._forget()
 
     def _forget(self) -> None:
+        cb, self._cb = self._cb, None
         self._id = 0
         self.runtime._leases.discard(self)
+        if cb is not None:
+            cb.unpin()
+
+    def expired(self) -> bool:
+        """True when the lease is not held or its expiry has passed (never blocks)."""
+        if not self.held:
+            return True
+        exp = _lease.expiry_of(self._cb, self._slot, self._id)
+        return exp == 0 or exp <= native.monotonic_ns()
 
     def __enter__(self) -> "Lease":
         if not self.held:
@@ -485,7 +512,7 @@ class RuntimeCore:
 
     def _republish(self, old: _Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int) -> RefSpec:
         self._retire(old, timeout=self.timeout, keep_name=True)
-        reuse = old.cb if old.cb.n_ready == n_ready and not old.cb.segment._closed else None
+        reuse = old.cb if old.cb.n_ready == n_ready and not old.cb.closed else None
         if reuse is None:
             self._close_cb(old.cb)
         span_ok = info.nbytes <= max(old.info.nbytes, 1)
@@ -592,6 +619,14 @@ class RuntimeCore:
             "(unpublished, republished or reused); no byte of it is valid",
             window=spec.name, expected=spec.generation, found=found)
 
+    def _stale_during(self, spec: RefSpec, found: int | None, lease: Lease | None) -> MemsemError:
+        """The error for a generation that moved under a transfer: LeaseExpiredError when the
+        caller's lease ran out (the owner reclaimed the window because of it), else stale."""
+        if lease is not None and lease.expired():
+            return LeaseExpiredError(f"lease on {spec.label} expired during the transfer and the owner "
+                                     "reclaimed the window; the bytes moved are not valid")
+        return self._stale(spec, found)
+
     def _owner(self, pid: int, start: int, node: str) -> _Owner:
         key = (pid, start)
         o = self._owners.get(key)
@@ -603,15 +638,26 @@ class RuntimeCore:
     def _resolve(self, spec: RefSpec) -> _Resolved:
         self._check_open()
         res = self._resolved.get(spec.gva)
-        if res is not None and res.info.generation == spec.generation:
+        if res is not None and res.info.generation == spec.generation and res.key == spec.key:
             return res
         with self._lock:
             res = self._resolved.get(spec.gva)
             if res is not None and res.info.generation == spec.generation:
+                if res.key == spec.key:
+                    return res
+                # A cached resolution serves only the key it was verified with: a forged ref
+                # with a known GVA and generation must not ride on someone else's resolution.
+                if not key_matches(spec.key, res.info.key_digest):
+                    raise AccessDeniedError(f"wrong access key for {spec.label}: the ref was not "
+                                            "minted by its owner")
                 return res
             if res is not None:
                 self._drop_resolved(spec.gva)
             res = self._resolve_uncached(spec)
+            res.key = spec.key
+            tel = self.telemetry
+            res.counter = tel.route_counter(res.route.kind)
+            res.lat_get, res.lat_put = tel.latency_sink("get"), tel.latency_sink("put")
             self._resolved[spec.gva] = res
             return res
 
@@ -661,7 +707,7 @@ class RuntimeCore:
         except EngineError as exc:
             if cb is not None and not own_cb:
                 cb.close()
-            raise self._translate(exc, spec, owner) from exc
+            raise _chain(self._translate(exc, spec, owner), exc)
         except WindowNotFoundError:
             if cb is not None and not own_cb:
                 cb.close()
@@ -671,9 +717,10 @@ class RuntimeCore:
     def _drop_resolved(self, gva: int) -> None:
         res = self._resolved.pop(gva, None)
         if res is not None:
-            res.remote.close()
-            if res.cb is not None and not res.own_cb:
-                res.cb.close()
+            if res.pins:
+                res.dropped = True  # views still map it: unmapped when the last one goes
+                return
+            _close_resolved(res)
 
     def route_of(self, spec: RefSpec) -> Route:
         """The route this runtime uses for ``spec`` (resolving it if needed)."""
@@ -708,12 +755,16 @@ class RuntimeCore:
 
     def _transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, local: Any,
                   lease: Lease | None, signal_tile: int | None = None) -> None:
-        t0 = time.perf_counter_ns()
+        t0 = _now()
         if offset < 0 or offset + n > spec.nbytes:
             raise ValueError(f"range [{offset}, {offset + n}) lies outside the ref's {spec.nbytes} bytes")
         res = self._resolved.get(spec.gva)
-        if res is None or res.info.generation != spec.generation:
+        if res is None or res.info.generation != spec.generation or res.key != spec.key:
             res = self._resolve(spec)
+        at = spec.offset + offset
+        if at < 0 or at + n > res.nbytes:
+            # The resolution is cached per window: a ref's own range is checked on every use.
+            raise ValueError(f"ref range [{at}, {at + n}) lies outside {spec.label} of {res.nbytes} bytes")
         if put:
             if not spec.writable:
                 raise AccessDeniedError(f"put through a read-only ref to {spec.label}")
@@ -723,7 +774,7 @@ class RuntimeCore:
             if lease.spec.gva != spec.gva:
                 raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
             lease.check("before the transfer")
-        at = res.base + spec.offset + offset
+        at += res.base
         if res.direct:
             if put:
                 rc = _guarded(res.gen_addr, spec.generation, res.inflight_addr, res.put_method, res.pid, at, addr, n)
@@ -732,21 +783,31 @@ class RuntimeCore:
             if rc != 0:
                 cb = res.cb
                 if rc == native.GUARD_BEFORE or rc == native.GUARD_AFTER:
-                    raise self._stale(spec, cb.generation)
+                    raise self._stale_during(spec, cb.generation, lease)
                 exc = EngineError(f"{'put' if put else 'get'} on {spec.label}", errno=-rc)
                 if cb.generation != spec.generation:
-                    raise self._stale(spec, cb.generation) from exc
-                raise self._translate(exc, spec, res.owner) from exc
+                    raise self._stale_during(spec, cb.generation, lease) from exc
+                raise _chain(self._translate(exc, spec, res.owner), exc)
         else:
             flat = local if isinstance(local, np.ndarray) and local.dtype == np.uint8 and local.ndim == 1 \
                 else address_view(addr, n, local)
-            self._engine_transfer(res, spec, "put" if put else "get", spec.offset + offset, flat,
-                                  signal_tile if put else None)
+            try:
+                self._engine_transfer(res, spec, "put" if put else "get", spec.offset + offset, flat,
+                                      signal_tile if put else None)
+            except StaleReferenceError as exc:
+                err = self._stale_during(spec, exc.found, lease)
+                if err is not None and not isinstance(err, StaleReferenceError):
+                    raise err from exc
+                raise
         if lease is not None:
             lease.check("during the transfer; the bytes moved are not valid")
-        if n >= LIVENESS_CHECK_BYTES and not res.own_cb and not res.owner.alive():
+        if not res.own_cb and (n >= LIVENESS_CHECK_BYTES or time.monotonic() - res.owner.checked >= LIVENESS_INTERVAL) \
+                and not res.owner.alive():
             raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died during the transfer")
-        self.telemetry.record("put" if put else "get", res.route.kind, n, time.perf_counter_ns() - t0)
+        c = res.counter
+        c[0] += 1
+        c[1] += n
+        (res.lat_put if put else res.lat_get)(_now() - t0)
 
     def _engine_transfer(self, res: _Resolved, spec: RefSpec, kind: str, at: int, local: np.ndarray,
                          signal_tile: int | None = None) -> None:
@@ -778,7 +839,7 @@ class RuntimeCore:
                     if rec is None or int(rec.get("generation", -1)) != spec.generation:
                         self._resolved.pop(spec.gva, None)
                         raise self._stale(spec, None if rec is None else int(rec["generation"])) from exc
-                raise self._translate(exc, spec, res.owner) from exc
+                raise _chain(self._translate(exc, spec, res.owner), exc)
             if cb is not None and cb.generation != spec.generation:
                 raise self._stale(spec, cb.generation)
         finally:
@@ -790,7 +851,7 @@ class RuntimeCore:
         of shape ``spec.shape`` and the ref's dtype (``out``'s own array when given)."""
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
-        elif not (type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable):
+        elif not (type(out) is np.ndarray and (f := out.flags).c_contiguous and f.writeable):
             flat, info = as_byte_array(out, "out", writable=True)
             if info.nbytes != spec.nbytes:
                 raise ValueError(f"out holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes "
@@ -921,7 +982,12 @@ class RuntimeCore:
             raise
         with lease._lock:
             lease._views += 1
-        weakref.finalize(arr, _view_gone, lease, own_lease)
+        with self._lock:
+            res.pins += 1
+        owned = self._owned.get(spec.gva)
+        # The finalizer holds the mapping (res) and, for a window of this runtime, the published
+        # object itself: a view never outlives the memory it shows, even past a forced close.
+        weakref.finalize(arr, _view_gone, lease, own_lease, res, None if owned is None else owned.keepalive)
         self.telemetry.record("view", res.route.kind, 0, time.perf_counter_ns() - t0)
         return arr
 
@@ -1001,8 +1067,9 @@ class RuntimeCore:
         timeout = min(self.timeout, 5.0) if timeout is None else timeout
         with self._lock:
             for lease in list(self._leases):
-                lease._views = 0
-                lease.release()
+                with lease._lock:
+                    lease._views = 0
+                    lease.release()
             for owned in list(self._owned.values()):
                 try:
                     self._retire(owned, timeout=timeout, force=True)
@@ -1032,6 +1099,14 @@ class RuntimeCore:
 
 
 # ----------------------------------------------------------------------------------------------
+def _chain(translated: BaseException, cause: BaseException) -> BaseException:
+    """``raise _chain(t, exc)``: chain ``t`` to ``exc`` unless they are the same error (then its
+    own cause, e.g. an engine's status, stays)."""
+    if translated is not cause:
+        translated.__cause__ = cause
+    return translated
+
+
 def _record_alive(rec: dict[str, Any]) -> bool:
     node = rec.get("node")
     if node is not None and node != native.node_id():
@@ -1061,7 +1136,7 @@ def _check_tile(tile: int, n: int, spec: RefSpec) -> None:
         raise ValueError(f"tile must be an int in [0, {n}) for {spec.label}, got {tile!r}")
 
 
-def _view_gone(lease: Lease, own: bool) -> None:
+def _view_gone(lease: Lease, own: bool, res: _Resolved, keepalive: Any) -> None:
     with lease._lock:
         lease._views = max(0, lease._views - 1)
     if own and not lease.runtime.closed:
@@ -1069,6 +1144,17 @@ def _view_gone(lease: Lease, own: bool) -> None:
             lease.release()
         except MemsemError:
             pass
+    with lease.runtime._lock:
+        res.pins -= 1
+        close = res.pins <= 0 and res.dropped
+    if close:
+        _close_resolved(res)
+
+
+def _close_resolved(res: _Resolved) -> None:
+    res.remote.close()
+    if res.cb is not None and not res.own_cb:
+        res.cb.close()
 
 
 def _drop_segment(rt_ref: "weakref.ref[RuntimeCore]", address: int) -> None:

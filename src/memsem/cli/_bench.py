@@ -1,0 +1,354 @@
+"""``memsem bench``: memsem against the peers a user would otherwise pick, measured in one run.
+
+Latency and bandwidth against payload size (64 B .. 256 MiB, powers of 4; ``--quick`` takes a
+subset) for memsem get / put / view / pipeline on every route available here (loopback,
+host/shm, host/cma; MTE through the SHMEM emulator and TCP when present), beside ``np.copyto``
+(the physical anchor), MPI Send/Recv and passive-target RMA Get/Put (mpi4py on the mpich
+wheel, under ``mpiexec -n 2``) and multiprocessing ``shared_memory`` + ``Pipe``. Prints ratio
+tables, writes ``bench.json`` and PNG plots under ``--out``, and with ``--json`` prints one
+JSON object of key figures (medians; null where a peer is not installed) on stdout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from memsem.cli import _bench_measure as M
+from memsem.cli._bench_measure import MiB, Series, fmt_size
+
+#: key figures and their goals (issue 8; get_64B_us also has issue 2's absolute goal)
+GOALS: dict[str, tuple[str, str]] = {
+    "get_64B_us": ("<= 1.0 x mpi_sendrecv_64B_us (and <= 2 us, issue 2)", "lower"),
+    "mpi_sendrecv_64B_us": ("peer (one-way, half a ping-pong)", ""),
+    "mpi_rma_get_64B_us": ("peer (Lock/Get/Unlock epoch)", ""),
+    "get_64MiB_GBps": (">= 0.9 x copyto_64MiB_GBps", "higher"),
+    "copyto_64MiB_GBps": ("peer (np.copyto, same run)", ""),
+    "view_64MiB_us": ("< 20 us (O(1))", "lower"),
+    "pipeline_vs_ideal": ("<= 1.1", "lower"),
+    "pipeline_speedup_vs_bulk": (">= 1.7", "higher"),
+    "first_tile_ratio": ("<= 3", "lower"),
+    "rss_overhead_MiB": ("reported", ""),
+    "bounce_bytes_host": ("== 0", ""),
+}
+PIPELINE_KEYS = ("pipeline_vs_ideal", "pipeline_speedup_vs_bulk", "first_tile_ratio", "rss_overhead_MiB")
+
+
+def goal_met(key: str, fig: dict[str, Any]) -> bool | None:
+    """True / False against the goal of ``key``; None when a figure it needs is null."""
+    v = fig.get(key)
+    if v is None:
+        return None
+    if key == "get_64B_us":
+        ref = fig.get("mpi_sendrecv_64B_us")
+        return None if ref is None else v <= ref
+    if key == "get_64MiB_GBps":
+        ref = fig.get("copyto_64MiB_GBps")
+        return None if ref is None else v >= 0.9 * ref
+    checks = {"view_64MiB_us": lambda x: x < 20, "pipeline_vs_ideal": lambda x: x <= 1.1,
+              "pipeline_speedup_vs_bulk": lambda x: x >= 1.7, "first_tile_ratio": lambda x: x <= 3,
+              "bounce_bytes_host": lambda x: x == 0}
+    f = checks.get(key)
+    return None if f is None else bool(f(v))
+
+
+# ----------------------------------------------------------------------------------------------
+def run_bench(args: Any) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import memsem
+
+    quick = bool(args.quick)
+    as_json = bool(getattr(args, "json", False))
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=as_json, width=140)
+    sizes = list(getattr(args, "sizes", None) or (M.SIZES_QUICK if quick else M.SIZES_FULL))
+    for need in (64, 64 * MiB):
+        if need not in sizes:
+            sizes.append(need)
+    sizes.sort()
+    t_start = time.perf_counter()
+    series: list[Series] = []
+    notes: list[str] = []
+    extra: dict[str, Any] = {}
+
+    routes_memsem = ("loopback", "host/shm", "host/cma")
+    tcp_why, mte_why = M.tcp_status(), M.mte_status()
+    total = len(routes_memsem) * 4 * len(sizes) + 2 * len(sizes) + 2 + 1
+    total += (0 if tcp_why else 2 * len(sizes)) + (0 if mte_why else 2 * len(sizes))
+    with Progress(TextColumn("[bold]bench[/] {task.description:<34}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("starting producer", total=total)
+
+        def tick() -> None:
+            bar.advance(task)
+
+        def stage(what: str) -> None:
+            bar.update(task, description=what)
+
+        prod = M.Producer(sizes)
+        try:
+            with memsem.Runtime() as rt:
+                refs: dict[str, dict[int, Any]] = {r: {n: rt.ref(b) for n, b in d.items()}
+                                                   for r, d in prod.refs.items()}
+                refs["loopback"] = {n: rt.publish(np.full(n, 7, np.uint8), name=f"bench/loop/{n}",
+                                                  access="rw") for n in sizes}
+                for route in routes_memsem:
+                    got = refs[route][sizes[0]].route().kind
+                    if got != route:
+                        notes.append(f"expected route {route}, the runtime chose {got}")
+                    for op in ("get", "put", "view", "pipeline"):
+                        stage(f"memsem {op} {route}")
+                        series += M.memsem_series(rt, route, refs[route], sizes, quick=quick, tick=tick, ops=(op,))
+                stats = rt.stats()
+                extra["consumer_stats"] = stats.as_dict()
+                bounce_host = stats.bounce_bytes
+                stage("telemetry cost")
+                extra["telemetry_ns_per_op"] = _telemetry_cost()
+                tick()
+            stage("np.copyto")
+            series.append(M.copyto_series(sizes, quick=quick, tick=tick))
+            stage("mp shared_memory+Pipe")
+            series.append(M.mp_series(prod, sizes, quick=quick, tick=tick))
+        finally:
+            prod.close()
+        if prod.stats is not None:
+            bounce_host += int(prod.stats.get("bounce_bytes", 0))
+        stage("MPI (mpiexec -n 2)")
+        mpi, mpi_why, mpi_info = M.mpi_series(sizes, quick=quick)
+        series += mpi
+        if mpi_why:
+            notes.append(f"MPI peers: {mpi_why}")
+        extra["mpi"] = mpi_info
+        tick()
+        for eng, why in (("tcp", tcp_why), ("mte", mte_why)):
+            if why:
+                notes.append(f"{eng} route skipped: {why}")
+                continue
+            stage(f"memsem {eng}")
+            try:
+                series += M.engine_series(eng, sizes, quick=quick, tick=tick)
+            except Exception as exc:
+                notes.append(f"{eng} route skipped: {type(exc).__name__}: {exc}")
+        stage("pipeline (benchmarks/bench_pipeline.py)")
+        pipe, pipe_why = _pipeline_figures(quick)
+        if pipe_why:
+            notes.append(f"pipeline figures: {pipe_why}")
+        tick()
+        stage("done")
+
+    by = {s.system: s for s in series}
+    fig: dict[str, Any] = {
+        "get_64B_us": _r(by["memsem get host/shm"].median_us(64)),
+        "mpi_sendrecv_64B_us": _r(by["MPI Send/Recv"].median_us(64)),
+        "mpi_rma_get_64B_us": _r(by["MPI RMA Get (lock)"].median_us(64)),
+        "get_64MiB_GBps": _r(by["memsem get host/shm"].gbps(64 * MiB)),
+        "copyto_64MiB_GBps": _r(by["np.copyto"].gbps(64 * MiB)),
+        "view_64MiB_us": _r(by["memsem view host/shm"].median_us(64 * MiB)),
+        **{k: _r(pipe.get(k)) if pipe.get(k) is not None else None for k in PIPELINE_KEYS},
+        "bounce_bytes_host": int(bounce_host),
+        # same figures on the other routes (not goals; context)
+        "get_64B_us_cma": _r(by["memsem get host/cma"].median_us(64)),
+        "get_64B_us_loopback": _r(by["memsem get loopback"].median_us(64)),
+        "put_64B_us": _r(by["memsem put host/shm"].median_us(64)),
+        "mpi_rma_put_64B_us": _r(by["MPI RMA Put (lock)"].median_us(64)),
+        "mp_pipe_64B_us": _r(by["mp shared_memory+Pipe"].median_us(64)),
+        "copyto_64B_us": _r(by["np.copyto"].median_us(64)),
+        "get_64MiB_GBps_cma": _r(by["memsem get host/cma"].gbps(64 * MiB)),
+        "telemetry_ns_per_op": extra["telemetry_ns_per_op"],
+    }
+    elapsed = time.perf_counter() - t_start
+    report = {
+        "figures": fig,
+        "goals": {k: {"goal": g, "met": goal_met(k, fig)} for k, (g, _) in GOALS.items()},
+        "series": [s.as_dict() for s in series],
+        "sizes": sizes, "quick": quick, "seconds": round(elapsed, 2), "notes": notes,
+        "pipeline": pipe, "machine": _machine(), **extra,
+    }
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1, default=str))
+    plots = _plots(series, sizes, out_dir, console)
+    _tables(console, series, sizes, fig, notes, plots, elapsed, out_dir)
+    if as_json:
+        print(json.dumps(fig))
+    return 0
+
+
+def _r(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(float(v), nd)
+
+
+def _machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
+            "platform": platform.platform(), "loadavg": os.getloadavg()}
+
+
+def _telemetry_cost(n: int = 100000) -> float:
+    """ns per operation of what the hot path spends on counting: two clock reads and one
+    ``Telemetry.record`` (into a private Telemetry, so the run's own figures stay clean)."""
+    from memsem.runtime._telemetry import Telemetry
+
+    tel = Telemetry()
+    now = time.perf_counter_ns
+    rec = tel.record
+    best = float("inf")
+    for _ in range(5):
+        t = now()
+        for _ in range(n):
+            t0 = now()
+            rec("get", "host/shm", 64, now() - t0)
+        best = min(best, (now() - t) / n)
+    # minus the bare loop
+    t = now()
+    for _ in range(n):
+        pass
+    return round(best - (now() - t) / n, 1)
+
+
+def _pipeline_figures(quick: bool) -> tuple[dict[str, Any], str | None]:
+    """Figures of ``benchmarks/bench_pipeline.py`` (pipeline_vs_ideal, pipeline_speedup_vs_bulk,
+    first_tile_ratio, rss_overhead_MiB), when that script is present."""
+    path = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "bench_pipeline.py"
+    if not path.exists():
+        return {}, f"{path} not found (pipeline keys are null)"
+    try:
+        spec = importlib.util.spec_from_file_location("memsem_bench_pipeline", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["memsem_bench_pipeline"] = mod
+        spec.loader.exec_module(mod)
+        fn = None
+        for name in ("pipeline_figures", "bench_figures", "run_pipeline_bench", "bench_pipeline",
+                     "measure", "run_bench", "run"):
+            fn = getattr(mod, name, None)
+            if callable(fn):
+                break
+        if fn is None:
+            return {}, f"{path.name} exposes no known entry point"
+        params = inspect.signature(fn).parameters
+        res = fn(quick=quick) if "quick" in params else fn()
+        if not isinstance(res, dict):
+            return {}, f"{path.name}:{fn.__name__} returned {type(res).__name__}, not a dict"
+        return res, None
+    except Exception as exc:
+        return {}, f"{path.name} failed: {type(exc).__name__}: {exc}"
+
+
+# ----------------------------------------------------------------------------------------------
+_STYLE = {"get": "-", "put": "--", "view": ":", "pipeline": "-.", "copy": "-", "sendrecv": "-",
+          "rma_get": "--", "rma_put": ":"}
+
+
+def _plots(series: list[Series], sizes: list[int], out_dir: pathlib.Path, console: Any) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        console.print(f"[yellow]no plots: matplotlib is missing ({exc}); pip install 'memsem[bench]'")
+        return []
+    paths = []
+    for what, fname in (("latency", "latency.png"), ("bandwidth", "bandwidth.png")):
+        fig, ax = plt.subplots(figsize=(10, 6.5))
+        for s in series:
+            if not s.samples or (what == "bandwidth" and s.op == "view"):
+                continue
+            xs = sorted(s.samples)
+            ys = [s.median_us(n) if what == "latency" else s.gbps(n) for n in xs]
+            marker = "o" if s.system.startswith("memsem") else "s"
+            lw = 2.2 if s.system in ("memsem get host/shm", "np.copyto") else 1.2
+            ax.plot(xs, ys, _STYLE.get(s.op, "-"), marker=marker, ms=3.5, lw=lw, label=s.system)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([fmt_size(n).replace(" ", "\n") for n in sizes], fontsize=8)
+        if what == "latency":
+            ax.set_yscale("log")
+            ax.set_ylabel("median latency per operation (us, log)")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("bandwidth (GB/s = bytes / median time, log)")
+        ax.set_xlabel("payload")
+        ax.set_title(f"memsem bench: {what} vs payload (same run; view: latency only)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="upper left" if what == "latency" else "lower right")
+        fig.tight_layout()
+        p = out_dir / fname
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths
+
+
+def _fmt(v: float | None, nd: int = 2) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{nd}f}" if v < 1000 else f"{v:,.0f}"
+
+
+def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str, Any], notes: list[str],
+            plots: list[str], elapsed: float, out_dir: pathlib.Path) -> None:
+    from rich.table import Table
+
+    lat = Table(title="median latency per operation (us); p99 in bench.json", title_justify="left")
+    lat.add_column("system")
+    for n in sizes:
+        lat.add_column(fmt_size(n), justify="right")
+    for s in series:
+        if s.skipped and not s.samples:
+            lat.add_row(s.system, *["skip"] * len(sizes))
+            continue
+        lat.add_row(s.system, *[_fmt(s.median_us(n)) for n in sizes])
+    console.print(lat)
+
+    bw = Table(title="bandwidth (GB/s)", title_justify="left")
+    bw.add_column("system")
+    for n in sizes:
+        bw.add_column(fmt_size(n), justify="right")
+    for s in series:
+        if s.samples and s.op != "view":
+            bw.add_row(s.system, *[_fmt(s.gbps(n)) for n in sizes])
+    console.print(bw)
+
+    by = {s.system: s for s in series}
+    base = by["memsem get host/shm"]
+    ratio = Table(title="ratio: peer time / memsem get host/shm time (> 1: memsem is faster)",
+                  title_justify="left")
+    ratio.add_column("peer")
+    for n in sizes:
+        ratio.add_column(fmt_size(n), justify="right")
+    for name in ("np.copyto", "MPI Send/Recv", "MPI RMA Get (lock)", "mp shared_memory+Pipe",
+                 "memsem get host/cma", "memsem get loopback"):
+        s = by.get(name)
+        if s is None or not s.samples:
+            ratio.add_row(name, *["-"] * len(sizes))
+            continue
+        cells = []
+        for n in sizes:
+            a, b = s.median_us(n), base.median_us(n)
+            cells.append(_fmt(a / b) if a and b else "-")
+        ratio.add_row(name, *cells)
+    console.print(ratio)
+
+    keys = Table(title="key figures against their goals", title_justify="left")
+    for c in ("key", "value", "goal", "met"):
+        keys.add_column(c)
+    for k, (g, _) in GOALS.items():
+        m = goal_met(k, fig)
+        keys.add_row(k, "null" if fig.get(k) is None else str(fig[k]), g,
+                     "-" if m is None else ("[green]yes" if m else "[red]no"))
+    console.print(keys)
+    console.print(f"counting (telemetry) costs {fig['telemetry_ns_per_op']} ns per operation")
+    for n in notes:
+        console.print(f"[yellow]note:[/] {n}")
+    console.print(f"wrote {out_dir / 'bench.json'}" + "".join(f", {p}" for p in plots) +
+                  f" in {elapsed:.1f} s. The machine may be shared and noisy: compare ratios from one "
+                  "run, not absolute times across runs.")

@@ -1,0 +1,453 @@
+"""Measurements behind ``memsem bench`` and ``benchmarks/``: memsem get / put / view / pipeline
+on every route this machine has, and the peers a user would otherwise pick (``np.copyto``,
+multiprocessing ``shared_memory`` plus a ``Pipe``, and MPI through ``memsem.cli._bench_mpi``),
+all in one run.
+
+Every figure is a list of per-operation samples in nanoseconds; tables and the JSON report
+medians (and p99). The machine is usually shared and noisy: compare ratios of figures taken in
+the same run, not absolute times across runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+#: 64 B .. 256 MiB, powers of 4
+SIZES_FULL = [64 * 4 ** k for k in range(12)]
+#: the --quick subset (keeps 64 B and 64 MiB: the issue's key figures)
+SIZES_QUICK = [64, 4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB]
+
+_now = time.perf_counter_ns
+
+
+def fmt_size(n: int) -> str:
+    for unit, s in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= s and n % s == 0:
+            return f"{n // s} {unit}"
+    return f"{n} B"
+
+
+def size_key(n: int) -> str:
+    return fmt_size(n).replace(" ", "")
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Series:
+    """One system's samples across payload sizes (one line in the plots)."""
+
+    system: str          # e.g. "memsem get host/shm", "np.copyto", "MPI Send/Recv"
+    op: str              # get | put | view | pipeline | copy | sendrecv | rma_get | rma_put
+    route: str           # route kind or peer mechanism
+    samples: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    skipped: str | None = None   # reason the whole series did not run
+
+    def median_us(self, n: int) -> float | None:
+        s = self.samples.get(n)
+        return statistics.median(s) / 1e3 if s else None
+
+    def p99_us(self, n: int) -> float | None:
+        s = self.samples.get(n)
+        return float(np.percentile(s, 99)) / 1e3 if s else None
+
+    def gbps(self, n: int) -> float | None:
+        m = self.median_us(n)
+        return n / (m * 1e3) if m else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"system": self.system, "op": self.op, "route": self.route, "skipped": self.skipped,
+                "points": {str(n): {"median_us": self.median_us(n), "p99_us": self.p99_us(n),
+                                    "GBps": self.gbps(n), "n": len(s)}
+                           for n, s in sorted(self.samples.items())}}
+
+
+def sample(fn: Callable[[], Any], nbytes: int, *, quick: bool, max_reps: int | None = None,
+           setup: Callable[[], Any] | None = None) -> list[int]:
+    """Time ``fn()`` repeatedly; per-call nanoseconds. Warm-up calls are not recorded.
+
+    The budget per point scales with the payload: small payloads get thousands of repetitions
+    (medians of sub-microsecond calls need them), large ones a handful (each moves MiBs).
+    ``setup`` (untimed) runs before every timed call when given.
+    """
+    budget = (0.04 if quick else 0.25) if nbytes < MiB else (0.12 if quick else 0.6)
+    cap = max_reps or (20000 if quick else 100000)
+    for _ in range(2 if nbytes >= 16 * MiB else 20):
+        if setup is not None:
+            setup()
+        fn()
+    out: list[int] = []
+    end = _now() + int(budget * 1e9)
+    while len(out) < cap and (len(out) < 5 or _now() < end):
+        if setup is not None:
+            setup()
+        t = _now()
+        fn()
+        out.append(_now() - t)
+    return out
+
+
+# ---------------------------------------------------------------------------------- producer --
+def _producer(conn: Any, sizes: list[int], fill: int) -> None:
+    """A separate process owning windows: per size, one in a shared segment (``rt.alloc``,
+    route host/shm) and one in private memory (route host/cma); both ``rw``. Also serves the
+    multiprocessing shared_memory + Pipe peer."""
+    import memsem
+
+    try:
+        with memsem.Runtime() as rt:
+            refs: dict[str, dict[int, bytes]] = {"host/shm": {}, "host/cma": {}}
+            keep = []
+            for n in sizes:
+                a = rt.alloc(n, np.uint8)
+                a.fill(fill)
+                b = np.full(n, fill, np.uint8)
+                keep += [a, b]
+                refs["host/shm"][n] = rt.publish(a, name=f"bench/shm/{n}", access="rw").to_bytes()
+                refs["host/cma"][n] = rt.publish(b, name=f"bench/cma/{n}", access="rw").to_bytes()
+            conn.send(("ok", refs))
+            while True:
+                msg = conn.recv()
+                if msg[0] == "stop":
+                    break
+                if msg[0] == "mp":
+                    _serve_mp(conn, msg[1], msg[2])
+            conn.send(("bye", rt.stats().as_dict()))
+    except BaseException as exc:  # reported to the parent
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except Exception:
+            pass
+
+
+def _serve_mp(conn: Any, shm_name: str, n: int) -> None:
+    """Peer "multiprocessing shared_memory + Pipe": the consumer asks over the Pipe, the owner
+    answers once the bytes are in the segment (here they already are), the consumer copies."""
+    from multiprocessing import shared_memory
+
+    seg = shared_memory.SharedMemory(name=shm_name)
+    try:
+        np.frombuffer(seg.buf, np.uint8, n).fill(7)
+        conn.send_bytes(b"r")
+        while True:
+            m = conn.recv_bytes()
+            if m == b"x":
+                break
+            conn.send_bytes(b"k")
+    finally:
+        seg.close()
+
+
+class Producer:
+    """Handle on the producer process (spawned, so it is a real separate process)."""
+
+    def __init__(self, sizes: list[int], fill: int = 7) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer, args=(child, sizes, fill), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("bench producer did not start within 120 s")
+        tag, body = self.conn.recv()
+        if tag != "ok":
+            raise RuntimeError(f"bench producer failed: {body}")
+        self.refs: dict[str, dict[int, bytes]] = body
+        self.stats: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                if self.conn.poll(30):
+                    tag, body = self.conn.recv()
+                    if tag == "bye":
+                        self.stats = body
+            except (OSError, EOFError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+# ---------------------------------------------------------------------------------- memsem ----
+def memsem_series(rt: Any, route: str, refs: dict[int, Any], sizes: list[int], *, quick: bool,
+                  tick: Callable[[], None], ops: Iterable[str] = ("get", "put", "view", "pipeline")
+                  ) -> list[Series]:
+    """get / put / view / pipeline through ``refs`` (one TensorRef per size) on ``route``."""
+    from memsem import NotSupportedError
+
+    out = []
+    for op in ops:
+        s = Series(f"memsem {op} {route}", op, route)
+        for n in sizes:
+            ref = refs[n]
+            try:
+                if op == "get":
+                    buf = np.empty(n, np.uint8)
+                    s.samples[n] = sample(lambda: ref.get(buf), n, quick=quick)
+                elif op == "put":
+                    src = np.full(n, 3, np.uint8)
+                    s.samples[n] = sample(lambda: ref.put(src), n, quick=quick)
+                elif op == "view":
+                    s.samples[n] = _view_samples(ref, n, quick)
+                elif op == "pipeline":
+                    s.samples[n] = _pipeline_samples(rt, ref, n, quick)
+            except NotSupportedError as exc:
+                s.skipped = f"{type(exc).__name__}: {exc}"
+                for _ in sizes[sizes.index(n):]:
+                    tick()
+                break
+            tick()
+        out.append(s)
+    return out
+
+
+def _view_samples(ref: Any, n: int, quick: bool) -> list[int]:
+    """Time ``ref.view()`` alone (lease acquire + mapping the window); the view is dropped
+    (lease released) between timed calls, untimed."""
+    cap = 2000 if quick else 10000
+    res: list[int] = []
+    arr = ref.view()
+    del arr
+    end = _now() + int((0.04 if quick else 0.25) * 1e9)
+    while len(res) < cap and (len(res) < 5 or _now() < end):
+        t = _now()
+        arr = ref.view()
+        res.append(_now() - t)
+        del arr
+    return res
+
+
+def pipeline_tile_bytes(n: int) -> int:
+    """Tile size the sweep uses: 8 tiles of at least 4 KiB (one tile for small payloads)."""
+    return min(n, max(4 * KiB, n // 8))
+
+
+def _pipeline_samples(rt: Any, ref: Any, n: int, quick: bool) -> list[int]:
+    """Time streaming the whole ref through a depth-2 staged pipeline (copies, no compute)."""
+    tb = pipeline_tile_bytes(n)
+
+    def run() -> None:
+        with rt.pipeline(ref, tile_bytes=tb, depth=2, zero_copy=False, wait_ready=False) as p:
+            for tile in p:
+                tile.release()
+
+    return sample(run, n, quick=quick, max_reps=300 if quick else 2000)
+
+
+# ------------------------------------------------------------------------------------- peers --
+def copyto_series(sizes: list[int], *, quick: bool, tick: Callable[[], None]) -> Series:
+    """``np.copyto`` between two private arrays of one process: the physical anchor."""
+    s = Series("np.copyto", "copy", "memcpy")
+    for n in sizes:
+        src = np.full(n, 5, np.uint8)
+        dst = np.empty(n, np.uint8)
+        s.samples[n] = sample(lambda: np.copyto(dst, src), n, quick=quick)
+        tick()
+    return s
+
+
+def mp_series(prod: Producer, sizes: list[int], *, quick: bool, tick: Callable[[], None]) -> Series:
+    """multiprocessing ``shared_memory`` + ``Pipe``: request over the Pipe, the owner answers
+    when the bytes are ready, the consumer copies them out of its mapping of the segment."""
+    from multiprocessing import shared_memory
+
+    s = Series("mp shared_memory+Pipe", "get", "shm+pipe")
+    conn = prod.conn
+    for n in sizes:
+        seg = shared_memory.SharedMemory(create=True, size=n)
+        try:
+            conn.send(("mp", seg.name, n))
+            if conn.recv_bytes() != b"r":
+                raise RuntimeError("mp peer: unexpected answer")
+            view = np.frombuffer(seg.buf, np.uint8, n)
+            out = np.empty(n, np.uint8)
+
+            def one() -> None:
+                conn.send_bytes(b"g")
+                conn.recv_bytes()
+                np.copyto(out, view)
+
+            s.samples[n] = sample(one, n, quick=quick)
+            conn.send_bytes(b"x")
+            del view
+        finally:
+            seg.close()
+            seg.unlink()
+        tick()
+    return s
+
+
+def mpi_available() -> tuple[bool, str]:
+    """Whether mpi4py is importable and an ``mpiexec`` can be found (the mpich wheel's first)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return False, "mpi4py is not installed (pip install 'memsem[bench]': mpi4py + the mpich wheel)"
+    if mpiexec_path() is None:
+        return False, "no mpiexec found (the mpich PyPI wheel installs one next to python)"
+    return True, ""
+
+
+def mpiexec_path() -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return here
+    return shutil.which("mpiexec")
+
+
+def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tuple[list[Series], str | None, dict]:
+    """Run ``memsem.cli._bench_mpi`` under ``mpiexec -n 2``; its JSON becomes three Series
+    (Send/Recv one-way, RMA Get, RMA Put with passive-target locks)."""
+    names = {"sendrecv": "MPI Send/Recv", "rma_get": "MPI RMA Get (lock)", "rma_put": "MPI RMA Put (lock)"}
+    series = [Series(v, k, "mpi") for k, v in names.items()]
+    ok, why = mpi_available()
+    if not ok:
+        for s in series:
+            s.skipped = why
+        return series, why, {}
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "memsem.cli._bench_mpi",
+           "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
+    env = dict(os.environ)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        why = f"mpiexec -n 2 did not finish in {timeout:.0f} s"
+        for s in series:
+            s.skipped = why
+        return series, why, {}
+    line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+    if p.returncode != 0 or line is None:
+        why = f"mpiexec -n 2 failed (rc {p.returncode}): {(p.stderr or p.stdout).strip()[-400:]}"
+        for s in series:
+            s.skipped = why
+        return series, why, {}
+    data = json.loads(line)
+    for s in series:
+        for n, samples in data["samples"][s.op].items():
+            s.samples[int(n)] = samples
+    return series, None, {"library": data.get("library", "")}
+
+
+# ------------------------------------------------------------------------- optional engines --
+def tcp_status() -> str | None:
+    """None when a TCP engine exists to benchmark, else the reason it is skipped."""
+    if importlib.util.find_spec("memsem.engines.tcp") is None:
+        return "memsem.engines.tcp does not exist in this install"
+    try:
+        from memsem.engines import engine_class
+
+        avail = engine_class("tcp").probe()
+    except Exception as exc:
+        return f"engine 'tcp' cannot be loaded: {type(exc).__name__}: {exc}"
+    return None if avail else f"engine 'tcp' unavailable: {avail.reason}"
+
+
+def mte_status() -> str | None:
+    """None when the MTE engine can run (through the SHMEM emulator), else why it is skipped."""
+    if not os.environ.get("MEMSEM_SHMEM_LIB"):
+        return "MEMSEM_SHMEM_LIB is not set (build the SHMEM emulator and point it there)"
+    if importlib.util.find_spec("memsem.engines.mte") is None:
+        return "memsem.engines.mte does not exist in this install"
+    try:
+        from memsem.engines import engine_class
+
+        avail = engine_class("mte").probe()
+    except Exception as exc:
+        return f"engine 'mte' cannot be loaded: {type(exc).__name__}: {exc}"
+    return None if avail else f"engine 'mte' unavailable: {avail.reason}"
+
+
+def _engine_producer(conn: Any, engine: str, sizes: list[int], uid: Any) -> None:
+    """Producer of an optional engine's windows (TCP, or MTE as PE 0 of a 2-PE team)."""
+    import memsem
+
+    team = None
+    try:
+        kw: dict[str, Any] = {}
+        if engine == "mte":
+            from memsem.engines.mte import init_team
+
+            team = init_team(0, 2, uid, heap_bytes=_heap_bytes(sizes))
+        with memsem.Runtime(engines=("loopback", "host", engine), prefer=engine) as rt:
+            refs = {}
+            keep = []
+            for n in sizes:
+                a = rt.alloc(n, np.uint8, engine="mte") if engine == "mte" else np.full(n, 7, np.uint8)
+                if engine == "mte":
+                    a[...] = 7
+                keep.append(a)
+                refs[n] = rt.publish(a, name=f"bench/{engine}/{n}", access="rw").to_bytes()
+            conn.send(("ok", refs))
+            conn.recv()
+            conn.send(("bye", None))
+    except BaseException as exc:
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except Exception:
+            pass
+    finally:
+        if team is not None:
+            try:
+                team.close()
+            except Exception:
+                pass
+
+
+def _heap_bytes(sizes: list[int]) -> int:
+    return max(64 * MiB, 2 * sum(sizes) + 16 * MiB)
+
+
+def engine_series(engine: str, sizes: list[int], *, quick: bool, tick: Callable[[], None]) -> list[Series]:
+    """get / put on an optional engine's route; raises with the reason when it cannot run."""
+    import memsem
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    uid = None
+    team = None
+    if engine == "mte":
+        from memsem.engines.mte import init_team, new_uniqueid
+
+        uid = new_uniqueid()
+    proc = ctx.Process(target=_engine_producer, args=(child, engine, sizes, uid), daemon=True)
+    proc.start()
+    try:
+        if engine == "mte":
+            team = init_team(1, 2, uid, heap_bytes=_heap_bytes(sizes))
+        if not conn.poll(120):
+            raise RuntimeError(f"{engine} producer did not start")
+        tag, body = conn.recv()
+        if tag != "ok":
+            raise RuntimeError(f"{engine} producer failed: {body}")
+        with memsem.Runtime(engines=("loopback", "host", engine), prefer=engine) as rt:
+            refs = {n: rt.ref(b) for n, b in body.items()}
+            route = refs[sizes[0]].route().kind
+            series = memsem_series(rt, route, refs, sizes, quick=quick, tick=tick, ops=("get", "put"))
+        conn.send("stop")
+        return series
+    finally:
+        if proc.is_alive():
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+        if team is not None:
+            try:
+                team.close()
+            except Exception:
+                pass

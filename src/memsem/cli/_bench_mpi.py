@@ -1,0 +1,102 @@
+"""MPI peers of ``memsem bench``; run as ``mpiexec -n 2 python -m memsem.cli._bench_mpi``.
+
+Rank 0 measures, rank 1 is the peer; rank 0 prints one JSON line with per-call samples (ns):
+
+* ``sendrecv``: ping-pong with ``Send``/``Recv``; a sample is half a round trip (the one-way
+  latency, as osu_latency reports it).
+* ``rma_get`` / ``rma_put``: passive-target RMA on a window from ``Win.Allocate`` (MPICH maps it
+  in shared memory on one node): ``Lock(1, SHARED) Get Unlock`` and ``Lock(1, EXCLUSIVE) Put
+  Unlock``; a sample is the whole epoch (the data is at its destination when Unlock returns).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+_now = time.perf_counter_ns
+MiB = 1 << 20
+
+
+def _budget(n: int, quick: bool) -> float:
+    return (0.04 if quick else 0.25) if n < MiB else (0.12 if quick else 0.6)
+
+
+def _pingpong(comm, rank: int, buf: np.ndarray) -> None:
+    if rank == 0:
+        comm.Send(buf, 1, 0)
+        comm.Recv(buf, 1, 0)
+    else:
+        comm.Recv(buf, 0, 0)
+        comm.Send(buf, 0, 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    if comm.Get_size() != 2:
+        if rank == 0:
+            print("run with mpiexec -n 2", file=sys.stderr)
+        return 2
+    cap = 20000 if a.quick else 100000
+    out: dict[str, dict[str, list[int]]] = {"sendrecv": {}, "rma_get": {}, "rma_put": {}}
+    for n in sizes:
+        buf = np.full(n, 1, np.uint8)
+        # -- Send/Recv ping-pong: a short calibration sets the iteration count (so the timed
+        # loop carries no extra messages), then every round trip is timed.
+        warm = 3 if n >= 16 * MiB else 200
+        cal = []
+        for _ in range(warm):
+            t0 = _now()
+            _pingpong(comm, rank, buf)
+            cal.append(_now() - t0)
+        per = max(1, sorted(cal)[len(cal) // 2])
+        iters = comm.bcast(max(5, min(cap, int(_budget(n, a.quick) * 1e9) // per)) if rank == 0 else None, root=0)
+        samples: list[int] = []
+        for _ in range(iters):
+            t = _now()
+            _pingpong(comm, rank, buf)
+            samples.append((_now() - t) // 2)
+        out["sendrecv"][str(n)] = samples
+        # -- RMA, passive target: rank 1 only waits in a barrier.
+        win = MPI.Win.Allocate(n if rank == 1 else 0, 1, comm=comm)
+        if rank == 1:
+            np.frombuffer(win.tomemory(), np.uint8, n)[:] = 2 if n else 0
+        comm.Barrier()
+        if rank == 0:
+            for kind in ("rma_get", "rma_put"):
+                lock = MPI.LOCK_SHARED if kind == "rma_get" else MPI.LOCK_EXCLUSIVE
+                op = win.Get if kind == "rma_get" else win.Put
+                res: list[int] = []
+                for _ in range(2 if n >= 16 * MiB else 20):
+                    win.Lock(1, lock)
+                    op(buf, 1)
+                    win.Unlock(1)
+                end = _now() + int(_budget(n, a.quick) * 1e9)
+                while len(res) < cap and (len(res) < 5 or _now() < end):
+                    t = _now()
+                    win.Lock(1, lock)
+                    op(buf, 1)
+                    win.Unlock(1)
+                    res.append(_now() - t)
+                out[kind][str(n)] = res
+        comm.Barrier()
+        win.Free()
+    if rank == 0:
+        print(json.dumps({"library": MPI.Get_library_version().splitlines()[0].strip(),
+                          "samples": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""RDMA engine on a real device (soft-RoCE rxe0 in the test VM: tests/rdma/run_rdma_tests.sh).
+
+Two or more runtimes in separate processes with different ``MEMSEM_NODE_ID`` act as separate
+nodes: no shared memory or cross-memory attach between them, so every byte moves by RDMA READ /
+WRITE through rxe0. Outside the VM these tests skip with the engine probe's reason; where an
+RDMA device is present (``MEMSEM_IN_VM=1`` or an rxe device in sysfs) a failing probe or engine
+init is a failure, never a skip.
+
+Processes are forked from this (already imported) process: under TCG a fresh interpreter
+needs seconds just to import numpy.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import memsem
+from memsem import AccessDeniedError, PeerLostError, StaleReferenceError
+from memsem.engines import Descriptor, Op, OpKind
+from memsem.engines.rdma import BOUNCE_BYTES, RdmaEngine
+
+pytestmark = [pytest.mark.rdma, pytest.mark.multiproc]
+
+IN_VM = os.environ.get("MEMSEM_IN_VM") == "1" or bool(glob.glob("/sys/class/infiniband/rxe*"))
+PROBE = RdmaEngine.probe()
+CALL_TIMEOUT = 120.0
+SIZES = [64, 4096, 1 << 20, 64 << 20]
+
+
+def need_rdma() -> None:
+    """Skip without a device (with the probe's reason); fail where a device is present."""
+    if not PROBE:
+        if IN_VM:
+            pytest.fail(f"an RDMA device is present but the rdma engine probe failed: {PROBE.reason}")
+        pytest.skip(f"rdma engine unavailable: {PROBE.reason}")
+
+
+#: tests that run without a device too (the rest skip or fail through ``need_rdma``)
+NO_DEVICE = {"test_probe_names_a_reason", "test_directory_entries"}
+
+
+@pytest.fixture(autouse=True)
+def _need_rdma(request):
+    if request.function.__name__ not in NO_DEVICE:
+        need_rdma()
+
+
+# -- data ------------------------------------------------------------------------------------------
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """Position-dependent bytes (cheap to make under emulation)."""
+    rng = np.random.default_rng(seed)
+    if nbytes <= 1 << 16:
+        return rng.integers(0, 256, nbytes, dtype=np.uint8)
+    block = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    chunks = -(-nbytes // (1 << 16))
+    arr = np.tile(block, chunks).reshape(chunks, 1 << 16)
+    arr ^= ((np.arange(chunks, dtype=np.uint32) * 2654435761 + seed) >> 24).astype(np.uint8)[:, None]
+    return arr.reshape(-1)[:nbytes].copy()
+
+
+def digest(arr: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(arr).view(np.uint8).data, digest_size=16).hexdigest()
+
+
+# -- agent: one node = one forked process with its own Runtime ---------------------------------------
+def _c_publish(rt, st, name, nbytes, access, seed):
+    arr = pattern(nbytes, seed)
+    st[name] = arr
+    ref = rt.publish(arr, name=name, access=access)
+    st["ref:" + name] = ref
+    return ref.to_bytes()
+
+
+def _c_digest(rt, st, name):
+    return digest(st[name])
+
+
+def _c_owner_stats(rt, st):
+    return {"engine": rt.engine("rdma").stats(), "telemetry": dict(rt.stats().registrations)}
+
+
+def _c_mr_access(rt, st, name):
+    ref = st["ref:" + name]
+    rec = rt.directory.get_window(ref.gva)
+    return rt.engine("rdma").registration_access(Descriptor.from_json(rec["descriptors"]["rdma"]))
+
+
+def _c_get(rt, st, data):
+    ref = rt.ref(data)
+    t0 = time.perf_counter()
+    out = ref.get()
+    return digest(out), time.perf_counter() - t0
+
+
+def _c_put(rt, st, data, seed):
+    ref = rt.ref(data)
+    src = pattern(ref.nbytes, seed)
+    t0 = time.perf_counter()
+    ref.put(src)
+    return digest(src), time.perf_counter() - t0
+
+
+def _c_xcopy(rt, st, data, ranges, seed):
+    """One batch: ``ranges`` gets of the first half and ``ranges`` puts into the second half."""
+    ref = rt.ref(data)
+    half = ref.nbytes // 2
+    chunk = half // ranges
+    got = np.zeros(half, np.uint8)
+    src = pattern(half, seed)
+    pairs = [(ref.bytes(i * chunk, chunk), got[i * chunk:(i + 1) * chunk]) for i in range(ranges)]
+    pairs += [(src[i * chunk:(i + 1) * chunk], ref.bytes(half + i * chunk, chunk)) for i in range(ranges)]
+    batch = rt.xcopy(pairs)
+    results = batch.wait(60)
+    states = [r.state.name for r in results]
+    return states, digest(got), digest(src)
+
+
+def _c_submit(rt, st, data, ranges):
+    """Engine-level batch: ``ranges`` READ work requests posted as one list."""
+    ref = rt.ref(data)
+    res = rt._resolve(ref.spec)
+    eng = rt.engine("rdma")
+    chunk = ref.nbytes // ranges
+    out = np.zeros(ref.nbytes, np.uint8)
+    before = eng.stats()["posted"]
+    req = eng.submit([Op(OpKind.GET, res.remote, i * chunk, out[i * chunk:(i + 1) * chunk])
+                      for i in range(ranges)])
+    req.wait(60)
+    return [op.state.name for op in req.ops], digest(out), eng.stats()["posted"] - before
+
+
+def _c_explain(rt, st, data):
+    return rt.explain(rt.ref(data))
+
+
+def _c_engine_stats(rt, st):
+    return rt.engine("rdma").stats()
+
+
+def _c_latency(rt, st, data, iters):
+    ref = rt.ref(data)
+    out = np.empty(ref.nbytes, np.uint8)
+    ref.get(out)
+    lat = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ref.get(out)
+        lat.append(time.perf_counter() - t0)
+    put_lat = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ref.put(out)
+        put_lat.append(time.perf_counter() - t0)
+    return statistics.median(lat), statistics.median(put_lat)
+
+
+def _c_raw_put(rt, st, data):
+    """Bypass the runtime's permission check: post an RDMA WRITE with the window's rkey."""
+    ref = rt.ref(data)
+    rec = rt.directory.get_window(ref.gva)
+    desc = Descriptor.from_json(rec["descriptors"]["rdma"])
+    eng = rt.engine("rdma")
+    remote = eng.attach(desc, ref.nbytes)
+    try:
+        eng.put(remote, 0, np.full(ref.nbytes, 0xAB, np.uint8))
+    except memsem.EngineError as exc:
+        return exc.name, exc.code
+    finally:
+        remote.close()
+    return None, None
+
+
+def _c_get_timed(rt, st, data):
+    """Get, returning (error type name, error attrs, seconds) instead of raising."""
+    ref = rt.ref(data)
+    t0 = time.perf_counter()
+    try:
+        ref.get()
+    except memsem.MemsemError as exc:
+        return type(exc).__name__, getattr(exc, "name", None), time.perf_counter() - t0
+    return None, None, time.perf_counter() - t0
+
+
+COMMANDS = {k[3:]: v for k, v in dict(globals()).items() if k.startswith("_c_")}
+
+
+def _cause(exc: BaseException) -> dict | None:
+    c = exc.__cause__
+    if c is None or c is exc:
+        return None
+    return {"type": type(c).__name__, "name": getattr(c, "name", None), "code": getattr(c, "code", None)}
+
+
+def _agent(conn, node: str, job: str) -> None:
+    os.environ["MEMSEM_NODE_ID"] = node
+    state: dict = {}
+    try:
+        rt = memsem.Runtime(engines=("loopback", "host", "rdma"), job=job, timeout=20)
+    except BaseException as exc:
+        conn.send((False, (exc, None, traceback.format_exc())))
+        os._exit(1)
+    conn.send((True, None))
+    while True:
+        try:
+            cmd, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if cmd == "exit":
+            rt.close()
+            conn.send((True, None))
+            break
+        try:
+            conn.send((True, COMMANDS[cmd](rt, state, *args, **kwargs)))
+        except BaseException as exc:
+            try:
+                conn.send((False, (exc, _cause(exc), traceback.format_exc())))
+            except Exception:  # unpicklable
+                conn.send((False, (RuntimeError(repr(exc)), _cause(exc), traceback.format_exc())))
+    os._exit(0)
+
+
+class Node:
+    """A forked process that acts as node ``node`` (its own MEMSEM_NODE_ID and Runtime)."""
+
+    def __init__(self, node: str, job: str) -> None:
+        ctx = mp.get_context("fork")
+        self.node = node
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_agent, args=(child, node, job), daemon=True)
+        self.proc.start()
+        child.close()
+        self._answer("startup", CALL_TIMEOUT)
+
+    def _answer(self, what: str, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"node {self.node}: no answer to {what} after {timeout} s")
+        ok, val = self.conn.recv()
+        if ok:
+            return val
+        exc, cause, tb = val
+        exc.remote_cause = cause
+        exc.remote_traceback = tb
+        raise exc
+
+    def __call__(self, cmd: str, *args, timeout: float = CALL_TIMEOUT, **kwargs):
+        self.conn.send((cmd, args, kwargs))
+        return self._answer(cmd, timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self("exit", timeout=30)
+            except Exception:
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def job():
+    return f"rdmatest{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def nodes(job):
+    if not PROBE:
+        pytest.skip(f"rdma engine unavailable: {PROBE.reason}")
+    owner = Node("node-a", job)
+    try:
+        consumer = Node("node-b", job)
+    except BaseException:
+        owner.close()
+        raise
+    yield owner, consumer
+    consumer.close()
+    owner.close()
+
+
+def report(capsys, line: str) -> None:
+    with capsys.disabled():
+        print(f"\n[rdma] {line}", flush=True)
+
+
+# -- tests that run everywhere ----------------------------------------------------------------------
+def test_probe_names_a_reason():
+    if IN_VM:
+        assert PROBE.ok, PROBE.reason
+    elif not PROBE:
+        assert "RDMA" in PROBE.reason or "pyverbs" in PROBE.reason, PROBE.reason
+
+
+def test_directory_entries(tmp_path, monkeypatch):
+    """The small key/value API the engine rendezvous on (QP numbers, GIDs)."""
+    from memsem.directory import LocalDirectory
+
+    monkeypatch.setenv("MEMSEM_SHM_DIR", str(tmp_path))
+    d = LocalDirectory("entries", alive=lambda rec: True)
+    d.put_entry("rdma/ep1/req/c1.1", {"qpn": 17, "seq": 1})
+    d.put_entry("rdma/ep1/bye/c2", {"seq": 3})
+    d.put_entry("rdma/ep2/req/c1.1", {"qpn": 18, "seq": 1})
+    assert d.get_entry("rdma/ep1/req/c1.1") == {"qpn": 17, "seq": 1}
+    assert set(d.entries("rdma/ep1/")) == {"rdma/ep1/req/c1.1", "rdma/ep1/bye/c2"}
+    d.remove_entry("rdma/ep1/req/c1.1")
+    d.remove_entry("rdma/ep1/req/c1.1")  # twice is fine
+    assert d.get_entry("rdma/ep1/req/c1.1") is None
+    assert list(d.entries("rdma/ep1/")) == ["rdma/ep1/bye/c2"]
+    with pytest.raises(ValueError, match="entry key"):
+        d.put_entry("no spaces", {})
+    d.close()
+
+
+# -- tests on a device (the VM) ----------------------------------------------------------------------
+def test_engine_opens_device():
+    """Engine init on a present device works (a failure here fails, never skips)."""
+    eng = RdmaEngine()
+    try:
+        devs = eng.devices()
+        assert devs and all(d["gid"] for d in devs)
+        assert eng.location_attrs["rdma_port"]
+    finally:
+        eng.close()
+
+
+def test_explain_names_rdma(nodes):
+    owner, consumer = nodes
+    ref = owner("publish", "explain", 4096, "rw", 1)
+    text = consumer("explain", ref)
+    assert "route rdma via engine 'rdma'" in text and "different nodes" in text, text
+    assert "not host: owner is on node 'node-a'" in text, text
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n}B")
+def test_get_put_sizes(nodes, nbytes, capsys):
+    owner, consumer = nodes
+    name = f"w{nbytes}"
+    ref = owner("publish", name, nbytes, "rw", nbytes)
+    got, t_get = consumer("get", ref)
+    assert got == owner("digest", name)
+    sent, t_put = consumer("put", ref, nbytes + 7)
+    assert sent == owner("digest", name)
+    if nbytes < SIZES[-1]:
+        got2, _ = consumer("get", ref)
+        assert got2 == sent
+    if nbytes == SIZES[-1]:
+        report(capsys, f"{nbytes >> 20} MiB (emulated rxe under TCG): READ {t_get:.3f} s = "
+                       f"{nbytes / t_get / 1e6:.0f} MB/s, WRITE {t_put:.3f} s = {nbytes / t_put / 1e6:.0f} MB/s "
+                       "(runtime get/put incl. registering the local buffer)")
+    if nbytes > BOUNCE_BYTES:
+        assert consumer("engine_stats")["local_registrations"] > 0
+
+
+def test_latency_64b(nodes, capsys):
+    owner, consumer = nodes
+    ref = owner("publish", "lat", 64, "rw", 3)
+    get_s, put_s = consumer("latency", ref, 200)
+    report(capsys, f"64 B (emulated rxe under TCG): get median {get_s * 1e6:.0f} us, "
+                   f"put median {put_s * 1e6:.0f} us (runtime get/put, 200 each)")
+    assert get_s < 1.0 and put_s < 1.0
+
+
+@pytest.mark.parametrize("nbytes,ranges", [(64, 1), (1 << 20, 4), (64 << 20, 8)],
+                         ids=lambda v: f"{v}")
+def test_xcopy_batch(nodes, nbytes, ranges):
+    """One xcopy batch: ``ranges`` gets from the first half, ``ranges`` puts into the second."""
+    owner, consumer = nodes
+    name = f"xcopy{nbytes}"
+    ref = owner("publish", name, nbytes, "rw", 11)
+    before = owner("digest", name)
+    states, got, sent = consumer("xcopy", ref, ranges, 12)
+    assert states == ["DONE"] * (2 * ranges)
+    whole = pattern(nbytes, 11)
+    assert got == digest(whole[:nbytes // 2])
+    whole[nbytes // 2:] = pattern(nbytes // 2, 12)
+    assert sent == digest(pattern(nbytes // 2, 12))
+    assert owner("digest", name) == digest(whole) != before
+
+
+def test_submit_posts_a_list(nodes):
+    owner, consumer = nodes
+    nbytes = 1 << 20
+    ref = owner("publish", "submit", nbytes, "rw", 21)
+    states, got, posted = consumer("submit", ref, 32)
+    assert states == ["DONE"] * 32
+    assert got == owner("digest", "submit")
+    assert posted == 32
+
+
+def test_stale_rkey_after_republish(nodes):
+    owner, consumer = nodes
+    ref1 = owner("publish", "stale", 4096, "rw", 31)
+    got, _ = consumer("get", ref1)
+    assert got == owner("digest", "stale")
+    regs_before = owner("owner_stats")["engine"]
+    ref2 = owner("publish", "stale", 4096, "rw", 32)  # republish: generation bump, MR re-registered
+    regs_after = owner("owner_stats")["engine"]
+    assert regs_after["registrations"] == regs_before["registrations"] + 1
+    assert regs_after["deregistrations"] == regs_before["deregistrations"] + 1
+    with pytest.raises(StaleReferenceError) as ei:
+        consumer("get", ref1)  # the consumer's cached rkey is the old one: the device refuses it
+    cause = ei.value.remote_cause
+    assert cause and cause["name"] == "IBV_WC_REM_ACCESS_ERR" and cause["code"] == 10, cause
+    with pytest.raises(StaleReferenceError):
+        consumer("put", ref1, 5)
+    got, _ = consumer("get", ref2)  # the connection is re-established for the new generation
+    assert got == owner("digest", "stale")
+
+
+def test_read_only_window_refuses_write(nodes):
+    owner, consumer = nodes
+    ref = owner("publish", "ro", 4096, "r", 41)
+    before = owner("digest", "ro")
+    import pyverbs.enums as e
+
+    access = owner("mr_access", "ro")
+    assert access & e.IBV_ACCESS_REMOTE_READ and not access & e.IBV_ACCESS_REMOTE_WRITE
+    got, _ = consumer("get", ref)
+    assert got == before
+    posted = consumer("engine_stats")["posted"]
+    with pytest.raises(AccessDeniedError):
+        consumer("put", ref, 42)  # the runtime refuses before posting anything
+    assert consumer("engine_stats")["posted"] == posted
+    name, code = consumer("raw_put", ref)  # and the MR itself lacks REMOTE_WRITE
+    assert (name, code) == ("IBV_WC_REM_ACCESS_ERR", 10)
+    assert owner("digest", "ro") == before
+    got, _ = consumer("get", ref)  # the connection recovers
+    assert got == before
+
+
+@pytest.mark.parametrize("n_consumers", [1, 3])
+def test_one_registration_for_n_consumers(job, n_consumers):
+    owner = Node("node-owner-n", job)
+    consumers = []
+    try:
+        ref = owner("publish", "shared", 1 << 16, "r", 51)
+        want = owner("digest", "shared")
+        consumers = [Node(f"node-c{i}", job) for i in range(n_consumers)]
+        for c in consumers:
+            assert c("get", ref)[0] == want
+            assert c("get", ref)[0] == want
+        st = owner("owner_stats")
+        assert st["engine"]["registrations"] == 1
+        assert st["engine"]["live_registrations"] == 1
+        assert st["telemetry"].get("rdma") == 1
+        assert st["engine"]["served_live"] == n_consumers
+    finally:
+        for c in consumers:
+            c.close()
+        owner.close()
+
+
+def test_peer_killed_gives_typed_error_within_1s(job, capsys):
+    owner = Node("node-doomed", job)
+    consumer = Node("node-survivor", job)
+    try:
+        ref = owner("publish", "doomed", 4096, "rw", 61)
+        assert consumer("get", ref)[0] == owner("digest", "doomed")
+        owner.kill()
+        err, status, secs = consumer("get_timed", ref, timeout=30)
+        report(capsys, f"owner killed: consumer got {err} ({status}) after {secs * 1e3:.0f} ms")
+        assert err == PeerLostError.__name__ and status in ("IBV_WC_RETRY_EXC_ERR", "IBV_WC_RNR_RETRY_EXC_ERR")
+        assert secs < 1.0
+        err, _, secs = consumer("get_timed", ref, timeout=30)  # reconnecting fails, bounded
+        assert err == PeerLostError.__name__ and secs < 5.0
+    finally:
+        consumer.close()
+        owner.close()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything TransferQueue: build the TQ venv, run memsem's TQ backend tests, TQ's own two
+# backend-neutral e2e files (unmodified, from the installed wheel) against Memsem, and the
+# SimpleStorage vs Memsem comparison. Called by `make test-tq`.
+#
+# Env: TQ_VENV (default .venv-tq), PY (default python3.11), TQ_BENCH=0 skips the comparison,
+#      TQ_BENCH_ARGS (extra bench_tq.py args, e.g. "--seq-len 32768").
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HERE="$ROOT/tests/tq"
+V=${TQ_VENV:-$ROOT/.venv-tq}
+PY=${PY:-python3.11}
+STAMP="$V/.tq-installed"
+
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$HERE/requirements-tq.txt" -nt "$STAMP" ]; then
+    [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
+    "$V/bin/pip" install -q --upgrade pip setuptools wheel cffi
+    # torch first, pinned, so no later resolution pulls another build (GBs of CUDA).
+    "$V/bin/pip" install -q torch==2.13.0
+    "$V/bin/pip" install -q -r "$HERE/requirements-tq.txt"
+    "$V/bin/pip" install -q -e "$ROOT[transferqueue]"
+    touch "$STAMP"
+fi
+
+export RAY_OVERRIDE_RESOURCES=${RAY_OVERRIDE_RESOURCES:-'{"CPU": 8}'}  # 2-core CI boxes
+export RAY_USAGE_STATS_ENABLED=0
+
+echo "== memsem TQ backend tests"
+(cd "$ROOT" && "$V/bin/python" -m pytest -q -p no:cacheprovider tests/test_tq_backend.py)
+
+echo "== TransferQueue e2e (unmodified) against Memsem"
+TQ_EXTRA_BACKEND_MODULES=memsem.integrations.transferqueue bash "$HERE/run_tq_e2e.sh" "$V" Memsem
+
+if [ "${TQ_BENCH:-1}" != 0 ]; then
+    echo "== SimpleStorage vs Memsem, same workload"
+    OUT=$(mktemp -d /tmp/tq-bench.XXXXXX)
+    trap 'rm -rf "$OUT"' EXIT
+    # shellcheck disable=SC2086
+    "$V/bin/python" "$HERE/bench_tq.py" --backend SimpleStorage --json "$OUT/simple.json" ${TQ_BENCH_ARGS:-} >/dev/null
+    # shellcheck disable=SC2086
+    "$V/bin/python" "$HERE/bench_tq.py" --backend Memsem --backend-module memsem.integrations.transferqueue \
+        --extra-stats memsem.integrations.transferqueue:counters --json "$OUT/memsem.json" ${TQ_BENCH_ARGS:-} >/dev/null
+    "$V/bin/python" "$HERE/compare_bench.py" "$OUT/simple.json" "$OUT/memsem.json"
+fi
