@@ -36,11 +36,11 @@ test-core: $(TEST_STAMP)
 test-rdma: $(TEST_STAMP)
 	bash tests/rdma/run_rdma_tests.sh
 
-test-tq: $(TEST_STAMP)
-	bash tests/tq/run_tq_all.sh
+test-tq:
+	PY=$(PY) bash tests/tq/run_tq_all.sh
 
 bench: $(TEST_STAMP)
 	$(VPY) -m memsem.cli bench --quick
 
 clean:
-	rm -rf $(VENV) build bench-out src/memsem/_native*.so src/*.egg-info
+	rm -rf $(VENV) .venv-tq build bench-out src/memsem/_native*.so src/*.egg-info

@@ -111,6 +111,7 @@ class _Shared:
         self.move_s = 0.0
         self.ready_wait_s = 0.0
         self.hold_s = 0.0
+        self.hold_since = 0.0  # perf_counter when the mover began waiting for a slot, 0 if not
         self.bytes_moved = 0
         self.moves: list[tuple[float, float]] = []
 
@@ -307,15 +308,19 @@ class Pipeline:
         self._computes: list[tuple[float, float]] = []
         self._recorded = False
         self._own_move = (0.0, 0, (0.0, 0.0))  # the caller's move of tile 0: seconds, bytes, interval
+        self._mover_args: tuple | None = None
         if self.mode != "view" and self.n_tiles > 1:
-            self._thread = threading.Thread(
-                target=_mover, name=f"memsem-pipeline-{spec.name or hex(spec.gva)}", daemon=True,
-                args=(runtime, spec, self.tile_bytes, 1, self.n_tiles, self._slots, self._base, self._sh,
-                      functools.partial(_ready_words, spec.offset, spec.nbytes, self.tile_bytes,
-                                        self._window_tile_bytes, self._n_ready) if self.wait_ready else None,
-                      self.timeout, lease))
-            self._thread.start()
+            # Started by the first next(), right after the caller moved tile 0 (so tile 0 does not
+            # share the CPU and memory bus with the mover's tile 1 on small machines).
+            self._mover_args = (
+                runtime, spec, self.tile_bytes, 1, self.n_tiles, self._slots, self._base, self._sh,
+                functools.partial(_ready_words, spec.offset, spec.nbytes, self.tile_bytes,
+                                  self._window_tile_bytes, self._n_ready) if self.wait_ready else None,
+                self.timeout, lease)
         self._finalizer = weakref.finalize(self, self._sh.stop.set)
+        children = getattr(runtime, "_children", None)
+        if children is not None:
+            children.add(self)  # the runtime closes its pipelines before it unmaps anything
 
     # -- geometry --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -372,6 +377,7 @@ class Pipeline:
                     slot = 0
                     off, n = self.tile_range(0)
                     self._move_first(off, n)
+                    self._start_mover()
                 else:
                     _, slot, _ = self._wait_item(index)
                     off, n = self.tile_range(index)
@@ -398,6 +404,14 @@ class Pipeline:
             _wait_ready(self.runtime, self.spec, self._ready_plan(index), index, self.timeout, self._sh.stop)
             self._ready_wait_caller_s += time.perf_counter() - t
         return -1
+
+    def _start_mover(self) -> None:
+        if self._mover_args is not None and self._thread is None and not self._closed:
+            spec = self.spec
+            self._thread = threading.Thread(target=_mover, args=self._mover_args, daemon=True,
+                                            name=f"memsem-pipeline-{spec.name or hex(spec.gva)}")
+            self._mover_args = None
+            self._thread.start()
 
     def _move_first(self, off: int, n: int) -> None:
         if self.wait_ready:
@@ -514,7 +528,8 @@ class Pipeline:
             mode=self.mode, route=self.route.kind,
             first_tile_s=None if self._t_first is None else self._t_first - self._t0,
             total_s=end - self._t0, move_s=move_s,
-            ready_wait_s=sh.ready_wait_s + self._ready_wait_caller_s, caller_hold_s=sh.hold_s,
+            ready_wait_s=sh.ready_wait_s + self._ready_wait_caller_s,
+            caller_hold_s=sh.hold_s + ((end - sh.hold_since) if sh.hold_since else 0.0),
             caller_wait_s=self._caller_wait_s, compute_s=sum(b - a for a, b in computes),
             overlap_ratio=overlap, bytes_moved=sh.bytes_moved + own_n)
 
@@ -583,16 +598,21 @@ def _mover(rt: RuntimeCore, spec: RefSpec, tile_bytes: int, start: int, n_tiles:
     try:
         for i in range(start, n_tiles):
             t0 = perf()
-            while True:
-                if sh.stop.is_set():
-                    return
-                try:
-                    slot = sh.free.get(timeout=POLL_S)
-                    break
-                except queue.Empty:
-                    continue
+            try:
+                slot = sh.free.get_nowait()
+            except queue.Empty:
+                sh.hold_since = t0
+                while True:
+                    if sh.stop.is_set():
+                        return
+                    try:
+                        slot = sh.free.get(timeout=POLL_S)
+                        break
+                    except queue.Empty:
+                        continue
             t1 = perf()
             sh.hold_s += t1 - t0
+            sh.hold_since = 0.0
             if ready_plan is not None:
                 _wait_ready(rt, spec, ready_plan(i), i, timeout, sh.stop)
             t2 = perf()

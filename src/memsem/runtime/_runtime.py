@@ -66,6 +66,8 @@ DEFAULT_TIMEOUT = 30.0
 LIVENESS_CHECK_BYTES = 1 << 18
 #: slice of a blocking wait between liveness checks (seconds)
 WAIT_SLICE = 0.05
+#: seconds an unpublished window's control block stays mapped for threads still reading it
+RETIRED_CB_GRACE = 10.0
 #: smaller transfers re-check the owner's liveness when the last check is older than this (s)
 LIVENESS_INTERVAL = 0.05
 
@@ -94,12 +96,13 @@ class _Owned:
 class _Owner:
     """Liveness of a window's owner (same node: pidfd, so a recycled pid is never mistaken)."""
 
-    __slots__ = ("pid", "start", "fd", "node", "checked")
+    __slots__ = ("pid", "start", "fd", "node", "checked", "dead")
 
     def __init__(self, pid: int, start: int, node: str) -> None:
         self.pid, self.start, self.node = pid, start, node
         self.fd = -1
-        self.checked = 0.0
+        self.checked = 0.0  # monotonic time of the last check; -inf once seen dead
+        self.dead = False
         if node == native.node_id() and pid != os.getpid():
             try:
                 fd = os.pidfd_open(pid)
@@ -113,11 +116,18 @@ class _Owner:
     def alive(self) -> bool:
         if self.pid == os.getpid():
             return True
+        if self.dead:
+            return False
         self.checked = time.monotonic()
         if self.fd < 0:
-            return process_alive(self.pid, self.start) if self.node == native.node_id() else True
-        r, _, _ = select.select([self.fd], [], [], 0)
-        return not r
+            ok = process_alive(self.pid, self.start) if self.node == native.node_id() else True
+        else:
+            r, _, _ = select.select([self.fd], [], [], 0)
+            ok = not r
+        if not ok:
+            self.dead = True  # a verdict that never changes: every later check raises at once
+            self.checked = float("-inf")
+        return ok
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -206,6 +216,8 @@ class Lease:
         res = self.runtime._resolve(self.spec)
         if res.cb is None:
             raise NotSupportedError(f"leases across nodes need a directory that holds them (route {res.route.kind})")
+        if not res.own_cb and not res.owner.alive():  # a cached resolution may outlive its owner
+            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid}) is dead: no lease")
         me = self.runtime.identity
         try:
             slot, lid = _lease.acquire(res.cb, me.pid, me.start_time, self._ttl_ns(self.ttl))
@@ -321,6 +333,12 @@ class RuntimeCore:
         self._owners: dict[tuple[int, int], _Owner] = {}
         self._segments: dict[int, Segment] = {}  # alloc'd segments by address
         self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        #: objects of higher layers (pipelines) closed before this runtime closes
+        self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: control blocks of unpublished windows, unlinked but kept mapped a while: a thread of
+        #: this process may still be reading them (a wait_tile notices the generation move within
+        #: WAIT_SLICE); unmapped RETIRED_CB_GRACE s later or at close
+        self._retired_cbs: list[tuple[float, ControlBlock]] = []
         self._engines: dict[str, Engine] = {}
         self._available: dict[str, Availability] = {}
         self.location_attrs: dict[str, Any] = {}
@@ -566,11 +584,22 @@ class RuntimeCore:
         self._resolved.pop(owned.info.gva, None)
         owned.keepalive = None
 
-    def _close_cb(self, cb: ControlBlock) -> None:
+    def _close_cb(self, cb: ControlBlock, *, now: bool = False) -> None:
         try:
             cb.segment.unlink()
         finally:
-            cb.close()
+            if now:
+                cb.close()
+            else:
+                t = time.monotonic()
+                keep = []
+                for since, old in self._retired_cbs:
+                    if t - since > RETIRED_CB_GRACE:
+                        old.close()
+                    else:
+                        keep.append((since, old))
+                keep.append((t, cb))
+                self._retired_cbs = keep
 
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         """Unpublish a window this runtime owns (see ``memsem.Runtime.unpublish``)."""
@@ -777,6 +806,9 @@ class RuntimeCore:
         at += res.base
         if res.direct:
             if put:
+                if res.put_method == native.COPY_VM_WRITE and not res.owner.alive():
+                    # Never write by pid into a process that may not be the owner any more.
+                    raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) is dead")
                 rc = _guarded(res.gen_addr, spec.generation, res.inflight_addr, res.put_method, res.pid, at, addr, n)
             else:
                 rc = _guarded(res.gen_addr, spec.generation, res.inflight_addr, res.get_method, res.pid, addr, at, n)
@@ -957,6 +989,8 @@ class RuntimeCore:
         """Zero-copy array over the window itself (see ``memsem.TensorRef.view``)."""
         t0 = time.perf_counter_ns()
         res = self._resolve(spec)
+        if not res.own_cb and not res.owner.alive():  # a cached resolution may outlive its owner
+            raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) is dead: no view")
         if not res.route.zero_copy:
             raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
                                     f"({res.route.reason}); use get()")
@@ -1065,6 +1099,11 @@ class RuntimeCore:
         if self._closed:
             return
         timeout = min(self.timeout, 5.0) if timeout is None else timeout
+        for child in list(self._children):
+            try:
+                child.close()
+            except Exception:
+                log.warning("closing %r failed", child, exc_info=True)
         with self._lock:
             for lease in list(self._leases):
                 with lease._lock:
@@ -1091,6 +1130,9 @@ class RuntimeCore:
                 seg.unlink()
                 seg.close()
             self._segments.clear()
+            for _, cb in self._retired_cbs:
+                cb.close()
+            self._retired_cbs.clear()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_owned", None):

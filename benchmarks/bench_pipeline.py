@@ -1,0 +1,281 @@
+"""Pipeline benchmark: the three goals of issue 3, measured in one run, printed as ratios.
+
+1. Move time ~= compute time per tile: pipeline total vs the ideal ``fill + sum(max(move,
+   compute)) + drain`` (goal <= 1.1x), and speedup vs get-everything-then-compute on the same
+   data in the same run (goal >= 1.7x).
+2. First-tile latency of a 256 MiB ref with 1 MiB tiles vs the latency of one 1 MiB ``get()``
+   (goal <= 3x).
+3. Consumer RSS growth while streaming 1 GiB vs ``depth x tile_bytes + 64 MiB`` (goal <= 1.0x).
+
+The data lives in a producer process's private memory (route host/cma: one kernel copy per
+tile, nothing mapped into the consumer), so moves are real and the consumer's RSS only holds
+what the pipeline allocates. ``--quick`` shrinks the sizes (64 MiB refs, 256 MiB stream).
+
+``run(quick=True)`` returns a dict with ``pipeline_vs_ideal``, ``pipeline_speedup_vs_bulk``,
+``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond ``depth x tile_bytes``; the goal
+is <= 64) plus the raw figures; ``memsem bench`` calls it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import memsem
+from memsem.pipeline import Pipeline
+
+MiB = 1 << 20
+
+
+# -- processes -----------------------------------------------------------------------------------
+def _producer(conn, nbytes: int) -> None:
+    with memsem.Runtime() as rt:
+        data = np.empty(nbytes, np.uint8)
+        data.view(np.uint32)[:] = np.arange(nbytes // 4, dtype=np.uint32)  # touched, non-trivial
+        ref = rt.publish(data, access="r", name="bench-src")
+        conn.send(ref.to_bytes())
+        conn.poll(3600)
+        conn.recv()
+
+
+class _Source:
+    """A producer process holding ``nbytes`` in private memory."""
+
+    def __init__(self, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer, args=(child, nbytes), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(120):
+            raise TimeoutError("producer did not publish within 120 s")
+        self.data = self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send("exit")
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- compute -------------------------------------------------------------------------------------
+class _Compute:
+    """A GIL-releasing numpy kernel over one tile: ``units`` passes over eighths of the tile
+    (cycling), calibrated so that compute ~= move per tile."""
+
+    PARTS = 8
+
+    def __init__(self, tile_bytes: int) -> None:
+        self.scratch = np.empty(tile_bytes // 4 // self.PARTS, np.float32)
+        self.units = self.PARTS
+
+    def __call__(self, tile: np.ndarray) -> float:
+        x = tile.view(np.float32) if tile.dtype != np.float32 else tile
+        m = len(x) // self.PARTS
+        acc = 0.0
+        for u in range(self.units):
+            j = u % self.PARTS
+            np.multiply(x[j * m:(j + 1) * m], np.float32(1.0001), out=self.scratch[:m])
+            acc += float(self.scratch[0])
+        return acc
+
+    def calibrate(self, sample: np.ndarray, target_s: float) -> None:
+        self.units = self.PARTS * 4
+        t = _median_time(lambda: self(sample), 7) / self.units
+        self.units = max(1, round(target_s / max(t, 1e-9)))
+
+
+def _median_time(fn, n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+# -- 1: pipeline vs ideal and vs bulk -----------------------------------------------------------
+def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
+                  repeats: int = 3) -> dict[str, Any]:
+    n = ref.num_tiles(tile_bytes)
+    spec = ref.spec
+    slot = np.empty(tile_bytes, np.uint8)
+    slot[:] = 0
+    # per-tile move time (sequential, warm buffer)
+    rt.transfer(spec, "get", 0, slot)
+    move_t = []
+    for i in range(n):
+        off = i * tile_bytes
+        t = time.perf_counter()
+        rt.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
+        move_t.append(time.perf_counter() - t)
+    comp = _Compute(tile_bytes)
+    comp.calibrate(slot, statistics.median(move_t))
+    comp_t = []
+    for i in range(n):
+        t = time.perf_counter()
+        comp(slot)
+        comp_t.append(time.perf_counter() - t)
+    ideal = move_t[0] + sum(max(move_t[i + 1], comp_t[i]) for i in range(n - 1)) + comp_t[-1]
+
+    whole = np.empty(spec.nbytes, np.uint8)
+    whole[:] = 0  # pre-touched: bulk pays no page faults (conservative for the pipeline)
+    bulk, pipe, stats = [], [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        rt.transfer(spec, "get", 0, whole)
+        for i in range(n):
+            comp(whole[i * tile_bytes:(i + 1) * tile_bytes])
+        bulk.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        with Pipeline(rt, spec, tile_bytes=tile_bytes, depth=depth, zero_copy=False) as p:
+            for tile in p:
+                with tile:
+                    comp(tile.raw)
+        pipe.append(time.perf_counter() - t)
+        if stats is None or pipe[-1] == min(pipe):
+            stats = p.stats
+    del whole
+    return {"tiles": n, "tile_bytes": tile_bytes, "depth": depth, "compute_units": comp.units,
+            "move_per_tile_s": statistics.median(move_t), "compute_per_tile_s": statistics.median(comp_t),
+            "ideal_s": ideal, "pipeline_s": min(pipe), "bulk_s": min(bulk),
+            "pipeline_vs_ideal": min(pipe) / ideal, "pipeline_speedup_vs_bulk": min(bulk) / min(pipe),
+            "overlap_ratio": stats.overlap_ratio, "route": stats.route}
+
+
+# -- 2: first tile -------------------------------------------------------------------------------
+def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
+                     repeats: int = 9) -> dict[str, Any]:
+    one = ref.bytes(0, tile_bytes)
+    one.get()
+    gets, firsts = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        one.get()  # a new 1 MiB array, as a user's get() gives
+        gets.append(time.perf_counter() - t)
+        p = Pipeline(rt, ref.spec, tile_bytes=tile_bytes, depth=depth, zero_copy=False)
+        next(p)
+        firsts.append(p.stats.first_tile_s)
+        p.close()
+    g, f = statistics.median(gets), statistics.median(firsts)
+    return {"ref_bytes": ref.nbytes, "tile_bytes": tile_bytes, "one_get_s": g, "first_tile_s": f,
+            "first_tile_ratio": f / g}
+
+
+# -- 3: RSS --------------------------------------------------------------------------------------
+def _rss_consumer(conn, data: bytes, tile_bytes: int, depth: int) -> None:
+    with memsem.Runtime() as rt:
+        ref = rt.ref(data)
+        ref.bytes(0, 4096).get()  # resolve (attach) before the baseline
+        base = _rss()
+        peak = base
+        total = 0
+        t = time.perf_counter()
+        with rt.pipeline(ref, tile_bytes=tile_bytes, depth=depth, zero_copy=False) as p:
+            for tile in p:
+                with tile:
+                    total += int(tile.raw[::4096].sum())
+                    peak = max(peak, _rss())
+        conn.send({"baseline_rss": base, "peak_rss": peak, "streamed": ref.nbytes,
+                   "seconds": time.perf_counter() - t, "bytes_moved": p.stats.bytes_moved})
+
+
+def rss_bench(data: bytes, tile_bytes: int, depth: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_rss_consumer, args=(child, data, tile_bytes, depth), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(600):
+            raise TimeoutError("RSS consumer did not finish within 600 s")
+        r = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    growth = r["peak_rss"] - r["baseline_rss"]
+    budget = depth * tile_bytes + 64 * MiB
+    r.update(rss_growth_MiB=growth / MiB, rss_budget_MiB=budget / MiB, rss_growth_vs_budget=growth / budget,
+             rss_overhead_MiB=(growth - depth * tile_bytes) / MiB)
+    return r
+
+
+# -- driver --------------------------------------------------------------------------------------
+def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2) -> dict[str, Any]:
+    """Measure the three goals; returns the ratios and the raw figures (see module docstring)."""
+    ref_bytes = (64 if quick else 256) * MiB
+    stream_bytes = (256 if quick else 1024) * MiB
+    out: dict[str, Any] = {"quick": quick, "cpus": len(os.sched_getaffinity(0))}
+    src = _Source(max(ref_bytes, stream_bytes))
+    try:
+        with memsem.Runtime() as rt:
+            full = rt.ref(src.data)
+            ref = full.bytes(0, ref_bytes)
+            ov = overlap_bench(rt, ref, tile_bytes, depth, repeats=2 if quick else 3)
+            ft = first_tile_bench(rt, ref, tile_bytes, depth)
+            rss_src = full.bytes(0, stream_bytes).to_bytes()
+        rs = rss_bench(rss_src, tile_bytes, depth)
+    finally:
+        src.close()
+    out.update(overlap=ov, first_tile=ft, rss=rs,
+               pipeline_vs_ideal=ov["pipeline_vs_ideal"], pipeline_speedup_vs_bulk=ov["pipeline_speedup_vs_bulk"],
+               first_tile_ratio=ft["first_tile_ratio"], rss_overhead_MiB=rs["rss_overhead_MiB"],
+               rss_growth_vs_budget=rs["rss_growth_vs_budget"])
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    ov, ft, rs = r["overlap"], r["first_tile"], r["rss"]
+    ms = 1e3
+    lines = [
+        f"memsem pipeline benchmark ({'quick' if r['quick'] else 'full'}, {r['cpus']} CPUs, route {ov['route']}, "
+        f"tile {ov['tile_bytes'] // MiB} MiB, depth {ov['depth']})",
+        f"  1. {ov['tiles']} tiles, move {ov['move_per_tile_s'] * ms:.3f} ms/tile, compute {ov['compute_per_tile_s'] * ms:.3f} ms/tile",
+        f"     pipeline {ov['pipeline_s'] * ms:.1f} ms | ideal {ov['ideal_s'] * ms:.1f} ms | bulk get-then-compute {ov['bulk_s'] * ms:.1f} ms"
+        f" | overlap {ov['overlap_ratio']:.2f}",
+        f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x   (goal <= 1.1)",
+        f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7)",
+        f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one {ft['tile_bytes'] // MiB} MiB get() "
+        f"{ft['one_get_s'] * ms:.3f} ms",
+        f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3)",
+        f"  3. streamed {rs['streamed'] // MiB} MiB in {rs['seconds']:.2f} s: RSS growth {rs['rss_growth_MiB']:.1f} MiB | budget "
+        f"depth x tile + 64 MiB = {rs['rss_budget_MiB']:.0f} MiB",
+        f"     RSS growth / budget       = {r['rss_growth_vs_budget']:.3f}x   (goal <= 1.0; overhead beyond the slots "
+        f"{r['rss_overhead_MiB']:.1f} MiB)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="memsem pipeline benchmark (issue 3 goals)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (64 MiB refs, 256 MiB stream)")
+    ap.add_argument("--json", action="store_true", help="print the result dict as JSON too")
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--tile-mib", type=int, default=1)
+    a = ap.parse_args(argv)
+    r = run(a.quick, tile_bytes=a.tile_mib * MiB, depth=a.depth)
+    print(report(r))
+    if a.json:
+        print(json.dumps(r, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

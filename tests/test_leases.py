@@ -1,0 +1,304 @@
+"""Leases: ttl, renew, release, views, reaping, and what the owner does on unpublish/republish.
+
+Also the two lease cases of issue 4: a get racing unpublish (case 1) and a lease expiring during
+a slowed get while the owner reclaims the window (case 2). Semantics: docs/leases.md.
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import pytest
+
+import memsem
+from memsem.engines.host import HostEngine
+from memsem.engines.mock import ScriptedEngine
+from tests._agent import Agent, pattern
+from tests.conftest import SPAWN, run_children
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def agent():
+    with Agent(SPAWN, timeout=5.0) as a:
+        yield a
+
+
+def _consumer(delay: float = 0.0, timeout: float = 10.0) -> memsem.Runtime:
+    """A second runtime in this process that reaches the owner's windows through the host
+    engine (not loopback), optionally slowed: the consumer side of a cross-runtime transfer."""
+    kw = {"engine_objects": {"host": ScriptedEngine(HostEngine(), delay=delay)}} if delay else {}
+    return memsem.Runtime(timeout=timeout, engines=["host"], **kw)
+
+
+# -- the lease object ---------------------------------------------------------------------------
+def test_lease_lifecycle(rt):
+    ref = rt.publish(np.arange(64, dtype=np.float32))
+    lease = ref.lease(ttl=5.0)
+    assert not lease.held and lease.remaining() == 0.0
+    with lease as held:
+        assert held is lease and lease.held
+        assert 4.0 < lease.remaining() <= 5.0
+        assert 9.0 < lease.renew(10.0) <= 10.0
+        assert (ref.get(lease=lease) == np.arange(64)).all()
+        with pytest.raises(memsem.MemsemError, match="already held"):
+            lease.acquire()
+    assert not lease.held and lease.remaining() == 0.0
+    lease.release()  # safe twice
+    with pytest.raises(memsem.LeaseExpiredError, match="not held"):
+        lease.renew()
+    with pytest.raises(ValueError, match="ttl"):
+        ref.lease(ttl=0)
+
+
+def test_renew_after_expiry_raises(rt):
+    ref = rt.publish(np.zeros(16, np.uint8))
+    lease = ref.lease(ttl=0.05).acquire()
+    time.sleep(0.1)
+    assert lease.remaining() < 0
+    with pytest.raises(memsem.LeaseExpiredError, match="expired"):
+        ref.get(lease=lease)
+    with pytest.raises(memsem.LeaseExpiredError, match="expired before renew"):
+        lease.renew(10.0)
+    assert not lease.held  # a failed renew gives the slot back
+
+
+def test_ttl_none_holds_until_release(rt):
+    ref = rt.publish(np.zeros(16, np.uint8))
+    with ref.lease(ttl=None) as lease:
+        assert lease.remaining() > 1e6
+        with pytest.raises(memsem.LeaseHeldError):
+            rt.unpublish(ref, timeout=0.05)
+    rt.unpublish(ref, timeout=0.05)
+
+
+def test_lease_of_stale_ref_refused(rt):
+    old = rt.publish(np.zeros(16, np.uint8), name="w")
+    rt.publish(np.ones(16, np.uint8), name="w")
+    with pytest.raises(memsem.StaleReferenceError):
+        old.lease(ttl=1.0).acquire()
+    new = rt.lookup("w")
+    other = rt.publish(np.zeros(8, np.uint8))
+    with new.lease(ttl=1.0) as lease:
+        with pytest.raises(ValueError, match="lease is for"):
+            other.get(lease=lease)
+
+
+def test_release_refused_while_view_lives(rt):
+    a = rt.alloc(1024, np.uint8)
+    a[:] = 3
+    ref = rt.publish(a)
+    lease = ref.lease(ttl=None).acquire()
+    v = ref.view(lease=lease)
+    with pytest.raises(memsem.MemsemError, match="still backs 1 view"):
+        lease.release()
+    assert lease.held and int(v.sum()) == 3 * 1024
+    del v
+    gc.collect()
+    lease.release()
+    assert not lease.held
+
+
+def test_view_holds_a_lease_of_its_own(rt):
+    a = rt.alloc(256, np.uint8)
+    ref = rt.publish(a)
+    v = ref.view()
+    with pytest.raises(memsem.LeaseHeldError):
+        rt.unpublish(ref, timeout=0.05)
+    del v
+    gc.collect()
+    rt.unpublish(ref, timeout=1.0)
+
+
+# -- the owner and other processes' leases ------------------------------------------------------
+def test_unpublish_waits_then_names_holders(rt, agent):
+    ref = rt.publish(pattern(1, 4096), name="held")
+    lid = agent.call("lease", ref.to_bytes(), 30.0)
+    t0 = time.monotonic()
+    with pytest.raises(memsem.LeaseHeldError) as ei:
+        rt.unpublish(ref, timeout=0.3)
+    waited = time.monotonic() - t0
+    assert 0.3 <= waited < 2.0
+    assert [p for p, _ in ei.value.holders] == [agent.pid]
+    assert f"pid {agent.pid}" in str(ei.value) and "'held'" in str(ei.value)
+    # The window stays published and usable, also for the holder.
+    assert (ref.get() == pattern(1, 4096)).all()
+    assert agent.call("get", ref.to_bytes(), lid) == pattern(1, 4096).tobytes()
+    # Republish is refused the same way.
+    rt.timeout = 0.1
+    with pytest.raises(memsem.LeaseHeldError):
+        rt.publish(pattern(2, 4096), name="held")
+    agent.call("release", lid)
+    rt.unpublish(ref, timeout=1.0)
+    with pytest.raises(memsem.StaleReferenceError):
+        agent.call("get", ref.to_bytes())
+
+
+def test_unpublish_proceeds_when_lease_expires(rt, agent):
+    ref = rt.publish(pattern(3, 4096))
+    lid = agent.call("lease", ref.to_bytes(), 0.4)
+    t0 = time.monotonic()
+    rt.unpublish(ref, timeout=5.0)
+    waited = time.monotonic() - t0
+    assert 0.2 < waited < 2.0, waited
+    with pytest.raises(memsem.LeaseExpiredError):
+        agent.call("renew", lid)
+
+
+def test_dead_consumer_leases_reaped(rt):
+    ref = rt.publish(pattern(4, 4096))
+    a = Agent(SPAWN, timeout=5.0)
+    try:
+        a.call("lease", ref.to_bytes(), None)
+        with pytest.raises(memsem.LeaseHeldError):
+            rt.unpublish(ref, timeout=0.05)
+    finally:
+        a.kill()
+    t0 = time.monotonic()
+    rt.unpublish(ref, timeout=2.0)  # the dead holder's slot is reaped, no waiting
+    assert time.monotonic() - t0 < 0.5
+    # The slot is free for new leases of a republished window.
+    ref2 = rt.publish(pattern(5, 4096))
+    with ref2.lease(ttl=1.0):
+        pass
+
+
+def test_lease_slot_reclaimed_after_expiry(rt):
+    ref = rt.publish(np.zeros(16, np.uint8))
+    res = rt._resolve(ref.spec)
+    leases = [ref.lease(ttl=1.0).acquire() for _ in range(res.cb.n_lease)]
+    with pytest.raises(memsem.MemsemError, match="lease slots are held"):
+        ref.lease(ttl=1.0).acquire()
+    time.sleep(1.1)
+    with ref.lease(ttl=1.0):  # an expired slot is reclaimed
+        pass
+    for lease in leases:
+        lease.release()
+
+
+def test_lease_outlives_its_resolution(rt):
+    """A lease keeps its control block mapped when the consumer's cache drops the resolution
+    (republish seen through a new ref): renew/remaining read valid memory and report expiry."""
+    with _consumer() as cons:
+        ref = rt.publish(pattern(6, 4096), name="w")
+        lease = cons.ref(ref.to_bytes()).lease(ttl=0.05).acquire()
+        time.sleep(0.1)
+        ref2 = rt.publish(pattern(7, 4096), name="w")
+        assert (cons.ref(ref2.to_bytes()).get() == pattern(7, 4096)).all()  # re-resolves
+        assert lease.remaining() < 0
+        with pytest.raises(memsem.LeaseExpiredError):
+            lease.renew()
+        lease.release()
+
+
+def _view_after_close(refbytes: bytes) -> int:
+    import gc as _gc
+
+    rt = memsem.Runtime(timeout=5)
+    v = rt.ref(refbytes).view()
+    rt.close()  # releases the view's lease; the mapping stays while the view lives
+    s = int(v.sum())
+    del v
+    _gc.collect()
+    return s
+
+
+def _own_view_after_close() -> int:
+    rt = memsem.Runtime(timeout=5)
+    ref = rt.publish(np.full(1 << 16, 2, np.uint8))  # the only reference is the window's
+    v = ref.view()
+    rt.close()
+    return int(v.sum())
+
+
+def test_views_outlive_runtime_close(rt):
+    a = rt.alloc(1 << 16, np.uint8)
+    a[:] = 1
+    ref = rt.publish(a)
+    assert run_children(_view_after_close, [(ref.to_bytes(),)], timeout=60) == [1 << 16]
+    assert run_children(_own_view_after_close, [()], timeout=60) == [2 << 16]
+
+
+# -- case 1: a get without a lease racing unpublish --------------------------------------------
+def test_case1_slow_get_racing_unpublish(rt):
+    """Case 1, deterministic: a 16 MiB get slowed to 0.3 s; unpublish at 0.05 s waits for the
+    in-flight copy to drain, and the get ends with StaleReferenceError (no bytes returned)."""
+    data = pattern(11, 16 * MiB)
+    ref = rt.publish(data)
+    with _consumer(delay=0.3) as cons:
+        c = cons.ref(ref.to_bytes()).get_async()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        rt.unpublish(ref, timeout=5.0)
+        waited = time.monotonic() - t0
+        data[:] = 0xEE  # the owner reuses its memory as soon as unpublish returns
+        with pytest.raises(memsem.StaleReferenceError, match="no byte of it is valid"):
+            c.wait(5.0)
+        assert waited > 0.15, f"unpublish returned after {waited:.3f} s, before the copy drained"
+
+
+def test_case1_native_get_racing_unpublish(rt):
+    """Case 1, racing for real: 16 MiB native guarded copies (cross-memory attach, GIL
+    released) against unpublish + overwrite. Every get either returns exactly the bytes of its
+    generation or raises StaleReferenceError; never garbage reported as success."""
+    outcomes = {"ok": 0, "stale": 0}
+    with _consumer() as cons:
+        for k in range(12):
+            data = pattern(100 + k, 16 * MiB)
+            ref = rt.publish(data, name="race")
+            cref = cons.ref(ref.to_bytes())
+            c = cref.get_async()
+            time.sleep(0.0005 * (k % 6))
+            rt.unpublish("race", timeout=5.0)
+            data[:] = 0xEE
+            try:
+                got = c.wait(10.0)
+            except memsem.StaleReferenceError:
+                outcomes["stale"] += 1
+            else:
+                assert (got == pattern(100 + k, 16 * MiB)).all(), "torn or reused bytes returned as valid"
+                outcomes["ok"] += 1
+    assert sum(outcomes.values()) == 12
+
+
+def test_case1_cross_process(rt, agent):
+    """Case 1 across processes: the consumer process gets 16 MiB while the owner unpublishes
+    and overwrites; the consumer sees its bytes or StaleReferenceError."""
+    data = pattern(12, 16 * MiB)
+    ref = rt.publish(data)
+    agent.send("get", ref.to_bytes())
+    time.sleep(0.002)
+    rt.unpublish(ref, timeout=5.0)
+    data[:] = 0xEE
+    try:
+        got = agent.result(30.0)
+    except memsem.StaleReferenceError:
+        pass
+    else:
+        assert got == pattern(12, 16 * MiB).tobytes()
+
+
+# -- case 2: the lease expires during a slowed get ----------------------------------------------
+@pytest.mark.parametrize("reclaim", ["unpublish", "republish"])
+def test_case2_lease_expires_during_slow_get(rt, reclaim):
+    data = pattern(21, 4 * MiB)
+    ref = rt.publish(data, name="w")
+    with _consumer(delay=0.3) as cons:
+        cref = cons.ref(ref.to_bytes())
+        lease = cref.lease(ttl=0.1).acquire()
+        out = np.zeros(4 * MiB, np.uint8)
+        c = cons.submit("slow get", lambda: cref.get(out, lease=lease))
+        t0 = time.monotonic()
+        if reclaim == "unpublish":
+            rt.unpublish("w", timeout=5.0)  # waits out the lease (0.1 s), then the copy
+        else:
+            rt.publish(pattern(22, 4 * MiB), name="w")
+        data[:] = 0xEE
+        reclaimed = time.monotonic() - t0
+        with pytest.raises(memsem.LeaseExpiredError, match="expired during the transfer"):
+            c.wait(5.0)
+        assert reclaimed >= 0.09
+        with pytest.raises(memsem.LeaseExpiredError):
+            lease.renew()
