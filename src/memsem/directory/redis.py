@@ -341,19 +341,24 @@ class RedisDirectory(Directory):
         val = self._get(self._k("w", f"{gva:016x}"))
         return None if val is None else val["v"]
 
-    def window_key(self, gva: int) -> bytes | None:
-        """The access key of window ``gva`` (unsealed with the job secret), or None when the
-        window is absent or this directory has no secret."""
-        if self._seal_key is None:
-            return None
+    @property
+    def seals_keys(self) -> bool:
+        """True with a job secret: ``put_window(..., key=)`` stores the access key sealed."""
+        return self._seal_key is not None
+
+    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
+        """``(record, access key)`` of window ``gva`` from one read; the key is None when the
+        window is absent, was published without a secret, or this directory has none."""
         wkey = self._k("w", f"{gva:016x}")
         val = self._get(wkey)
-        if val is None or not val.get("k"):
-            return None
+        if val is None:
+            return None, None
+        if self._seal_key is None or not val.get("k"):
+            return val["v"], None
         raw = bytes.fromhex(val["k"])
         nonce, ct = raw[:16], raw[16:]
         pad = hmac.new(self._seal_key, wkey.encode() + b"\0" + nonce, hashlib.sha256).digest()
-        return bytes(a ^ b for a, b in zip(ct, pad))
+        return val["v"], bytes(a ^ b for a, b in zip(ct, pad))
 
     def lookup(self, name: str) -> int | None:
         val = self._get(self._k("n", name.encode().hex()))

@@ -240,9 +240,10 @@ class TcpEngine(Engine):
             self._server_error = exc
             log.exception("memsem tcp server on %s failed", self._endpoint)
         finally:
-            for p in pending:  # libzmq drops the messages at close; the memory is released
-                p.grant.leave()
             sock.close(0)
+            for p in pending:  # closed with linger 0: libzmq drops the messages (term() waits)
+                p.grant.leave()
+                p.grant.unhold()
 
     def _handle(self, sock: Any, ident: bytes, pending: list[_Pending]) -> None:
         frames = [ident]
@@ -294,13 +295,16 @@ class TcpEngine(Engine):
             sock.send_multipart([ident, _REP.pack(OK, 0, 0, rid, n) + data if ok else
                                  _REP.pack(STALE, 0, 0, rid, grant.current())])
             return
-        # Large: zero-copy from the window; the in-flight count stays raised until libzmq let go.
+        # Large: zero-copy from the window; the in-flight count stays raised (and the control
+        # block mapped) until libzmq let go of the frame.
+        grant.hold()
         try:
             sock.send(ident, zmq.SNDMORE)
             sock.send(_REP.pack(MORE, 0, 0, rid, n), zmq.SNDMORE)
             tracker = sock.send(grant.mem[off:off + n], copy=False, track=True)
         except BaseException:
             grant.leave()
+            grant.unhold()
             raise
         pending.append(_Pending(tracker, grant, ident, rid))
 
@@ -309,6 +313,7 @@ class TcpEngine(Engine):
         for p in pending:
             if p.tracker.done:
                 ok = p.grant.leave()
+                p.grant.unhold()
                 sock.send_multipart([p.ident, _REP.pack(OK, 0, 0, p.rid, 0) if ok else
                                      _REP.pack(STALE, 0, 0, p.rid, p.grant.current())])
             else:

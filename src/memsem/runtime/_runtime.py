@@ -96,13 +96,15 @@ class _Owned:
 class _Owner:
     """Liveness of a window's owner (same node: pidfd, so a recycled pid is never mistaken)."""
 
-    __slots__ = ("pid", "start", "fd", "node", "checked", "dead")
+    __slots__ = ("pid", "start", "fd", "node", "checked", "dead", "remote")
 
     def __init__(self, pid: int, start: int, node: str) -> None:
         self.pid, self.start, self.node = pid, start, node
         self.fd = -1
         self.checked = 0.0  # monotonic time of the last check; -inf once seen dead
         self.dead = False
+        #: another node: ``remote() -> bool`` asks the directory (heartbeat TTL); None: unknown
+        self.remote: Any = None
         if node == native.node_id() and pid != os.getpid():
             try:
                 fd = os.pidfd_open(pid)
@@ -114,13 +116,16 @@ class _Owner:
             self.fd = fd
 
     def alive(self) -> bool:
-        if self.pid == os.getpid():
+        if self.pid == os.getpid() and self.node == native.node_id():
             return True
         if self.dead:
             return False
         self.checked = time.monotonic()
         if self.fd < 0:
-            ok = process_alive(self.pid, self.start) if self.node == native.node_id() else True
+            if self.node == native.node_id():
+                ok = process_alive(self.pid, self.start)
+            else:  # another node: its heartbeat in the directory decides (True when unknown)
+                ok = self.remote is None or bool(self.remote())
         else:
             r, _, _ = select.select([self.fd], [], [], 0)
             ok = not r
@@ -180,6 +185,48 @@ class _Resolved:
             self.put_method = native.COPY_VM_WRITE if d.cma else native.COPY_MEMCPY
 
 
+class _Serving:
+    """Owner side: a validated credential of a remote consumer (see ``RuntimeCore.serve_check``).
+
+    Holds a pin on the window's control block while cached, and ``mem``, a flat uint8 array over
+    the window that keeps its memory alive (zero-copy sends may read it after ``leave``'s caller
+    returned; the engine keeps ``hold()`` until libzmq let go).
+    """
+
+    __slots__ = ("gva", "generation", "cb", "mem", "writable", "nbytes", "_gen", "_inflight")
+
+    def __init__(self, gva: int, generation: int, cb: ControlBlock, mem: np.ndarray, writable: bool) -> None:
+        self.gva, self.generation, self.cb, self.mem, self.writable = gva, generation, cb, mem, writable
+        self.nbytes = mem.nbytes
+        self._gen = cb.generation_addr
+        self._inflight = cb.inflight_addr
+
+    def current(self) -> int:
+        """The window's generation now."""
+        return native.load_acquire(self._gen)
+
+    def enter(self) -> bool:
+        """Count a copy in flight; False (nothing counted) when the generation moved."""
+        native.fetch_add(self._inflight, 1)
+        if native.load_acquire(self._gen) != self.generation:
+            native.fetch_sub(self._inflight, 1)
+            return False
+        return True
+
+    def leave(self) -> bool:
+        """End the copy; True when the generation did not move meanwhile (the bytes are valid)."""
+        ok = native.load_acquire(self._gen) == self.generation
+        native.fetch_sub(self._inflight, 1)
+        return ok
+
+    def hold(self) -> None:
+        """Keep the control block mapped beyond the cache's life (a pending zero-copy send)."""
+        self.cb.pin()
+
+    def unhold(self) -> None:
+        self.cb.unpin()
+
+
 # ----------------------------------------------------------------------------------------------
 class Lease:
     """A consumer's time-bounded, renewable claim on a window (see DESIGN.md, Lease).
@@ -199,6 +246,8 @@ class Lease:
         self._id = 0
         self._cb: ControlBlock | None = None
         self._views = 0
+        self._remote = ""  # lease held in the directory (window on another node): its member id
+        self._exp = 0  # its expiry, monotonic ns of this process (conservative: never later than the owner's)
         self._lock = threading.RLock()  # RLock: a view's finalizer may run inside a held section
 
     @property
@@ -215,7 +264,7 @@ class Lease:
             raise MemsemError("lease already held; renew() it instead")
         res = self.runtime._resolve(self.spec)
         if res.cb is None:
-            raise NotSupportedError(f"leases across nodes need a directory that holds them (route {res.route.kind})")
+            return self._acquire_remote(res)
         if not res.own_cb and not res.owner.alive():  # a cached resolution may outlive its owner
             raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid}) is dead: no lease")
         me = self.runtime.identity
@@ -234,12 +283,40 @@ class Lease:
         self.runtime._leases.add(self)
         return self
 
+    def _acquire_remote(self, res: "_Resolved") -> "Lease":
+        """A lease on a window of another node, held in the directory (redis: a sorted set the
+        owner reads, atomically with marking the window closing, before it unpublishes)."""
+        rt = self.runtime
+        acquire = getattr(rt.directory, "acquire_lease", None)
+        if acquire is None:
+            raise NotSupportedError(f"leases across nodes need a directory that holds them (redis://); "
+                                    f"{rt.directory.url} does not (route {res.route.kind})")
+        if not res.owner.alive():
+            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid} on {res.owner.node}) "
+                                "is dead: no lease")
+        t0 = native.monotonic_ns()  # the owner's expiry counts from later: ours is conservative
+        me = rt.identity
+        member = acquire(self.spec.gva, self.spec.generation, {"node": me.node, "pid": me.pid, "rank": rt.rank},
+                         self.ttl)
+        self._remote, self._exp, self._id = member, t0 + self._ttl_ns(self.ttl), 1
+        rt._leases.add(self)
+        return self
+
     def renew(self, ttl: float | None = None) -> float:
         """Extend to ``ttl`` (default: the original ttl) from now; returns the new expiry as
         seconds from now. Raises LeaseExpiredError if it already expired or was reclaimed."""
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
         ttl = self.ttl if ttl is None else ttl
+        if self._remote:
+            t0 = native.monotonic_ns()
+            d = self.runtime.directory
+            if self._exp <= t0 or not d.renew_lease(self.spec.gva, self._remote, ttl):
+                d.release_lease(self.spec.gva, self._remote)
+                self._forget()
+                raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
+            self._exp = t0 + self._ttl_ns(ttl)
+            return (self._exp - native.monotonic_ns()) / 1e9
         exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
         if not exp:
             _lease.release(self._cb, self._slot, self._id)  # free the slot now (no-op if reclaimed)
@@ -251,7 +328,7 @@ class Lease:
         """Seconds until expiry (<= 0 when expired or released)."""
         if not self.held:
             return 0.0
-        exp = _lease.expiry_of(self._cb, self._slot, self._id)
+        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
         return (exp - native.monotonic_ns()) / 1e9 if exp else 0.0
 
     def check(self, when: str) -> None:
@@ -267,13 +344,16 @@ class Lease:
             if self._views:
                 raise MemsemError(f"lease on {self.spec.label} still backs {self._views} view(s); "
                                   "drop them before release()")
-            if self.held:
+            if self._remote:
+                self.runtime.directory.release_lease(self.spec.gva, self._remote)
+            elif self.held:
                 _lease.release(self._cb, self._slot, self._id)
             self._forget()
 
     def _forget(self) -> None:
         cb, self._cb = self._cb, None
         self._id = 0
+        self._remote = ""
         self.runtime._leases.discard(self)
         if cb is not None:
             cb.unpin()
@@ -282,7 +362,7 @@ class Lease:
         """True when the lease is not held or its expiry has passed (never blocks)."""
         if not self.held:
             return True
-        exp = _lease.expiry_of(self._cb, self._slot, self._id)
+        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
         return exp == 0 or exp <= native.monotonic_ns()
 
     def __enter__(self) -> "Lease":
@@ -333,6 +413,8 @@ class RuntimeCore:
         self._owners: dict[tuple[int, int], _Owner] = {}
         self._segments: dict[int, Segment] = {}  # alloc'd segments by address
         self._leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        self._serving: dict[bytes, _Serving] = {}  # owner side of "owner"-enforced engines (tcp)
+        self._serve_lock = threading.Lock()
         #: objects of higher layers (pipelines) closed before this runtime closes
         self._children: "weakref.WeakSet[Any]" = weakref.WeakSet()
         #: control blocks of unpublished windows, unlinked but kept mapped a while: a thread of
@@ -521,7 +603,10 @@ class RuntimeCore:
             self._names[name] = gva
         for hook in self._publish_hooks():
             hook(owned)
-        self.directory.put_window(gva, name, winfo.to_json())
+        if getattr(self.directory, "seals_keys", False):
+            self.directory.put_window(gva, name, winfo.to_json(), key=key)  # sealed for the job secret
+        else:
+            self.directory.put_window(gva, name, winfo.to_json())
         return RefSpec(gva, gen, key, access, 0, info.nbytes, info.dtype_code, info.shape,
                        info.byte_offset, info.framework, name)
 
@@ -548,8 +633,11 @@ class RuntimeCore:
         label = f"window {owned.info.name!r} (gva {owned.info.gva:#x})" if owned.info.name else f"window gva {owned.info.gva:#x}"
         cb.set_word(W_STATE, WindowState.CLOSING)
         deadline = time.monotonic() + timeout
+        remote_holders = getattr(self.directory, "lease_holders", None)
         while True:
             holders = _lease.blocking_holders(cb)
+            if remote_holders is not None:  # leases of other nodes (closing: no new ones)
+                holders += remote_holders(owned.info.gva, closing=True)
             if not holders:
                 break
             if time.monotonic() >= deadline:
@@ -557,12 +645,14 @@ class RuntimeCore:
                     warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning, stacklevel=3)
                     break
                 cb.set_word(W_STATE, WindowState.LIVE)
+                if remote_holders is not None:
+                    self.directory.reopen_window(owned.info.gva)
                 raise LeaseHeldError(
                     f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                     f"held by " + ", ".join(f"pid {p} ({left:.2f} s left)" for p, left in holders),
                     holders=holders)
             time.sleep(min(WAIT_SLICE, max(0.0, min(h[1] for h in holders)) + 0.001))
-        cb.bump_generation()
+        if not keep_name: cb.bump_generation()  # PLANTED BUG
         # Drain copies that started under the old generation (they will see it moved).
         while native.load_acquire(cb.inflight_addr):
             if time.monotonic() >= deadline + 1.0:
@@ -638,8 +728,87 @@ class RuntimeCore:
             o = self._owned[gva]
             return RefSpec(gva, o.generation, o.key, o.info.access, 0, o.info.nbytes, o.info.dtype_code,
                            o.info.shape, o.info.byte_offset, o.info.framework, name)
+        sealed = getattr(self.directory, "window_with_key", None)
+        if sealed is not None:  # another node's window: its key is sealed for the job secret
+            gva = self.directory.lookup(name)
+            rec, key = sealed(gva) if gva is not None else (None, None)
+            if rec is not None and key is not None:
+                i = WindowInfo.from_json(rec)
+                return RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
+                               i.byte_offset, i.framework, name)
         raise WindowNotFoundError(f"no window named {name!r} is published by this runtime; pass the "
                                   "serialized ref (to_bytes) to consumers instead")
+
+    # -- owner side of engines that enforce generations at the owner (tcp) ------------------------
+    def serve_check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> "_Serving":
+        """Validate a request of a remote consumer for a window this runtime owns.
+
+        ``credential`` is the consumer's serialized RefSpec; ``offset``/``nbytes`` the byte
+        range inside the window; ``put`` the direction. Checks, before a byte moves: the window
+        is owned here and LIVE at the credential's generation, the access key matches, the
+        range lies inside the window, a put has a writable ref to a writable window. Returns a
+        grant whose ``enter()``/``leave()`` bracket the copy with the window's in-flight count
+        and a generation re-check (seqlock: ``leave()`` False means the bytes are not valid).
+        Validations are cached per credential; the generation is re-read on every call.
+
+        Raises:
+            WindowNotFoundError, StaleReferenceError, AccessDeniedError, ValueError (range).
+        """
+        with self._serve_lock:
+            g = self._serving.get(credential)
+            if g is None or g.current() != g.generation:
+                g = self._serve_grant(credential)
+        if offset < 0 or nbytes < 0 or offset + nbytes > g.nbytes:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside window gva {g.gva:#x} "
+                             f"of {g.nbytes} bytes")
+        if put and not g.writable:
+            raise AccessDeniedError(f"put to window gva {g.gva:#x}: the ref or the window is read-only")
+        return g
+
+    def _serve_grant(self, credential: bytes) -> "_Serving":
+        old = self._serving.pop(credential, None)
+        if old is not None:
+            old.cb.unpin()
+        try:
+            spec = RefSpec.from_bytes(credential)
+        except (ValueError, KeyError) as exc:
+            raise AccessDeniedError(f"malformed credential: {exc}") from None
+        owned = self._owned.get(spec.gva)
+        if owned is None:
+            raise WindowNotFoundError(f"{spec.label} is not published by this runtime (unpublished, "
+                                      "or never): the ref is stale", window=spec.name, expected=spec.generation)
+        if not key_matches(spec.key, owned.info.key_digest):
+            if spec.generation != owned.generation:
+                raise self._stale(spec, owned.generation)
+            raise AccessDeniedError(f"wrong access key for {spec.label}: the ref was not minted by its owner")
+        cb = owned.cb
+        try:
+            cb.pin()  # the grant reads the control block until evicted, whatever retire does
+        except ValueError:
+            raise self._stale(spec, None) from None
+        gen = cb.generation
+        if gen != spec.generation or cb.word(W_STATE) not in (WindowState.LIVE, WindowState.CLOSING):
+            cb.unpin()
+            raise self._stale(spec, gen)
+        if len(self._serving) >= 4096:
+            self._serve_evict(all_=True)
+        g = _Serving(spec.gva, spec.generation, cb, address_view(owned.region.address, owned.info.nbytes,
+                                                                 owned.keepalive),
+                     spec.writable and owned.info.access == "rw")
+        self._serving[credential] = g
+        return g
+
+    def serve_sweep(self) -> None:
+        """Drop cached grants of windows whose generation moved (unpinning their control
+        blocks). Called now and then by serving engines."""
+        with self._serve_lock:
+            self._serve_evict(all_=False)
+
+    def _serve_evict(self, *, all_: bool) -> None:
+        for cred, g in list(self._serving.items()):
+            if all_ or g.current() != g.generation:
+                del self._serving[cred]
+                g.cb.unpin()
 
     # -- resolve ---------------------------------------------------------------------------------
     def _stale(self, spec: RefSpec, found: int | None) -> StaleReferenceError:
@@ -656,13 +825,21 @@ class RuntimeCore:
                                      "reclaimed the window; the bytes moved are not valid")
         return self._stale(spec, found)
 
-    def _owner(self, pid: int, start: int, node: str) -> _Owner:
+    def _owner(self, pid: int, start: int, node: str, rank: int = -1) -> _Owner:
         key = (pid, start)
         o = self._owners.get(key)
         if o is None or o.node != node:
             o = _Owner(pid, start, node)
+            check = getattr(self.directory, "owner_alive", None)
+            if node != native.node_id() and check is not None and rank >= 0:
+                o.remote = lambda: check(rank, pid, start, node)
             self._owners[key] = o
         return o
+
+    def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
+        """Whether the process ``pid``/``start`` on ``node`` (holding ``rank``) is alive: same
+        node by pid, other nodes by the directory's heartbeat (True when nobody can tell)."""
+        return self._owner(pid, start, node, rank).alive()
 
     def _resolve(self, spec: RefSpec) -> _Resolved:
         self._check_open()
@@ -713,7 +890,7 @@ class RuntimeCore:
         if spec.offset < 0 or spec.offset + spec.nbytes > info.nbytes:
             raise ValueError(f"ref range [{spec.offset}, {spec.offset + spec.nbytes}) lies outside "
                              f"{spec.label} of {info.nbytes} bytes")
-        owner = self._owner(info.owner_pid, info.owner_start, info.node)
+        owner = self._owner(info.owner_pid, info.owner_start, info.node, info.rank)
         if not owned and not owner.alive():
             raise PeerLostError(f"the owner of {spec.label} (pid {info.owner_pid} on {info.node}) is dead")
         if info.generation != spec.generation:
@@ -1029,9 +1206,8 @@ class RuntimeCore:
     def _ready_cb(self, spec: RefSpec) -> tuple[_Resolved, ControlBlock]:
         res = self._resolve(spec)
         if res.cb is None:
-            hook = getattr(res.engine, "ready_words", None)
-            if hook is None:
-                raise NotSupportedError(f"ready words of {spec.label} are not reachable on route {res.route.kind}")
+            raise NotSupportedError(f"ready words of {spec.label} live in its control block, which is not "
+                                    f"mapped on route {res.route.kind} (owner on another node)")
         if res.cb.n_ready == 0:
             raise ValueError(f"{spec.label} was published without tiles (pass tile_bytes= or tiles= to publish)")
         return res, res.cb
@@ -1122,6 +1298,8 @@ class RuntimeCore:
             self._pool.shutdown(wait=True, cancel_futures=True)
             for eng in reversed(list(self._engines.values())):
                 eng.close()
+            with self._serve_lock:
+                self._serve_evict(all_=True)
             try:
                 self.directory.release_rank(self.rank)
             finally:
