@@ -29,7 +29,9 @@ def pattern(seed: int, nbytes: int) -> np.ndarray:
 class _State:
     def __init__(self) -> None:
         self.rt: Any = None
-        self.windows: dict[str, Any] = {}   # name -> published array (kept alive)
+        # Every array this participant published, kept alive until its runtime closes: a bug
+        # that lets a stale ref through then shows up as wrong results, not as a crash.
+        self.windows: list[Any] = []
         self.leases: dict[int, Any] = {}
         self.views: dict[int, Any] = {}
         self.next_id = 1
@@ -80,7 +82,7 @@ def _op_publish(st: _State, seed: int, nbytes: int, shared: bool, access: str, n
     else:
         arr = data
     ref = st.rt.publish(arr, name=name, access=access)
-    st.windows[name or f"gva{ref.spec.gva:x}"] = arr
+    st.windows.append(arr)
     return ref.to_bytes()
 
 
@@ -88,7 +90,7 @@ def _op_publish_big(st: _State, nbytes: int, shared: bool) -> bytes:
     arr = st.rt.alloc(nbytes, np.uint8) if shared else np.empty(nbytes, np.uint8)
     arr[:] = 7
     ref = st.rt.publish(arr, access="r")
-    st.windows["big"] = arr
+    st.windows.append(arr)
     return ref.to_bytes()
 
 

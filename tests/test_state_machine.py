@@ -101,7 +101,17 @@ class V:
 
 
 class Mismatch(AssertionError):
-    pass
+    """The real outcome differs from the model's. The first one of a run prints the trace
+    that led to it at once (stderr), before hypothesis starts shrinking."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        if not STATS.get("first_mismatch"):
+            STATS["first_mismatch"] = msg
+            import sys
+
+            print(f"\nFIRST MISMATCH after {len(TRACE)} steps of example {STATS['examples']}: {msg}\n  "
+                  + "\n  ".join(TRACE[-25:]), file=sys.stderr, flush=True)
 
 
 def _fmt(outcome: tuple[str, Any]) -> str:
@@ -495,7 +505,7 @@ class MemsemMachine(RuleBasedStateMachine):
 
 def test_state_machine():
     t0 = time.monotonic()
-    STATS.update(steps=0, examples=0, kills=0, errors_expected=0)
+    STATS.update(steps=0, examples=0, kills=0, errors_expected=0, first_mismatch="")
     job = os.environ.get("MEMSEM_JOB")
     try:
         run_state_machine_as_test(

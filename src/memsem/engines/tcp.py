@@ -217,21 +217,25 @@ class TcpEngine(Engine):
     def _serve(self, sock: Any) -> None:
         pending: list[_Pending] = []
         last_sweep = time.monotonic()
+        slice_ms = int(POLL_SLICE * 1000)
+        sock.setsockopt(zmq.RCVTIMEO, slice_ms)  # blocking receive, bounded: cheaper than poll+recv
+        timeout_ms = slice_ms
         try:
             while not self._stop.is_set():
-                timeout_ms = 1 if pending else int(POLL_SLICE * 1000)
-                if sock.poll(timeout_ms):
-                    # Drain what arrived; bounded so pending replies are finished in between.
-                    for _ in range(64):
-                        try:
-                            ident = sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle(sock, ident, pending)
+                want = 1 if pending else slice_ms
+                if want != timeout_ms:
+                    sock.setsockopt(zmq.RCVTIMEO, want)
+                    timeout_ms = want
+                try:
+                    ident = sock.recv()
+                except zmq.Again:
+                    ident = None
+                if ident is not None:
+                    self._handle(sock, ident, pending)
                 if pending:
                     self._finish_pending(sock, pending)
                 now = time.monotonic()
-                if now - last_sweep > 1.0:
+                if ident is None and now - last_sweep > 1.0:
                     last_sweep = now
                     rt = self._rt() if self._rt is not None else None
                     if rt is not None:
@@ -348,6 +352,7 @@ class TcpEngine(Engine):
                 raise EngineError("engine 'tcp' is closed")
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, int(POLL_SLICE * 1000))
             s.connect(endpoint)
             socks[endpoint] = s
             with self._lock:
@@ -403,9 +408,14 @@ class TcpEngine(Engine):
             if not ok:
                 self._drop_socket(ep)  # no late reply of this request can be taken for another
 
-    def _wait(self, sock: Any, remote: TcpRemote, deadline: float) -> None:
-        """Block until ``sock`` has a message; PeerLostError / MemsemTimeoutError otherwise."""
-        while not sock.poll(int(min(POLL_SLICE, max(0.0, deadline - time.monotonic())) * 1000) or 1):
+    def _recv(self, sock: Any, remote: TcpRemote, deadline: float) -> bytes:
+        """The next message frame; blocks in slices of POLL_SLICE (the socket's RCVTIMEO),
+        checking the owner's liveness in between. PeerLostError / MemsemTimeoutError."""
+        while True:
+            try:
+                return sock.recv()
+            except zmq.Again:
+                pass
             if not self._peer_alive(remote):
                 raise PeerLostError(f"the owner of window gva {remote.gva:#x} at {remote.endpoint} "
                                     f"(node {remote.owner[2]!r}, pid {remote.owner[0]}) is dead: its "
@@ -418,9 +428,7 @@ class TcpEngine(Engine):
     def _reply(self, sock: Any, remote: TcpRemote, rid: int, deadline: float,
                dst: np.ndarray | None) -> tuple[int, int, bytes]:
         while True:
-            if not sock.poll(0):
-                self._wait(sock, remote, deadline)
-            msg = sock.recv()
+            msg = self._recv(sock, remote, deadline)
             if len(msg) < _REP.size:
                 self._drain(sock)
                 continue
@@ -454,9 +462,7 @@ class TcpEngine(Engine):
                 raise EngineError(f"tcp get from {remote.endpoint} carried {size} bytes, {dst.nbytes} "
                                   "were asked: the transfer is partial and not reported as done")
             while True:  # the final status of this request (the owner re-checked the generation)
-                if not sock.poll(0):
-                    self._wait(sock, remote, deadline)
-                fin = sock.recv()
+                fin = self._recv(sock, remote, deadline)
                 self._drain(sock)
                 if len(fin) >= _REP.size and _REP.unpack_from(fin)[3] == rid:
                     status, _, _, _, value = _REP.unpack_from(fin)
