@@ -250,8 +250,12 @@ class Agent:
         self._conn.send((op, args))
 
     def result(self, timeout: float = 30.0) -> Any:
-        if not self._conn.poll(timeout):
-            raise AgentHung(f"agent pid {self.pid} did not answer within {timeout} s")
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(min(0.5, max(0.0, deadline - time.monotonic()))):
+            if not self.proc.is_alive():
+                raise AgentHung(f"agent pid {self.pid} died (exit code {self.proc.exitcode}) without answering")
+            if time.monotonic() >= deadline:
+                raise AgentHung(f"agent pid {self.pid} did not answer within {timeout} s")
         msg = self._conn.recv()
         if msg[0] == "ok":
             return msg[1]

@@ -99,6 +99,53 @@ def sample(fn: Callable[[], Any], nbytes: int, *, quick: bool, max_reps: int | N
     return out
 
 
+def paired(fns: dict[str, Callable[[], Any]], *, rounds: int, per_round: int) -> dict[str, list[int]]:
+    """Interleaved samples of several calls: round after round, ``per_round`` timed calls of
+    each. Noise from other load on a shared machine then hits every contender alike, so their
+    ratio holds even when absolute times drift (the key figures use this)."""
+    out: dict[str, list[int]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            dst = out[k]
+            for _ in range(per_round):
+                t = _now()
+                fn()
+                dst.append(_now() - t)
+    return out
+
+
+def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[str, float]:
+    """Issue 2's benchmark: cross-process get of 64 B and 64 MiB and ``view()`` of a 64 MiB
+    window, each interleaved with ``np.copyto`` of the same size (medians, us and GB/s)."""
+    med = statistics.median
+    small_out, s_src, s_dst = np.empty(64, np.uint8), np.ones(64, np.uint8), np.empty(64, np.uint8)
+    a = paired({"get": lambda: get64.get(small_out), "copyto": lambda: np.copyto(s_dst, s_src)},
+               rounds=20 if quick else 100, per_round=200)
+    big_out, b_src, b_dst = np.empty(64 * MiB, np.uint8), np.ones(64 * MiB, np.uint8), np.empty(64 * MiB, np.uint8)
+    b = paired({"get": lambda: get64m.get(big_out), "copyto": lambda: np.copyto(b_dst, b_src)},
+               rounds=25 if quick else 60, per_round=1)
+
+    def view_drop() -> None:
+        v = view64m.view()
+        del v
+
+    v = paired({"view": view_drop}, rounds=1, per_round=500 if quick else 3000)["view"]
+    # view() alone (the drop, a lease release, is untimed): time it separately
+    vs: list[int] = []
+    for _ in range(500 if quick else 3000):
+        t = _now()
+        arr = view64m.view()
+        vs.append(_now() - t)
+        del arr
+    return {
+        "get_64B_us": med(a["get"]) / 1e3, "copyto_64B_us": med(a["copyto"]) / 1e3,
+        "get_64MiB_GBps": 64 * MiB / med(b["get"]), "copyto_64MiB_GBps": 64 * MiB / med(b["copyto"]),
+        "view_64MiB_us": med(vs) / 1e3, "view_and_drop_64MiB_us": med(v) / 1e3,
+    }
+
+
 # ---------------------------------------------------------------------------------- producer --
 def _producer(conn: Any, sizes: list[int], fill: int) -> None:
     """A separate process owning windows: per size, one in a shared segment (``rt.alloc``,

@@ -14,10 +14,12 @@ request    frame 0: ``op u8 | 0 u8 | cred_len u16 | req_id u32 | offset u64 | nb
                     followed by the credential; PUT: frame 1 = the ``nbytes`` bytes
 reply      ``status u8 | 0 u8 | 0 u16 | req_id u32 | value u64`` then, in the same frame, the
            data of a small GET (< ZERO_COPY_BYTES) or an error message (utf-8)
-large GET  message 1: [reply status=MORE, data frame sent zero-copy from the window's memory];
+large GET  message 1: [reply status=MORE, data frames of CHUNK_BYTES sent zero-copy from the window's
+           memory];
            message 2: [reply status=OK or STALE] sent once libzmq released the data frame and
-           the owner re-checked the generation. The consumer receives the data frame straight
-           into its destination (``recv_into``) and reports success only on the final OK.
+           the owner re-checked the generation. The consumer receives each data frame straight
+           into its slice of the destination (``recv_into``; sizes checked, so a truncated or
+           short reply is an error) and reports success only on the final OK.
 
 Status values: OK, MORE, STALE (value = current generation, 0 when gone), DENIED, NOT_FOUND,
 RANGE, ERROR. Every request has a deadline (the runtime's timeout); waits are sliced (100 ms) and
@@ -69,6 +71,8 @@ _STATUS_NAMES = {OK: "OK", MORE: "MORE", STALE: "STALE", DENIED: "DENIED", NOT_F
                  RANGE: "RANGE", ERROR: "ERROR"}
 #: GETs of at least this many bytes are sent zero-copy from the window (two-message reply)
 ZERO_COPY_BYTES = 1 << 16
+#: large GETs go as frames of this size (one message): 4-8 MiB frames beat one huge frame
+CHUNK_BYTES = 4 << 20
 #: slice of every blocking wait (seconds): the server's poll, a request's liveness re-check
 POLL_SLICE = 0.1
 DEFAULT_TIMEOUT = 30.0
@@ -305,7 +309,13 @@ class TcpEngine(Engine):
         try:
             sock.send(ident, zmq.SNDMORE)
             sock.send(_REP.pack(MORE, 0, 0, rid, n), zmq.SNDMORE)
-            tracker = sock.send(grant.mem[off:off + n], copy=False, track=True)
+            end = off + n
+            trackers = []
+            for o in range(off, end, CHUNK_BYTES):  # frames of CHUNK_BYTES: faster than one
+                last = o + CHUNK_BYTES >= end
+                trackers.append(sock.send(grant.mem[o:min(end, o + CHUNK_BYTES)], 0 if last else zmq.SNDMORE,
+                                          copy=False, track=True))
+            tracker = zmq.MessageTracker(*trackers)
         except BaseException:
             grant.leave()
             grant.unhold()
@@ -450,13 +460,18 @@ class TcpEngine(Engine):
             if dst is None or not sock.getsockopt(zmq.RCVMORE):
                 self._drain(sock)
                 raise EngineError(f"tcp reply from {remote.endpoint} is malformed (MORE without data)")
-            if self._recv_into:
-                size = sock.recv_into(dst)
-            else:
-                frame = sock.recv(copy=False)
-                size = len(frame)
-                if size == dst.nbytes:
-                    dst[...] = np.frombuffer(frame.buffer, np.uint8)
+            size, n = 0, dst.nbytes
+            while sock.getsockopt(zmq.RCVMORE):  # each frame straight into its slice of dst
+                if size >= n:
+                    break
+                if self._recv_into:
+                    got = sock.recv_into(dst[size:])  # the full frame size: truncation shows
+                else:
+                    frame = sock.recv(copy=False)
+                    got = len(frame)
+                    if size + got <= n:
+                        dst[size:size + got] = np.frombuffer(frame.buffer, np.uint8)
+                size += got
             self._drain(sock)
             if size != dst.nbytes:
                 raise EngineError(f"tcp get from {remote.endpoint} carried {size} bytes, {dst.nbytes} "

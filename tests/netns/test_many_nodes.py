@@ -1,0 +1,330 @@
+"""Many nodes: the redis directory and the tcp engine, across two network namespaces.
+
+Layout of the namespace tests: namespace A runs redis-server (on A's veth address) and the
+producer "node-a"; namespace B runs the consumer "node-b", which reaches both Redis and the
+producer's TCP server over the veth link only. Different MEMSEM_NODE_ID values forbid shared
+memory and cross-memory attach between them, so the route must be tcp.
+
+They skip (saying why) only where namespaces cannot be created; MEMSEM_REQUIRE_NETNS=1 makes that
+a failure. The RedisDirectory unit tests need only a redis-server on loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import memsem
+from redis_server import redis_server
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NODE = os.path.join(HERE, "_node.py")
+SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
+PY = sys.executable
+TTL = 2.0
+
+pytest.importorskip("redis", reason="the redis extra is not installed (pip install 'memsem[redis]')")
+pytest.importorskip("zmq", reason="the tcp extra is not installed (pip install 'memsem[tcp]')")
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _readline(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        raise AssertionError(f"no output within {timeout}s; stderr: {proc.stderr.read()[-3000:]}")
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"process exited rc={proc.wait()}; stderr: {proc.stderr.read()[-3000:]}")
+    return json.loads(line)
+
+
+def _send(proc: subprocess.Popen, obj) -> None:
+    proc.stdin.write(json.dumps(obj) + "\n")
+    proc.stdin.flush()
+
+
+def _env(node: str, url: str, job: str, secret: str) -> dict:
+    env = dict(os.environ, MEMSEM_NODE_ID=node, MEMSEM_DIRECTORY=url, MEMSEM_JOB=job,
+               MEMSEM_JOB_SECRET=secret, MEMSEM_HEARTBEAT_TTL=str(TTL), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _start(ns, env, *args) -> subprocess.Popen:
+    return ns.popen([PY, NODE, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def cluster(netns_available, redis_binary):
+    """(a, b, redis url, job, secret): namespaces joined by veth, Redis in A on A's address."""
+    import netns
+
+    with netns.veth_pair() as (a, b), redis_server(ns=a, binary=redis_binary) as srv:
+        job = f"t{os.getpid()}{secrets.token_hex(3)}"
+        print(f"\nmany-nodes: redis {srv.url} in {a.name}; consumer namespace {b.name}")
+        yield a, b, srv.url, job, secrets.token_hex(16)
+
+
+@pytest.fixture
+def producer(cluster):
+    a, b, url, job, secret = cluster
+    p = _start(a, _env("node-a", url, job, secret), "producer")
+    info = _readline(p)
+    yield p, info
+    if p.poll() is None:
+        _send(p, {"op": "exit"})
+        _finish(p)
+
+
+def _consumer(cluster, scenario: str, info: dict, secret: str | None = None) -> subprocess.Popen:
+    a, b, url, job, sec = cluster
+    c = _start(b, _env("node-b", url, job, secret or sec), "consumer", scenario)
+    _send(c, {"refs": info["refs"]})
+    return c
+
+
+# -- across the veth link ---------------------------------------------------------------------------
+@pytest.mark.netns
+def test_get_put_xcopy_pipeline_over_veth(cluster, producer):
+    p, info = producer
+    a, b = cluster[0], cluster[1]
+    assert info["endpoint"].startswith(f"tcp://{a.addr}:"), info  # served on the veth address
+    t0 = time.monotonic()
+    c = _consumer(cluster, "basic", info)
+    res = _readline(c, 120)
+    _finish(c)
+    assert res["ok"], res
+    print(f"\nmany-nodes basic ({time.monotonic() - t0:.2f} s): route={res['route']} "
+          f"pipeline={res['pipeline']} denied={res['denied']} forged={res['forged']}\n{res['explain']}")
+    assert res["route"] == "tcp" and res["denied"] == "AccessDeniedError" and res["forged"] == "AccessDeniedError"
+    assert c.returncode == 0
+    # the consumer's put arrived at the owner
+    _send(p, {"op": "read", "ref": info["refs"]["w"]})
+    r = _readline(p)
+    assert r["ok"] and r["head"] == [0.0, 2.0, 4.0, 6.0], r
+
+
+@pytest.mark.netns
+def test_lease_across_nodes_blocks_unpublish(cluster, producer):
+    p, info = producer
+    c = _consumer(cluster, "lease", info)
+    held = _readline(c)
+    assert held["ok"] and held["step"] == "held", held
+    _send(p, {"op": "unpublish", "name": "w", "timeout": 0.5})
+    r = _readline(p)
+    assert not r["ok"] and r["error"] == "LeaseHeldError", r  # the remote lease blocked it
+    c.stdin.write("\n")
+    c.stdin.flush()
+    rel = _readline(c)
+    assert rel["ok"] and rel["step"] == "released", rel
+    _send(p, {"op": "unpublish", "name": "w", "timeout": 5.0})
+    r = _readline(p)
+    assert r["ok"], r
+    c.stdin.write("\n")
+    c.stdin.flush()
+    st = _readline(c)
+    assert st["ok"] and st["error"] in ("StaleReferenceError", "WindowNotFoundError"), st
+    _finish(c)
+    assert c.returncode == 0
+
+
+@pytest.mark.netns
+def test_killed_node_windows_expire(cluster):
+    a, b, url, job, secret = cluster
+    p = _start(a, _env("node-a", url, job, secret), "producer")
+    info = _readline(p)
+    c = _consumer(cluster, "kill", info)
+    ready = _readline(c)
+    assert ready["ok"], ready
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    c.stdin.write("\n")
+    c.stdin.flush()
+    gone = _readline(c, 60)
+    _finish(c)
+    print(f"\nmany-nodes kill: consumer saw {gone['errors']} after {gone['s']:.2f} s (TTL {TTL} s)")
+    assert gone["ok"], gone
+    assert gone["s"] <= TTL + 2.0, gone  # within the heartbeat TTL (plus a poll slice)
+
+
+@pytest.mark.netns
+def test_wrong_secret_cannot_read_entries(cluster, producer):
+    p, info = producer
+    c = _consumer(cluster, "wrong-secret", info, secret="not-the-job-secret")
+    res = _readline(c)
+    _finish(c)
+    assert res["ok"] and res["error"] == "AccessDeniedError", res
+
+
+# -- RedisDirectory on loopback ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def redis_url(redis_binary):
+    with redis_server(binary=redis_binary) as srv:
+        yield srv.url
+
+
+def _dir(url, job, secret="s", ttl=2.0):
+    from memsem.directory.redis import RedisDirectory
+
+    return RedisDirectory(url, job=job, secret=secret, ttl=ttl)
+
+
+def _winrec(gva, gen=5):
+    return {"gva": gva, "generation": gen, "nbytes": 8, "name": "x", "access": "rw", "key_digest": "d",
+            "rank": 0, "owner_pid": 1, "owner_start": 1, "node": "n", "control": "", "n_ready": 0,
+            "tile_bytes": 0, "descriptors": {}, "dtype_code": 0, "shape": [8]}
+
+
+def test_redis_directory_roundtrip_and_ranks(redis_url):
+    job = f"u{secrets.token_hex(4)}"
+    with _dir(redis_url, job) as d1, _dir(redis_url, job) as d2:
+        r1 = d1.claim_rank({"pid": 1, "start": 2, "node": "n1"})
+        r2 = d2.claim_rank({"pid": 3, "start": 4, "node": "n2"})
+        assert r1 != r2 and set(d1.ranks()) == {r1, r2}
+        assert d2.owner_alive(r1, 1, 2, "n1") and not d2.owner_alive(r1, 9, 2, "n1")
+        d1.put_window(0x10000, "x", _winrec(0x10000), key=b"k" * 16)
+        assert d2.get_window(0x10000)["generation"] == 5
+        assert d2.lookup("x") == 0x10000
+        assert d2.window_with_key(0x10000) == (_winrec(0x10000), b"k" * 16)
+        d1.put_entry("rdma/qp.1", {"qpn": 7})
+        assert d2.get_entry("rdma/qp.1") == {"qpn": 7} and "rdma/qp.1" in d2.entries("rdma/")
+        d1.remove_window(0x10000, "x")
+        assert d2.get_window(0x10000) is None and d2.lookup("x") is None
+
+
+def test_redis_directory_forgery_rejected(redis_url):
+    import redis
+
+    job = f"u{secrets.token_hex(4)}"
+    with _dir(redis_url, job, secret="right") as d:
+        d.claim_rank({"pid": 1, "start": 2, "node": "n1"})
+        d.put_window(0x20000, "f", _winrec(0x20000), key=b"K" * 16)
+        raw = redis.Redis.from_url(redis_url)
+        key = f"memsem:{job}:w:{0x20000:016x}"
+        stored = raw.get(key)
+        assert b"KKKK" not in stored and (b"K" * 16).hex().encode() not in stored  # key sealed
+        # a process without the secret: cannot verify, cannot unseal
+        with _dir(redis_url, job, secret="wrong") as other:
+            with pytest.raises(memsem.AccessDeniedError):
+                other.get_window(0x20000)
+            with pytest.raises(memsem.AccessDeniedError):
+                other.window_with_key(0x20000)
+        # forging: change the endpoint / generation without re-signing
+        val = json.loads(stored)
+        val["v"]["generation"] = 6
+        raw.set(key, json.dumps(val))
+        with pytest.raises(memsem.AccessDeniedError, match="HMAC"):
+            d.get_window(0x20000)
+        # an unsigned entry written by someone without the secret
+        raw.set(f"memsem:{job}:w:{0x30000:016x}", json.dumps({"v": _winrec(0x30000)}))
+        with pytest.raises(memsem.AccessDeniedError):
+            d.get_window(0x30000)
+        assert all(w["gva"] != 0x30000 for w in d.windows())  # listings skip it
+        # a valid entry moved under another key fails too (the key name is signed)
+        raw.set(f"memsem:{job}:w:{0x40000:016x}", stored)
+        with pytest.raises(memsem.AccessDeniedError):
+            d.get_window(0x40000)
+        raw.close()
+
+
+def test_redis_directory_ttl_expiry_and_leases(redis_url):
+    job = f"u{secrets.token_hex(4)}"
+    owner = _dir(redis_url, job, ttl=1.0)
+    cons = _dir(redis_url, job, ttl=1.0)
+    try:
+        r = owner.claim_rank({"pid": 1, "start": 2, "node": "n1"})
+        rc = cons.claim_rank({"pid": 3, "start": 4, "node": "n2"})
+        owner.put_window(0x50000, "", _winrec(0x50000, gen=9))
+        time.sleep(1.5)  # heartbeats keep it alive past the TTL
+        assert cons.get_window(0x50000) is not None and cons.owner_alive(r, 1, 2, "n1")
+        with pytest.raises(memsem.StaleReferenceError):
+            cons.acquire_lease(0x50000, 8, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
+        m = cons.acquire_lease(0x50000, 9, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
+        holders = owner.lease_holders(0x50000, closing=True)
+        assert len(holders) == 1 and holders[0][0] == 3 and 4.0 < holders[0][1] <= 5.0
+        with pytest.raises(memsem.StaleReferenceError, match="closing"):
+            cons.acquire_lease(0x50000, 9, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
+        owner.reopen_window(0x50000)
+        assert cons.renew_lease(0x50000, m, 0.2)
+        time.sleep(0.3)
+        assert not cons.renew_lease(0x50000, m, 1.0)  # expired: lost
+        assert owner.lease_holders(0x50000) == []
+        # a holder whose node died (rank expired) does not block the owner
+        m2 = cons.acquire_lease(0x50000, 9, {"node": "n2", "pid": 3, "rank": rc}, None)
+        cons.close()  # heartbeat stops: rank expires after the TTL
+        time.sleep(1.3)
+        assert owner.lease_holders(0x50000) == [] and m2
+        # the owner dies: its rank and windows expire
+        owner._stop.set()
+        owner._thread.join(2)
+        time.sleep(1.3)
+        with _dir(redis_url, job) as third:
+            assert third.get_window(0x50000) is None and not third.owner_alive(r, 1, 2, "n1")
+    finally:
+        owner.close()
+        cons.close()
+
+
+def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
+    """Same machine, two node ids, loopback: route tcp, get/put/stale (no namespaces needed)."""
+    job = f"u{secrets.token_hex(4)}"
+    code = (
+        "import sys, numpy as np; from memsem.refs import Runtime\n"
+        "rt = Runtime(engines=('loopback','host','tcp'))\n"
+        "r = rt.publish(np.arange(100000, dtype=np.int64), name='v')\n"
+        "print(r.to_bytes().hex(), flush=True); sys.stdin.readline()\n"
+        "rt.unpublish(r); print('unpublished', flush=True); sys.stdin.readline(); rt.close()\n")
+    env = _env("loop-a", redis_url, job, "sec")
+    p = subprocess.Popen([PY, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().strip()
+        assert line, p.stderr.read()
+        old = {k: os.environ.get(k) for k in ("MEMSEM_NODE_ID", "MEMSEM_JOB_SECRET", "MEMSEM_HEARTBEAT_TTL")}
+        os.environ.update(MEMSEM_NODE_ID="loop-b", MEMSEM_JOB_SECRET="sec", MEMSEM_HEARTBEAT_TTL=str(TTL))
+        try:
+            with memsem.Runtime(directory=redis_url, job=job, engines=("loopback", "host", "tcp"), timeout=10) as rt:
+                ref = rt.ref(bytes.fromhex(line))
+                assert rt.route(ref).kind == "tcp"
+                assert (ref.get() == np.arange(100000)).all()
+                ref.put(np.arange(100000)[::-1].copy())
+                assert (ref.get()[:3] == [99999, 99998, 99997]).all()
+                p.stdin.write("\n")
+                p.stdin.flush()
+                assert p.stdout.readline().strip() == "unpublished"
+                with pytest.raises(memsem.StaleReferenceError):
+                    ref.get()
+                with pytest.raises(memsem.StaleReferenceError):
+                    ref.put(np.zeros(100000, np.int64))
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
