@@ -188,6 +188,50 @@ def _op_loop_get(st: _State, refbytes: bytes, seconds: float) -> list[str]:
     return out
 
 
+def apply_plant(name: str) -> None:
+    """Plant a known bug in this process (used to show the state machine catches it; the
+    source files are never edited). Names: ``no-bump-on-republish`` (a republish keeps the old
+    generation), ``renew-ignores-expiry`` (renew extends an expired lease)."""
+    import threading
+
+    from memsem import native
+    from memsem.gva import _control, _lease
+    from memsem.runtime import _runtime
+
+    if name == "no-bump-on-republish":
+        flag = threading.local()
+        orig_rep, orig_bump = _runtime.RuntimeCore._republish, _control.ControlBlock.bump_generation
+
+        def _republish(self, *a, **k):
+            flag.on = True
+            try:
+                return orig_rep(self, *a, **k)
+            finally:
+                flag.on = False
+
+        def bump(self):
+            return self.generation if getattr(flag, "on", False) else orig_bump(self)
+
+        _runtime.RuntimeCore._republish = _republish
+        _control.ControlBlock.bump_generation = bump
+    elif name == "renew-ignores-expiry":
+        def renew(cb, slot, lease_id, ttl_ns):
+            a = cb.lease_slot_addr(slot)
+            if native.load_acquire(a + 24) != lease_id:
+                return 0
+            new = native.monotonic_ns() + ttl_ns
+            native.store_release(a + 16, new)
+            return new
+
+        _lease.renew = renew
+    elif name:
+        raise ValueError(f"unknown plant {name!r}")
+
+
+def _op_plant(st: _State, name: str) -> None:
+    apply_plant(name)
+
+
 _OPS = {k[4:]: v for k, v in globals().items() if k.startswith("_op_")}
 
 

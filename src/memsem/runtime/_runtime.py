@@ -652,7 +652,7 @@ class RuntimeCore:
                     f"held by " + ", ".join(f"pid {p} ({left:.2f} s left)" for p, left in holders),
                     holders=holders)
             time.sleep(min(WAIT_SLICE, max(0.0, min(h[1] for h in holders)) + 0.001))
-        if not keep_name: cb.bump_generation()  # PLANTED BUG
+        cb.bump_generation()
         # Drain copies that started under the old generation (they will see it moved).
         while native.load_acquire(cb.inflight_addr):
             if time.monotonic() >= deadline + 1.0:
