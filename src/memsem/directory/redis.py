@@ -39,7 +39,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from typing import Any, Callable
 
 from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError

@@ -47,7 +47,6 @@ import numpy as np
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
-    MemsemError,
     MemsemTimeoutError,
     NotSupportedError,
     PeerLostError,

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
 from memsem.runtime import Batch, Lease, RuntimeCore
 from memsem.topology import Route

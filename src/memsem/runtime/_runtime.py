@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
