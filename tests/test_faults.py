@@ -205,13 +205,28 @@ def test_case5_kill_owner_while_peer_resolves(rt):
 
 
 # -- case 6: kill -9 leaves no segments behind --------------------------------------------------
+@pytest.fixture
+def private_shm(monkeypatch):
+    """A segment directory of this test alone (MEMSEM_SHM_DIR, inherited by children): other
+    memsem processes of this user (their Runtime starts run gc too) cannot race its listings."""
+    import shutil
+
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"memsem-test-{secrets.token_hex(6)}")
+    os.mkdir(path, 0o700)
+    monkeypatch.setenv("MEMSEM_SHM_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _gc_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memsem.cli", "gc", *args], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ))
 
 
 @pytest.mark.parametrize("reaper", ["runtime_start", "memsem_gc"])
-def test_case6_kill9_owner_and_consumer_leave_no_segments(rt, reaper):
+def test_case6_kill9_owner_and_consumer_leave_no_segments(private_shm, reaper):
+    rt = memsem.Runtime(timeout=10)
+    assert segment_dir() == private_shm
     live = Agent(SPAWN, timeout=5.0)
     owner = Agent(SPAWN, timeout=5.0)
     consumer = Agent(SPAWN, timeout=5.0)
@@ -254,6 +269,7 @@ def test_case6_kill9_owner_and_consumer_leave_no_segments(rt, reaper):
         for a in (owner, consumer):
             a.kill()
         live.stop()
+        rt.close()
 
 
 # -- access control -----------------------------------------------------------------------------
@@ -345,10 +361,12 @@ def test_blocking_calls_time_out(rt):
     lease.release()
 
 
-def test_gc_dry_run_on_clean_machine_lists_nothing_of_live_processes(rt):
-    rt.publish(rt.alloc(64, np.uint8))
-    mine = _segments_of(os.getpid())
-    out = _gc_cli("--dry-run")
-    assert out.returncode == 0
-    assert not any(n in out.stdout for n in mine)
-    assert out.stdout.strip().splitlines()[-1].endswith("would remove")
+def test_gc_dry_run_lists_nothing_of_live_processes(private_shm):
+    with memsem.Runtime(timeout=10) as rt:
+        rt.publish(rt.alloc(64, np.uint8))
+        mine = _segments_of(os.getpid())
+        assert mine
+        out = _gc_cli("--dry-run")
+        assert out.returncode == 0
+        assert out.stdout.strip().splitlines() == ["0 item(s) would be removed (dry run)"]
+        assert _segments_of(os.getpid()) == mine

@@ -516,6 +516,7 @@ class MemsemMachine(RuleBasedStateMachine):
             self.st0.windows.clear()
 
 
+@pytest.mark.timeout(900)  # ~1 min when it passes; shrinking a failure restarts processes
 def test_state_machine():
     t0 = time.monotonic()
     STATS.update(steps=0, examples=0, kills=0, errors_expected=0, first_mismatch="")
