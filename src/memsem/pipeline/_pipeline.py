@@ -34,8 +34,6 @@ log = logging.getLogger(__name__)
 
 #: how often blocked waits re-check that the pipeline was not closed (seconds)
 POLL_S = 0.05
-#: staging slots start on this boundary (bytes)
-SLOT_ALIGN = 4096
 #: extra time the caller waits beyond ``timeout`` so the mover's own, more precise, error wins
 CALLER_GRACE_S = 0.5
 
@@ -284,11 +282,9 @@ class Pipeline:
                 raise ValueError(f"out holds {binfo.nbytes} bytes; the ref is {spec.nbytes} bytes")
             self._base = flat
         else:
-            n = self.depth * self.tile_bytes
-            mem = np.empty(n + SLOT_ALIGN, np.uint8)
-            skip = (-mem.ctypes.data) % SLOT_ALIGN
-            self._slot_mem = mem
-            self._slots = mem[skip:skip + n].reshape(self.depth, self.tile_bytes)
+            # Pooled per runtime: page-aligned and already faulted in (see StagingPool).
+            self._slot_mem = runtime.staging.borrow(self.depth * self.tile_bytes)
+            self._slots = self._slot_mem.reshape(self.depth, self.tile_bytes)
         # Tile 0 is moved by the caller's first next() (it would wait for it anyway, and it saves
         # the thread start and one hand-off from the first-tile latency): slot 0 is the caller's.
         for s in range(0 if self.mode == "view" else 1, self.depth):
@@ -487,6 +483,9 @@ class Pipeline:
             if th.is_alive():
                 log.warning("pipeline mover over %s did not stop within %.1f s", self.spec.label, self.timeout)
         self._base = None if self.mode == "view" else self._base
+        if self._slot_mem is not None and (th is None or not th.is_alive()):
+            self.runtime.staging.give_back(self._slot_mem)  # a stuck mover keeps its slots
+            self._slot_mem = None
         self._record()
 
     def _record(self) -> None:
