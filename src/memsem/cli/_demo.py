@@ -175,6 +175,11 @@ def run_demo(args: Any) -> int:
                       f"{gbps / copy_gbps:.2f}x", ",".join(r["routes"]), str(r["bounce"]),
                       "yes (sha256)" if exact else f"[red]NO: {len(r['mismatches'])} tensors differ")
     console.print(table)
+    done = [r for r in out.values() if not r.get("error")]
+    if done:
+        agg = sum(r["bytes"] for r in done) / max(r["move_seconds"] for r in done) / 1e9
+        console.print(f"aggregate steady-state sync: {agg:.2f} GB/s across {len(done)} rollouts "
+                      f"({agg / copy_gbps:.2f}x one np.copyto stream)")
     console.print(f"{args.consumers} consumers ran concurrently on {os.cpu_count()} cores. GB/s: steady-state "
                   "sync into the rollout's existing buffers (first sync also pays page faults of fresh "
                   "memory); np.copyto: one copy of the same bytes in the trainer, same run.")
