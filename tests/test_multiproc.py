@@ -113,3 +113,55 @@ def test_example_script_runs():
     out = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "bit-exact" in out.stdout
+
+
+def _race_consumer(conn) -> None:
+    """Reader thread: gets through whatever ref it holds; main thread: resolves each new
+    generation the owner sends (which retires the old mapping). Reports (ok, stale)."""
+    import threading
+
+    with memsem.Runtime(timeout=10) as rt:
+        current = [rt.ref(conn.recv())]
+        stop = threading.Event()
+        counts = {"ok": 0, "stale": 0}
+
+        def reader():
+            out = np.empty(1 << 20, np.uint8)
+            while not stop.is_set():
+                try:
+                    current[0].get(out)
+                    counts["ok"] += 1
+                except memsem.StaleReferenceError:
+                    counts["stale"] += 1
+
+        th = threading.Thread(target=reader)
+        th.start()
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            new = rt.ref(msg)
+            new.get()  # resolves the new generation: the old mapping is retired under the reader
+            current[0] = new
+            conn.send("ok")
+        stop.set()
+        th.join(10)
+        conn.send((counts["ok"], counts["stale"]))
+
+
+def test_republish_race_never_crashes(rt):
+    """Old mappings are retired, never unmapped under a copy of another thread."""
+    from tests._proc import recv, reap, spawn
+
+    a = rt.alloc(1 << 20, np.uint8)
+    ref = rt.publish(a, name="race")
+    p, conn = spawn(_race_consumer)
+    conn.send(ref.to_bytes())
+    for _ in range(40):
+        b = rt.alloc(1 << 20, np.uint8)
+        conn.send(rt.publish(b, name="race").to_bytes())
+        assert recv(conn, 20) == "ok"
+    conn.send(None)
+    ok, stale = recv(conn, 30)
+    reap([p])
+    assert p.exitcode == 0 and ok > 0

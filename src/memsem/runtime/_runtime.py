@@ -461,7 +461,7 @@ class RuntimeCore:
         #: control blocks of unpublished windows, unlinked but kept mapped a while: a thread of
         #: this process may still be reading them (a wait_tile notices the generation move within
         #: WAIT_SLICE); unmapped RETIRED_CB_GRACE s later or at close
-        self._retired_cbs: list[tuple[float, ControlBlock]] = []
+        self._retired: list[tuple[float, Any]] = []
         self._engines: dict[str, Engine] = {}
         self._available: dict[str, Availability] = {}
         self.location_attrs: dict[str, Any] = {}
@@ -723,15 +723,22 @@ class RuntimeCore:
             if now:
                 cb.close()
             else:
-                t = time.monotonic()
-                keep = []
-                for since, old in self._retired_cbs:
-                    if t - since > RETIRED_CB_GRACE:
-                        old.close()
-                    else:
-                        keep.append((since, old))
-                keep.append((t, cb))
-                self._retired_cbs = keep
+                self._defer_close(cb.close)
+
+    def _defer_close(self, fn: Any) -> None:
+        """Run ``fn`` (an unmap) RETIRED_CB_GRACE s from now, or at close: another thread of this
+        process may still be copying through, or waiting on, the mapping it releases."""
+        t = time.monotonic()
+        due = [f for since, f in self._retired if t - since > RETIRED_CB_GRACE]
+        self._retired = [(since, f) for since, f in self._retired if t - since <= RETIRED_CB_GRACE]
+        self._retired.append((t, fn))
+        for f in due:
+            f()
+
+    def _flush_retired(self) -> None:
+        retired, self._retired = self._retired, []
+        for _, f in retired:
+            f()
 
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         """Unpublish a window this runtime owns (see ``memsem.Runtime.unpublish``)."""
@@ -968,7 +975,9 @@ class RuntimeCore:
             if res.pins:
                 res.dropped = True  # views still map it: unmapped when the last one goes
                 return
-            _close_resolved(res)
+            # Another thread may be copying through this mapping right now (it resolved before
+            # the drop): unmap after a grace period, never under it.
+            self._defer_close(lambda: _close_resolved(res))
 
     def route_of(self, spec: RefSpec) -> Route:
         """The route this runtime uses for ``spec`` (resolving it if needed)."""
@@ -1338,6 +1347,7 @@ class RuntimeCore:
                 o.close()
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._flush_retired()  # no copy of this runtime runs any more
             for eng in reversed(list(self._engines.values())):
                 eng.close()
             with self._serve_lock:
@@ -1350,9 +1360,7 @@ class RuntimeCore:
                 seg.unlink()
                 seg.close()
             self._segments.clear()
-            for _, cb in self._retired_cbs:
-                cb.close()
-            self._retired_cbs.clear()
+            self._flush_retired()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_owned", None):
