@@ -55,7 +55,7 @@ q() { local s=${1//\'/\'\\\'\'}; printf "'%s'" "$s"; }  # POSIX sh single-quotin
 } >"$out/job.conf"
 {
     echo "cd $(q "$PWD")"
-    echo "export MEMSEM_VM_OUT=$(q "$out") MEMSEM_IN_VM=1 TMPDIR=/tmp PYTHONDONTWRITEBYTECODE=1"
+    echo "export MEMSEM_VM_OUT=$(q "$out") MEMSEM_IN_VM=1 TMPDIR=/run/tmp PYTHONDONTWRITEBYTECODE=1"
     for v in PATH HOME LANG LC_ALL TERM VIRTUAL_ENV PYTHONPATH ${MEMSEM_VM_PASS_ENV:-} \
              $(compgen -e | grep -E '^(MEMSEM_|PYTEST_)' | grep -vE '^MEMSEM_(VM_OUT|IN_VM)$' || true); do
         [ -n "${!v+x}" ] && echo "export $v=$(q "${!v}")"

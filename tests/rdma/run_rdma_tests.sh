@@ -23,7 +23,7 @@ say() { echo "memsem-rdma: $*" >&2; }
 [ -x "$venv/bin/python" ] || { say "no venv at $venv (run make first, or set MEMSEM_RDMA_VENV)"; exit 2; }
 venv=$(cd "$venv" && pwd)
 case $venv in
-    /tmp/*|/var/tmp/*|/run/*|/dev/shm/*) say "$venv is hidden inside the VM (tmpfs there); use a venv elsewhere"; exit 2 ;;
+    /var/tmp/*|/run/*|/dev/shm/*) say "$venv is hidden inside the VM (tmpfs there); use a venv elsewhere"; exit 2 ;;
 esac
 py="$venv/bin/python"
 t0=$(date +%s.%N)
