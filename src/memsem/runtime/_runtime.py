@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextvars
-import dataclasses
 import errno as _errno
 import logging
-import os
 import secrets
-import select
 import threading
 import time
 import warnings
@@ -38,7 +35,7 @@ from memsem._errors import (
     WindowNotFoundError,
 )
 from memsem.directory import Directory, open_directory
-from memsem.engines import Availability, Engine, LocalRegion, RemoteRegion, engine_class
+from memsem.engines import Availability, Engine, LocalRegion, engine_class
 from memsem.gva import (
     PERM_READ,
     PERM_WRITE,
@@ -56,6 +53,14 @@ from memsem.gva import (
 from memsem.gva._control import W_NBYTES, W_PERMS, W_STATE
 from memsem.native import ProcessIdentity, Segment, process_alive
 from memsem.runtime._completion import Batch, Completion, RangeResult, State
+from memsem.runtime._lease import Lease
+from memsem.runtime._state import (
+    StagingPool,
+    _Owned,
+    _Owner,
+    _Resolved,
+    _Serving,
+)
 from memsem.runtime._telemetry import Stats, Telemetry
 from memsem.topology import Location, Route, choose_route
 
@@ -76,348 +81,6 @@ _now = time.perf_counter_ns
 _UINT8 = _dtypes.code_of("uint8")
 _current: contextvars.ContextVar["RuntimeCore | None"] = contextvars.ContextVar("memsem_runtime", default=None)
 _instances: "list[weakref.ref[RuntimeCore]]" = []
-
-
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Owned:
-    """Owner-side state of one window."""
-
-    info: WindowInfo
-    cb: ControlBlock
-    key: bytes
-    keepalive: Any
-    region: LocalRegion
-    engines: list[Engine]
-    generation: int
-    views: int = 0
-
-
-class _Owner:
-    """Liveness of a window's owner (same node: pidfd, so a recycled pid is never mistaken)."""
-
-    __slots__ = ("pid", "start", "fd", "node", "checked", "dead", "remote")
-
-    def __init__(self, pid: int, start: int, node: str) -> None:
-        self.pid, self.start, self.node = pid, start, node
-        self.fd = -1
-        self.checked = 0.0  # monotonic time of the last check; -inf once seen dead
-        self.dead = False
-        #: another node: ``remote() -> bool`` asks the directory (heartbeat TTL); None: unknown
-        self.remote: Any = None
-        if node == native.node_id() and pid != os.getpid():
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                fd = -1
-            if fd >= 0 and not process_alive(pid, start):
-                os.close(fd)
-                fd = -1
-            self.fd = fd
-
-    def alive(self) -> bool:
-        if self.pid == os.getpid() and self.node == native.node_id():
-            return True
-        if self.dead:
-            return False
-        self.checked = time.monotonic()
-        if self.fd < 0:
-            if self.node == native.node_id():
-                ok = process_alive(self.pid, self.start)
-            else:  # another node: its heartbeat in the directory decides (True when unknown)
-                ok = self.remote is None or bool(self.remote())
-        else:
-            r, _, _ = select.select([self.fd], [], [], 0)
-            ok = not r
-        if not ok:
-            self.dead = True  # a verdict that never changes: every later check raises at once
-            self.checked = float("-inf")
-        return ok
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-@dataclasses.dataclass
-class _Resolved:
-    """Consumer-side cache entry of a window (per GVA and generation)."""
-
-    info: WindowInfo
-    cb: ControlBlock | None
-    remote: RemoteRegion
-    route: Route
-    engine: Engine
-    owner: _Owner
-    own_cb: bool
-    #: the access key this resolution was verified with (a cached entry serves only that key)
-    key: bytes = b""
-    #: views mapping this resolution's memory; a dropped entry is unmapped when they are gone
-    pins: int = 0
-    dropped: bool = False
-    # Hot-path plan, computed once per resolution.
-    writable: bool = False
-    direct: bool = False
-    base: int = 0
-    pid: int = 0
-    gen_addr: int = 0
-    inflight_addr: int = 0
-    get_method: int = 0
-    put_method: int = 0
-    nbytes: int = 0
-    # Telemetry of this route, bound once (see runtime._telemetry): [ops, bytes] and ring appends.
-    counter: Any = None
-    lat_get: Any = None
-    lat_put: Any = None
-
-    def __post_init__(self) -> None:
-        self.writable = self.info.access == "rw"
-        self.nbytes = self.info.nbytes
-        d = self.remote.direct
-        if d is not None and self.cb is not None:
-            self.direct = True
-            self.base = d.address
-            self.pid = d.pid
-            self.gen_addr = self.cb.generation_addr
-            self.inflight_addr = self.cb.inflight_addr
-            self.get_method = native.COPY_VM_READ if d.cma else native.COPY_MEMCPY
-            self.put_method = native.COPY_VM_WRITE if d.cma else native.COPY_MEMCPY
-
-
-class _Serving:
-    """Owner side: a validated credential of a remote consumer (see ``RuntimeCore.serve_check``).
-
-    Holds a pin on the window's control block while cached, and ``mem``, a flat uint8 array over
-    the window that keeps its memory alive (zero-copy sends may read it after ``leave``'s caller
-    returned; the engine keeps ``hold()`` until libzmq let go).
-    """
-
-    __slots__ = ("gva", "generation", "cb", "mem", "writable", "nbytes", "_gen", "_inflight")
-
-    def __init__(self, gva: int, generation: int, cb: ControlBlock, mem: np.ndarray, writable: bool) -> None:
-        self.gva, self.generation, self.cb, self.mem, self.writable = gva, generation, cb, mem, writable
-        self.nbytes = mem.nbytes
-        self._gen = cb.generation_addr
-        self._inflight = cb.inflight_addr
-
-    def current(self) -> int:
-        """The window's generation now."""
-        return native.load_acquire(self._gen)
-
-    def enter(self) -> bool:
-        """Count a copy in flight; False (nothing counted) when the generation moved."""
-        native.fetch_add(self._inflight, 1)
-        if native.load_acquire(self._gen) != self.generation:
-            native.fetch_sub(self._inflight, 1)
-            return False
-        return True
-
-    def leave(self) -> bool:
-        """End the copy; True when the generation did not move meanwhile (the bytes are valid)."""
-        ok = native.load_acquire(self._gen) == self.generation
-        native.fetch_sub(self._inflight, 1)
-        return ok
-
-    def hold(self) -> None:
-        """Keep the control block mapped beyond the cache's life (a pending zero-copy send)."""
-        self.cb.pin()
-
-    def unhold(self) -> None:
-        self.cb.unpin()
-
-
-# ----------------------------------------------------------------------------------------------
-class StagingPool:
-    """Reusable, page-aligned, pre-faulted staging buffers (pipelines' slots).
-
-    A fresh buffer pays a page fault per 4 KiB page on first touch (tens of microseconds per MiB
-    on a VM), which would land in the first tiles of every pipeline; pooled buffers pay it once
-    per runtime. At most ``limit`` bytes stay pooled. Thread safe.
-    """
-
-    ALIGN = 4096
-
-    def __init__(self, limit: int = 256 << 20) -> None:
-        self.limit = limit
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._pooled = 0
-        self._lock = threading.Lock()
-
-    def borrow(self, nbytes: int) -> np.ndarray:
-        """A flat uint8 array of ``nbytes`` (contents undefined), page aligned and faulted in."""
-        with self._lock:
-            lst = self._free.get(nbytes)
-            if lst:
-                self._pooled -= nbytes
-                return lst.pop()
-        mem = np.empty(nbytes + self.ALIGN, np.uint8)
-        skip = (-mem.__array_interface__["data"][0]) % self.ALIGN
-        arr = mem[skip:skip + nbytes]
-        arr[::self.ALIGN] = 0  # fault every page in now, not during the first copies
-        return arr
-
-    def give_back(self, arr: np.ndarray) -> None:
-        with self._lock:
-            if self._pooled + arr.nbytes <= self.limit:
-                self._free.setdefault(arr.nbytes, []).append(arr)
-                self._pooled += arr.nbytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._pooled = 0
-
-
-class Lease:
-    """A consumer's time-bounded, renewable claim on a window (see DESIGN.md, Lease).
-
-    While unexpired, the owner cannot unpublish or reuse the window. Transfers made with the lease
-    check it before and after the copy: expiry at any point raises LeaseExpiredError.
-    ``release`` refuses while views taken under this lease are alive.
-    """
-
-    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None) -> None:
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds or None (until released), got {ttl!r}")
-        self.runtime = runtime
-        self.spec = spec
-        self.ttl = ttl
-        self._slot = -1
-        self._id = 0
-        self._cb: ControlBlock | None = None
-        self._views = 0
-        self._remote = ""  # lease held in the directory (window on another node): its member id
-        self._exp = 0  # its expiry, monotonic ns of this process (conservative: never later than the owner's)
-        self._lock = threading.RLock()  # RLock: a view's finalizer may run inside a held section
-
-    @property
-    def held(self) -> bool:
-        return self._id != 0
-
-    def _ttl_ns(self, ttl: float | None) -> int:
-        return (1 << 62) if ttl is None else int(ttl * 1e9)
-
-    def acquire(self) -> "Lease":
-        """Claim the lease. Raises StaleReferenceError (window gone or closing), PeerLostError,
-        AccessDeniedError (wrong key), MemsemError (no free lease slot)."""
-        if self.held:
-            raise MemsemError("lease already held; renew() it instead")
-        res = self.runtime._resolve(self.spec)
-        if res.cb is None:
-            return self._acquire_remote(res)
-        if not res.own_cb and not res.owner.alive():  # a cached resolution may outlive its owner
-            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid}) is dead: no lease")
-        me = self.runtime.identity
-        try:
-            slot, lid = _lease.acquire(res.cb, me.pid, me.start_time, self._ttl_ns(self.ttl))
-        except _lease.WindowClosing:
-            raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
-                                      window=self.spec.name) from None
-        except _lease.LeaseSlotsFull:
-            raise MemsemError(f"{self.spec.label}: all {res.cb.n_lease} lease slots are held") from None
-        if res.cb.generation != self.spec.generation:
-            _lease.release(res.cb, slot, lid)
-            raise self.runtime._stale(self.spec, res.cb.generation)
-        res.cb.pin()  # the lease reads its slot until released, whatever happens to the cache
-        self._cb, self._slot, self._id = res.cb, slot, lid
-        self.runtime._leases.add(self)
-        return self
-
-    def _acquire_remote(self, res: "_Resolved") -> "Lease":
-        """A lease on a window of another node, held in the directory (redis: a sorted set the
-        owner reads, atomically with marking the window closing, before it unpublishes)."""
-        rt = self.runtime
-        acquire = getattr(rt.directory, "acquire_lease", None)
-        if acquire is None:
-            raise NotSupportedError(f"leases across nodes need a directory that holds them (redis://); "
-                                    f"{rt.directory.url} does not (route {res.route.kind})")
-        if not res.owner.alive():
-            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid} on {res.owner.node}) "
-                                "is dead: no lease")
-        t0 = native.monotonic_ns()  # the owner's expiry counts from later: ours is conservative
-        me = rt.identity
-        member = acquire(self.spec.gva, self.spec.generation, {"node": me.node, "pid": me.pid, "rank": rt.rank},
-                         self.ttl)
-        self._remote, self._exp, self._id = member, t0 + self._ttl_ns(self.ttl), 1
-        rt._leases.add(self)
-        return self
-
-    def renew(self, ttl: float | None = None) -> float:
-        """Extend to ``ttl`` (default: the original ttl) from now; returns the new expiry as
-        seconds from now. Raises LeaseExpiredError if it already expired or was reclaimed."""
-        if not self.held:
-            raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
-        ttl = self.ttl if ttl is None else ttl
-        if self._remote:
-            t0 = native.monotonic_ns()
-            d = self.runtime.directory
-            if self._exp <= t0 or not d.renew_lease(self.spec.gva, self._remote, ttl):
-                d.release_lease(self.spec.gva, self._remote)
-                self._forget()
-                raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
-            self._exp = t0 + self._ttl_ns(ttl)
-            return (self._exp - native.monotonic_ns()) / 1e9
-        exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
-        if not exp:
-            _lease.release(self._cb, self._slot, self._id)  # free the slot now (no-op if reclaimed)
-            self._forget()
-            raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
-        return (exp - native.monotonic_ns()) / 1e9
-
-    def remaining(self) -> float:
-        """Seconds until expiry (<= 0 when expired or released)."""
-        if not self.held:
-            return 0.0
-        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
-        return (exp - native.monotonic_ns()) / 1e9 if exp else 0.0
-
-    def check(self, when: str) -> None:
-        """Raise LeaseExpiredError unless the lease is held and unexpired now."""
-        if not self.held:
-            raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
-        if self.expired():
-            raise LeaseExpiredError(f"lease on {self.spec.label} expired {when}")
-
-    def release(self) -> None:
-        """Give the lease back. Safe twice. Raises MemsemError while views taken under it live."""
-        with self._lock:
-            if self._views:
-                raise MemsemError(f"lease on {self.spec.label} still backs {self._views} view(s); "
-                                  "drop them before release()")
-            if self._remote:
-                self.runtime.directory.release_lease(self.spec.gva, self._remote)
-            elif self.held:
-                _lease.release(self._cb, self._slot, self._id)
-            self._forget()
-
-    def _forget(self) -> None:
-        cb, self._cb = self._cb, None
-        self._id = 0
-        self._remote = ""
-        self.runtime._leases.discard(self)
-        if cb is not None:
-            cb.unpin()
-
-    def expired(self) -> bool:
-        """True when the lease is not held or its expiry has passed (never blocks)."""
-        if not self.held:
-            return True
-        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
-        return exp == 0 or exp <= native.monotonic_ns()
-
-    def __enter__(self) -> "Lease":
-        if not self.held:
-            self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"<Lease {self.spec.label} {'held' if self.held else 'released'} {self.remaining():.3f}s left>"
-
-
 # ----------------------------------------------------------------------------------------------
 class RuntimeCore:
     """A process's memsem runtime: owns its windows, resolves others', moves bytes.
