@@ -231,7 +231,7 @@ class _Interface:
     """Exposes an address range through ``__array_interface__``; holds the memory's owner, so the
     numpy array built on it (whose ``base`` is this object) keeps the owner alive."""
 
-    __slots__ = ("__array_interface__", "owner")
+    __slots__ = ("__array_interface__", "owner", "__weakref__")
 
     def __init__(self, address: int, nbytes: int, owner: Any, readonly: bool) -> None:
         self.owner = owner

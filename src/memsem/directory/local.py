@@ -67,7 +67,15 @@ class LocalDirectory(Directory):
 
     # -- ranks ----------------------------------------------------------------------------------
     def claim_rank(self, record: dict[str, Any]) -> int:
-        payload = json.dumps(record)
+        for attempt in range(3):
+            try:
+                return self._claim_rank(json.dumps(record))
+            except FileNotFoundError:
+                # An empty job folder was removed (close/gc) between makedirs and our claim.
+                os.makedirs(self.path, mode=0o700, exist_ok=True)
+        return self._claim_rank(json.dumps(record))
+
+    def _claim_rank(self, payload: str) -> int:
         for rank in range(_MAX_RANKS):
             fname = os.path.join(self.path, f"r.{rank}")
             try:
@@ -168,3 +176,10 @@ class LocalDirectory(Directory):
                 if rec is not None:
                     out[key] = rec
         return out
+
+    def close(self) -> None:
+        """Remove the job folder when this was its last user (no rank, window or entry left)."""
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass  # not empty: other runtimes of the job still use it

@@ -86,7 +86,9 @@ class HostEngine(Engine):
             raise NotSupportedError(
                 "view() needs a shared segment; this window is private memory of another process "
                 "(route host/cma): use get(), or publish memory from Runtime.alloc()")
-        return address_view(remote.direct.address, remote.nbytes, seg,
+        # The owner object exports the mapping: detach/close cannot unmap it under a live view.
+        off = remote.direct.address - seg.address
+        return address_view(remote.direct.address, remote.nbytes, seg.export(off, remote.nbytes),
                             readonly=not getattr(remote, "writable", True))
 
     def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:

@@ -77,7 +77,10 @@ class RefSpec:
         if len(data) != end:
             raise ValueError(f"serialized ref has {len(data)} bytes, its header says {end}")
         shape = struct.unpack_from(f"<{ndim}Q", data, _HEAD.size)
-        name = data[_HEAD.size + 8 * ndim:end].decode()
+        try:
+            name = data[_HEAD.size + 8 * ndim:end].decode()
+        except UnicodeDecodeError:
+            raise ValueError("data is not a serialized memsem ref (its name is not UTF-8)") from None
         _dtypes.name_of(dtype)  # validates the code
         fw = "torch" if flags & FLAG_TORCH else "dlpack" if flags & FLAG_DLPACK else "numpy"
         return cls(gva, gen, key, "rw" if flags & FLAG_RW else "r", off, nbytes, dtype, tuple(shape),

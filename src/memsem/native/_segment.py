@@ -107,6 +107,14 @@ class Segment:
             os.close(fd)
         return cls(name, nbytes, buf, owner=False)
 
+    def export(self, offset: int = 0, nbytes: int | None = None) -> "object":
+        """A buffer export of the mapping (a uint8 numpy array): while it (or anything holding
+        it) lives, ``close()`` cannot unmap, so raw-address views built next to it stay valid."""
+        import numpy as np
+
+        n = self.nbytes - offset if nbytes is None else nbytes
+        return np.frombuffer(self.buffer, np.uint8, count=n, offset=offset)
+
     def unlink(self) -> None:
         """Remove the name (creator only; mappings stay valid until closed). Safe twice."""
         if not self.owner:

@@ -147,6 +147,9 @@ class TensorRef:
         return self.bytes(start, min(int(tile_bytes), self.spec.nbytes - start))
 
     def num_tiles(self, tile_bytes: int) -> int:
+        """Tiles of ``tile_bytes`` bytes covering this ref (at least 1)."""
+        if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
+            raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
         return max(1, -(-self.spec.nbytes // int(tile_bytes)))
 
     # -- data ------------------------------------------------------------------------------------
@@ -275,7 +278,11 @@ class TensorRef:
         tb = res.info.tile_bytes
         if not tb:
             raise ValueError(f"{self.spec.label} was published without tiles")
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < res.info.n_ready:
+        if self.spec.offset != 0 or self.spec.nbytes != res.info.nbytes:
+            raise ValueError(f"put_tile needs a ref to the whole window (tile indices are the "
+                             f"window's); this ref covers bytes [{self.spec.offset}, "
+                             f"{self.spec.offset + self.spec.nbytes}) of {res.info.nbytes}")
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool) or not 0 <= index < res.info.n_ready:
             raise ValueError(f"index must be an int in [0, {res.info.n_ready}) for {self.spec.label}, "
                              f"got {index!r}")
         tile = self.bytes(0, self.nbytes).tile(index, tb)

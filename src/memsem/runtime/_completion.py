@@ -42,7 +42,9 @@ class Completion(Generic[T]):
             except BaseException as exc:  # delivered through wait()
                 c._future.set_exception(exc)
 
-        pool.submit(task)
+        fut = pool.submit(task)
+        # A task dropped by the pool (runtime closing) never runs: the completion ends CANCELLED.
+        fut.add_done_callback(lambda f: c._future.cancel() if f.cancelled() else None)
         return c
 
     @property
@@ -118,8 +120,10 @@ class Batch:
             self._event.set()
 
     def _settle(self, r: RangeResult, state: OpState, error: BaseException | None = None) -> None:
-        r.state, r.error = state, error
         with self._lock:
+            if r.state.final:
+                return  # settled once only (a cancel can race the range's own end)
+            r.state, r.error = state, error
             self._left -= 1
             if self._left == 0:
                 self._event.set()

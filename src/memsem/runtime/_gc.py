@@ -96,4 +96,8 @@ def _collect_dir(path: str, dry_run: bool) -> list[tuple[str, str]]:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+        try:
+            os.rmdir(path)  # a job folder nobody uses any more (fails while not empty)
+        except OSError:
+            pass
     return out

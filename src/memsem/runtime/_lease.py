@@ -32,8 +32,7 @@ class Lease:
     """
 
     def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None) -> None:
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds or None (until released), got {ttl!r}")
+        _check_ttl(ttl)
         self.runtime = runtime
         self.spec = spec
         self.ttl = ttl
@@ -102,7 +101,7 @@ class Lease:
         seconds from now. Raises LeaseExpiredError if it already expired or was reclaimed."""
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
-        ttl = self.ttl if ttl is None else ttl
+        ttl = self.ttl if ttl is None else _check_ttl(ttl)
         if self._remote:
             t0 = native.monotonic_ns()
             d = self.runtime.directory
@@ -170,3 +169,18 @@ class Lease:
 
     def __repr__(self) -> str:
         return f"<Lease {self.spec.label} {'held' if self.held else 'released'} {self.remaining():.3f}s left>"
+
+
+#: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
+MAX_TTL = 1e9
+
+
+def _check_ttl(ttl: object) -> float | None:
+    """``ttl`` is None (until released) or a finite number of seconds in (0, MAX_TTL]."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be a number of seconds or None, got {ttl!r}")
+    if not (0 < float(ttl) <= MAX_TTL):
+        raise ValueError(f"ttl must be > 0 and <= {MAX_TTL:g} seconds, or None (until released), got {ttl!r}")
+    return float(ttl)

@@ -103,8 +103,10 @@ class RuntimeCore:
                  engine_objects: dict[str, Engine] | None = None, job: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None,
                  workers: int = 4) -> None:
-        if not timeout > 0:
+        if check_timeout(timeout, "timeout") == 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         self.timeout = float(timeout)
         self.prefer = prefer
         self.identity = ProcessIdentity.current()
@@ -228,9 +230,12 @@ class RuntimeCore:
         seg = Segment.create("data", max(nbytes, 1))
         with self._lock:
             self._segments[seg.address] = seg
-        raw = address_view(seg.address, nbytes, seg)
+        # The holder under every array derived from this one exports the mmap's buffer, so the
+        # mapping outlives close() for as long as any view of it lives; its finalizer (not the
+        # returned array's: a reshape or slice would outlive that) drops the segment.
+        raw = address_view(seg.address, nbytes, seg.export())
         arr = raw.view(dt).reshape(shape_t)
-        weakref.finalize(arr, _drop_segment, weakref.ref(self), seg.address)
+        weakref.finalize(raw.base, _drop_segment, weakref.ref(self), seg.address)
         return arr
 
     def _segment_of(self, address: int, nbytes: int) -> Segment | None:
@@ -408,7 +413,7 @@ class RuntimeCore:
         self._check_open()
         with self._lock:
             owned = self._owned_for(spec_or_name)
-            self._retire(owned, timeout=self.timeout if timeout is None else timeout)
+            self._retire(owned, timeout=self.timeout if timeout is None else check_timeout(timeout, "timeout"))
             self._close_cb(owned.cb)
 
     def _owned_for(self, spec_or_name: RefSpec | str) -> _Owned:
@@ -834,11 +839,19 @@ class RuntimeCore:
                 batch._settle(r, State.DONE)
 
         for r, src, dst in jobs:
-            batch._futures.append(self._pool.submit(run, r, src, dst))
+            fut = self._pool.submit(run, r, src, dst)
+            # Dropped by the pool (runtime closing) before it ran: the range ends CANCELLED.
+            fut.add_done_callback(lambda f, r=r: batch._settle(r, State.CANCELLED) if f.cancelled() else None)
+            batch._futures.append(fut)
         return batch
 
     def _copy_one(self, src: Any, dst: Any, lease: Lease | None) -> None:
         t0 = time.perf_counter_ns()
+
+        def lease_for(spec: RefSpec) -> Lease | None:
+            # The lease is checked for the ranges of its own window only.
+            return lease if lease is not None and lease.spec.gva == spec.gva else None
+
         if isinstance(src, RefSpec) and isinstance(dst, RefSpec):
             if src.nbytes != dst.nbytes:
                 raise ValueError(f"xcopy sizes differ: src {src.nbytes} bytes, dst {dst.nbytes} bytes")
@@ -848,30 +861,35 @@ class RuntimeCore:
             if rs.route.zero_copy and rs.cb is not None:
                 # Source mappable: copy straight from its memory (read guarded after the put).
                 view = rs.engine.view(rs.remote)[src.offset:src.offset + src.nbytes]
+                src_lease = lease_for(src)
                 native.fetch_add(rs.cb.inflight_addr, 1)
                 try:
+                    if src_lease is not None:
+                        src_lease.check("before the transfer")
                     if rs.cb.generation != src.generation:
                         raise self._stale(src, rs.cb.generation)
-                    self.transfer(dst, "put", 0, view, lease=lease if lease and lease.spec.gva == dst.gva else None)
+                    self.transfer(dst, "put", 0, view, lease=lease_for(dst))
                     if rs.cb.generation != src.generation:
-                        raise self._stale(src, rs.cb.generation)
+                        raise self._stale_during(src, rs.cb.generation, src_lease)
+                    if src_lease is not None:
+                        src_lease.check("during the transfer; the bytes moved are not valid")
                 finally:
                     native.fetch_sub(rs.cb.inflight_addr, 1)
             else:
                 bounce = np.empty(src.nbytes, np.uint8)
-                self.transfer(src, "get", 0, bounce, lease=lease if lease and lease.spec.gva == src.gva else None)
-                self.transfer(dst, "put", 0, bounce, lease=lease if lease and lease.spec.gva == dst.gva else None)
+                self.transfer(src, "get", 0, bounce, lease=lease_for(src))
+                self.transfer(dst, "put", 0, bounce, lease=lease_for(dst))
                 self.telemetry.bounce_bytes += src.nbytes
         elif isinstance(src, RefSpec):
             flat, info = as_byte_array(dst, "dst", writable=True)
             if info.nbytes != src.nbytes:
                 raise ValueError(f"xcopy sizes differ: src ref {src.nbytes} bytes, dst {info.nbytes} bytes")
-            self.transfer(src, "get", 0, flat, lease=lease)
+            self.transfer(src, "get", 0, flat, lease=lease_for(src))
         elif isinstance(dst, RefSpec):
             flat, info = as_byte_array(src, "src", writable=False)
             if info.nbytes != dst.nbytes:
                 raise ValueError(f"xcopy sizes differ: src {info.nbytes} bytes, dst ref {dst.nbytes} bytes")
-            self.transfer(dst, "put", 0, flat, lease=lease)
+            self.transfer(dst, "put", 0, flat, lease=lease_for(dst))
         else:
             raise TypeError("xcopy: at least one side of each pair must be a ref")
         self.telemetry.record("xcopy", "xcopy", getattr(src, "nbytes", 0), time.perf_counter_ns() - t0)
@@ -912,7 +930,10 @@ class RuntimeCore:
         owned = self._owned.get(spec.gva)
         # The finalizer holds the mapping (res) and, for a window of this runtime, the published
         # object itself: a view never outlives the memory it shows, even past a forced close.
-        weakref.finalize(arr, _view_gone, lease, own_lease, res, None if owned is None else owned.keepalive)
+        # Tie the lease to the holder under every array derived from this view (a slice or reshape
+        # of ``arr`` outlives ``arr`` itself, and must keep the lease and the mapping).
+        holder = raw.base if raw.base is not None and not isinstance(raw.base, np.ndarray) else raw
+        weakref.finalize(holder, _view_gone, lease, own_lease, res, None if owned is None else owned.keepalive)
         self.telemetry.record("view", res.route.kind, 0, time.perf_counter_ns() - t0)
         return arr
 
@@ -926,18 +947,29 @@ class RuntimeCore:
             raise ValueError(f"{spec.label} was published without tiles (pass tile_bytes= or tiles= to publish)")
         return res, res.cb
 
-    def mark_ready(self, spec: RefSpec, tile: int) -> None:
-        """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
+    def _ready_writer(self, spec: RefSpec, tile: int, what: str) -> ControlBlock:
+        if not spec.writable:
+            raise AccessDeniedError(f"{what} through a read-only ref to {spec.label}: readiness is "
+                                    "the producer's to set")
         res, cb = self._ready_cb(spec)
         _check_tile(tile, cb.n_ready, spec)
         if cb.generation != spec.generation:
             raise self._stale(spec, cb.generation)
-        _ready.mark(cb, tile, spec.generation)
+        return cb
+
+    def mark_ready(self, spec: RefSpec, tile: int) -> None:
+        """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters.
+
+        Raises:
+            AccessDeniedError: ``spec`` is read-only. StaleReferenceError: generation moved.
+        """
+        _ready.mark(self._ready_writer(spec, tile, "mark_ready"), tile, spec.generation)
 
     def clear_ready(self, spec: RefSpec, tile: int) -> None:
-        res, cb = self._ready_cb(spec)
-        _check_tile(tile, cb.n_ready, spec)
-        _ready.clear(cb, tile)
+        """Clear tile ``tile``'s ready word, only if it holds this ref's generation (a stale ref
+        never clears a mark of the new generation)."""
+        cb = self._ready_writer(spec, tile, "clear_ready")
+        native.compare_exchange(cb.ready_addr(tile), spec.generation, 0)
 
     def is_ready(self, spec: RefSpec, tile: int) -> bool:
         res, cb = self._ready_cb(spec)
@@ -958,9 +990,7 @@ class RuntimeCore:
             PeerLostError: the owner died while waiting (detected within WAIT_SLICE s).
             StaleReferenceError: the generation moved while waiting.
         """
-        timeout = self.timeout if timeout is None else timeout
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        timeout = self.timeout if timeout is None else check_timeout(timeout, "timeout")
         res, cb = self._ready_cb(spec)
         _check_tile(tile, cb.n_ready, spec)
         deadline = time.monotonic() + timeout
@@ -988,7 +1018,7 @@ class RuntimeCore:
         directory, unlink this runtime's segments. Safe twice."""
         if self._closed:
             return
-        timeout = min(self.timeout, 5.0) if timeout is None else timeout
+        timeout = min(self.timeout, 5.0) if timeout is None else check_timeout(timeout, "timeout")
         for child in list(self._children):
             try:
                 child.close()
@@ -999,9 +1029,10 @@ class RuntimeCore:
                 with lease._lock:
                     lease._views = 0
                     lease.release()
+            deadline = time.monotonic() + timeout  # one bound for all windows, not one each
             for owned in list(self._owned.values()):
                 try:
-                    self._retire(owned, timeout=timeout, force=True)
+                    self._retire(owned, timeout=max(0.0, deadline - time.monotonic()), force=True)
                 finally:
                     self._close_cb(owned.cb)
             for gva in list(self._resolved):
@@ -1032,6 +1063,16 @@ class RuntimeCore:
 
 
 # ----------------------------------------------------------------------------------------------
+def check_timeout(value: Any, name: str) -> float:
+    """A finite, non-negative number of seconds, else ValueError/TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    v = float(value)
+    if not (0.0 <= v < float("inf")):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return v
+
+
 def _chain(translated: BaseException, cause: BaseException) -> BaseException:
     """``raise _chain(t, exc)``: chain ``t`` to ``exc`` unless they are the same error (then its
     own cause, e.g. an engine's status, stays)."""
@@ -1051,21 +1092,25 @@ def _record_alive(rec: dict[str, Any]) -> bool:
 
 
 def _tiling(nbytes: int, tile_bytes: int | None, tiles: int | None) -> tuple[int, int]:
+    def positive_int(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0
+
     if tile_bytes is not None and tiles is not None:
         raise ValueError("pass tile_bytes or tiles, not both")
     if tile_bytes is not None:
-        if not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
+        if not positive_int(tile_bytes):
             raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
         return max(1, -(-nbytes // int(tile_bytes))), int(tile_bytes)
     if tiles is not None:
-        if not isinstance(tiles, (int, np.integer)) or tiles <= 0:
-            raise ValueError(f"tiles must be a positive int, got {tiles!r}")
+        if not positive_int(tiles) or tiles > max(nbytes, 1):
+            raise ValueError(f"tiles must be an int in [1, {max(nbytes, 1)}] (at least one byte per "
+                             f"tile), got {tiles!r}")
         return int(tiles), -(-nbytes // int(tiles)) if nbytes else 0
     return 0, 0
 
 
 def _check_tile(tile: int, n: int, spec: RefSpec) -> None:
-    if not isinstance(tile, (int, np.integer)) or not 0 <= tile < n:
+    if not isinstance(tile, (int, np.integer)) or isinstance(tile, bool) or not 0 <= tile < n:
         raise ValueError(f"tile must be an int in [0, {n}) for {spec.label}, got {tile!r}")
 
 
