@@ -48,3 +48,18 @@ def reap(procs, timeout=20.0):
         if p.is_alive():
             p.kill()
             p.join(5)
+
+
+def idle_producer(conn, nbytes, tile_bytes):
+    """Child: publish ``nbytes`` with tiles, mark tile 0 ready, send the ref, then idle (to be
+    SIGKILLed by the test while a consumer waits on tile 1)."""
+    import numpy as np
+
+    import memsem
+
+    with memsem.Runtime() as rt:
+        arr = np.zeros(nbytes, np.uint8)
+        ref = rt.publish(arr, tile_bytes=tile_bytes)
+        ref.put_tile(0, np.ones(tile_bytes, np.uint8))
+        conn.send(ref.to_bytes())
+        time.sleep(120)

@@ -22,7 +22,7 @@ import memsem
 from memsem import MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError, StaleReferenceError
 from memsem.pipeline import Pipeline, PipelineStats
 
-from tests._proc import recv, reap, spawn
+from tests._proc import idle_producer as _idle_producer, recv, reap, spawn
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -400,15 +400,6 @@ def test_consumers_stream_while_producer_writes(n_consumers):
         assert recv(pc, 30) == "unpublished"
     finally:
         reap(procs)
-
-
-def _idle_producer(conn, nbytes, tile_bytes):
-    with memsem.Runtime() as rt:
-        arr = np.zeros(nbytes, np.uint8)
-        ref = rt.publish(arr, tile_bytes=tile_bytes)
-        ref.put_tile(0, np.ones(tile_bytes, np.uint8))
-        conn.send(ref.to_bytes())
-        time.sleep(120)
 
 
 @pytest.mark.multiproc

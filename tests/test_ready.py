@@ -17,7 +17,7 @@ import pytest
 import memsem
 from memsem import MemsemTimeoutError, PeerLostError, StaleReferenceError, native
 
-from tests._proc import recv, reap, spawn
+from tests._proc import idle_producer as _idle_producer, recv, reap, spawn
 MiB = 1 << 20
 
 
@@ -179,15 +179,6 @@ def test_consumers_wait_for_their_tiles(n_consumers):
         assert recv(conn) == "bye"
     finally:
         reap(procs)
-
-
-def _idle_producer(conn, nbytes, tile_bytes):
-    with memsem.Runtime() as rt:
-        arr = np.zeros(nbytes, np.uint8)
-        ref = rt.publish(arr, tile_bytes=tile_bytes)
-        ref.put_tile(0, np.ones(tile_bytes, np.uint8))
-        conn.send(ref.to_bytes())
-        time.sleep(120)
 
 
 @pytest.mark.multiproc
