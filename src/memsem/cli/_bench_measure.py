@@ -388,32 +388,29 @@ def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tupl
 
 
 # ------------------------------------------------------------------------- optional engines --
-def tcp_status() -> str | None:
-    """None when a TCP engine exists to benchmark, else the reason it is skipped."""
-    if importlib.util.find_spec("memsem.engines.tcp") is None:
-        return "memsem.engines.tcp does not exist in this install"
+def _engine_status(name: str) -> str | None:
+    """None when engine ``name`` exists and its probe says it can run, else why not."""
+    if importlib.util.find_spec(f"memsem.engines.{name}") is None:
+        return f"memsem.engines.{name} does not exist in this install"
     try:
         from memsem.engines import engine_class
 
-        avail = engine_class("tcp").probe()
+        avail = engine_class(name).probe()
     except Exception as exc:
-        return f"engine 'tcp' cannot be loaded: {type(exc).__name__}: {exc}"
-    return None if avail else f"engine 'tcp' unavailable: {avail.reason}"
+        return f"engine {name!r} cannot be loaded: {type(exc).__name__}: {exc}"
+    return None if avail else f"engine {name!r} unavailable: {avail.reason}"
+
+
+def tcp_status() -> str | None:
+    """None when a TCP engine exists to benchmark, else the reason it is skipped."""
+    return _engine_status("tcp")
 
 
 def mte_status() -> str | None:
     """None when the MTE engine can run (through the SHMEM emulator), else why it is skipped."""
     if not os.environ.get("MEMSEM_SHMEM_LIB"):
         return "MEMSEM_SHMEM_LIB is not set (build the SHMEM emulator and point it there)"
-    if importlib.util.find_spec("memsem.engines.mte") is None:
-        return "memsem.engines.mte does not exist in this install"
-    try:
-        from memsem.engines import engine_class
-
-        avail = engine_class("mte").probe()
-    except Exception as exc:
-        return f"engine 'mte' cannot be loaded: {type(exc).__name__}: {exc}"
-    return None if avail else f"engine 'mte' unavailable: {avail.reason}"
+    return _engine_status("mte")
 
 
 def _engine_producer(conn: Any, engine: str, sizes: list[int], uid: Any) -> None:
