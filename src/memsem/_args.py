@@ -1,0 +1,110 @@
+"""One door for the numeric arguments of every public API: timeouts, ttls, sizes, counts, indices.
+
+Every memsem call that takes a number of seconds, bytes, elements, tiles or rows passes it through
+one of these functions, so one rule holds everywhere:
+
+* ``bool`` is never a number (``True`` is not 1 second or 1 byte): TypeError.
+* numbers are ``int``/``float`` or numpy scalars; anything else is a TypeError naming the argument.
+* timeouts are finite seconds in ``[0, MAX_WAIT_S]`` (0 means "do not block"; NaN, infinities and
+  negative values are ValueError: every wait in memsem is bounded). ``positive=True`` also refuses 0.
+* ttls are ``None`` (held until released) or finite seconds in ``(0, MAX_TTL_S]``.
+* counts/sizes are integers (an integral float is not accepted either) within the stated bounds.
+
+The errors name the argument and repeat the value, e.g.
+``ValueError: timeout must be a finite number of seconds in [0, 2592000], got nan``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+#: the longest wait memsem accepts (seconds): 30 days. Larger values are refused rather than
+#: silently treated as "forever" (every wait is bounded) or overflowing a C timespec.
+MAX_WAIT_S = 30 * 86400.0
+#: the longest finite lease ttl (seconds): expiries are 64-bit nanosecond clock values.
+MAX_TTL_S = 1e9
+
+__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "timeout", "timeout_or", "ttl", "count", "index"]
+
+
+def _real(value: Any, name: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def timeout(value: Any, name: str = "timeout", *, positive: bool = False) -> float:
+    """A bounded wait in seconds.
+
+    Args:
+        value: the caller's argument.
+        name: the argument's name, for the error message.
+        positive: refuse 0 as well (for defaults that must allow some waiting).
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        TypeError: not a real number (``bool`` included).
+        ValueError: NaN, infinite, negative, larger than ``MAX_WAIT_S``, or 0 when ``positive``.
+    """
+    v = _real(value, name, "a number of seconds")
+    lo = "(0" if positive else "[0"
+    if not (math.isfinite(v) and 0.0 <= v <= MAX_WAIT_S) or (positive and v == 0.0):
+        raise ValueError(f"{name} must be a finite number of seconds in {lo}, {MAX_WAIT_S:g}], "
+                         f"got {value!r}")
+    return v
+
+
+def timeout_or(value: Any, default: float, name: str = "timeout") -> float:
+    """``timeout(value)``, or ``default`` when ``value`` is None (the runtime's own bound)."""
+    return float(default) if value is None else timeout(value, name)
+
+
+def ttl(value: Any, name: str = "ttl") -> float | None:
+    """A lease lifetime: None (until released; reaped if the holder dies) or seconds in
+    ``(0, MAX_TTL_S]``.
+
+    Raises:
+        TypeError: not None and not a real number. ValueError: NaN, infinite, <= 0 or too large.
+    """
+    if value is None:
+        return None
+    v = _real(value, name, "a number of seconds or None (held until released)")
+    if not (math.isfinite(v) and 0.0 < v <= MAX_TTL_S):
+        raise ValueError(f"{name} must be a finite number of seconds in (0, {MAX_TTL_S:g}], or None "
+                         f"(held until released), got {value!r}")
+    return v
+
+
+def count(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None,
+          unit: str = "") -> int:
+    """An integer size or count (bytes, elements, tiles, rows, slots, workers).
+
+    Args:
+        value: the caller's argument (``int`` or a numpy integer; not ``bool``, not a float).
+        name: the argument's name. minimum / maximum: inclusive bounds. unit: "bytes", "rows"...
+            for the message.
+
+    Raises:
+        TypeError: not an integer. ValueError: outside the bounds.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int{' (' + unit + ')' if unit else ''}, got {value!r} "
+                        f"({type(value).__name__})")
+    v = int(value)
+    if v < minimum or (maximum is not None and v > maximum):
+        rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {rng}{' ' + unit if unit else ''}, got {value!r}")
+    return v
+
+
+def index(value: Any, name: str, n: int, *, of: str = "") -> int:
+    """An index in ``[0, n)``. ``of`` names what is indexed, for the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int in [0, {n}){' for ' + of if of else ''}, got {value!r}")
+    v = int(value)
+    if not 0 <= v < n:
+        raise ValueError(f"{name} must be an int in [0, {n}){' for ' + of if of else ''}, got {value!r}")
+    return v
