@@ -18,8 +18,10 @@ def _cdef_from_header(text: str) -> str:
     for line in text.splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            if re.match(r"#define\s+MEMSEM_[A-Z_]+\s+-?\d+\s*$", stripped):
-                keep.append(stripped)
+            # integer constants (a trailing one-line comment is dropped); other lines are not C
+            m = re.match(r"(#define\s+MEMSEM_[A-Z0-9_]+\s+-?\d+)\s*(/\*.*\*/)?\s*$", stripped)
+            if m:
+                keep.append(m.group(1))
             continue
         keep.append(line)
     return "\n".join(keep)

@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <linux/futex.h>
 #include <string.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -83,38 +85,216 @@ void memsem_memcpy(void *dst, const void *src, uint64_t nbytes) {
     memcpy(dst, src, (size_t)nbytes);
 }
 
-int memsem_guarded_copy(uint64_t guard_addr, uint64_t expected, uint64_t inflight_addr,
-                        int method, int pid, uint64_t dst, uint64_t src, uint64_t nbytes) {
-    const uint64_t *guard = (const uint64_t *)(uintptr_t)guard_addr;
-    uint64_t *inflight = (uint64_t *)(uintptr_t)inflight_addr;
-    int rc = 0;
+/* ---- use words -------------------------------------------------------------------------- */
+#define USE_CLOSED (1ull << MEMSEM_USE_CLOSED_BIT)
+#define USE_COUNT (USE_CLOSED - 1)
+
+static inline uint32_t *low32(uint64_t *w) { return (uint32_t *)w; } /* little endian */
+
+int memsem_use_enter(uint64_t *word) {
+    /* CAS, never a transient increment of a closed word: a closed word's count only falls, so
+     * exactly one caller sees it reach zero. */
+    uint64_t v = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+    for (;;) {
+        if (v & USE_CLOSED) return 1;
+        if (__atomic_compare_exchange_n(word, &v, v + 1, 1, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return 0;
+    }
+}
+
+int memsem_use_leave(uint64_t *word) {
+    uint64_t v = __atomic_fetch_sub(word, 1, __ATOMIC_SEQ_CST);
+    if (v == (USE_CLOSED | 1)) {
+        syscall(SYS_futex, low32(word), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+        return 1;
+    }
+    return 0;
+}
+
+int memsem_use_close(uint64_t *word) {
+    uint64_t v = __atomic_fetch_or(word, USE_CLOSED, __ATOMIC_SEQ_CST);
+    if (v & USE_CLOSED) return 2;
+    return (v & USE_COUNT) == 0 ? 1 : 0;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int memsem_use_wait_idle(uint64_t *word, double timeout_s) {
+    double deadline = now_s() + timeout_s;
+    for (;;) {
+        uint64_t v = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        if ((v & USE_COUNT) == 0) return 0;
+        double left = deadline - now_s();
+        if (left <= 0) return -ETIMEDOUT;
+        struct timespec ts;
+        ts.tv_sec = (time_t)left;
+        ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
+        syscall(SYS_futex, low32(word), FUTEX_WAIT_PRIVATE, (uint32_t)v, &ts, NULL, 0);
+    }
+}
+
+/* ---- the hot path -------------------------------------------------------------------------- */
+static inline uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int memsem_lat_bucket(uint64_t ns) {
+    if (ns < 4) return (int)ns;
+    int lg = 63 - __builtin_clzll(ns);              /* floor(log2 ns) >= 2 */
+    int b = 4 * (lg - 1) + (int)((ns >> (lg - 2)) & 3);
+    return b < MEMSEM_LAT_BUCKETS ? b : MEMSEM_LAT_BUCKETS - 1;
+}
+
+uint64_t memsem_lat_bucket_floor(int bucket) {
+    if (bucket < 4) return bucket < 0 ? 0 : (uint64_t)bucket;
+    int lg = bucket / 4 + 1;
+    uint64_t sub = (uint64_t)(bucket % 4);
+    return (1ull << lg) | (sub << (lg - 2));
+}
+
+static inline int lease_ok(uint64_t slot, uint64_t id, uint64_t now) {
+    const uint64_t *w = (const uint64_t *)(uintptr_t)slot;
+    uint64_t exp = __atomic_load_n(&w[2], __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&w[3], __ATOMIC_ACQUIRE) == id && exp > now;
+}
+
+static inline uint64_t finish(memsem_plan *p, uint64_t status) {
+    if (memsem_use_leave(&p->use)) status |= MEMSEM_RC_LAST_OUT;
+    return status;
+}
+
+/* The seqlock bracket, the one implementation every route uses: open (checks, counted in the
+ * participant's in-flight word), the copy (native here, or an engine's between the calls), close
+ * (re-checks, telemetry). On failure open undoes what it did and returns the status. */
+static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t nbytes,
+                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
+                            uint64_t *st) {
+    if (memsem_use_enter(&p->use)) return MEMSEM_RC_CLOSED;
+    uint64_t t0 = mono_ns();
+    if (offset > p->nbytes || nbytes > p->nbytes - offset) return finish(p, MEMSEM_RC_RANGE);
+    if (put && (!(p->flags & MEMSEM_PLAN_WRITABLE) || (p->flags & MEMSEM_PLAN_NO_PUT)))
+        return finish(p, MEMSEM_RC_READONLY);
+    if (lease_slot && !lease_ok(lease_slot, lease_id, t0)) return finish(p, MEMSEM_RC_LEASE_BEFORE);
+    uint64_t *inflight = (uint64_t *)(uintptr_t)p->inflight_addr;
+    const uint64_t *gen = (const uint64_t *)(uintptr_t)p->gen_addr;
+    const uint64_t *seqs = (const uint64_t *)(uintptr_t)p->seq_addr;
+    uint64_t status;
+    /* Dekker with the owner's retire: count ourselves in, then read the generation (both
+     * sequentially consistent); the owner bumps the generation, then reads the counters. */
     if (inflight) __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(guard, __ATOMIC_SEQ_CST) != expected) {
-        rc = MEMSEM_GUARD_BEFORE;
-        goto out;
+    uint64_t g = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
+    if (g != p->generation) {
+        status = MEMSEM_RC_GEN_BEFORE | (g << MEMSEM_RC_VERSION_SHIFT);
+        goto fail;
     }
-    switch (method) {
+    uint64_t version, slot = 0;
+    if (want_version) version = want_version;
+    else if (p->nslots > 1)
+        version = __atomic_load_n((const uint64_t *)(uintptr_t)p->latest_addr, __ATOMIC_ACQUIRE);
+    else version = __atomic_load_n(&seqs[0], __ATOMIC_ACQUIRE) >> 1;
+    if (p->nslots > 1) slot = version % p->nslots;
+    uint64_t seq = __atomic_load_n(&seqs[slot], __ATOMIC_ACQUIRE);
+    if (seq != (version << 1)) {
+        /* The slot holds a newer version (or one is being written into it): the version asked
+         * for is gone; else that version is being written or not committed yet. A read of the
+         * latest version just retries. */
+        status = ((seq >> 1) > version && want_version) ? MEMSEM_RC_VERSION_GONE : MEMSEM_RC_BUSY;
+        status |= ((seq >> 1) << MEMSEM_RC_VERSION_SHIFT);
+        goto fail;
+    }
+    st[0] = version;
+    st[1] = seq;
+    st[2] = slot;
+    st[3] = t0;
+    st[4] = p->base + slot * p->slot_stride + offset;
+    return MEMSEM_OK;
+fail:
+    if (inflight) __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
+    return finish(p, status);
+}
+
+static uint64_t bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t lease_slot,
+                             uint64_t lease_id, const uint64_t *st, uint64_t status) {
+    uint64_t *inflight = (uint64_t *)(uintptr_t)p->inflight_addr;
+    const uint64_t *seqs = (const uint64_t *)(uintptr_t)p->seq_addr;
+    /* seqlock: nothing of the copy may be ordered after these checks. Also after a failed
+     * copy: a moved generation explains most failures (the memory went away). */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t g = __atomic_load_n((const uint64_t *)(uintptr_t)p->gen_addr, __ATOMIC_ACQUIRE);
+    if (g != p->generation)
+        status = MEMSEM_RC_GEN_AFTER | (g << MEMSEM_RC_VERSION_SHIFT);
+    else if (status == MEMSEM_OK && __atomic_load_n(&seqs[st[2]], __ATOMIC_ACQUIRE) != st[1])
+        status = MEMSEM_RC_TORN;
+    if (inflight) __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
+    if (status != MEMSEM_OK) return finish(p, status);
+    uint64_t t1 = mono_ns();
+    if (lease_slot && !lease_ok(lease_slot, lease_id, t1)) return finish(p, MEMSEM_RC_LEASE_DURING);
+    int k = put ? 1 : 0;
+    __atomic_fetch_add(&p->ops[k], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&p->bytes[k], nbytes, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&p->lat[k][memsem_lat_bucket(t1 - st[3])], 1, __ATOMIC_RELAXED);
+    status = st[0] << MEMSEM_RC_VERSION_SHIFT;
+    if ((p->check_every_ns && t1 - p->checked_ns >= p->check_every_ns) ||
+        (p->check_bytes && nbytes >= p->check_bytes))
+        status |= MEMSEM_RC_CHECK_PEER;
+    return finish(p, status);
+}
+
+uint64_t memsem_plan_copy(memsem_plan *p, int put, uint64_t offset, uint64_t local,
+                         uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
+                         uint64_t lease_id) {
+    uint64_t st[5];
+    uint64_t rc = bracket_open(p, put, offset, nbytes, want_version, lease_slot, lease_id, st);
+    if (rc != MEMSEM_OK) return rc;
+    uint64_t status = MEMSEM_OK;
+    switch (p->method) {
     case MEMSEM_COPY_MEMCPY:
-        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes);
+        if (put) memcpy((void *)(uintptr_t)st[4], (const void *)(uintptr_t)local, (size_t)nbytes);
+        else memcpy((void *)(uintptr_t)local, (const void *)(uintptr_t)st[4], (size_t)nbytes);
         break;
-    case MEMSEM_COPY_VM_READ: {
-        int64_t n = vm_transfer(pid, (void *)(uintptr_t)dst, src, nbytes, 0);
-        if (n < 0) { rc = (int)n; goto out; }
-        break;
-    }
-    case MEMSEM_COPY_VM_WRITE: {
-        int64_t n = vm_transfer(pid, (void *)(uintptr_t)src, dst, nbytes, 1);
-        if (n < 0) { rc = (int)n; goto out; }
+    case MEMSEM_COPY_VM: {
+        int64_t n = vm_transfer(p->pid, (void *)(uintptr_t)local, st[4], nbytes, put);
+        if (n < 0) status = MEMSEM_RC_ERRNO | ((uint64_t)(-n) << MEMSEM_RC_VERSION_SHIFT);
         break;
     }
     default:
-        rc = -EINVAL;
-        goto out;
+        status = MEMSEM_RC_ERRNO | ((uint64_t)EINVAL << MEMSEM_RC_VERSION_SHIFT);
     }
-    if (__atomic_load_n(guard, __ATOMIC_ACQUIRE) != expected) rc = MEMSEM_GUARD_AFTER;
-out:
-    if (inflight) __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
-    return rc;
+    return bracket_close(p, put, nbytes, lease_slot, lease_id, st, status);
+}
+
+uint64_t memsem_bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t nbytes,
+                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
+                            uint64_t *state) {
+    return bracket_open(p, put, offset, nbytes, want_version, lease_slot, lease_id, state);
+}
+
+uint64_t memsem_bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t lease_slot,
+                             uint64_t lease_id, const uint64_t *state, int failed) {
+    return bracket_close(p, put, nbytes, lease_slot, lease_id, state,
+                         failed ? MEMSEM_RC_ERRNO | ((uint64_t)EIO << MEMSEM_RC_VERSION_SHIFT) : MEMSEM_OK);
+}
+
+/* ---- mappings --------------------------------------------------------------------------- */
+int64_t memsem_map(int fd, uint64_t nbytes, int writable) {
+    void *a = mmap(NULL, (size_t)nbytes, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    if (a == MAP_FAILED) return -errno;
+    return (int64_t)(uintptr_t)a;
+}
+
+int memsem_unmap(uint64_t addr, uint64_t nbytes) {
+    return munmap((void *)(uintptr_t)addr, (size_t)nbytes) == 0 ? 0 : -errno;
+}
+
+int memsem_protect(uint64_t addr, uint64_t nbytes, int writable) {
+    return mprotect((void *)(uintptr_t)addr, (size_t)nbytes,
+                    PROT_READ | (writable ? PROT_WRITE : 0)) == 0 ? 0 : -errno;
 }
 
 uint64_t memsem_monotonic_ns(void) {

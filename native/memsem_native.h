@@ -36,20 +36,115 @@ int64_t memsem_vm_write(int pid, const void *local, uint64_t remote, uint64_t nb
 /* Plain copy that releases the GIL (cffi drops it around every call). */
 void memsem_memcpy(void *dst, const void *src, uint64_t nbytes);
 
-/* Guarded copy, one call for the hot path: checks that the 64-bit word at guard_addr equals
- * expected, counts itself in the word at inflight_addr (0: none), copies nbytes (method 0:
- * memcpy from src to dst, both mapped here; method 1: process_vm_readv from src in pid into dst;
- * method 2: process_vm_writev from src into dst in pid), drops the in-flight count and checks
- * the guard again. Addresses are passed as integers so the Python side needs no casts.
- * Returns 0 on success, MEMSEM_GUARD_BEFORE when the guard differed before any byte moved,
- * MEMSEM_GUARD_AFTER when it changed during the copy (the bytes are not valid), or -errno. */
-#define MEMSEM_GUARD_BEFORE 1
-#define MEMSEM_GUARD_AFTER 2
+/* ---- use words: the lifetime of a mapping or of a plan, counted by its holders ------------
+ * A use word is a 64-bit counter of holders with a CLOSED bit. Whoever makes the word
+ * "closed and no holder left" (exactly one caller) releases the resource behind it: the closer
+ * when no holder remained, else the last holder to leave. So a mapping is never unmapped under a
+ * copy, a view or a lease that still uses it, and nothing is released on a timer. */
+#define MEMSEM_USE_CLOSED_BIT 63
+/* 0: entered (counted); 1: the word is closed, nothing counted. */
+int memsem_use_enter(uint64_t *word);
+/* 0; or 1 when this was the last holder of a closed word (the caller releases the resource). */
+int memsem_use_leave(uint64_t *word);
+/* 1 when no holder remained (the caller releases now); 0 when holders remain (the last of them
+ * gets 1 from leave); 2 when the word was already closed. */
+int memsem_use_close(uint64_t *word);
+/* Block until a closed word has no holder, at most timeout_s: 0 idle, -ETIMEDOUT. */
+int memsem_use_wait_idle(uint64_t *word, double timeout_s);
+
+/* ---- the hot path: one call checks and copies ----------------------------------------------
+ * A plan is what a resolution of a window precomputes (runtime/_resolve.py fills it in); the
+ * Python side only picks the plan and calls memsem_plan_copy. All addresses are integers. */
+#define MEMSEM_LAT_BUCKETS 128
+typedef struct memsem_plan {
+    uint64_t use;            /* use word: copies running through this plan (+ CLOSED bit) */
+    uint64_t generation;     /* the generation the plan was resolved for */
+    uint64_t gen_addr;       /* address of the window's generation word (control block) */
+    uint64_t seq_addr;       /* address of the window's slot sequence words (nslots, consecutive) */
+    uint64_t latest_addr;    /* address of the window's latest-version word */
+    uint64_t inflight_addr;  /* address of this participant's in-flight counter (control block) */
+    uint64_t base;           /* address of window byte 0: here (memcpy) or in pid (vm) */
+    uint64_t nbytes;         /* bytes of one data slot of the window */
+    uint64_t slot_stride;    /* bytes from one data slot to the next (0 with one slot) */
+    uint32_t nslots;         /* data slots: 1, or 2 (double-buffered versions) */
+    int32_t pid;             /* owner pid for MEMSEM_COPY_VM */
+    int32_t method;          /* MEMSEM_COPY_MEMCPY or MEMSEM_COPY_VM */
+    uint32_t flags;          /* MEMSEM_PLAN_* */
+    uint64_t checked_ns;     /* CLOCK_MONOTONIC ns of the last liveness check of the owner */
+    uint64_t check_every_ns; /* ask for a liveness re-check when the last is older (0: never) */
+    uint64_t check_bytes;    /* ... or after a copy of at least this many bytes (0: never) */
+    uint64_t ops[2];         /* telemetry, [0] get [1] put: operations that returned OK */
+    uint64_t bytes[2];       /* bytes they moved */
+    uint64_t lat[2][128];    /* latency histograms, MEMSEM_LAT_BUCKETS each (memsem_lat_bucket) */
+    uint64_t local_gen;      /* stand-ins for routes without a control block here: gen_addr and */
+    uint64_t local_seq;      /* seq_addr point at these (the engine or the owner enforces) */
+} memsem_plan;
+
+#define MEMSEM_PLAN_WRITABLE 1   /* the window was published access="rw" */
+#define MEMSEM_PLAN_NO_PUT 2     /* puts refused (double-buffered versions: the owner writes) */
 #define MEMSEM_COPY_MEMCPY 0
-#define MEMSEM_COPY_VM_READ 1
-#define MEMSEM_COPY_VM_WRITE 2
-int memsem_guarded_copy(uint64_t guard_addr, uint64_t expected, uint64_t inflight_addr,
-                        int method, int pid, uint64_t dst, uint64_t src, uint64_t nbytes);
+#define MEMSEM_COPY_VM 1
+
+/* Status in the low 8 bits of memsem_plan_copy's result (>= 0). */
+#define MEMSEM_OK 0
+#define MEMSEM_RC_CLOSED 1        /* the plan was closed: resolve again (nothing moved) */
+#define MEMSEM_RC_GEN_BEFORE 2    /* generation moved before the copy (nothing moved) */
+#define MEMSEM_RC_GEN_AFTER 3     /* generation moved during the copy (bytes not valid) */
+/* MEMSEM_RC_BUSY: a write section is open on the slot, or the version asked for is not
+ * committed yet (nothing moved). */
+#define MEMSEM_RC_BUSY 4
+#define MEMSEM_RC_TORN 5          /* the slot's sequence moved during the copy (bytes not valid) */
+#define MEMSEM_RC_VERSION_GONE 6  /* the version asked for was overwritten (nothing valid) */
+#define MEMSEM_RC_LEASE_BEFORE 7  /* the lease was not held / expired before the copy */
+#define MEMSEM_RC_LEASE_DURING 8  /* the lease expired during the copy (bytes not valid) */
+#define MEMSEM_RC_RANGE 9         /* [offset, offset + nbytes) outside the window */
+#define MEMSEM_RC_READONLY 10     /* put to a read-only window (or one whose owner writes) */
+#define MEMSEM_RC_ERRNO 11        /* the copy failed natively: errno in bits 16.. */
+/* Flags in bits 8-15. */
+#define MEMSEM_RC_LAST_OUT 256    /* this call left a closed plan last: the caller releases it */
+#define MEMSEM_RC_CHECK_PEER 512  /* the owner's liveness is due for a re-check */
+#define MEMSEM_RC_STATUS_MASK 255
+#define MEMSEM_RC_ATTENTION 1023  /* any status or flag: the slow path */
+#define MEMSEM_RC_VERSION_SHIFT 16
+
+/* A lease slot of a control block (gva/_control.py) is read here as: word 2 = expiry
+ * (CLOCK_MONOTONIC ns), word 3 = lease id. */
+/* Copy nbytes between local (an address here) and the window at offset (bytes from window byte
+ * 0, within one slot); put=0 reads the window, put=1 writes it. want_version: 0 reads the latest
+ * committed version, else exactly that version. lease_slot/lease_id: a lease slot of the window's
+ * control block that must hold lease_id, unexpired, before and after the copy (0: no lease).
+ * Checks, in order: plan open, range, permission, lease, then (counted in the participant's
+ * in-flight word) generation and slot sequence before, the copy, generation, sequence and lease
+ * after. Returns status | flags | value << 16 (unsigned: the value has up to 48 bits). The value is: for MEMSEM_OK the
+ * version whose bytes were read or overwritten; MEMSEM_RC_GEN_* the generation found;
+ * MEMSEM_RC_BUSY / MEMSEM_RC_VERSION_GONE the version the slot holds; MEMSEM_RC_ERRNO the errno.
+ * (The caller need not touch the control block afterwards: it may be released by then.) */
+uint64_t memsem_plan_copy(memsem_plan *plan, int put, uint64_t offset, uint64_t local,
+                         uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
+                         uint64_t lease_id);
+/* The same checks around a copy made elsewhere (an engine's get/put, a serving thread's socket
+ * transfer): open does everything memsem_plan_copy does before the copy and fills state[5]
+ * (version, sequence, slot, start ns, address of the range in the window's current slot);
+ * close does everything after (failed != 0: the copy itself failed, the bracket is just undone).
+ * Both return what memsem_plan_copy would; after a non-OK open, do not call close. */
+uint64_t memsem_bracket_open(memsem_plan *plan, int put, uint64_t offset, uint64_t nbytes,
+                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
+                            uint64_t *state);
+uint64_t memsem_bracket_close(memsem_plan *plan, int put, uint64_t nbytes, uint64_t lease_slot,
+                             uint64_t lease_id, const uint64_t *state, int failed);
+/* Index of the latency histogram bucket of a duration in ns (4 buckets per power of two). */
+int memsem_lat_bucket(uint64_t ns);
+/* Lower bound in ns of a bucket (inverse of memsem_lat_bucket). */
+uint64_t memsem_lat_bucket_floor(int bucket);
+
+/* ---- mappings without file descriptors ------------------------------------------------------
+ * mmap(MAP_SHARED) of fd's first nbytes; the caller closes fd right after: a mapping holds no
+ * descriptor, so thousands of windows never approach RLIMIT_NOFILE. Returns the address or
+ * -errno. */
+int64_t memsem_map(int fd, uint64_t nbytes, int writable);
+int memsem_unmap(uint64_t addr, uint64_t nbytes);
+/* mprotect a page-aligned range: 1 read-write, 0 read-only (debug mode of write sections). */
+int memsem_protect(uint64_t addr, uint64_t nbytes, int writable);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);

@@ -179,7 +179,7 @@ def _op_loop_get(st: _State, refbytes: bytes, seconds: float) -> list[str]:
     ref = _ref(st, refbytes)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        st.rt._drop_resolved(ref.spec.gva)
+        st.rt.core.resolver.drop(ref.spec.gva)
         try:
             a = ref.get()
             out.append("ok" if a.size == ref.nbytes else "short")

@@ -315,11 +315,11 @@ def test_write_needs_rw(rt):
 
 def test_segments_0600_directory_0700(rt):
     ref = rt.publish(rt.alloc(4096, np.uint8))
-    res = rt._resolve(ref.spec)
+    res = rt.core.resolve(ref.spec)
     for name in (res.info.control, res.info.descriptors["host"].fields["segment"]):
         mode = stat.S_IMODE(os.stat(os.path.join(segment_dir(), name)).st_mode)
         assert mode == 0o600, (name, oct(mode))
-    mode = stat.S_IMODE(os.stat(rt.directory.path).st_mode)
+    mode = stat.S_IMODE(os.stat(rt.core.directory.path).st_mode)
     assert mode == 0o700, oct(mode)
 
 
@@ -328,7 +328,7 @@ def test_blocking_calls_take_a_timeout():
     from memsem.pipeline import Pipeline
 
     for fn in (memsem.Completion.wait, memsem.Batch.wait, memsem.Batch.close, memsem.Runtime.unpublish,
-               memsem.Runtime.wait_tile, memsem.Runtime.close, memsem.TensorRef.wait_tile, Pipeline.__init__):
+               memsem.runtime.RuntimeCore.wait_tile, memsem.Runtime.close, memsem.TensorRef.wait_tile, Pipeline.__init__):
         assert "timeout" in inspect.signature(fn).parameters, fn.__qualname__
     assert issubclass(memsem.MemsemTimeoutError, TimeoutError)
 

@@ -45,7 +45,7 @@ def test_publish_schema_and_mapping():
         assert isinstance(r, FieldRef) and isinstance(r, TensorRef)
         assert r.name == "logprobs" and r.window_name == "batch/logprobs"
         assert r.dtype == np.float32 and r.shape == (20, 5) and r.tile_bytes == 8 * 20
-        assert r.runtime.route_of(r.spec).zero_copy  # allocated in a shared segment
+        assert r.route().zero_copy  # allocated in a shared segment
         with pytest.raises(KeyError, match="nope"):
             fs["nope"]
 

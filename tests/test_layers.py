@@ -47,3 +47,54 @@ def test_engines_know_nothing_of_generations_or_leases():
             if mod.startswith(("memsem.gva", "memsem.runtime")):
                 bad.append(f"{path.name} imports {mod}")
     assert not bad, bad
+
+
+#: modules of the runtime layer, each importing only the ones before it (docs/architecture.md)
+RUNTIME_ORDER = ["_telemetry", "_completion", "_staging", "_gc", "_liveness", "_translate", "_resolve",
+                 "_lease", "_transfer", "_view", "_readiness", "_publish", "_serve", "_core"]
+
+
+def _runtime_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` of every import, skipping ``if TYPE_CHECKING:`` blocks (types only)."""
+    out = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def test_runtime_modules_import_in_order():
+    bad = []
+    files = {p.stem: p for p in (SRC / "runtime").glob("_*.py") if p.stem != "__init__"}
+    assert set(files) == set(RUNTIME_ORDER), f"runtime modules changed: {sorted(files)}; update RUNTIME_ORDER"
+    for name in RUNTIME_ORDER:
+        for mod, names in _runtime_imports(files[name]):
+            parts = mod.split(".")
+            if parts[:2] != ["memsem", "runtime"]:
+                continue
+            # ``from memsem.runtime import _translate as tr`` names the module among the names
+            deps = [parts[2]] if len(parts) >= 3 else [n for n in names if n.startswith("_")]
+            for dep in deps:
+                if dep not in RUNTIME_ORDER or RUNTIME_ORDER.index(dep) >= RUNTIME_ORDER.index(name):
+                    bad.append(f"runtime/{name}.py imports memsem.runtime.{dep}")
+    assert not bad, "out-of-order imports inside runtime/:\n" + "\n".join(bad)
+
+
+def test_public_runtime_shows_no_internal_names():
+    import memsem
+
+    internal = {"publish_spec", "xcopy_specs", "serve_check", "peer_alive", "get_spec", "put_spec",
+                "view_spec", "transfer", "submit", "resolve", "route_of", "alloc_array", "unpublish_spec",
+                "lookup_spec", "directory", "telemetry", "staging", "identity"}
+    shown = {n for n in dir(memsem.Runtime) if not n.startswith("_")}
+    assert not shown & internal, sorted(shown & internal)
+    assert issubclass(memsem.Runtime, object) and not issubclass(memsem.Runtime, memsem.runtime.RuntimeCore)

@@ -167,7 +167,7 @@ def test_dead_consumer_leases_reaped(rt):
 
 def test_lease_slot_reclaimed_after_expiry(rt):
     ref = rt.publish(np.zeros(16, np.uint8))
-    res = rt._resolve(ref.spec)
+    res = rt.core.resolve(ref.spec)
     leases = [ref.lease(ttl=1.0).acquire() for _ in range(res.cb.n_lease)]
     with pytest.raises(memsem.MemsemError, match="lease slots are held"):
         ref.lease(ttl=1.0).acquire()
@@ -289,7 +289,7 @@ def test_case2_lease_expires_during_slow_get(rt, reclaim):
         cref = cons.ref(ref.to_bytes())
         lease = cref.lease(ttl=0.1).acquire()
         out = np.zeros(4 * MiB, np.uint8)
-        c = cons.submit("slow get", lambda: cref.get(out, lease=lease))
+        c = cons.core.submit("slow get", lambda: cref.get(out, lease=lease))
         t0 = time.monotonic()
         if reclaim == "unpublish":
             rt.unpublish("w", timeout=5.0)  # waits out the lease (0.1 s), then the copy

@@ -127,7 +127,7 @@ def _c_xcopy(rt, st, data, ranges, seed):
 def _c_submit(rt, st, data, ranges):
     """Engine-level batch: ``ranges`` READ work requests posted as one list."""
     ref = rt.ref(data)
-    res = rt._resolve(ref.spec)
+    res = rt.core.resolve(ref.spec)
     eng = rt.engine("rdma")
     chunk = ref.nbytes // ranges
     out = np.zeros(ref.nbytes, np.uint8)

@@ -109,3 +109,11 @@ class MemsemTimeoutError(MemsemError, TimeoutError):
         super().__init__(message)
         self.what = what
         self.timeout = timeout
+
+
+class RuntimeClosedError(MemsemError):
+    """The runtime this call (or the ref it was made through) is bound to was closed, or belongs
+    to the parent of this forked process."""
+
+
+__all__ += ["RuntimeClosedError"]

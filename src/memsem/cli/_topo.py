@@ -45,9 +45,9 @@ def run_topo(args) -> int:
 
         other = Location(native.node_id(), -1, {})
         for label, ref in (("same node, private memory", priv), ("same node, shared segment", shared)):
-            res = rt._resolve(ref.spec)
+            res = rt.core.resolve(ref.spec)
             routes[label] = choose_route(other, Location(res.info.node, res.info.owner_pid),
-                                         res.info.descriptors, rt._available, nbytes=ref.nbytes)
+                                         res.info.descriptors, rt.core.available, nbytes=ref.nbytes)
         for label, r in routes.items():
             info["routes"][label] = {"engine": r.engine, "kind": r.kind, "reason": r.reason,
                                      "alpha_us": r.alpha * 1e6, "beta_GBps": r.beta / 1e9,

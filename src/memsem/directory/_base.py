@@ -39,8 +39,9 @@ class Directory(abc.ABC):
         """The record of a rank, or None when no runtime holds it."""
 
     @abc.abstractmethod
-    def put_window(self, gva: int, name: str, record: dict[str, Any]) -> None:
-        """Publish (or replace) the record of window ``gva``; ``name`` ("" for none) aliases it."""
+    def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
+        """Publish (or replace) the record of window ``gva``; ``name`` ("" for none) aliases it.
+        ``key`` (where ``seals_keys``): the access key, stored sealed for the job's members."""
 
     @abc.abstractmethod
     def remove_window(self, gva: int, name: str) -> None:
@@ -84,6 +85,41 @@ class Directory(abc.ABC):
 
     def heartbeat(self, rank: int) -> None:
         """Refresh this rank's liveness (no-op where pid liveness is enough)."""
+
+    # -- capabilities of directories that span nodes (defaults: one node, none of them) ----------
+    #: True when window records carry the access key sealed for the job's secret, so a process
+    #: of the job can look a window up by name on another node (redis with a job secret)
+    seals_keys: bool = False
+    #: True when this directory holds leases of consumers on other nodes (redis)
+    holds_leases: bool = False
+
+    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
+        """``(record, access key)`` of window ``gva``; the key is None where it is not sealed in."""
+        return self.get_window(gva), None
+
+    def owner_alive(self, rank: int, pid: int, start: int, node: str) -> bool | None:
+        """Whether the owner of ``rank`` on another node is alive by this directory's liveness
+        (heartbeats): True/False, or None when this directory cannot tell."""
+        return None
+
+    def acquire_lease(self, gva: int, generation: int, holder: dict[str, Any], ttl: float | None) -> str:
+        """A lease on a window of another node, held here; returns its member id."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} holds no leases across "
+                                "nodes (use redis://)")
+
+    def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} holds no leases")
+
+    def release_lease(self, gva: int, member: str) -> None:
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} holds no leases")
+
+    def lease_holders(self, gva: int, *, closing: bool = False) -> list[tuple[int, float]]:
+        """``(pid, seconds left)`` of leases held here on window ``gva`` (``closing``: mark the
+        window closing atomically, so no new lease is granted). Default: none."""
+        return []
+
+    def reopen_window(self, gva: int) -> None:
+        """Undo ``lease_holders(closing=True)`` when the owner gave up unpublishing."""
 
     def close(self) -> None:
         """Release connections; safe twice."""

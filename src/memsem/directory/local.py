@@ -123,7 +123,7 @@ class LocalDirectory(Directory):
         return out
 
     # -- windows --------------------------------------------------------------------------------
-    def put_window(self, gva: int, name: str, record: dict[str, Any]) -> None:
+    def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
         self._write(f"w.{gva:016x}", record)
         if name:
             self._write(f"n.{name.encode().hex()}", f"{gva:016x}")

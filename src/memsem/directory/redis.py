@@ -340,6 +340,8 @@ class RedisDirectory(Directory):
         val = self._get(self._k("w", f"{gva:016x}"))
         return None if val is None else val["v"]
 
+    holds_leases = True
+
     @property
     def seals_keys(self) -> bool:
         """True with a job secret: ``put_window(..., key=)`` stores the access key sealed."""

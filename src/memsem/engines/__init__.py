@@ -13,6 +13,7 @@ from memsem.engines._base import (
     Descriptor,
     DirectAccess,
     Engine,
+    EngineContext,
     LocalRegion,
     Op,
     OpKind,
@@ -68,7 +69,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 __all__ = [
-    "Availability", "Descriptor", "DirectAccess", "Engine", "HostEngine", "LocalRegion",
+    "Availability", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
     "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

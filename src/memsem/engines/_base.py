@@ -8,10 +8,19 @@ or :class:`memsem.NotSupportedError`; the runtime translates them at one boundar
 Life cycle (pyverbs-style ownership: the runtime owns engines, engines own registrations and
 attachments, ``close()`` releases children first):
 
-owner side:     ``register(region) -> Descriptor`` ... ``deregister(descriptor)``
+wiring:         ``bind(context)``: the runtime hands over what an engine may ask of it
+                (:class:`EngineContext`: directory, timeout, identity, owner-side checks)
+owner side:     ``register(region) -> Descriptor`` ... ``deregister(descriptor)``;
+                ``on_publish(descriptor, n_tiles)`` once the window's tiling is known
 consumer side:  ``attach(descriptor) -> RemoteRegion`` ... ``detach(remote)``
 data:           ``get(remote, offset, dst)`` / ``put(remote, offset, src)`` (blocking, remote
-                completion) and ``submit(ops) -> Request`` (non-blocking batch).
+                completion) and ``submit(ops) -> Request`` (a batch; engines with real
+                asynchronous hardware set ``batches = True`` and the runtime's xcopy hands them
+                whole batches: RDMA posts one WQE list, MTE one ``_nbi`` burst and one quiet)
+topology:       ``reach(me, owner, descriptor, costs)``: the engine's own rule of when it reaches
+                a window and at what modeled cost (used by :mod:`memsem.topology`)
+capabilities:   ``location_attrs``, ``alloc_array``, ``can_signal``/``put_signal``: defaults
+                here say "none"; engines that have them override.
 """
 from __future__ import annotations
 
@@ -49,12 +58,37 @@ class Descriptor:
     engine: str
     fields: dict[str, Any]
 
+    def field(self, name: str, kind: type) -> Any:
+        """Field ``name`` checked to be of ``kind`` (``int`` excludes ``bool``).
+
+        Raises:
+            ValueError: the field is missing or of another type (a descriptor of another
+                engine's shape, or a corrupted record); the message names engine and field.
+        """
+        try:
+            v = self.fields[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"{self.engine} descriptor has no field {name!r} (fields: "
+                             f"{sorted(self.fields) if isinstance(self.fields, dict) else self.fields!r})") from None
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ValueError(f"{self.engine} descriptor field {name!r} must be {kind.__name__}, "
+                             f"got {v!r}")
+        return v
+
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "fields": self.fields}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Descriptor":
-        return cls(str(data["engine"]), dict(data["fields"]))
+        """Parse a descriptor record. Raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"descriptor record must be an object, got {type(data).__name__}")
+        engine, fields = data.get("engine"), data.get("fields")
+        if not isinstance(engine, str) or not engine:
+            raise ValueError(f"descriptor field 'engine' must be a non-empty str, got {engine!r}")
+        if not isinstance(fields, dict):
+            raise ValueError(f"{engine} descriptor field 'fields' must be an object, got {fields!r}")
+        return cls(engine, dict(fields))
 
 
 @dataclasses.dataclass
@@ -94,16 +128,28 @@ class DirectAccess:
 class RemoteRegion:
     """Consumer-side handle on a window's memory, created by ``Engine.attach``.
 
+    A remote region owns what it mapped (a shared segment, a connection's registration) and
+    holds the memory's owner object where the window lives in this process (loopback), so the
+    memory outlives every copy made through it. ``close`` releases them (``Engine.detach``); the
+    runtime closes a region only when no copy, view or lease uses it any more.
+
     Attributes:
         engine: the engine that made it.
         nbytes: size in bytes.
-        direct: set when a native CPU copy can reach it (the runtime's guarded fast path).
+        direct: set when a native CPU copy can reach it (the runtime's one-call fast path).
+        writable: whether the mapping/descriptor allows writes.
+        segment: the shared segment mapped for it (host/shm), else None.
+        keepalive: the object owning the memory (loopback), else None.
     """
 
-    def __init__(self, engine: "Engine", nbytes: int, direct: DirectAccess | None = None) -> None:
+    def __init__(self, engine: "Engine", nbytes: int, direct: DirectAccess | None = None, *,
+                 writable: bool = True, segment: Any = None, keepalive: Any = None) -> None:
         self.engine = engine
         self.nbytes = nbytes
         self.direct = direct
+        self.writable = writable
+        self.segment = segment
+        self.keepalive = keepalive
         self.closed = False
 
     def close(self) -> None:
@@ -190,6 +236,9 @@ class Engine(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    #: True when ``submit`` hands a batch to asynchronous hardware in one go (RDMA WQE lists,
+    #: SHMEM ``_nbi`` + one quiet): the runtime's xcopy then submits whole batches to it.
+    batches: ClassVar[bool] = False
     #: How a stale handle is kept from touching memory when the runtime cannot map the window's
     #: control block (consumer on another node): "" (it must be mapped), "device" (the owner
     #: deregisters the region at each generation bump, so old handles fault in hardware, e.g. a
@@ -204,6 +253,40 @@ class Engine(abc.ABC):
 
     def __init__(self) -> None:
         self._closed = False
+        self.context: EngineContext | None = None
+        #: fabric facts merged into this process's :class:`memsem.topology.Location` (a SHMEM
+        #: team id, an active RDMA port); engines that have some set them
+        self.location_attrs: dict[str, Any] = {}
+
+    @classmethod
+    def create(cls) -> "Engine":
+        """The instance a runtime enables when asked for this engine by name (default: ``cls()``;
+        engines needing process-wide setup, such as a SHMEM team, find it here)."""
+        return cls()
+
+    # -- wiring ---------------------------------------------------------------------------------
+    def bind(self, context: "EngineContext") -> None:
+        """Called once by the runtime that enabled this engine, after its directory is open."""
+        self.context = context
+
+    @classmethod
+    def reach(cls, me: Any, owner: Any, descriptor: Descriptor,
+              cost: tuple[float, float] | None) -> tuple[str, str, bool] | str:
+        """This engine's topology rule: whether it reaches a window described by ``descriptor``
+        from ``me`` (a Location) when the owner is at ``owner``.
+
+        Returns ``(route kind, reason, zero_copy)`` when it does, else a string saying why not.
+        The default (third-party engines): it reaches every window it made a descriptor for.
+        """
+        return (cls.name, "third-party engine", False)
+
+    #: route kinds this engine's routes rule out for the same window, with the reason (mte
+    #: excludes host/cma: the symmetric heap is NPU memory on hardware)
+    excludes: ClassVar[dict[str, str]] = {}
+
+    def alloc_array(self, shape: Any, dtype: Any) -> np.ndarray:
+        """A zero-filled array in the engine's own memory (e.g. a SHMEM symmetric heap)."""
+        raise NotSupportedError(f"engine {self.name!r} has no memory of its own to allocate from")
 
     # -- owner side -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -215,6 +298,11 @@ class Engine(abc.ABC):
     def deregister(self, descriptor: Descriptor) -> None:
         """Undo ``register``. Safe for descriptors this engine made; others raise ValueError."""
         self._check_descriptor(descriptor)
+
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int) -> None:
+        """Called after ``register`` once the window's tiling is known (``n_tiles`` ready
+        words; 0 when untiled). An engine may add fields to ``descriptor`` here (mte gives each
+        tile a SHMEM signal slot). Default: nothing."""
 
     # -- consumer side --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -243,11 +331,21 @@ class Engine(abc.ABC):
         """Copy ``src`` into ``remote`` at ``offset``; returns when the bytes are visible at the
         target (remote completion), not merely when ``src`` may be reused."""
 
+    def can_signal(self, remote: RemoteRegion) -> bool:
+        """Whether ``put_signal`` can set the window's tile signal words with the data."""
+        return False
+
+    def put_signal(self, remote: RemoteRegion, offset: int, src: np.ndarray, tile: int, generation: int) -> None:
+        """A put that also sets tile ``tile``'s signal word after the data (mte)."""
+        raise NotSupportedError(f"engine {self.name!r} cannot signal tiles with the data")
+
     def submit(self, ops: Sequence[Op]) -> Request:
-        """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op."""
+        """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op.
+
+        The default runs the ops one after the other on the calling thread (the runtime calls it
+        from its worker pool); engines with asynchronous hardware post the batch at once."""
         req = Request(ops)
-        threading.Thread(target=self._run_ops, args=(req,), daemon=True,
-                         name=f"memsem-{self.name}-submit").start()
+        self._run_ops(req)
         return req
 
     def _run_ops(self, req: Request) -> None:
@@ -267,12 +365,6 @@ class Engine(abc.ABC):
                     op.state = OpState.FAILED
         finally:
             req._finish()
-
-    def fence(self) -> None:
-        """Order earlier puts before later ones to the same target (no-op for synchronous engines)."""
-
-    def quiet(self) -> None:
-        """Wait for remote completion of every outstanding operation (no-op when synchronous)."""
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -302,7 +394,38 @@ class Engine(abc.ABC):
                 f"range [{offset}, {offset + nbytes}) lies outside the region of {remote.nbytes} bytes")
 
 
+class EngineContext(abc.ABC):
+    """What an engine may ask of the runtime that enabled it (handed over by ``Engine.bind``).
+
+    Engines never see the runtime itself: this small interface is all of it they use.
+
+    Attributes:
+        directory: the runtime's directory (rendezvous entries, e.g. RDMA QP numbers).
+        timeout: the runtime's default bound of blocking calls, in seconds.
+        identity: this process (:class:`memsem.native.ProcessIdentity`).
+        rank: the runtime's rank.
+    """
+
+    directory: Any
+    timeout: float
+    identity: Any
+    rank: int
+
+    @abc.abstractmethod
+    def serve_check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> Any:
+        """Owner side of engines whose ``enforces_generation`` is "owner": validate a remote
+        consumer's request for a window of this runtime (see ``RuntimeCore.serve_check``)."""
+
+    @abc.abstractmethod
+    def serve_sweep(self) -> None:
+        """Drop cached grants of windows whose generation moved."""
+
+    @abc.abstractmethod
+    def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
+        """Whether a process (on this node by pid, elsewhere by the directory's heartbeat) lives."""
+
+
 __all__ = [
-    "Availability", "Descriptor", "DirectAccess", "Engine", "LocalRegion", "Op", "OpKind",
-    "OpState", "RemoteRegion", "Request", "MemsemError",
+    "Availability", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
+    "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError",
 ]

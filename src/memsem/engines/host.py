@@ -15,7 +15,6 @@ import os
 import numpy as np
 
 from memsem import native
-from memsem._buffers import address_view
 from memsem._errors import NotSupportedError
 from memsem.engines._base import Availability, Descriptor, DirectAccess, Engine, LocalRegion, RemoteRegion
 from memsem.native import Segment
@@ -48,6 +47,17 @@ class HostEngine(Engine):
                                        "between processes without CAP_SYS_PTRACE")
         return Availability(True)
 
+    @classmethod
+    def reach(cls, me, owner, descriptor, cost):  # noqa: D102 - see Engine.reach
+        if me.node != owner.node:
+            return f"owner is on node {owner.node!r}, this process on {me.node!r}"
+        if descriptor.field("kind", str) == "shm":
+            return ("host/shm", "same node, window in a shared segment", True)
+        avail = cls.cma_availability()
+        if not avail:
+            return avail.reason
+        return ("host/cma", "same node, private memory of another process (cross-memory attach)", False)
+
     def register(self, region: LocalRegion) -> Descriptor:
         fields = {"pid": os.getpid(), "address": region.address, "writable": region.writable}
         if region.segment is not None:
@@ -58,38 +68,35 @@ class HostEngine(Engine):
 
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
-        f = descriptor.fields
-        writable = bool(f.get("writable", True))
-        if f["kind"] == "shm":
-            off = int(f.get("offset", 0))
-            seg = Segment.attach(str(f["segment"]), off + nbytes, writable=writable)
-            remote = RemoteRegion(self, nbytes, DirectAccess(False, int(f["pid"]), seg.address + off))
-            remote.segment = seg  # type: ignore[attr-defined]
-        elif f["kind"] == "cma":
+        kind = descriptor.field("kind", str)
+        writable = descriptor.field("writable", bool)
+        pid = descriptor.field("pid", int)
+        if kind == "shm":
+            off = descriptor.field("offset", int)
+            seg = Segment.attach(descriptor.field("segment", str), off + nbytes, writable=writable)
+            return RemoteRegion(self, nbytes, DirectAccess(False, pid, seg.address + off),
+                                writable=writable, segment=seg)
+        if kind == "cma":
             avail = self.cma_availability()
             if not avail:
                 raise NotSupportedError(f"host engine (cross-memory attach): {avail.reason}")
-            remote = RemoteRegion(self, nbytes, DirectAccess(True, int(f["pid"]), int(f["address"])))
-        else:
-            raise ValueError(f"host descriptor kind {f['kind']!r} is unknown")
-        remote.writable = writable  # type: ignore[attr-defined]
-        return remote
+            return RemoteRegion(self, nbytes, DirectAccess(True, pid, descriptor.field("address", int)),
+                                writable=writable)
+        raise ValueError(f"host descriptor field 'kind' must be 'shm' or 'cma', got {kind!r}")
 
     def detach(self, remote: RemoteRegion) -> None:
-        seg = getattr(remote, "segment", None)
-        if seg is not None:
-            seg.close()
+        if remote.segment is not None:
+            remote.segment.close()  # unmapped once the last view of it is gone
 
     def view(self, remote: RemoteRegion) -> np.ndarray:
-        seg = getattr(remote, "segment", None)
+        seg = remote.segment
         if seg is None:
             raise NotSupportedError(
                 "view() needs a shared segment; this window is private memory of another process "
                 "(route host/cma): use get(), or publish memory from Runtime.alloc()")
-        # The owner object exports the mapping: detach/close cannot unmap it under a live view.
-        off = remote.direct.address - seg.address
-        return address_view(remote.direct.address, remote.nbytes, seg.export(off, remote.nbytes),
-                            readonly=not getattr(remote, "writable", True))
+        # The array holds the mapping (a pin on the segment) for as long as it, or any array
+        # derived from it, lives: detach/close never unmap under a view.
+        return seg.export(remote.direct.address - seg.address, remote.nbytes, readonly=not remote.writable)
 
     def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
         self._check_range(remote, offset, dst.nbytes)

@@ -36,6 +36,10 @@ class ScriptedEngine(Engine):
         self.delay = delay
         self.fail = fail
         self.reorder = reorder
+        #: with ``reorder`` the runtime's xcopy hands whole batches to ``submit`` (as it does to
+        #: engines with asynchronous hardware), so the reordering reaches the runtime's logic
+        self.batches = bool(reorder)
+        self.location_attrs = dict(inner.location_attrs)
         self._rng = random.Random(seed)
         self.calls: list[tuple[str, int, int]] = []
         self._lock = threading.Lock()
@@ -58,6 +62,10 @@ class ScriptedEngine(Engine):
     def view(self, remote: RemoteRegion) -> np.ndarray:
         return self.inner.view(remote._real)  # type: ignore[attr-defined]
 
+    def bind(self, context) -> None:
+        super().bind(context)
+        self.inner.bind(context)
+
     def _step(self, kind: str, offset: int, nbytes: int) -> None:
         with self._lock:
             self.calls.append((kind, offset, nbytes))
@@ -76,14 +84,16 @@ class ScriptedEngine(Engine):
         self.inner.put(remote._real, offset, src)  # type: ignore[attr-defined]
 
     def submit(self, ops: Sequence[Op]) -> Request:
+        """Run the batch's ops (in a random order with ``reorder``); every op ends final."""
         ops = list(ops)
+        order = ops[:]
         if self.reorder:
-            order = ops[:]
-            self._rng.shuffle(order)
-            req = super().submit(order)
-            req.ops = ops
-            return req
-        return super().submit(ops)
+            with self._lock:
+                self._rng.shuffle(order)
+        req = super().submit(order)
+        req.ops = ops
+        return req
 
     def close(self) -> None:
         super().close()
+        self.inner.close()

@@ -497,9 +497,18 @@ class MteEngine(Engine):
             return Availability(True, f"TEST DOUBLE: memsem shmem host emulator {path} (host memory, no NPU)")
         return Availability(True, f"Ascend SHMEM {path}")
 
+    #: a window in the symmetric heap is NPU memory on hardware: cross-memory attach of its
+    #: (device) address would read garbage, so the team's route takes it
+    excludes = {"host/cma": "the window lives in the SHMEM symmetric heap (NPU memory on hardware): "
+                            "reached through mte, not cross-memory attach"}
+
     @classmethod
-    def from_runtime(cls, rt: Any) -> "MteEngine":
-        return cls()
+    def reach(cls, me, owner, descriptor, cost):  # noqa: D102 - see Engine.reach
+        team = descriptor.field("team", str)
+        if me.attrs.get("shmem_team") != team:
+            return f"this process is not a PE of SHMEM team {team!r}"
+        return ("mte", f"both ends are PEs of SHMEM team {team!r} with MTE reach",
+                bool(descriptor.fields.get("mapped", False)))
 
     def __init__(self, team: ShmemTeam | None = None) -> None:
         super().__init__()
@@ -577,16 +586,16 @@ class MteEngine(Engine):
                                       "nbytes": region.nbytes, "mapped": t.host_mapped,
                                       "writable": region.writable, "sig_slot": -1, "n_sig": 0})
 
-    def on_publish(self, owned: Any) -> None:
-        """Runtime hook after registration: give a tiled window one signal slot per tile."""
-        desc = owned.info.descriptors.get(self.name)
-        n = int(owned.info.n_ready)
-        if desc is None or n == 0:
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int) -> None:
+        """Give a tiled window one SHMEM signal slot per tile (``put_tile`` then sends the data
+        and the tile's signal in one ``aclshmemx_putmem_signal``)."""
+        desc, n = descriptor, int(n_tiles)
+        if n == 0:
             return
         slot = self.team.take_slots(n)
         if slot is None:
             log.info("mte: no %d free signal slots for window gva %#x; put_tile falls back to put + "
-                     "ready word", n, owned.info.gva)
+                     "ready word", n, gva)
             return
         desc.fields["sig_slot"], desc.fields["n_sig"] = slot, n
         with self._lock:

@@ -281,7 +281,7 @@ class RdmaEngine(Engine):
     Args:
         devices: device names (default ``MEMSEM_RDMA_DEVICE`` or every device with an active port).
         directory: the directory used to exchange QP numbers (default: the runtime's, bound by
-            ``bind_runtime``).
+            ``bind``).
         force: mark descriptors so same-node consumers use RDMA too (default
             ``MEMSEM_RDMA_FORCE``).
         timeout: base bound in seconds of a completion wait (default: the runtime's timeout).
@@ -293,6 +293,16 @@ class RdmaEngine(Engine):
 
     name = "rdma"
     enforces_generation = "device"
+    batches = True
+
+    @classmethod
+    def reach(cls, me, owner, descriptor, cost):  # noqa: D102 - see Engine.reach
+        if not me.attrs.get("rdma_port"):
+            return "this process has no active RDMA port"
+        if me.node == owner.node and not descriptor.fields.get("force", False):
+            return "same node: shared memory is cheaper than the NIC"
+        return ("rdma", f"different nodes ({me.node!r} -> {owner.node!r}), active ports "
+                f"{me.attrs.get('rdma_port')} and {descriptor.fields.get('port')}", False)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -371,12 +381,13 @@ class RdmaEngine(Engine):
         self.location_attrs = {"rdma_port": ",".join(d.label for d in self._devices)}
 
     # -- wiring ----------------------------------------------------------------------------------
-    def bind_runtime(self, runtime: Any) -> None:
-        """Called by the runtime once its directory is open."""
+    def bind(self, context: Any) -> None:
+        """Called by the runtime once its directory is open (see ``Engine.bind``)."""
+        super().bind(context)
         if self._dir is None:
-            self._dir = runtime.directory
-        self.timeout = float(getattr(runtime, "timeout", self.timeout))
-        self._node = runtime.identity.node
+            self._dir = context.directory
+        self.timeout = float(context.timeout)
+        self._node = context.identity.node
 
     def _directory(self) -> Any:
         if self._dir is None:

@@ -96,10 +96,10 @@ class TcpRemote(RemoteRegion):
 class _Pending:
     """A zero-copy GET reply that libzmq still reads from the window's memory."""
 
-    __slots__ = ("tracker", "grant", "ident", "rid", "since")
+    __slots__ = ("tracker", "grant", "token", "ident", "rid", "since")
 
-    def __init__(self, tracker: Any, grant: Any, ident: bytes, rid: int) -> None:
-        self.tracker, self.grant, self.ident, self.rid = tracker, grant, ident, rid
+    def __init__(self, tracker: Any, grant: Any, token: Any, ident: bytes, rid: int) -> None:
+        self.tracker, self.grant, self.token, self.ident, self.rid = tracker, grant, token, ident, rid
         self.since = time.monotonic()
 
 
@@ -151,12 +151,17 @@ class TcpEngine(Engine):
         self.location_attrs: dict[str, Any] = {}
 
     # -- wiring -----------------------------------------------------------------------------------
-    def bind_runtime(self, runtime: Any) -> None:
+    @classmethod
+    def reach(cls, me, owner, descriptor, cost):  # noqa: D102 - see Engine.reach
+        return ("tcp", f"owner serves TCP at {descriptor.field('endpoint', str)}", False)
+
+    def bind(self, context: Any) -> None:
         """Called by the runtime once its directory is open: the server validates requests
-        through it, and consumers ask it about owners' liveness."""
-        self._rt = weakref.ref(runtime)
+        through it, and consumers ask it about owners' liveness (see ``Engine.bind``)."""
+        super().bind(context)
+        self._rt = weakref.ref(context)
         if self.timeout is None:
-            self.timeout = float(getattr(runtime, "timeout", DEFAULT_TIMEOUT))
+            self.timeout = float(context.timeout)
 
     def _runtime(self) -> Any:
         rt = self._rt() if self._rt is not None else None
@@ -249,8 +254,7 @@ class TcpEngine(Engine):
         finally:
             sock.close(0)
             for p in pending:  # closed with linger 0: libzmq drops the messages (term() waits)
-                p.grant.leave()
-                p.grant.unhold()
+                p.grant.leave(p.token, failed=True)
 
     def _handle(self, sock: Any, ident: bytes, pending: list[_Pending]) -> None:
         frames = [ident]
@@ -280,31 +284,35 @@ class TcpEngine(Engine):
                                      f"put carried {size} bytes in {len(frames) - 2} data frame(s); the "
                                      f"request said {n}: nothing written".encode()])
                 return
-            if not grant.enter():
+            tok = grant.enter(True, off, n)
+            if tok is None:
                 sock.send_multipart([ident, _REP.pack(STALE, 0, 0, rid, grant.current())])
                 return
+            ok = False
             try:
                 if n:
                     grant.mem[off:off + n] = np.frombuffer(data.buffer if hasattr(data, "buffer") else data, np.uint8)
+                ok = True
             finally:
-                ok = grant.leave()
+                ok = grant.leave(tok, failed=not ok)
             sock.send_multipart([ident, _REP.pack(OK, 0, 0, rid, n) if ok else
                                  _REP.pack(STALE, 0, 0, rid, grant.current())])
             return
-        if not grant.enter():
+        tok = grant.enter(False, off, n)
+        if tok is None:
             sock.send_multipart([ident, _REP.pack(STALE, 0, 0, rid, grant.current())])
             return
         if n < ZERO_COPY_BYTES:
+            data = b""
             try:
                 data = grant.mem[off:off + n].tobytes()
             finally:
-                ok = grant.leave()
+                ok = grant.leave(tok, failed=len(data) != n)
             sock.send_multipart([ident, _REP.pack(OK, 0, 0, rid, n) + data if ok else
                                  _REP.pack(STALE, 0, 0, rid, grant.current())])
             return
-        # Large: zero-copy from the window; the in-flight count stays raised (and the control
+        # Large: zero-copy from the window; the bracket stays open (counted in flight, control
         # block mapped) until libzmq let go of the frame.
-        grant.hold()
         try:
             sock.send(ident, zmq.SNDMORE)
             sock.send(_REP.pack(MORE, 0, 0, rid, n), zmq.SNDMORE)
@@ -316,17 +324,15 @@ class TcpEngine(Engine):
                                           copy=False, track=True))
             tracker = zmq.MessageTracker(*trackers)
         except BaseException:
-            grant.leave()
-            grant.unhold()
+            grant.leave(tok, failed=True)
             raise
-        pending.append(_Pending(tracker, grant, ident, rid))
+        pending.append(_Pending(tracker, grant, tok, ident, rid))
 
     def _finish_pending(self, sock: Any, pending: list[_Pending]) -> None:
         keep = []
         for p in pending:
             if p.tracker.done:
-                ok = p.grant.leave()
-                p.grant.unhold()
+                ok = p.grant.leave(p.token)
                 sock.send_multipart([p.ident, _REP.pack(OK, 0, 0, p.rid, 0) if ok else
                                      _REP.pack(STALE, 0, 0, p.rid, p.grant.current())])
             else:

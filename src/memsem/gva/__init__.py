@@ -2,6 +2,7 @@
 
 Pure data plus atomics; no transport.
 """
+from memsem.gva import _inflight as inflight
 from memsem.gva import _lease as lease
 from memsem.gva import _ready as ready
 from memsem.gva._address import (
@@ -27,5 +28,5 @@ from memsem.gva._control import (
 __all__ = [
     "GVA_ALIGN", "RANK_SHIFT", "SliceAllocator", "WindowInfo", "key_digest", "key_matches",
     "make_gva", "split_gva", "PERM_READ", "PERM_WRITE", "ControlBlock", "WindowState",
-    "control_block_bytes", "new_generation", "lease", "ready", "RefSpec",
+    "control_block_bytes", "new_generation", "inflight", "lease", "ready", "RefSpec",
 ]

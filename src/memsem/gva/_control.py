@@ -6,45 +6,63 @@ Layout, in 64-bit words (all accessed with native acquire/release atomics):
 word  meaning
 ====  ==============================================================================
 0     magic ``MEMSEMCB``
-1     layout version
+1     layout version (2)
 2     owner pid
 3     owner start time (clock ticks since boot; pid + start time identify a process)
 4     generation (authoritative; bumped at unpublish, republish, resize, reuse)
 5     state: 1 LIVE, 2 CLOSING (no new leases), 3 DEAD
 6     permissions (bit 0 read, bit 1 write)
-7     window size in bytes
-8     in-flight transfer count (copies running right now, any process)
+7     bytes of one data slot (the window's size)
+8     latest committed version (double-buffered windows; futex word of version waits)
 9     owner heartbeat (CLOCK_MONOTONIC ns, refreshed by the owner's runtime)
 10    number of ready words
 11    number of lease slots
 12    tile size in bytes of the ready words (0 when not tiled)
-13-15 reserved
-16..  lease slots, 4 words each: holder pid, holder start time, expiry (monotonic ns),
-      lease id (0 = free slot)
+13    number of in-flight slots
+14    number of data slots (1, or 2 for double-buffered versions)
+15    bytes from one data slot to the next (0 with one slot)
+16    slot 0 sequence word: ``version << 1 | writing`` (odd while a write section is open)
+17    slot 1 sequence word (double-buffered windows)
+18    flags (bit 0: owner writes outside write sections are trapped, debug mode)
+19-23 reserved
+24..  lease slots, 6 words each: holder pid, holder start time, expiry (monotonic ns),
+      lease id (0 = free slot), version the lease pins (0 = none), reserved
+then  in-flight slots, 2 words each: holder identity (``pid | start << 22``, 0 = free) and the
+      number of copies the holder has in flight on this window right now
 then  ready words, one per tile: the generation the tile was marked ready for, 0 = not ready.
       Consumers futex-wait on the low 32 bits of a tile's own word.
 ====  ==============================================================================
+
+In-flight accounting belongs to participants, like leases: a process counts its copies in its
+own slot, so the owner waiting for copies to drain ignores (and reclaims) the slots of dead
+processes. No death at any instant can leave a count the owner waits for forever.
 """
 from __future__ import annotations
 
 import enum
 import secrets
-import threading
 
 from memsem import native
 from memsem.native import Segment
 
 MAGIC = int.from_bytes(b"MEMSEMCB", "little")
-LAYOUT_VERSION = 1
-HEADER_WORDS = 16
-LEASE_WORDS = 4
+LAYOUT_VERSION = 2
+HEADER_WORDS = 24
+LEASE_WORDS = 6
+INFLIGHT_WORDS = 2
 DEFAULT_LEASE_SLOTS = 64
+DEFAULT_INFLIGHT_SLOTS = 128
+MAX_READY_WORDS = 1 << 24
 
-W_MAGIC, W_VERSION, W_OWNER_PID, W_OWNER_START, W_GENERATION, W_STATE, W_PERMS, W_NBYTES, \
-    W_INFLIGHT, W_HEARTBEAT, W_NREADY, W_NLEASE, W_TILE_BYTES = range(13)
+(W_MAGIC, W_VERSION, W_OWNER_PID, W_OWNER_START, W_GENERATION, W_STATE, W_PERMS, W_NBYTES,
+ W_LATEST, W_HEARTBEAT, W_NREADY, W_NLEASE, W_TILE_BYTES, W_NINFLIGHT, W_NSLOTS, W_SLOT_STRIDE,
+ W_SEQ0, W_SEQ1, W_FLAGS) = range(19)
 
 PERM_READ = 1
 PERM_WRITE = 2
+FLAG_TRAP_WRITES = 1
+#: the version of a window's bytes right after publish (versions count write sections from here)
+FIRST_VERSION = 1
 
 
 class WindowState(enum.IntEnum):
@@ -56,8 +74,9 @@ class WindowState(enum.IntEnum):
     DEAD = 3
 
 
-def control_block_bytes(n_ready: int, n_lease: int = DEFAULT_LEASE_SLOTS) -> int:
-    return 8 * (HEADER_WORDS + LEASE_WORDS * n_lease + max(n_ready, 0))
+def control_block_bytes(n_ready: int, n_lease: int = DEFAULT_LEASE_SLOTS,
+                        n_inflight: int = DEFAULT_INFLIGHT_SLOTS) -> int:
+    return 8 * (HEADER_WORDS + LEASE_WORDS * n_lease + INFLIGHT_WORDS * n_inflight + max(n_ready, 0))
 
 
 def new_generation() -> int:
@@ -66,15 +85,27 @@ def new_generation() -> int:
     return secrets.randbits(48) | 1
 
 
+def identity_word(pid: int, start: int) -> int:
+    """A process as one 64-bit word (pid < 2**22, start time in clock ticks < 2**42)."""
+    return (pid & 0x3FFFFF) | (start << 22)
+
+
+def identity_of(word: int) -> tuple[int, int]:
+    """``(pid, start)`` of an identity word."""
+    return word & 0x3FFFFF, word >> 22
+
+
 class ControlBlock:
     """Typed access to a mapped control block (owner or consumer side).
 
-    Every accessor is one native atomic; the object itself holds no lock and may be shared by
-    threads.
+    Every accessor is one native atomic; the object holds no lock and may be shared by threads.
+    The mapping's lifetime is its segment's (``pin``/``unpin``/``close``; see
+    :class:`memsem.native.Segment`): a holder that reads the block (a lease, a resolution, a
+    serving grant) pins it, so it is never unmapped under it.
     """
 
-    __slots__ = ("segment", "base", "n_ready", "n_lease", "_lease0", "_ready0", "_pins", "_close_pending",
-                 "_pin_lock", "__weakref__")
+    __slots__ = ("segment", "base", "n_ready", "n_lease", "n_inflight", "n_slots", "_lease0",
+                 "_inflight0", "_ready0", "__weakref__")
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
@@ -86,28 +117,41 @@ class ControlBlock:
             raise ValueError(f"control block layout version {version}, this memsem reads {LAYOUT_VERSION}")
         self.n_ready = self.word(W_NREADY)
         self.n_lease = self.word(W_NLEASE)
+        self.n_inflight = self.word(W_NINFLIGHT)
+        self.n_slots = self.word(W_NSLOTS)
+        if (self.n_ready > MAX_READY_WORDS or self.n_lease > 4096 or self.n_inflight > 4096
+                or self.n_slots not in (1, 2)
+                or control_block_bytes(self.n_ready, self.n_lease, self.n_inflight) > segment.nbytes):
+            raise ValueError(f"segment {segment.name!r} has an inconsistent control block header")
         self._lease0 = self.base + 8 * HEADER_WORDS
-        self._ready0 = self._lease0 + 8 * LEASE_WORDS * self.n_lease
-        self._pins = 0
-        self._close_pending = False
-        self._pin_lock = threading.Lock()
+        self._inflight0 = self._lease0 + 8 * LEASE_WORDS * self.n_lease
+        self._ready0 = self._inflight0 + 8 * INFLIGHT_WORDS * self.n_inflight
 
     @classmethod
     def create(cls, *, owner_pid: int, owner_start: int, nbytes: int, perms: int, n_ready: int,
-               tile_bytes: int, n_lease: int = DEFAULT_LEASE_SLOTS) -> "ControlBlock":
-        seg = Segment.create("cb", control_block_bytes(n_ready, n_lease))
+               tile_bytes: int, n_slots: int = 1, slot_stride: int = 0,
+               n_lease: int = DEFAULT_LEASE_SLOTS, n_inflight: int = DEFAULT_INFLIGHT_SLOTS) -> "ControlBlock":
+        seg = Segment.create("cb", control_block_bytes(n_ready, n_lease, n_inflight))
         b = seg.address
         for w, v in ((W_VERSION, LAYOUT_VERSION), (W_OWNER_PID, owner_pid), (W_OWNER_START, owner_start),
                      (W_GENERATION, new_generation()), (W_STATE, WindowState.INIT), (W_PERMS, perms),
                      (W_NBYTES, nbytes), (W_NREADY, n_ready), (W_NLEASE, n_lease),
-                     (W_TILE_BYTES, tile_bytes), (W_HEARTBEAT, native.monotonic_ns())):
+                     (W_NINFLIGHT, n_inflight), (W_NSLOTS, n_slots), (W_SLOT_STRIDE, slot_stride),
+                     (W_TILE_BYTES, tile_bytes), (W_HEARTBEAT, native.monotonic_ns()),
+                     (W_LATEST, FIRST_VERSION), (W_SEQ0, FIRST_VERSION << 1),
+                     (W_SEQ1, 0)):
             native.store_release(b + 8 * w, int(v))
         native.store_release(b + 8 * W_MAGIC, MAGIC)  # last: a reader seeing the magic sees the rest
         return cls(seg)
 
     @classmethod
     def attach(cls, name: str) -> "ControlBlock":
-        return cls(Segment.attach(name))
+        seg = Segment.attach(name)
+        try:
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
 
     # -- words ------------------------------------------------------------------------------------
     def addr(self, word: int) -> int:
@@ -128,8 +172,13 @@ class ControlBlock:
         return self.base + 8 * W_GENERATION
 
     @property
-    def inflight_addr(self) -> int:
-        return self.base + 8 * W_INFLIGHT
+    def seq_addr(self) -> int:
+        """Address of the slot sequence words (``n_slots`` consecutive words)."""
+        return self.base + 8 * W_SEQ0
+
+    @property
+    def latest_addr(self) -> int:
+        return self.base + 8 * W_LATEST
 
     @property
     def state(self) -> WindowState:
@@ -145,16 +194,23 @@ class ControlBlock:
             raise IndexError(f"lease slot {slot} out of range [0, {self.n_lease})")
         return self._lease0 + 8 * LEASE_WORDS * slot
 
-    def lease_slots(self) -> list[tuple[int, int, int, int, int]]:
-        """Snapshot ``(slot, pid, start, expiry_ns, lease_id)`` of every occupied slot."""
+    def lease_slots(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Snapshot ``(slot, pid, start, expiry_ns, lease_id, version)`` of every occupied slot."""
         out = []
         for s in range(self.n_lease):
             a = self._lease0 + 8 * LEASE_WORDS * s
             lid = native.load_acquire(a + 24)
             if lid:
                 out.append((s, native.load_acquire(a), native.load_acquire(a + 8),
-                            native.load_acquire(a + 16), lid))
+                            native.load_acquire(a + 16), lid, native.load_acquire(a + 32)))
         return out
+
+    # -- in-flight slots --------------------------------------------------------------------------
+    def inflight_slot_addr(self, slot: int) -> int:
+        """Address of in-flight slot ``slot`` (its identity word; the count is the next word)."""
+        if not 0 <= slot < self.n_inflight:
+            raise IndexError(f"in-flight slot {slot} out of range [0, {self.n_inflight})")
+        return self._inflight0 + 8 * INFLIGHT_WORDS * slot
 
     # -- ready words ------------------------------------------------------------------------------
     def ready_addr(self, tile: int) -> int:
@@ -162,33 +218,23 @@ class ControlBlock:
             raise IndexError(f"tile {tile} out of range [0, {self.n_ready})")
         return self._ready0 + 8 * tile
 
-    # -- lifetime ---------------------------------------------------------------------------------
+    # -- lifetime (the segment's) -----------------------------------------------------------------
     def pin(self) -> None:
-        """Keep the mapping while a holder (a Lease) may still read it: ``close`` is deferred
-        until the last ``unpin``. A lease outliving its window's resolution (republish, runtime
-        close) must never read unmapped memory."""
-        with self._pin_lock:
-            if self.segment._closed:
-                raise ValueError(f"control block {self.segment.name!r} is already unmapped")
-            self._pins += 1
+        """Count a holder of the mapping (a lease, a resolution, a grant).
+
+        Raises:
+            ValueError: the block was closed (no new holders).
+        """
+        self.segment.pin()
 
     def unpin(self) -> None:
-        with self._pin_lock:
-            self._pins -= 1
-            close = self._pins <= 0 and self._close_pending
-        if close:
-            self.segment.close()
+        self.segment.unpin()
 
     @property
     def closed(self) -> bool:
-        """True once ``close`` was called (the mapping may live on while pinned)."""
-        return self._close_pending or self.segment._closed
+        """True once ``close`` was called (the mapping may live on while held)."""
+        return self.segment.closed
 
     def close(self) -> None:
-        """Unmap, or mark for unmapping at the last ``unpin``. Safe twice."""
-        with self._pin_lock:
-            if self._pins > 0:
-                self._close_pending = True
-                return
-            self._close_pending = True
+        """Drop the opener's claim; unmapped when the last holder lets go. Safe twice."""
         self.segment.close()

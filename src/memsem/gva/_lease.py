@@ -28,8 +28,9 @@ class WindowClosing(Exception):
     """Internal: the window is not LIVE (closing or dead)."""
 
 
-def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int) -> tuple[int, int]:
-    """Claim a lease slot; returns ``(slot, lease_id)``."""
+def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int, version: int = 0) -> tuple[int, int]:
+    """Claim a lease slot; returns ``(slot, lease_id)``. ``version`` (0: none) is the version of
+    the window's bytes the lease pins (double-buffered windows keep it readable)."""
     now = native.monotonic_ns()
     lease_id = secrets.randbits(63) | 1
     for slot in range(cb.n_lease):
@@ -46,6 +47,7 @@ def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int) -> tuple[int, i
             continue
         native.store_release(a, pid)
         native.store_release(a + 8, start)
+        native.store_release(a + 32, version)
         native.store_release(a + 16, now + ttl_ns)
         native.lib.memsem_fence_seq_cst()
         if cb.word(W_STATE) != WindowState.LIVE:
@@ -102,7 +104,7 @@ def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, 
     native.lib.memsem_fence_seq_cst()
     now = native.monotonic_ns()
     out = []
-    for slot, pid, start, expiry, lid in cb.lease_slots():
+    for slot, pid, start, expiry, lid, _version in cb.lease_slots():
         if expiry <= now:
             continue
         if not process_alive(pid, start):
@@ -110,6 +112,22 @@ def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, 
                 release(cb, slot, lid)
             continue
         out.append((pid, (expiry - now) / 1e9))
+    return out
+
+
+def pinned_versions(cb: ControlBlock) -> dict[int, float]:
+    """Versions pinned by unexpired leases of live holders -> seconds until the last of them
+    expires (dead holders' slots are reaped)."""
+    native.lib.memsem_fence_seq_cst()
+    now = native.monotonic_ns()
+    out: dict[int, float] = {}
+    for slot, pid, start, expiry, lid, version in cb.lease_slots():
+        if not version or expiry <= now:
+            continue
+        if not process_alive(pid, start):
+            release(cb, slot, lid)
+            continue
+        out[version] = max(out.get(version, 0.0), (expiry - now) / 1e9)
     return out
 
 

@@ -185,7 +185,7 @@ class Agent:
 
     # -- internals -------------------------------------------------------------------------------
     def _cb(self, region: _Region):
-        owned = self.rt._owned.get(region.ref.spec.gva)
+        owned = self.rt.core.publisher.owned.get(region.ref.spec.gva)
         return None if owned is None else owned.cb
 
     def _wait_unleased(self, region: _Region, deadline: float) -> None:

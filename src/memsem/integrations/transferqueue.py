@@ -154,9 +154,8 @@ class _ProcessRuntime:
                         drop.append(s.gva)
                 # Under our lock, so no other thread starts using the window meanwhile.
                 if not rt.closed:
-                    with rt._lock:
-                        for gva in drop:
-                            rt._drop_resolved(gva)
+                    for gva in drop:
+                        rt.core.resolver.drop(gva)
 
 
 _PROC = _ProcessRuntime()

@@ -4,11 +4,10 @@ Everything here wraps ``memsem._native`` (cffi, API mode, built from ``native/``
 plain integers (bytes); callers keep the memory they point at alive.
 """
 from memsem.native._lib import (
-    GUARD_AFTER,
-    GUARD_BEFORE,
     COPY_MEMCPY,
-    COPY_VM_READ,
-    COPY_VM_WRITE,
+    COPY_VM,
+    LAT_BUCKETS,
+    UseWord,
     check_rc,
     compare_exchange,
     fetch_add,
@@ -16,11 +15,14 @@ from memsem.native._lib import (
     ffi,
     futex_wait,
     futex_wake,
-    guarded_copy,
     lib,
     load_acquire,
+    map_fd,
     memcpy,
     monotonic_ns,
+    new_plan,
+    protect,
+    unmap,
     store_release,
     vm_read,
     vm_write,
@@ -29,9 +31,9 @@ from memsem.native._proc import ProcessIdentity, node_id, process_alive, process
 from memsem.native._segment import Segment, segment_dir, segment_prefix
 
 __all__ = [
-    "GUARD_AFTER", "GUARD_BEFORE", "COPY_MEMCPY", "COPY_VM_READ", "COPY_VM_WRITE",
+    "COPY_MEMCPY", "COPY_VM", "LAT_BUCKETS", "UseWord", "map_fd", "new_plan", "protect", "unmap",
     "check_rc", "compare_exchange", "fetch_add", "fetch_sub", "ffi", "futex_wait", "futex_wake",
-    "guarded_copy", "lib", "load_acquire", "memcpy", "monotonic_ns", "store_release", "vm_read",
+    "lib", "load_acquire", "memcpy", "monotonic_ns", "store_release", "vm_read",
     "vm_write", "ProcessIdentity", "node_id", "process_alive", "process_start_time", "Segment",
     "segment_dir", "segment_prefix",
 ]

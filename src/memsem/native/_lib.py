@@ -12,11 +12,9 @@ except ImportError as exc:  # pragma: no cover - only when the package was not b
         "memsem._native is not built: install memsem with pip (it compiles native/ with cffi)"
     ) from exc
 
-GUARD_BEFORE = lib.MEMSEM_GUARD_BEFORE
-GUARD_AFTER = lib.MEMSEM_GUARD_AFTER
 COPY_MEMCPY = lib.MEMSEM_COPY_MEMCPY
-COPY_VM_READ = lib.MEMSEM_COPY_VM_READ
-COPY_VM_WRITE = lib.MEMSEM_COPY_VM_WRITE
+COPY_VM = lib.MEMSEM_COPY_VM
+LAT_BUCKETS = lib.MEMSEM_LAT_BUCKETS
 
 _u64p = ffi.typeof("uint64_t *")
 _u32p = ffi.typeof("uint32_t *")
@@ -96,12 +94,70 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
     lib.memsem_memcpy(_cast(_voidp, dst), _cast(_voidp, src), nbytes)
 
 
-def guarded_copy(guard: int, expected: int, inflight: int, method: int, pid: int,
-                 dst: int, src: int, nbytes: int) -> int:
-    """One-call guarded copy (see native/memsem_native.h). Returns 0, GUARD_BEFORE, GUARD_AFTER
-    or a negative errno; the caller interprets them. For COPY_VM_READ ``src`` is in ``pid``; for
-    COPY_VM_WRITE ``dst`` is."""
-    return lib.memsem_guarded_copy(guard, expected, inflight, method, pid, dst, src, nbytes)
+class UseWord:
+    """A native use word (see ``native/memsem_native.h``): counts the holders of a resource and
+    tells exactly one caller when to release it (the closer, or the last holder to leave).
+
+    Lock-free, so safe from finalizers and signal-free threads alike. ``addr`` is the word's
+    address, for native calls that enter and leave it themselves (``memsem_plan_copy``).
+    """
+
+    __slots__ = ("_cell", "addr", "__weakref__")
+
+    def __init__(self, cell: object = None) -> None:
+        # ``cell`` lets a struct's first member serve (a plan's use word); else a fresh word.
+        self._cell = ffi.new("uint64_t *") if cell is None else cell
+        self.addr = int(ffi.cast("uintptr_t", self._cell))
+
+    def enter(self) -> bool:
+        """Count one holder; False (nothing counted) when the word is closed."""
+        return lib.memsem_use_enter(self._cell) == 0
+
+    def leave(self) -> bool:
+        """Drop one holder; True when the caller must release the resource now."""
+        return lib.memsem_use_leave(self._cell) == 1
+
+    def close(self) -> int:
+        """Close the word. Returns 1 when the caller must release now (no holder left), 0 when
+        holders remain (the last to leave releases), 2 when it was already closed (only the
+        first close counts)."""
+        return lib.memsem_use_close(self._cell)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until a closed word has no holder, at most ``timeout`` s; False on timeout."""
+        return lib.memsem_use_wait_idle(self._cell, float(timeout)) == 0
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._cell[0] >> 63)
+
+    @property
+    def holders(self) -> int:
+        return int(self._cell[0] & ((1 << 63) - 1))
+
+
+def new_plan() -> object:
+    """A zeroed ``memsem_plan`` (owned by the returned cdata: keep it referenced)."""
+    return ffi.new("memsem_plan *")
+
+
+def map_fd(fd: int, nbytes: int, writable: bool) -> int:
+    """mmap(MAP_SHARED) the first ``nbytes`` of ``fd``; returns the address. The mapping holds
+    no file descriptor: the caller closes ``fd``. Raises EngineError with the errno."""
+    a = lib.memsem_map(fd, nbytes, 1 if writable else 0)
+    if a < 0:
+        raise EngineError(f"mmap of {nbytes} bytes failed", errno=-a)
+    return a
+
+
+def unmap(addr: int, nbytes: int) -> None:
+    """munmap; raises EngineError with the errno."""
+    check_rc(lib.memsem_unmap(addr, nbytes), "munmap failed")
+
+
+def protect(addr: int, nbytes: int, writable: bool) -> None:
+    """mprotect a page-aligned range read-write or read-only; raises EngineError."""
+    check_rc(lib.memsem_protect(addr, nbytes, 1 if writable else 0), "mprotect failed")
 
 
 def monotonic_ns() -> int:

@@ -213,6 +213,7 @@ class Pipeline:
                  wait_ready: bool | None = None, timeout: float | None = None,
                  zero_copy: bool | None = None, out: Any = None, lease: Lease | None = None) -> None:
         self._t0 = time.perf_counter()
+        runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
         if not isinstance(runtime, RuntimeCore):
             raise TypeError(f"runtime must be a memsem runtime, got {type(runtime).__name__}")
         spec = getattr(spec, "spec", spec)
@@ -232,7 +233,7 @@ class Pipeline:
         self.depth = int(depth)
         self.timeout = float(timeout)
         self._lease = lease
-        res = runtime._resolve(spec)
+        res = runtime.resolve(spec)
         self.route = res.route
         info = res.info
         if tile_bytes is None:
@@ -314,9 +315,7 @@ class Pipeline:
                                   self._window_tile_bytes, self._n_ready) if self.wait_ready else None,
                 self.timeout, lease)
         self._finalizer = weakref.finalize(self, self._sh.stop.set)
-        children = getattr(runtime, "_children", None)
-        if children is not None:
-            children.add(self)  # the runtime closes its pipelines before it unmaps anything
+        runtime.children.add(self)  # the runtime closes its pipelines before it unmaps anything
 
     # -- geometry --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -492,10 +491,9 @@ class Pipeline:
         if self._recorded:
             return
         self._recorded = True
-        hook = getattr(self.runtime.telemetry, "record_pipeline", None)
-        if hook is not None:
+        if True:
             try:
-                hook(self.stats)
+                self.runtime.telemetry.record_pipeline(self.stats)
             except Exception:  # telemetry must never break the data path
                 log.debug("recording pipeline telemetry failed", exc_info=True)
 

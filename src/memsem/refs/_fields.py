@@ -24,7 +24,7 @@ from memsem import _dtypes
 from memsem._buffers import buffer_info
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.gva import RefSpec
-from memsem.refs._tensorref import TensorRef
+from memsem.refs._tensorref import TensorRef, as_core
 from memsem.runtime import RuntimeCore
 
 FIELD_MAGIC = b"MSFR"
@@ -230,7 +230,7 @@ class FieldRef(TensorRef):
             for t in sc.tiles_of_rows(start, stop):
                 a, b = sc.rows_of_tile(t)
                 if start <= a and b <= stop:
-                    self.runtime.mark_ready(self.spec, t)
+                    self._core().mark_ready(self.spec, t)
                     done.append(t)
         return done
 
@@ -243,7 +243,7 @@ class FieldRef(TensorRef):
         for t in sc.tiles_of_rows(start, stop):
             a, b = sc.rows_of_tile(t)
             if start <= a and b <= stop:
-                self.runtime.mark_ready(self.spec, t)
+                self._core().mark_ready(self.spec, t)
                 done.append(t)
         return done
 
@@ -260,7 +260,7 @@ class FieldRef(TensorRef):
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
             raise ValueError(f"tiles [{start}, {stop}) lie outside field {self.field!r}'s {n} tiles")
-        rt = self.runtime
+        rt = self._core()
         timeout = rt.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for t in range(start, stop):
@@ -278,7 +278,7 @@ class FieldRef(TensorRef):
         """Whether every tile holding rows ``[start, stop)`` is ready now (no wait)."""
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
-        rt = self.runtime
+        rt = self._core()
         return all(rt.is_ready(self.spec, t) for t in sc.tiles_of_rows(start, stop))
 
     def get_rows(self, start: int = 0, stop: int | None = None, *, wait: bool = True,
@@ -300,7 +300,7 @@ class FieldRef(TensorRef):
 
         if not isinstance(tiles_per_step, (int, np.integer)) or tiles_per_step < 1:
             raise ValueError(f"tiles_per_step must be an int >= 1, got {tiles_per_step!r}")
-        rt = self.runtime
+        rt = self._core()
         tb = max(1, self.tile_bytes * int(tiles_per_step))
         return Pipeline(rt, self.spec, tile_bytes=tb, depth=depth, timeout=timeout,
                         zero_copy=zero_copy, out=out)
@@ -328,7 +328,7 @@ class FieldSet(Mapping[str, FieldRef]):
             if r.field in self._refs:
                 raise ValueError(f"field {r.field!r} appears twice")
             self._refs[r.field] = r if runtime is None else r.bind(runtime)
-        self._rt = runtime
+        self._rt = as_core(runtime)
         self._local = dict(local or {})
 
     # -- publish ---------------------------------------------------------------------------------
@@ -354,6 +354,9 @@ class FieldSet(Mapping[str, FieldRef]):
         Raises:
             ValueError / TypeError: empty fields, bad names, 0-d values, bad tile_rows.
         """
+        runtime = as_core(runtime)
+        if runtime is None:
+            raise TypeError("runtime must be a memsem.Runtime, got None")
         if not isinstance(fields, Mapping) or not fields:
             raise ValueError("fields must be a non-empty mapping of field name to array or (shape, dtype)")
         set_name = name if name is not None else f"fields-{secrets.token_hex(4)}"
@@ -398,7 +401,7 @@ class FieldSet(Mapping[str, FieldRef]):
     def unpublish(self, *, timeout: float | None = None) -> None:
         """Owner: unpublish every field (see ``Runtime.unpublish``). Fields already gone are
         skipped."""
-        rt = self.runtime
+        rt = self._core()
         errors = []
         for r in self._refs.values():
             try:
@@ -439,8 +442,12 @@ class FieldSet(Mapping[str, FieldRef]):
         return {k: r.schema for k, r in self._refs.items()}
 
     @property
-    def runtime(self) -> RuntimeCore:
+    def runtime(self) -> Any:
+        """The ``memsem.Runtime`` this set works through."""
         return next(iter(self._refs.values())).runtime
+
+    def _core(self) -> RuntimeCore:
+        return next(iter(self._refs.values()))._core()
 
     def bind(self, runtime: RuntimeCore) -> "FieldSet":
         return FieldSet(self.name, self._refs.values(), runtime)
@@ -453,7 +460,7 @@ class FieldSet(Mapping[str, FieldRef]):
         if field is None:
             if rows is not None:
                 raise ValueError("rows= needs field=")
-            rt = self.runtime
+            rt = self._core()
             timeout = rt.timeout if timeout is None else timeout
             deadline = time.monotonic() + timeout
             for r in self._refs.values():
@@ -476,7 +483,7 @@ class FieldSet(Mapping[str, FieldRef]):
             PeerLostError: a field's owner died.
         """
         refs = [self[f] for f in (self.fields if fields is None else fields)]
-        rt = self.runtime
+        rt = self._core()
         timeout = rt.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         pending = [set(range(r.n_tiles)) for r in refs]

@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from memsem.refs._tensorref import TensorRef, check_ref
-from memsem.runtime import Batch, Lease, RuntimeCore
+from memsem.runtime import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
 from memsem.topology import Route
 
 
-class Runtime(RuntimeCore):
+class Runtime:
     """A process's memsem runtime. Use as a context manager, or call ``close()``.
 
     Args:
@@ -25,6 +27,7 @@ class Runtime(RuntimeCore):
         job: directory namespace (``MEMSEM_JOB``, default "default").
         timeout: default bound in seconds of every blocking call (default 30).
         prefer: force an engine for every route (``explain`` shows alternatives).
+        workers: threads running asynchronous transfers (default 4).
 
     Example::
 
@@ -32,7 +35,86 @@ class Runtime(RuntimeCore):
             ref = rt.publish(weights, name="w", access="r")
             send(ref.to_bytes())           # any control channel
             ...                            # consumer: TensorRef.from_bytes(b).get()
+
+    A runtime holds native state (mappings, a directory rank, threads): close it. After
+    ``close()`` its refs raise ``RuntimeClosedError``. In a process forked from this one, the
+    inherited runtime is unusable (``RuntimeClosedError``) and refs bound to it use the child's
+    default runtime; nothing the parent owns is touched.
     """
+
+    __slots__ = ("_core", "__weakref__")
+
+    def __init__(self, *, directory: str | None = None, engines: Sequence[str] | None = None,
+                 engine_objects: dict[str, Any] | None = None, job: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None, workers: int = 4) -> None:
+        self._core = RuntimeCore(directory=directory, engines=engines, engine_objects=engine_objects,
+                                 job=job, timeout=timeout, prefer=prefer, workers=workers)
+        self._core.facade = weakref.ref(self)
+
+    @classmethod
+    def _wrap(cls, core: RuntimeCore) -> "Runtime":
+        """The facade of ``core`` (the existing one, or a new one around the same core)."""
+        f = core.facade() if core.facade is not None else None
+        if f is None:
+            f = object.__new__(cls)
+            f._core = core
+            core.facade = weakref.ref(f)
+        return f
+
+    @property
+    def core(self) -> RuntimeCore:
+        """The runtime core (the layer below refs): for integrations and engines' authors."""
+        return self._core
+
+    # -- context & lifetime ------------------------------------------------------------------------
+    def __enter__(self) -> "Runtime":
+        self._core.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._core.__exit__(*exc)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close the runtime (see :meth:`memsem.runtime.RuntimeCore.close`). Safe twice."""
+        self._core.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def timeout(self) -> float:
+        """The default bound in seconds of this runtime's blocking calls (settable, > 0)."""
+        return self._core.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        from memsem import _args
+
+        self._core.timeout = _args.timeout(value, "timeout", positive=True)
+
+    @property
+    def rank(self) -> int:
+        """This runtime's rank in the job's directory (its GVA slice)."""
+        return self._core.rank
+
+    @property
+    def engines(self) -> list[str]:
+        """Names of the engines enabled here."""
+        return list(self._core.engines)
+
+    def engine(self, name: str) -> Any:
+        """The enabled engine ``name`` (NotSupportedError when not enabled)."""
+        return self._core.engine(name)
+
+    def stats(self) -> Stats:
+        """A snapshot of this runtime's telemetry (:class:`memsem.Stats`)."""
+        return self._core.stats()
+
+    def __repr__(self) -> str:
+        c = self._core
+        state = "closed" if c.closed else f"{len(c.publisher.owned)} window(s)"
+        return f"<memsem.Runtime rank {c.rank} {c.directory.url} {state}>"
 
     # -- publish ---------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
@@ -61,8 +143,8 @@ class Runtime(RuntimeCore):
             bad name/access/tiling. AccessDeniedError: ``access="rw"`` on read-only memory.
             LeaseHeldError: republish while leases on the old generation outlast the timeout.
         """
-        return TensorRef(self.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
-                                           tiles=tiles), self)
+        return TensorRef(self._core.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
+                                                 tiles=tiles), self._core)
 
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
               engine: str | None = None) -> np.ndarray:
@@ -79,7 +161,7 @@ class Runtime(RuntimeCore):
                 checked now, so no SIGBUS happens later (or the symmetric heap is full).
             NotSupportedError: ``engine`` is not enabled here or cannot allocate memory.
         """
-        return self.alloc_array(shape, dtype, engine=engine)
+        return self._core.alloc_array(shape, dtype, engine=engine)
 
     def unpublish(self, ref: TensorRef | str, *, timeout: float | None = None) -> None:
         """Retire a window this runtime owns: refuse new leases, wait up to ``timeout`` s for
@@ -91,15 +173,38 @@ class Runtime(RuntimeCore):
             WindowNotFoundError: this runtime owns no such window.
             StaleReferenceError: ``ref`` is from an older generation.
         """
-        self.unpublish_spec(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
+        self._core.unpublish_spec(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
+
+    def write_section(self, ref: TensorRef | str) -> Any:
+        """Owner: a context manager inside which the window's published bytes may change.
+
+        While it is open, readers never return bytes as valid: they wait (up to their timeout)
+        for it to close, or retry a copy it tore. Closing it publishes the next version of the
+        window's bytes (``with rt.write_section(ref) as version:`` gives its number). If the
+        body raises, the section stays open: no version is published over half-written bytes.
+
+        Writes by the owner outside a write section are invisible to readers' checks: a reader
+        may then get a mixture of old and new bytes with no error. Always write in a section.
+
+        Raises:
+            WindowNotFoundError: this runtime owns no such window. StaleReferenceError: an old ref.
+            MemsemError: a section is already open on it.
+        """
+        return self._core.write_section(ref if isinstance(ref, str) else check_ref(ref, "ref").spec)
+
+    def lease_holders(self, ref: TensorRef | str) -> list[tuple[int, float]]:
+        """Owner: ``(pid, seconds left)`` of the unexpired leases live processes hold on a window
+        this runtime owns."""
+        spec = self._core.lookup_spec(ref) if isinstance(ref, str) else check_ref(ref, "ref").spec
+        return self._core.lease_holders(spec)
 
     def lookup(self, name: str) -> TensorRef:
         """Ref of a window this runtime published under ``name``."""
-        return TensorRef(self.lookup_spec(name), self)
+        return TensorRef(self._core.lookup_spec(name), self._core)
 
     def ref(self, data: bytes | bytearray | memoryview) -> TensorRef:
         """Deserialize a ref and bind it to this runtime."""
-        return TensorRef.from_bytes(data, self)
+        return TensorRef.from_bytes(data, self._core)
 
     # -- data ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
@@ -122,7 +227,7 @@ class Runtime(RuntimeCore):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}")
             specs.append(tuple(p.spec if isinstance(p, TensorRef) else p for p in pair))
-        return self.xcopy_specs(specs, lease=lease)
+        return self._core.xcopy_specs(specs, lease=lease)
 
     def lease(self, ref: TensorRef, ttl: float | None = 10.0) -> Lease:
         """A lease on ``ref``'s window, acquired on ``with`` entry or by ``acquire()``.
@@ -131,14 +236,15 @@ class Runtime(RuntimeCore):
             ttl: seconds until expiry unless renewed; None holds until release (reaped if this
                 process dies).
         """
-        return Lease(self, check_ref(ref, "ref").spec, ttl)
+        return Lease(self._core, check_ref(ref, "ref").spec, ttl)
 
     def explain(self, ref: TensorRef) -> str:
         """Which route reaches ``ref`` from here, why, its modeled cost, and why not the others."""
-        return self.route_of(check_ref(ref, "ref").spec).explain()
+        return self._core.route_of(check_ref(ref, "ref").spec).explain()
 
     def route(self, ref: TensorRef) -> Route:
-        return self.route_of(check_ref(ref, "ref").spec)
+        """The :class:`memsem.topology.Route` that reaches ``ref`` from here."""
+        return self._core.route_of(check_ref(ref, "ref").spec)
 
     # -- pipeline & fields -----------------------------------------------------------------------
     def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int = 2,
@@ -160,9 +266,8 @@ class Runtime(RuntimeCore):
         """
         from memsem.pipeline import Pipeline
 
-        return Pipeline(self, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
-                        wait_ready=wait_ready, timeout=self.timeout if timeout is None else timeout,
-                        zero_copy=zero_copy, out=out, lease=lease)
+        return Pipeline(self._core, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
+                        wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):
@@ -172,7 +277,7 @@ class Runtime(RuntimeCore):
         """
         from memsem.refs._fields import FieldSet
 
-        return FieldSet.publish(self, fields, tile_rows=tile_rows, name=name, access=access)
+        return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access)
 
 
 _default: Runtime | None = None
@@ -181,10 +286,20 @@ _default_lock = threading.Lock()
 
 def default_runtime() -> Runtime:
     """The process's default runtime (created on first use, closed at exit). Used by refs that
-    were deserialized without an explicit runtime (e.g. unpickled in a worker)."""
+    were deserialized without an explicit runtime (e.g. unpickled in a worker), and in a forked
+    child by refs bound to a runtime the parent made."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
             _default = Runtime()
             atexit.register(_default.close)
         return _default
+
+
+def _after_fork_in_child() -> None:
+    global _default, _default_lock
+    _default = None  # the parent's (closed in the child): a new one on first use
+    _default_lock = threading.Lock()  # it may have been held by another thread at fork time
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

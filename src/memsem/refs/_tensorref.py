@@ -8,18 +8,39 @@ import numpy as np
 
 from memsem import _dtypes
 from memsem._buffers import as_byte_array
-from memsem._errors import MemsemError
+from memsem._errors import MemsemError, RuntimeClosedError
 from memsem.gva import RefSpec
 from memsem.runtime import Completion, Lease, RuntimeCore, current_core
 
 
-def _default_runtime() -> RuntimeCore:
+def _default_core() -> RuntimeCore:
     rt = current_core()
     if rt is not None:
         return rt
     from memsem.refs._runtime import default_runtime
 
-    return default_runtime()
+    return default_runtime()._core
+
+
+def as_core(runtime: Any, argname: str = "runtime") -> RuntimeCore | None:
+    """The RuntimeCore of a ``memsem.Runtime`` (or a core itself, or None)."""
+    if runtime is None or isinstance(runtime, RuntimeCore):
+        return runtime
+    core = getattr(runtime, "_core", None)
+    if isinstance(core, RuntimeCore):
+        return core
+    raise TypeError(f"{argname} must be a memsem.Runtime, got {type(runtime).__name__}")
+
+
+def usable_core(rt: RuntimeCore | None) -> RuntimeCore:
+    """The core a ref bound to ``rt`` works through: ``rt``; the current or default runtime when
+    unbound or when ``rt`` was inherited through fork. Raises RuntimeClosedError when ``rt``
+    was closed (never a silent fallback to another runtime)."""
+    if rt is None or rt._forked:
+        return _default_core()
+    if rt._closed:
+        rt.check_open()
+    return rt
 
 
 class TensorRef:
@@ -39,23 +60,30 @@ class TensorRef:
 
     __slots__ = ("spec", "_rt")
 
-    def __init__(self, spec: RefSpec, runtime: RuntimeCore | None = None) -> None:
+    def __init__(self, spec: RefSpec, runtime: Any = None) -> None:
         if not isinstance(spec, RefSpec):
             raise TypeError(f"spec must be a RefSpec, got {type(spec).__name__}")
         self.spec = spec
-        self._rt = runtime
+        self._rt = as_core(runtime)
 
     # -- identity --------------------------------------------------------------------------------
     @property
-    def runtime(self) -> RuntimeCore:
+    def runtime(self) -> Any:
+        """The ``memsem.Runtime`` this ref works through (its own, or the current/default one
+        when unbound). Raises RuntimeClosedError when its runtime was closed."""
+        from memsem.refs._runtime import Runtime
+
+        return Runtime._wrap(usable_core(self._rt))
+
+    def _core(self) -> RuntimeCore:
         rt = self._rt
-        if rt is None or rt.closed:
-            rt = _default_runtime()
+        if rt is None or rt._closed:
+            return usable_core(rt)
         return rt
 
-    def bind(self, runtime: RuntimeCore) -> "TensorRef":
-        """The same ref, bound to ``runtime``."""
-        return type(self)(self.spec, runtime)
+    def bind(self, runtime: Any) -> "TensorRef":
+        """The same ref, bound to ``runtime`` (a ``memsem.Runtime``)."""
+        return type(self)(self.spec, as_core(runtime))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,13 +126,13 @@ class TensorRef:
         return self.spec.to_bytes()
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: RuntimeCore | None = None) -> "TensorRef":
+    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: Any = None) -> "TensorRef":
         """Rebuild a ref; bound to ``runtime`` or, lazily, the current/default runtime.
 
         Raises:
             ValueError: ``data`` is not a serialized ref.
         """
-        return cls(RefSpec.from_bytes(data), runtime)
+        return cls(RefSpec.from_bytes(data), as_core(runtime))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self).from_bytes, (self.spec.to_bytes(),))
@@ -175,9 +203,9 @@ class TensorRef:
         """
         rt = self._rt
         if rt is None or rt._closed:
-            rt = _default_runtime()
+            rt = usable_core(rt)
         if out is not None:
-            return rt.get_spec(self.spec, out, lease=lease)
+            return rt.transfers.get(self.spec, out, lease=lease)
         fw = framework or self._default_framework()
         if fw == "numpy":
             return rt.get_spec(self.spec, None, lease=lease)
@@ -207,7 +235,7 @@ class TensorRef:
         """
         if out is None:
             out = self._alloc(framework)
-        return self.runtime.submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
+        return self._core().submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
 
     def _alloc(self, framework: str | None) -> Any:
         fw = framework or self._default_framework()
@@ -232,12 +260,12 @@ class TensorRef:
         """
         rt = self._rt
         if rt is None or rt._closed:
-            rt = _default_runtime()
-        rt.put_spec(self.spec, src, lease=lease)
+            rt = usable_core(rt)
+        rt.transfers.put(self.spec, src, lease=lease)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final."""
-        return self.runtime.submit(f"put to {self.spec.label}", lambda: self.put(src, lease=lease))
+        return self._core().submit(f"put to {self.spec.label}", lambda: self.put(src, lease=lease))
 
     def view(self, *, lease: Lease | None = None, framework: str | None = None) -> Any:
         """Zero-copy array over the window's memory itself (same process, or same node with a
@@ -251,7 +279,7 @@ class TensorRef:
         Raises:
             NotSupportedError: the route cannot map the memory (it names the route); use get().
         """
-        arr = self.runtime.view_spec(self.spec, lease=lease)
+        arr = self._core().view_spec(self.spec, lease=lease)
         if (framework or "numpy") == "torch":
             import torch
 
@@ -261,20 +289,20 @@ class TensorRef:
 
     def lease(self, ttl: float | None = 10.0) -> Lease:
         """A (not yet acquired) lease on this ref's window; use as ``with ref.lease(ttl) as l:``."""
-        return Lease(self.runtime, self.spec, ttl)
+        return Lease(self._core(), self.spec, ttl)
 
     # -- tile-ready events -----------------------------------------------------------------------
     def mark_ready(self, index: int) -> None:
         """Producer: publish tile ``index`` as ready (release store; data written before is
         visible to any consumer that sees the mark)."""
-        self.runtime.mark_ready(self.spec, index)
+        self._core().mark_ready(self.spec, index)
 
     def put_tile(self, index: int, data: Any) -> None:
         """Producer: write tile ``index`` (its bytes, per the window's tile size), then mark it
         ready. Blocking. On route ``mte`` the bytes and the tile's SHMEM signal word travel in
         one ``aclshmemx_putmem_signal`` (the owner may wait on either)."""
-        rt = self.runtime
-        res = rt._resolve(self.spec)
+        rt = self._core()
+        res = rt.resolve(self.spec)
         tb = res.info.tile_bytes
         if not tb:
             raise ValueError(f"{self.spec.label} was published without tiles")
@@ -301,23 +329,23 @@ class TensorRef:
             PeerLostError: the owner died while waiting (within 0.05 s of its death).
             StaleReferenceError: the window's generation moved.
         """
-        self.runtime.wait_tile(self.spec, index, timeout)
+        self._core().wait_tile(self.spec, index, timeout)
 
     def ready_tiles(self) -> list[int]:
         """Indices of the tiles ready for this ref's generation (a snapshot)."""
-        return self.runtime.ready_tiles(self.spec)
+        return self._core().ready_tiles(self.spec)
 
     def is_ready(self, index: int) -> bool:
-        return self.runtime.is_ready(self.spec, index)
+        return self._core().is_ready(self.spec, index)
 
     @property
     def tile_bytes(self) -> int:
         """Tile size in bytes of the window's ready words (0 when published without tiles)."""
-        return self.runtime._resolve(self.spec).info.tile_bytes
+        return self._core().resolve(self.spec).info.tile_bytes
 
     def route(self) -> Any:
         """The :class:`memsem.topology.Route` this process uses to reach the window."""
-        return self.runtime.route_of(self.spec)
+        return self._core().route_of(self.spec)
 
 
 def _torch_importable() -> bool:

@@ -1,47 +1,62 @@
 """Leases: a consumer's time-bounded, renewable claim on a window."""
 from __future__ import annotations
 
+import math
+import os
 import threading
 from typing import TYPE_CHECKING
 
-from memsem import native
+from memsem import _args, native
 from memsem._errors import (
     LeaseExpiredError,
     MemsemError,
-    NotSupportedError,
-    PeerLostError,
+    RuntimeClosedError,
     StaleReferenceError,
 )
-from memsem.gva import (
-    ControlBlock,
-    RefSpec,
-    lease as _lease,
-)
-from memsem.runtime._state import _Resolved
+from memsem.gva import ControlBlock, RefSpec, lease as _lease
+from memsem.runtime import _translate as tr
+from memsem.runtime._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._runtime import RuntimeCore
+    from memsem.runtime._core import RuntimeCore
+
+#: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
+MAX_TTL = _args.MAX_TTL_S
+_FOREVER_NS = 1 << 62
 
 
 class Lease:
-    """A consumer's time-bounded, renewable claim on a window (see DESIGN.md, Lease).
+    """A consumer's time-bounded, renewable claim on a window.
 
-    While unexpired, the owner cannot unpublish or reuse the window. Transfers made with the lease
-    check it before and after the copy: expiry at any point raises LeaseExpiredError.
-    ``release`` refuses while views taken under this lease are alive.
+    While unexpired, the owner cannot unpublish or reuse the window (it waits, then fails with
+    ``LeaseHeldError``; a forced close warns). Transfers made with the lease check it before and
+    after the copy: expiry at any point raises ``LeaseExpiredError``. ``release`` refuses while
+    views taken under this lease are alive. A lease of a dead process is reaped by the owner.
+
+    Args:
+        runtime: the consumer's runtime core.
+        spec: the ref whose window is leased.
+        ttl: seconds until expiry unless renewed, or None (until released).
+        version: for a double-buffered versioned window, the version this lease keeps readable
+            (the owner does not overwrite its slot while the lease lasts); 0 pins none.
+
+    Thread safety: any thread may use a lease; a lease belongs to the process that acquired it
+    (in a forked child it raises ``RuntimeClosedError``).
     """
 
-    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None) -> None:
-        _check_ttl(ttl)
+    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None, *, version: int = 0) -> None:
+        self.ttl = _args.ttl(ttl)
         self.runtime = runtime
         self.spec = spec
-        self.ttl = ttl
+        self.version = _args.count(version, "version")
         self._slot = -1
         self._id = 0
+        self._slot_addr = 0  # native address of the lease slot (the hot path checks it natively)
         self._cb: ControlBlock | None = None
         self._views = 0
         self._remote = ""  # lease held in the directory (window on another node): its member id
         self._exp = 0  # its expiry, monotonic ns of this process (conservative: never later than the owner's)
+        self._pid = 0
         self._lock = threading.RLock()  # RLock: a view's finalizer may run inside a held section
 
     @property
@@ -49,59 +64,82 @@ class Lease:
         return self._id != 0
 
     def _ttl_ns(self, ttl: float | None) -> int:
-        return (1 << 62) if ttl is None else int(ttl * 1e9)
+        return _FOREVER_NS if ttl is None else int(ttl * 1e9)
+
+    def _check_process(self) -> None:
+        if self._pid and self._pid != os.getpid():
+            raise RuntimeClosedError(f"this lease on {self.spec.label} was acquired by pid {self._pid}; "
+                                     "a forked child cannot use its parent's leases")
 
     def acquire(self) -> "Lease":
-        """Claim the lease. Raises StaleReferenceError (window gone or closing), PeerLostError,
-        AccessDeniedError (wrong key), MemsemError (no free lease slot)."""
+        """Claim the lease.
+
+        Raises:
+            StaleReferenceError: the window is gone, closing, or of another generation.
+            PeerLostError: the owner is dead. AccessDeniedError: wrong key.
+            MemsemError: no free lease slot. RuntimeClosedError: the runtime is closed.
+        """
         if self.held:
             raise MemsemError("lease already held; renew() it instead")
-        res = self.runtime._resolve(self.spec)
+        res = self.runtime.resolver.resolve(self.spec)
         if res.cb is None:
             return self._acquire_remote(res)
-        if not res.own_cb and not res.owner.alive():  # a cached resolution may outlive its owner
-            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid}) is dead: no lease")
+        if not res.own_cb and not res.peer.alive():  # a cached resolution may outlive its owner
+            raise res.peer.lost(self.spec.label)
         me = self.runtime.identity
+        cb = res.cb
+        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
         try:
-            slot, lid = _lease.acquire(res.cb, me.pid, me.start_time, self._ttl_ns(self.ttl))
-        except _lease.WindowClosing:
-            raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
-                                      window=self.spec.name) from None
-        except _lease.LeaseSlotsFull:
-            raise MemsemError(f"{self.spec.label}: all {res.cb.n_lease} lease slots are held") from None
-        if res.cb.generation != self.spec.generation:
-            _lease.release(res.cb, slot, lid)
-            raise self.runtime._stale(self.spec, res.cb.generation)
-        res.cb.pin()  # the lease reads its slot until released, whatever happens to the cache
-        self._cb, self._slot, self._id = res.cb, slot, lid
-        self.runtime._leases.add(self)
+            try:
+                slot, lid = _lease.acquire(cb, me.pid, me.start_time, self._ttl_ns(self.ttl), self.version)
+            except _lease.WindowClosing:
+                raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
+                                          window=self.spec.name, expected=self.spec.generation) from None
+            except _lease.LeaseSlotsFull:
+                raise MemsemError(f"{self.spec.label}: all {cb.n_lease} lease slots are held") from None
+            if cb.generation != self.spec.generation:
+                _lease.release(cb, slot, lid)
+                raise tr.stale(self.spec, cb.generation)
+        except BaseException:
+            cb.unpin()
+            raise
+        self._cb, self._slot, self._id = cb, slot, lid
+        self._slot_addr = cb.lease_slot_addr(slot)
+        self._pid = os.getpid()
+        self.runtime.leases.add(self)
         return self
 
-    def _acquire_remote(self, res: "_Resolved") -> "Lease":
+    def _acquire_remote(self, res: Resolution) -> "Lease":
         """A lease on a window of another node, held in the directory (redis: a sorted set the
         owner reads, atomically with marking the window closing, before it unpublishes)."""
         rt = self.runtime
-        acquire = getattr(rt.directory, "acquire_lease", None)
-        if acquire is None:
+        if not rt.directory.holds_leases:
+            from memsem._errors import NotSupportedError
+
             raise NotSupportedError(f"leases across nodes need a directory that holds them (redis://); "
                                     f"{rt.directory.url} does not (route {res.route.kind})")
-        if not res.owner.alive():
-            raise PeerLostError(f"the owner of {self.spec.label} (pid {res.owner.pid} on {res.owner.node}) "
-                                "is dead: no lease")
+        if not res.peer.alive():
+            raise res.peer.lost(self.spec.label)
         t0 = native.monotonic_ns()  # the owner's expiry counts from later: ours is conservative
         me = rt.identity
-        member = acquire(self.spec.gva, self.spec.generation, {"node": me.node, "pid": me.pid, "rank": rt.rank},
-                         self.ttl)
+        member = rt.directory.acquire_lease(self.spec.gva, self.spec.generation,
+                                            {"node": me.node, "pid": me.pid, "rank": rt.rank}, self.ttl)
         self._remote, self._exp, self._id = member, t0 + self._ttl_ns(self.ttl), 1
-        rt._leases.add(self)
+        self._pid = os.getpid()
+        rt.leases.add(self)
         return self
 
     def renew(self, ttl: float | None = None) -> float:
-        """Extend to ``ttl`` (default: the original ttl) from now; returns the new expiry as
-        seconds from now. Raises LeaseExpiredError if it already expired or was reclaimed."""
+        """Extend to ``ttl`` (default: the original ttl) from now; returns seconds until the new
+        expiry (``math.inf`` when held until released).
+
+        Raises:
+            LeaseExpiredError: it already expired or was reclaimed (the slot is freed).
+        """
+        self._check_process()
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
-        ttl = self.ttl if ttl is None else _check_ttl(ttl)
+        ttl = self.ttl if ttl is None else _args.ttl(ttl)
         if self._remote:
             t0 = native.monotonic_ns()
             d = self.runtime.directory
@@ -110,18 +148,21 @@ class Lease:
                 self._forget()
                 raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
             self._exp = t0 + self._ttl_ns(ttl)
-            return (self._exp - native.monotonic_ns()) / 1e9
-        exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
-        if not exp:
-            _lease.release(self._cb, self._slot, self._id)  # free the slot now (no-op if reclaimed)
-            self._forget()
-            raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
-        return (exp - native.monotonic_ns()) / 1e9
+        else:
+            exp = _lease.renew(self._cb, self._slot, self._id, self._ttl_ns(ttl))
+            if not exp:
+                _lease.release(self._cb, self._slot, self._id)  # free the slot now (no-op if reclaimed)
+                self._forget()
+                raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
+        return math.inf if ttl is None else self.remaining()
 
     def remaining(self) -> float:
-        """Seconds until expiry (<= 0 when expired or released)."""
+        """Seconds until expiry: ``math.inf`` when held until released, <= 0 when expired or
+        released. Never blocks."""
         if not self.held:
             return 0.0
+        if self.ttl is None:
+            return math.inf
         exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
         return (exp - native.monotonic_ns()) / 1e9 if exp else 0.0
 
@@ -130,7 +171,16 @@ class Lease:
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
         if self.expired():
-            raise LeaseExpiredError(f"lease on {self.spec.label} expired {when}")
+            raise tr.lease_expired(self.spec, when)
+
+    def native_args(self, spec: RefSpec) -> tuple[int, int]:
+        """``(slot address, lease id)`` for ``memsem_plan_copy``; (0, 0) for a lease held in the
+        directory (checked in Python). Raises ValueError for a lease of another window."""
+        if self.spec.gva != spec.gva:
+            raise ValueError(f"lease is for {self.spec.label}, not {spec.label}")
+        if self._pid != os.getpid():
+            self._check_process()
+        return self._slot_addr, self._id
 
     def release(self) -> None:
         """Give the lease back. Safe twice. Raises MemsemError while views taken under it live."""
@@ -138,8 +188,13 @@ class Lease:
             if self._views:
                 raise MemsemError(f"lease on {self.spec.label} still backs {self._views} view(s); "
                                   "drop them before release()")
+            if self._pid and self._pid != os.getpid():
+                return  # a forked child never frees its parent's lease
             if self._remote:
-                self.runtime.directory.release_lease(self.spec.gva, self._remote)
+                try:
+                    self.runtime.directory.release_lease(self.spec.gva, self._remote)
+                except MemsemError:
+                    pass  # expires on its own
             elif self.held:
                 _lease.release(self._cb, self._slot, self._id)
             self._forget()
@@ -147,8 +202,9 @@ class Lease:
     def _forget(self) -> None:
         cb, self._cb = self._cb, None
         self._id = 0
+        self._slot_addr = 0
         self._remote = ""
-        self.runtime._leases.discard(self)
+        self.runtime.leases.discard(self)
         if cb is not None:
             cb.unpin()
 
@@ -168,19 +224,8 @@ class Lease:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<Lease {self.spec.label} {'held' if self.held else 'released'} {self.remaining():.3f}s left>"
-
-
-#: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
-MAX_TTL = 1e9
-
-
-def _check_ttl(ttl: object) -> float | None:
-    """``ttl`` is None (until released) or a finite number of seconds in (0, MAX_TTL]."""
-    if ttl is None:
-        return None
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"ttl must be a number of seconds or None, got {ttl!r}")
-    if not (0 < float(ttl) <= MAX_TTL):
-        raise ValueError(f"ttl must be > 0 and <= {MAX_TTL:g} seconds, or None (until released), got {ttl!r}")
-    return float(ttl)
+        if not self.held:
+            return f"<Lease {self.spec.label} released>"
+        left = self.remaining()
+        when = "held until released" if left == math.inf else f"held, {left:.3f} s left"
+        return f"<Lease {self.spec.label} {when}>"

@@ -1,21 +1,32 @@
 """Telemetry: what memsem counts while it works.
 
-Cheap on the hot path: a resolved window holds its route's counter (a two-item list: ops,
-bytes) and the bound ``append`` of its op kind's latency ring, so a get/put adds two integers
-and stores one sample; there is no lock and no call into this module. Under concurrent threads
-an increment may rarely be lost (the adds are not atomic across bytecodes); the figures are
-telemetry, not accounting. ``memsem bench`` reports the cost (``telemetry_ns_per_op``).
+Free on the hot path: the native copy itself counts, in its resolution's plan, the operations,
+bytes and a latency histogram per direction (relaxed atomic adds; 4 buckets per power of two of
+nanoseconds, see ``memsem_lat_bucket``). This module only reads them: a snapshot sums the plans
+of live resolutions and the totals folded in from released ones. Operations off the hot path
+(xcopy batches, views, pipelines) and error counts are recorded here directly.
 """
 from __future__ import annotations
 
 import dataclasses
 import resource
-from collections import defaultdict, deque
-from typing import Any
+import threading
+import weakref
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-_RING = 4096
+from memsem import native
+
+if TYPE_CHECKING:
+    from memsem.runtime._resolve import Resolution
+
+_NB = native.LAT_BUCKETS
+#: lower bound in ns of every latency bucket (the last bucket is open-ended)
+BUCKET_FLOOR_NS = np.array([native.lib.memsem_lat_bucket_floor(b) for b in range(_NB)], np.float64)
+#: error kinds counted (``Stats.errors``)
+ERROR_KINDS = ("stale", "torn", "busy", "lease_expired", "peer_lost", "timeout")
 
 
 @dataclasses.dataclass
@@ -27,14 +38,20 @@ class Stats:
         ops_by_route: operations per route kind.
         bounce_bytes: bytes copied through any intermediate buffer (staging, remote-to-remote).
         registrations: regions registered with engines (per engine).
-        latency_us: per op kind (``get``, ``put``, ``xcopy``, ``view``): p50 and p99 in us of the
-            last 4096 operations.
+        latency_us: per op kind (``get``, ``put``, ``xcopy``, ``view``, ``pipeline_first_tile``):
+            ``p50``, ``p99`` (microseconds, from the histogram: the bucket's lower bound) and ``n``.
+        latency_hist: per op kind, ``(bucket lower bounds in ns, counts)`` of every operation
+            so far (for exporters).
         peak_rss_bytes: the process's peak resident set size.
         windows_published: windows this runtime owns now.
         pipelines: totals over the pipelines this runtime ran (``count``, ``tiles``,
             ``bytes_moved``, ``move_s``, ``caller_wait_s``, ``ready_wait_s``) and the last one's
-            ``first_tile_s`` and ``overlap_ratio``; first-tile latency percentiles are in
-            ``latency_us["pipeline_first_tile"]``.
+            ``first_tile_s`` and ``overlap_ratio``.
+        errors: counts of ``stale`` (generation moved), ``torn`` (a copy raced a write section
+            and was retried), ``busy`` (a reader waited for a write section), ``lease_expired``,
+            ``peer_lost`` and ``timeout`` outcomes.
+        leases_held: leases this runtime holds now.
+        resolutions: resolutions cached now (each holds its window's mappings).
     """
 
     bytes_by_route: dict[str, int]
@@ -45,66 +62,146 @@ class Stats:
     peak_rss_bytes: int
     windows_published: int
     pipelines: dict[str, float] = dataclasses.field(default_factory=dict)
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    leases_held: int = 0
+    resolutions: int = 0
+    latency_hist: dict[str, tuple[list[float], list[int]]] = dataclasses.field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+def _percentile(counts: np.ndarray, q: float) -> float:
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    idx = int(np.searchsorted(np.cumsum(counts), q * total, side="left"))
+    return float(BUCKET_FLOOR_NS[min(idx, _NB - 1)])
+
+
 class Telemetry:
+    """Counters of one runtime (thread safe)."""
+
     def __init__(self) -> None:
-        self._routes: dict[str, list[int]] = {}  # route kind -> [ops, bytes]
+        self._lock = threading.Lock()
+        self._live: "weakref.WeakSet[Resolution]" = weakref.WeakSet()
+        #: route kind -> [ops, bytes] of released resolutions
+        self._routes: dict[str, list[int]] = {}
+        #: op kind -> histogram counts
+        self._hist: dict[str, np.ndarray] = {}
         self.bounce_bytes = 0
         self.registrations: defaultdict[str, int] = defaultdict(int)
-        self._lat: defaultdict[str, deque[int]] = defaultdict(lambda: deque(maxlen=_RING))
         self.pipelines: defaultdict[str, float] = defaultdict(float)
+        self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+
+    # -- hot-path counters live in plans ----------------------------------------------------------
+    def track(self, res: "Resolution") -> None:
+        with self._lock:
+            self._live.add(res)
+
+    def absorb(self, res: "Resolution") -> None:
+        """Fold a released resolution's counters into the totals (once)."""
+        ops, nbytes, hist = _plan_counts(res.plan)
+        with self._lock:
+            self._live.discard(res)
+            c = self._routes.setdefault(res.route.kind, [0, 0])
+            c[0] += ops
+            c[1] += nbytes
+            for k, h in zip(("get", "put"), hist):
+                self._add_hist(k, h)
+
+    def _add_hist(self, kind: str, h: np.ndarray) -> None:
+        cur = self._hist.get(kind)
+        if cur is None:
+            self._hist[kind] = h.astype(np.int64, copy=True)
+        else:
+            cur += h.astype(np.int64)
+
+    # -- off the hot path -------------------------------------------------------------------------
+    def record(self, kind: str, route: str, nbytes: int, elapsed_ns: int) -> None:
+        """Count one operation that did not go through a plan (views)."""
+        with self._lock:
+            c = self._routes.setdefault(route, [0, 0])
+            c[0] += 1
+            c[1] += nbytes
+        self.record_latency(kind, elapsed_ns)
+
+    def record_latency(self, kind: str, elapsed_ns: int) -> None:
+        b = native.lib.memsem_lat_bucket(max(0, int(elapsed_ns)))
+        with self._lock:
+            h = self._hist.get(kind)
+            if h is None:
+                h = self._hist[kind] = np.zeros(_NB, np.int64)
+            h[b] += 1
+
+    def count_error(self, kind: str) -> None:
+        """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
+        with self._lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
 
     def record_pipeline(self, st: Any) -> None:
         """Add one finished pipeline's :class:`memsem.pipeline.PipelineStats`."""
-        p = self.pipelines
-        p["count"] += 1
-        p["tiles"] += st.delivered
-        p["bytes_moved"] += st.bytes_moved
-        p["move_s"] += st.move_s
-        p["caller_wait_s"] += st.caller_wait_s
-        p["ready_wait_s"] += st.ready_wait_s
-        p["overlap_ratio"] = st.overlap_ratio
+        with self._lock:
+            p = self.pipelines
+            p["count"] += 1
+            p["tiles"] += st.delivered
+            p["bytes_moved"] += st.bytes_moved
+            p["move_s"] += st.move_s
+            p["caller_wait_s"] += st.caller_wait_s
+            p["ready_wait_s"] += st.ready_wait_s
+            p["overlap_ratio"] = st.overlap_ratio
+            if st.first_tile_s is not None:
+                p["first_tile_s"] = st.first_tile_s
         if st.first_tile_s is not None:
-            p["first_tile_s"] = st.first_tile_s
-            self._lat["pipeline_first_tile"].append(int(st.first_tile_s * 1e9))
+            self.record_latency("pipeline_first_tile", int(st.first_tile_s * 1e9))
 
-    def route_counter(self, route: str) -> list[int]:
-        """The live ``[ops, bytes]`` counter of ``route`` (the hot path adds to it in place)."""
-        c = self._routes.get(route)
-        if c is None:
-            c = self._routes.setdefault(route, [0, 0])
-        return c
-
-    def latency_sink(self, kind: str) -> Any:
-        """The bound ``append`` of op kind ``kind``'s latency ring (nanoseconds)."""
-        return self._lat[kind].append
+    # -- reading ----------------------------------------------------------------------------------
+    def _sums(self) -> tuple[dict[str, list[int]], dict[str, np.ndarray]]:
+        with self._lock:
+            routes = {k: list(v) for k, v in self._routes.items()}
+            hist = {k: v.copy() for k, v in self._hist.items()}
+            live = list(self._live)
+        for res in live:
+            ops, nbytes, h = _plan_counts(res.plan)
+            c = routes.setdefault(res.route.kind, [0, 0])
+            c[0] += ops
+            c[1] += nbytes
+            for k, hh in zip(("get", "put"), h):
+                if k in hist:
+                    hist[k] += hh.astype(np.int64)
+                else:
+                    hist[k] = hh.astype(np.int64)
+        return routes, hist
 
     @property
     def bytes_by_route(self) -> dict[str, int]:
-        return {r: c[1] for r, c in list(self._routes.items())}
+        return {r: c[1] for r, c in self._sums()[0].items()}
 
     @property
     def ops_by_route(self) -> dict[str, int]:
-        return {r: c[0] for r, c in list(self._routes.items())}
+        return {r: c[0] for r, c in self._sums()[0].items()}
 
-    def record(self, kind: str, route: str, nbytes: int, elapsed_ns: int) -> None:
-        """Count one operation (the off-hot-path form: xcopy, view)."""
-        c = self.route_counter(route)
-        c[0] += 1
-        c[1] += nbytes
-        self._lat[kind].append(elapsed_ns)
-
-    def snapshot(self, windows: int) -> Stats:
+    def snapshot(self, windows: int, leases: int = 0, resolutions: int = 0) -> Stats:
+        routes, hist = self._sums()
         lat = {}
-        for kind, ring in list(self._lat.items()):
-            if ring:
-                a = np.fromiter(ring, dtype=np.int64)
-                lat[kind] = {"p50": float(np.percentile(a, 50)) / 1e3,
-                             "p99": float(np.percentile(a, 99)) / 1e3, "n": float(len(a))}
+        lat_hist = {}
+        for kind, h in hist.items():
+            n = int(h.sum())
+            if n:
+                lat[kind] = {"p50": _percentile(h, 0.5) / 1e3, "p99": _percentile(h, 0.99) / 1e3,
+                             "n": float(n)}
+                lat_hist[kind] = (BUCKET_FLOOR_NS.tolist(), h.tolist())
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return Stats(self.bytes_by_route, self.ops_by_route, self.bounce_bytes,
-                     dict(self.registrations), lat, rss, windows, dict(self.pipelines))
+        with self._lock:
+            errors = dict(self.errors)
+            pipelines = dict(self.pipelines)
+        return Stats({r: c[1] for r, c in routes.items()}, {r: c[0] for r, c in routes.items()},
+                     self.bounce_bytes, dict(self.registrations), lat, rss, windows, pipelines,
+                     errors, leases, resolutions, lat_hist)
+
+
+def _plan_counts(plan: Any) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
+    ops = int(plan.ops[0]) + int(plan.ops[1])
+    nbytes = int(plan.bytes[0]) + int(plan.bytes[1])
+    lat = np.frombuffer(native.ffi.buffer(plan.lat), np.uint64).reshape(2, _NB).copy()
+    return ops, nbytes, (lat[0], lat[1])

@@ -1,9 +1,9 @@
 """Topology: what can reach what, at what cost, and why a route was chosen.
 
 A route is chosen per (consumer, window) from the window's engine-tagged descriptors, the two
-ends' locations and the engines available here. Reachability rules (never guessed across
-nodes: shared memory and cross-memory attach are only used between processes with the same node
-id):
+ends' locations and the engines available here. Each engine states its own reachability rule
+(``Engine.reach``); they are, for the built-in engines (never guessed across nodes: shared
+memory and cross-memory attach are only used between processes with the same node id):
 
 =========  ==================================================================================
 engine     reaches the window when
@@ -94,11 +94,17 @@ def _cost(kind: str, costs: Mapping[str, tuple[float, float]]) -> tuple[float, f
 def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descriptor],
                available: Mapping[str, Availability],
                costs: Mapping[str, tuple[float, float]] | None = None) -> tuple[list[Route], list[tuple[str, str]]]:
-    """Every route that reaches the window, and why the others do not."""
+    """Every route that reaches the window, and why the others do not.
+
+    Each engine's own rule decides (``Engine.reach``); this function only collects the answers,
+    applies the cost model and the engines' exclusions (e.g. mte excludes host/cma).
+    """
+    from memsem.engines import engine_class
+
     costs = costs or {}
     ok: list[Route] = []
     no: list[tuple[str, str]] = []
-    same_node = me.node == owner.node
+    excluded: dict[str, str] = {}
     for engine, desc in descriptors.items():
         avail = available.get(engine)
         if avail is None:
@@ -107,52 +113,22 @@ def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descript
         if not avail:
             no.append((engine, f"unavailable here: {avail.reason}"))
             continue
-        f = desc.fields
-        if engine == "loopback":
-            if same_node and me.pid == owner.pid:
-                a, b = _cost("loopback", costs)
-                ok.append(Route(engine, "loopback", "the window lives in this process", a, b, True))
-            else:
-                no.append((engine, "the owner is another process"))
-        elif engine == "host":
-            if not same_node:
-                no.append((engine, f"owner is on node {owner.node!r}, this process on {me.node!r}"))
-                continue
-            kind = "host/shm" if f.get("kind") == "shm" else "host/cma"
-            a, b = _cost(kind, costs)
-            why = ("same node, window in a shared segment" if kind == "host/shm"
-                   else "same node, private memory of another process (cross-memory attach)")
-            ok.append(Route(engine, kind, why, a, b, kind == "host/shm"))
-        elif engine == "mte":
-            team = f.get("team")
-            if team is not None and me.attrs.get("shmem_team") == team:
-                a, b = _cost("mte", costs)
-                ok.append(Route(engine, "mte", f"both ends are PEs of SHMEM team {team!r} with MTE reach",
-                                a, b, bool(f.get("mapped", False))))
-            else:
-                no.append((engine, f"this process is not a PE of SHMEM team {team!r}"))
-        elif engine == "rdma":
-            if not me.attrs.get("rdma_port"):
-                no.append((engine, "this process has no active RDMA port"))
-            elif same_node and not f.get("force", False):
-                no.append((engine, "same node: shared memory is cheaper than the NIC"))
-            else:
-                a, b = _cost("rdma", costs)
-                ok.append(Route(engine, "rdma", f"different nodes ({me.node!r} -> {owner.node!r}), "
-                                f"active ports {me.attrs.get('rdma_port')} and {f.get('port')}", a, b, False))
-        elif engine == "tcp":
-            a, b = _cost("tcp", costs)
-            ok.append(Route(engine, "tcp", f"owner serves TCP at {f.get('endpoint')}", a, b, False))
-        else:
-            a, b = costs.get(engine, (100e-6, 1e9))
-            ok.append(Route(engine, engine, "third-party engine", a, b, False))
-    if any(r.engine == "mte" for r in ok):
-        # A window in the SHMEM symmetric heap is NPU memory on hardware: cross-memory attach
-        # of its (device) address would read garbage, so the team's MTE route takes it.
-        for r in [r for r in ok if r.kind == "host/cma"]:
-            ok.remove(r)
-            no.append((r.engine, "the window lives in the SHMEM symmetric heap (NPU memory on "
-                                 "hardware): reached through mte, not cross-memory attach"))
+        try:
+            cls = engine_class(engine)
+            got = cls.reach(me, owner, desc, None)
+        except (ValueError, NotSupportedError) as exc:
+            no.append((engine, str(exc)))
+            continue
+        if isinstance(got, str):
+            no.append((engine, got))
+            continue
+        kind, why, zero_copy = got
+        a, b = costs.get(kind) or DEFAULT_COSTS.get(kind) or (100e-6, 1e9)
+        ok.append(Route(engine, kind, why, a, b, zero_copy))
+        excluded.update(cls.excludes)
+    for r in [r for r in ok if r.kind in excluded]:
+        ok.remove(r)
+        no.append((r.engine, excluded[r.kind]))
     return ok, no
 
 

@@ -1,0 +1,79 @@
+"""In-flight accounting per participant (same node, lock-free).
+
+Every process that copies to or from a window counts its running copies in a slot of its own in
+the window's control block: identity word (``pid | start << 22``) and a counter. A slot is
+claimed once per resolution (CAS on the identity word, from free or from a dead holder) and
+released when the resolution is released. The native copy increments and decrements the counter
+around the copy, sequentially consistent with its generation check (Dekker with the owner).
+
+The owner, retiring a window, bumps the generation and then waits until every slot of a *live*
+holder reads 0; slots of dead holders are reclaimed on the way. So a participant killed inside a
+copy never wedges the window, and a live one is waited for (bounded by the caller's timeout).
+"""
+from __future__ import annotations
+
+from memsem import native
+from memsem.gva._control import ControlBlock, identity_of, identity_word
+from memsem.native import process_alive
+
+
+class InflightSlotsFull(Exception):
+    """Internal: every in-flight slot is held by a live process (the runtime raises a
+    MemsemError naming them)."""
+
+    def __init__(self, holders: list[int]) -> None:
+        super().__init__(holders)
+        self.holders = holders
+
+
+def claim(cb: ControlBlock, pid: int, start: int) -> int:
+    """Claim a free (or a dead holder's) slot for ``pid``/``start``; returns its index."""
+    me = identity_word(pid, start)
+    for reclaim in (False, True):
+        for slot in range(cb.n_inflight):
+            a = cb.inflight_slot_addr(slot)
+            cur = native.load_acquire(a)
+            if cur != 0:
+                if not reclaim:
+                    continue
+                hpid, hstart = identity_of(cur)
+                if process_alive(hpid, hstart):
+                    continue
+            ok, _ = native.compare_exchange(a, cur, me)
+            if ok:
+                # A dead holder's count is void; ours starts at 0 (the native copy adds to it).
+                native.store_release(a + 8, 0)
+                return slot
+    live = [identity_of(native.load_acquire(cb.inflight_slot_addr(s)))[0] for s in range(cb.n_inflight)]
+    raise InflightSlotsFull(sorted(set(p for p in live if p)))
+
+
+def release(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
+    """Free ``slot`` if it still belongs to ``pid``/``start`` (its copies are all done)."""
+    native.compare_exchange(cb.inflight_slot_addr(slot), identity_word(pid, start), 0)
+
+
+def count_addr(cb: ControlBlock, slot: int) -> int:
+    """Address of the slot's counter (what the native copy adds to)."""
+    return cb.inflight_slot_addr(slot) + 8
+
+
+def busy_holders(cb: ControlBlock) -> list[tuple[int, int]]:
+    """``(pid, copies)`` of live holders with copies in flight right now; slots of dead holders
+    are reclaimed on the way."""
+    native.lib.memsem_fence_seq_cst()
+    out = []
+    for slot in range(cb.n_inflight):
+        a = cb.inflight_slot_addr(slot)
+        ident = native.load_acquire(a)
+        if not ident:
+            continue
+        n = native.load_acquire(a + 8)
+        if not n:
+            continue
+        pid, start = identity_of(ident)
+        if process_alive(pid, start):
+            out.append((pid, n))
+        else:
+            native.compare_exchange(a, ident, 0)  # a dead holder's marks are void
+    return out

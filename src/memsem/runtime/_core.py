@@ -1,0 +1,382 @@
+"""The runtime core: one process's memsem runtime, composed of one part per concern.
+
+=================  =========================================================================
+part               concern (module)
+=================  =========================================================================
+``publisher``      owned windows: publish, write sections, retire, unpublish, alloc (_publish)
+``resolver``       resolutions of windows and their lifetimes (_resolve)
+``transfers``      get / put / xcopy / async (_transfer)
+``readiness``      tile-ready words (_readiness)
+``server``         owner side of owner-checked engines: grants (_serve)
+``peers``          liveness of owners (_liveness)
+``telemetry``      counters (_telemetry)
+=================  =========================================================================
+
+The core works on :class:`memsem.gva.RefSpec`; the user-facing ``memsem.Runtime`` (refs
+layer) holds a core and wraps specs into TensorRefs. This is the one place that checks
+generation, lease and permission; engine errors become memsem errors in ``_translate``.
+
+Lifetimes: closing waits (within its timeout) for copies running through this runtime's
+resolutions and releases each mapping when its last user is done, never under it; queued
+asynchronous work ends CANCELLED; later calls raise ``RuntimeClosedError``. After ``fork()``
+the child owns nothing of its parent: an inherited runtime is unusable there (its calls raise
+``RuntimeClosedError``, its close and finalizers touch nothing shared), so a child never unlinks,
+retires or bumps its parent's windows.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextvars
+import logging
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from memsem import _args
+from memsem._errors import NotSupportedError, RuntimeClosedError
+from memsem.directory import Directory, open_directory
+from memsem.engines import Availability, Engine, EngineContext, engine_class
+from memsem.gva import RefSpec
+from memsem.native import ProcessIdentity
+from memsem.runtime._completion import Batch, Completion
+from memsem.runtime._lease import Lease
+from memsem.runtime._liveness import Peers, record_alive
+from memsem.runtime._publish import Publisher
+from memsem.runtime._readiness import Readiness
+from memsem.runtime._resolve import Resolution, Resolver
+from memsem.runtime._serve import Grant, Server
+from memsem.runtime._staging import StagingPool
+from memsem.runtime._telemetry import Stats, Telemetry
+from memsem.runtime._transfer import Transfers
+from memsem.runtime._view import view as _view
+from memsem.topology import Location, Route
+
+log = logging.getLogger(__name__)
+
+#: default bound in seconds of every blocking call of a runtime
+DEFAULT_TIMEOUT = 30.0
+#: default bound of ``close()``: copies in flight and leases get this long to end
+CLOSE_TIMEOUT = 5.0
+
+_current: contextvars.ContextVar["RuntimeCore | None"] = contextvars.ContextVar("memsem_runtime", default=None)
+_instances: "weakref.WeakSet[RuntimeCore]" = weakref.WeakSet()
+_order = 0
+
+
+class _Context(EngineContext):
+    """What the runtime shows its engines (see ``Engine.bind``)."""
+
+    def __init__(self, core: "RuntimeCore") -> None:
+        self._core = weakref.ref(core)
+        self.directory = core.directory
+        self.timeout = core.timeout
+        self.identity = core.identity
+        self.rank = core.rank
+
+    def _c(self) -> "RuntimeCore":
+        c = self._core()
+        if c is None:
+            raise RuntimeClosedError("the runtime of this engine is gone")
+        return c
+
+    def serve_check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> Grant:
+        c = self._c()
+        c.check_open()
+        return c.server.check(credential, put, offset, nbytes)
+
+    def serve_sweep(self) -> None:
+        c = self._core()
+        if c is not None and not c.closed:
+            c.server.sweep()
+
+    def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
+        return self._c().peers.alive(pid, start, node, rank)
+
+
+class RuntimeCore:
+    """A process's memsem runtime: owns its windows, resolves others', moves bytes.
+
+    Args:
+        directory: ``"local"`` (default; or ``MEMSEM_DIRECTORY``) or ``"redis://host:port/db"``.
+        engines: engine names to enable; default loopback and host (others by name, e.g.
+            ``("loopback", "host", "mte")``). An engine named here that is unavailable raises
+            NotSupportedError naming it (never a silent fallback).
+        engine_objects: ready engine instances (e.g. a ScriptedEngine for tests), by name;
+            they replace the named ones.
+        job: namespace of the directory (``MEMSEM_JOB``).
+        timeout: default bound in seconds of every blocking call (> 0).
+        prefer: engine to force for routes (``explain`` shows the alternatives).
+        workers: threads of the pool that runs asynchronous transfers.
+
+    Thread safety: all methods may be called from several threads.
+    """
+
+    def __init__(self, *, directory: str | None = None, engines: Sequence[str] | None = None,
+                 engine_objects: dict[str, Engine] | None = None, job: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None, workers: int = 4) -> None:
+        global _order
+        self.timeout = _args.timeout(timeout, "timeout", positive=True)
+        workers = _args.count(workers, "workers", minimum=1, maximum=256)
+        if prefer is not None and not isinstance(prefer, str):
+            raise TypeError(f"prefer must be an engine name or None, got {prefer!r}")
+        self.prefer = prefer
+        self.identity = ProcessIdentity.current()
+        self._pid = os.getpid()
+        self._closed = False
+        self._forked = False
+        #: the user-facing ``memsem.Runtime`` wrapping this core (weak), set by the refs layer
+        self.facade: Any = None
+        self._lock = threading.RLock()
+        self.telemetry = Telemetry()
+        self.leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
+        #: objects of higher layers (pipelines) closed before this runtime closes
+        self.children: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.engines: dict[str, Engine] = {}
+        self.available: dict[str, Availability] = {}
+        names = list(engines) if engines is not None else ["loopback", "host"]
+        objs = dict(engine_objects or {})
+        for name in names + [n for n in objs if n not in names]:
+            if name in objs:
+                self.engines[name] = objs[name]
+                self.available[name] = Availability(True)
+                continue
+            cls = engine_class(name)
+            avail = cls.probe()
+            self.available[name] = avail
+            if not avail:
+                raise NotSupportedError(f"engine {name!r} was requested but is unavailable here: {avail.reason}")
+            self.engines[name] = cls.create()
+        self.location_attrs: dict[str, Any] = {}
+        for eng in self.engines.values():
+            self.location_attrs.update(eng.location_attrs)
+        from memsem.runtime._gc import collect
+
+        collect(dry_run=False)  # reap segments of dead processes of this user (cheap: one listdir)
+        self.directory: Directory = open_directory(directory, job=job, alive=record_alive)
+        rec = {"pid": self.identity.pid, "start": self.identity.start_time, "node": self.identity.node}
+        self.rank = self.directory.claim_rank(rec)
+        self.peers = Peers(self.directory)
+        self.resolver = Resolver(self)
+        self.publisher = Publisher(self)
+        self.server = Server(self)
+        self.readiness = Readiness(self)
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
+        self.transfers = Transfers(self, self.resolver, self._pool)
+        self.staging = StagingPool()
+        self._token: contextvars.Token | None = None
+        _order += 1
+        self._order = _order
+        _instances.add(self)
+        ctx = _Context(self)
+        for eng in self.engines.values():
+            eng.bind(ctx)
+
+    # -- context ---------------------------------------------------------------------------------
+    def __enter__(self) -> "RuntimeCore":
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            try:
+                _current.reset(self._token)
+            except ValueError:  # exited in another context (a generator, a thread)
+                pass
+            self._token = None
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once closed, and in a process forked from the one that made it."""
+        return self._closed
+
+    @property
+    def forked(self) -> bool:
+        """True in a process forked from the one that made this runtime (it owns nothing here)."""
+        return self._forked
+
+    def check_open(self) -> None:
+        """Raise RuntimeClosedError when closed (or inherited through fork)."""
+        if self._closed:
+            if self._forked:
+                raise RuntimeClosedError(
+                    f"this memsem runtime (rank {self.rank}) belongs to pid {self._pid}; this process "
+                    f"(pid {os.getpid()}) was forked from it and owns nothing of it: create a new "
+                    "Runtime here (refs bound to the parent's runtime use this process's default one)")
+            raise RuntimeClosedError(f"memsem runtime (rank {self.rank}) is closed")
+
+    @property
+    def location(self) -> Location:
+        return Location(self.identity.node, self.identity.pid, self.location_attrs)
+
+    def engine(self, name: str) -> Engine:
+        try:
+            return self.engines[name]
+        except KeyError:
+            raise NotSupportedError(f"engine {name!r} is not enabled in this runtime "
+                                    f"(enabled: {', '.join(self.engines)})") from None
+
+    # -- owner side (publisher) --------------------------------------------------------------------
+    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
+                    engine: str | None = None) -> np.ndarray:
+        return self.publisher.alloc(shape, dtype, engine=engine)
+
+    def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
+                     tile_bytes: int | None = None, tiles: int | None = None) -> RefSpec:
+        return self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles)
+
+    def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
+        self.publisher.unpublish(spec_or_name, timeout=timeout)
+
+    def lookup_spec(self, name: str) -> RefSpec:
+        return self.publisher.lookup(name)
+
+    def write_section(self, spec_or_name: RefSpec | str) -> Any:
+        self.check_open()
+        return self.publisher.write_section(spec_or_name)
+
+    def lease_holders(self, spec: RefSpec) -> list[tuple[int, float]]:
+        self.check_open()
+        return self.publisher.lease_holders(spec)
+
+    # -- consumer side ---------------------------------------------------------------------------
+    def resolve(self, spec: RefSpec) -> Resolution:
+        return self.resolver.resolve(spec)
+
+    def route_of(self, spec: RefSpec) -> Route:
+        """The route this runtime uses for ``spec`` (resolving it if needed)."""
+        return self.resolver.resolve(spec).route
+
+    def get_spec(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
+        return self.transfers.get(spec, out, lease=lease, version=version)
+
+    def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
+        return self.transfers.put(spec, src, lease=lease)
+
+    def transfer(self, spec: RefSpec, kind: str, offset: int, local: np.ndarray, *,
+                 lease: Lease | None = None, signal_tile: int | None = None, version: int = 0) -> int:
+        """Move ``local.nbytes`` bytes between ``local`` (flat uint8) and the window at
+        ``spec.offset + offset``; ``kind`` is "get" or "put". Blocking, remote completion;
+        returns the version read or overwritten."""
+        return self.transfers.transfer_array(spec, kind == "put", offset, local, lease=lease, version=version,
+                                             signal_tile=signal_tile)
+
+    def xcopy_specs(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
+        return self.transfers.xcopy(pairs, lease=lease)
+
+    def submit(self, what: str, fn: Any) -> Completion:
+        return self.transfers.submit(what, fn)
+
+    def view_spec(self, spec: RefSpec, *, lease: Lease | None = None) -> np.ndarray:
+        return _view(self, spec, lease=lease)
+
+    def lease(self, spec: RefSpec, ttl: float | None = 10.0, *, version: int = 0) -> Lease:
+        return Lease(self, spec, ttl, version=version)
+
+    # -- readiness -------------------------------------------------------------------------------
+    def mark_ready(self, spec: RefSpec, tile: int) -> None:
+        self.readiness.mark(spec, tile)
+
+    def clear_ready(self, spec: RefSpec, tile: int) -> None:
+        self.readiness.clear(spec, tile)
+
+    def is_ready(self, spec: RefSpec, tile: int) -> bool:
+        return self.readiness.is_ready(spec, tile)
+
+    def ready_tiles(self, spec: RefSpec) -> list[int]:
+        return self.readiness.ready_tiles(spec)
+
+    def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
+        self.readiness.wait(spec, tile, timeout)
+
+    # -- telemetry & lifetime --------------------------------------------------------------------
+    def stats(self) -> Stats:
+        """A snapshot of this runtime's telemetry."""
+        return self.telemetry.snapshot(len(self.publisher.owned), len(self.leases), len(self.resolver.cache))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close: stop new work, cancel queued work (it ends CANCELLED), retire every window
+        (waiting up to ``timeout`` for leases and copies, then warning: the memory is going
+        away), release this runtime's leases, wait (within the same bound) for copies still
+        running through its resolutions, close engines and the directory. A mapping still used
+        by a copy or a view is released by its last user. Safe twice; in a forked child it only
+        marks the inherited runtime closed.
+        """
+        if self._closed:
+            return  # closed before, or inherited through fork (a child touches nothing shared)
+        t = CLOSE_TIMEOUT if timeout is None else _args.timeout(timeout, "timeout")
+        t = min(t, self.timeout) if timeout is None else t
+        deadline = time.monotonic() + t
+        for child in list(self.children):
+            try:
+                child.close()
+            except Exception:
+                log.warning("closing %r failed", child, exc_info=True)
+        with self._lock:
+            self._closed = True
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for lease in list(self.leases):
+                with lease._lock:
+                    lease._views = 0
+                    lease.release()
+            self.publisher.close(deadline)
+            self.server.close()
+            busy = self.resolver.close(max(0.0, deadline - time.monotonic()))
+            if busy:
+                log.info("memsem runtime (rank %d) closed with %d resolution(s) still in use; each is "
+                         "released by its last copy", self.rank, len(busy))
+            self._pool.shutdown(wait=True)
+            for eng in reversed(list(self.engines.values())):
+                try:
+                    eng.close()
+                except Exception:
+                    log.warning("closing engine %s failed", eng.name, exc_info=True)
+            self.staging.clear()
+            try:
+                self.directory.release_rank(self.rank)
+            except Exception:
+                log.warning("releasing rank %d failed", self.rank, exc_info=True)
+            finally:
+                self.directory.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        pub = getattr(self, "publisher", None)
+        if pub is not None and pub.owned:
+            warnings.warn(f"memsem runtime (rank {self.rank}) was not closed; call close() or use "
+                          "'with'", ResourceWarning, stacklevel=2)
+
+
+def current_core() -> RuntimeCore | None:
+    """The runtime of the innermost ``with Runtime()`` block of this context, else the most
+    recently created open runtime of this process, else None."""
+    rt = _current.get()
+    if rt is not None and not rt.closed:
+        return rt
+    best = None
+    for r in list(_instances):
+        if not r.closed and (best is None or r._order > best._order):
+            best = r
+    return best
+
+
+def _after_fork_in_child() -> None:
+    # Only flags (other threads of the parent may have held locks at fork time): every inherited
+    # runtime becomes closed-and-forked, so the child never retires, unlinks or bumps anything.
+    for r in list(_instances):
+        r._forked = True
+        r._closed = True
+    _current.set(None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+__all__ = ["CLOSE_TIMEOUT", "DEFAULT_TIMEOUT", "RuntimeCore", "current_core"]

@@ -1,0 +1,307 @@
+"""Resolutions: a consumer's view of one window generation, and the cache that holds them.
+
+A :class:`Resolution` owns everything a consumer needs to reach a window: the engine's remote
+region (a mapped segment, a connection), the mapped control block, a claimed in-flight slot in
+it, the owner's liveness handle, and the native *plan* the hot path copies with. Its lifetime
+is one rule (the use word at the head of the plan):
+
+* the cache holds the opener's claim; every copy through the resolution is counted while it
+  runs (the native copy enters and leaves the word itself; engine routes bracket their call);
+* dropping the resolution (republish seen, cache bound, runtime close) closes the word;
+* whoever leaves a closed word last (the dropper when nothing ran) releases the mappings.
+
+So a mapping is released when the last copy that uses it has finished, never on a timer and
+never under a running copy. Views and leases hold their own pins on the segments they read
+(they outlive the resolution safely). The cache is bounded (``RESOLUTION_LIMIT``): a consumer
+touching thousands of short-lived windows keeps a constant number of mappings.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from memsem import native
+from memsem._errors import (
+    EngineError,
+    MemsemError,
+    PeerLostError,
+    RuntimeClosedError,
+    WindowNotFoundError,
+)
+from memsem.engines import Engine, RemoteRegion
+from memsem.gva import ControlBlock, RefSpec, WindowInfo, inflight, key_matches, split_gva
+from memsem.gva._control import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
+from memsem.native import UseWord
+from memsem.runtime import _translate as tr
+from memsem.runtime._liveness import LIVENESS_CHECK_BYTES, LIVENESS_INTERVAL_S, Peer, record_alive
+from memsem.topology import Location, Route, choose_route
+
+if TYPE_CHECKING:
+    from memsem.runtime._core import RuntimeCore
+
+#: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
+RESOLUTION_LIMIT = 256
+
+_ffi = native.ffi
+
+
+class Resolution:
+    """One window generation as this runtime reaches it (see the module docstring).
+
+    Attributes:
+        info: the window's directory record. generation, key: what it was verified with (a cached
+            resolution serves only refs with exactly this key). route, engine, remote: how.
+        cb: the window's control block mapped here, or None (another node). own_cb: it is this
+            runtime's own window. peer: the owner's liveness. plan: the native plan (cdata).
+        direct: the hot path copies natively (same node). writable: published access "rw".
+    """
+
+    __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
+                 "peer", "plan", "use", "direct", "writable", "nbytes", "slot", "_ident", "_core",
+                 "_released", "__weakref__")
+
+    def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
+                 remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer) -> None:
+        self._core = core
+        self.info = info
+        self.gva = info.gva
+        self.generation = info.generation
+        self.key = key
+        self.route, self.engine, self.remote = route, engine, remote
+        self.cb, self.own_cb, self.peer = cb, own_cb, peer
+        self.writable = info.access == "rw"
+        self.nbytes = info.nbytes
+        self.slot = -1
+        self._ident = core.identity
+        self._released = False
+        plan = self.plan = native.new_plan()
+        self.use = UseWord(_ffi.addressof(plan, "use"))
+        self.use.enter()  # the cache's claim, dropped by close()
+        plan.generation = info.generation
+        plan.nbytes = info.nbytes
+        plan.flags = native.lib.MEMSEM_PLAN_WRITABLE if self.writable else 0
+        plan.local_gen = info.generation
+        plan.local_seq = FIRST_VERSION << 1
+        if cb is not None:
+            plan.gen_addr = cb.generation_addr
+            plan.seq_addr = cb.seq_addr
+            plan.latest_addr = cb.latest_addr
+            plan.nslots = cb.word(W_NSLOTS)
+            try:
+                self.slot = inflight.claim(cb, self._ident.pid, self._ident.start_time)
+            except inflight.InflightSlotsFull as exc:
+                raise MemsemError(f"window gva {info.gva:#x}: all {cb.n_inflight} in-flight slots are "
+                                  f"held by live processes (pids {exc.holders}); a window serves at most "
+                                  f"{cb.n_inflight} same-node participants at once") from None
+            plan.inflight_addr = inflight.count_addr(cb, self.slot)
+            plan.slot_stride = cb.word(W_SLOT_STRIDE)
+        else:
+            plan.gen_addr = int(_ffi.cast("uintptr_t", _ffi.addressof(plan, "local_gen")))
+            plan.seq_addr = int(_ffi.cast("uintptr_t", _ffi.addressof(plan, "local_seq")))
+            plan.nslots = 1
+        d = remote.direct
+        self.direct = d is not None and cb is not None
+        if self.direct:
+            plan.base = d.address
+            plan.pid = d.pid
+            plan.method = native.COPY_VM if d.cma else native.COPY_MEMCPY
+        if not own_cb and not peer.is_self:
+            plan.checked_ns = peer.checked_ns
+            plan.check_every_ns = int(LIVENESS_INTERVAL_S * 1e9)
+            plan.check_bytes = LIVENESS_CHECK_BYTES
+        if own_cb:
+            cb.pin()  # the owner's block: held for as long as this resolution
+        core.telemetry.track(self)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def enter(self) -> bool:
+        """Count a copy made outside ``memsem_plan_copy`` (engine routes). False when closed."""
+        return self.use.enter()
+
+    def leave(self) -> None:
+        if self.use.leave():
+            self.release()
+
+    def close(self) -> None:
+        """Drop the cache's claim; released now, or by the last running copy."""
+        if self.use.close() == 2:
+            return
+        if self.use.leave():
+            self.release()
+
+    @property
+    def closed(self) -> bool:
+        return self.use.closed
+
+    def release(self) -> None:
+        """Release what the resolution holds. Called exactly once, when closed and idle."""
+        if self._released:
+            return
+        self._released = True
+        self._core.telemetry.absorb(self)
+        cb = self.cb
+        try:
+            self.remote.close()
+        except MemsemError:
+            pass
+        if cb is not None:
+            if self.slot >= 0:
+                inflight.release(cb, self.slot, self._ident.pid, self._ident.start_time)
+            if self.own_cb:
+                cb.unpin()
+            else:
+                cb.close()
+
+    # -- hot-path helpers -------------------------------------------------------------------------
+    def peer_checked(self) -> None:
+        """The plan asked for a liveness re-check: do it (raises PeerLostError when dead)."""
+        peer = self.peer
+        ok = peer.alive()
+        self.plan.checked_ns = peer.checked_ns
+        if not ok:
+            raise peer.lost(self.info_label())
+
+    def info_label(self) -> str:
+        i = self.info
+        return f"window {i.name!r} (gva {i.gva:#x})" if i.name else f"window gva {i.gva:#x}"
+
+    def __repr__(self) -> str:
+        return f"<Resolution {self.info_label()} gen {self.generation} {self.route.kind}{' closed' if self.closed else ''}>"
+
+
+class Resolver:
+    """The runtime's cache of resolutions, by GVA (one generation each), bounded."""
+
+    def __init__(self, core: "RuntimeCore", limit: int = RESOLUTION_LIMIT) -> None:
+        self._core = core
+        self.limit = limit
+        #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
+        self.cache: dict[int, Resolution] = {}
+        self._lock = threading.RLock()
+
+    def resolve(self, spec: RefSpec) -> Resolution:
+        """The resolution for ``spec`` (cached, or made now).
+
+        Raises:
+            RuntimeClosedError, WindowNotFoundError / StaleReferenceError, AccessDeniedError,
+            PeerLostError, ValueError (the ref's range lies outside the window), NotSupportedError
+            (no route).
+        """
+        core = self._core
+        core.check_open()
+        res = self.cache.get(spec.gva)
+        if res is not None and res.generation == spec.generation and res.key == spec.key and not res.closed:
+            return res
+        with self._lock:
+            core.check_open()
+            res = self.cache.get(spec.gva)
+            if res is not None and not res.closed and res.generation == spec.generation:
+                if res.key == spec.key:
+                    return res
+                # A cached resolution serves only the key it was verified with: a forged ref
+                # with a known GVA and generation must not ride on someone else's resolution.
+                if not key_matches(spec.key, res.info.key_digest):
+                    raise tr.wrong_key(spec)
+                return res
+            if res is not None:
+                self.drop(spec.gva)
+            res = self._make(spec)
+            self.cache[spec.gva] = res
+            while len(self.cache) > self.limit:
+                oldest = next(iter(self.cache))
+                self.drop(oldest)
+            return res
+
+    def drop(self, gva: int, res: Resolution | None = None) -> None:
+        """Forget the resolution of ``gva`` (only ``res`` if given); it is released when idle."""
+        with self._lock:
+            cur = self.cache.get(gva)
+            if cur is None or (res is not None and cur is not res):
+                return
+            del self.cache[gva]
+        cur.close()
+
+    def close(self, timeout: float) -> list[Resolution]:
+        """Drop every resolution and wait up to ``timeout`` s for copies running through them;
+        returns the ones still busy (they release themselves when their last copy ends)."""
+        with self._lock:
+            all_ = list(self.cache.values())
+            self.cache.clear()
+        for r in all_:
+            r.close()
+        deadline = native.monotonic_ns() + int(timeout * 1e9)
+        busy = []
+        for r in all_:
+            left = max(0.0, (deadline - native.monotonic_ns()) / 1e9)
+            if not r.use.wait_idle(left):
+                busy.append(r)
+        return busy
+
+    # -- making one -------------------------------------------------------------------------------
+    def _make(self, spec: RefSpec) -> Resolution:
+        core = self._core
+        owned = core.publisher.owned.get(spec.gva)
+        if owned is not None:
+            info, cb, own_cb = owned.info, owned.cb, True
+        else:
+            rec = core.directory.get_window(spec.gva)
+            if rec is None:
+                rank, _ = split_gva(spec.gva)
+                rrec = core.directory.rank_record(rank)
+                if rrec is not None and not record_alive(rrec):
+                    raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+                raise WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
+                                          "exited): the ref is stale", window=spec.name,
+                                          expected=spec.generation)
+            try:
+                info = WindowInfo.from_json(rec)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise WindowNotFoundError(f"{spec.label}: the directory record is unreadable ({exc})",
+                                          window=spec.name, expected=spec.generation) from None
+            cb, own_cb = None, False
+        if not key_matches(spec.key, info.key_digest):
+            if info.generation != spec.generation:  # republished: new generation, new key
+                raise tr.stale(spec, info.generation)
+            raise tr.wrong_key(spec)
+        if spec.offset < 0 or spec.offset + spec.nbytes > info.nbytes:
+            raise tr.out_of_range(spec, spec.offset, spec.offset + spec.nbytes, info.nbytes)
+        peer = core.peers.get(info.owner_pid, info.owner_start, info.node, info.rank)
+        if not own_cb and not peer.alive():
+            raise peer.lost(spec.label)
+        if info.generation != spec.generation:
+            raise tr.stale(spec, info.generation)
+        if cb is None and info.node == core.identity.node and info.control:
+            try:
+                cb = ControlBlock.attach(info.control)
+            except WindowNotFoundError:
+                raise tr.stale(spec, None) from None
+            except (ValueError, EngineError) as exc:
+                raise WindowNotFoundError(f"{spec.label}: its control block is unusable ({exc})",
+                                          window=spec.name, expected=spec.generation) from None
+            if cb.generation != spec.generation:
+                found = cb.generation
+                cb.close()
+                raise tr.stale(spec, found)
+        try:
+            route = choose_route(core.location, Location(info.node, info.owner_pid), info.descriptors,
+                                 core.available, nbytes=info.nbytes, prefer=core.prefer)
+            eng = core.engines[route.engine]
+            cred = spec.to_bytes() if eng.enforces_generation == "owner" else b""
+            try:
+                remote = eng.attach(info.descriptors[route.engine], info.nbytes, cred)
+            except WindowNotFoundError:
+                raise tr.stale(spec, None) from None
+            except EngineError as exc:
+                raise tr.chain(tr.engine_failure(exc, spec, peer, "attach"), exc)
+            try:
+                return Resolution(core, info, spec.key, route, eng, remote, cb, own_cb, peer)
+            except BaseException:
+                remote.close()
+                raise
+        except BaseException:
+            if cb is not None and not own_cb:
+                cb.close()
+            raise
+
+
+__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError"]

@@ -1,0 +1,515 @@
+"""Data movement: get, put, xcopy and the asynchronous forms.
+
+Same node, the whole check-and-copy is one native call (``memsem_plan_copy``): range,
+permission, lease, generation and version before and after (seqlock), in-flight accounting and
+telemetry. The Python side picks the resolution's plan and reads one integer back; only an
+unusual outcome (a stale ref, an open write section, a liveness re-check that is due, a closed
+resolution) takes the slow path here. Other routes run the same checks around the engine's call
+with the native bracket (``memsem_bracket_open`` / ``close``), so the rules are written once.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from memsem import _dtypes, native
+from memsem._buffers import address_view, array_address, as_byte_array
+from memsem._errors import (
+    EngineError,
+    MemsemError,
+    MemsemTimeoutError,
+    NotSupportedError,
+    StaleReferenceError,
+)
+from memsem.engines import Op, OpKind, OpState
+from memsem.gva import RefSpec
+from memsem.runtime import _translate as tr
+from memsem.runtime._completion import Batch, Completion, RangeResult, State
+from memsem.runtime._lease import Lease
+from memsem.runtime._liveness import WAIT_SLICE_S
+from memsem.runtime._resolve import Resolution, Resolver
+
+if TYPE_CHECKING:
+    from memsem.runtime._core import RuntimeCore
+
+_copy = native.lib.memsem_plan_copy
+_open = native.lib.memsem_bracket_open
+_close = native.lib.memsem_bracket_close
+_ffi = native.ffi
+_ATTN = tr.RC_ATTENTION
+_SHIFT = tr.RC_SHIFT
+_UINT8 = _dtypes.code_of("uint8")
+#: numpy dtypes a destination or source may have (plain numbers and bools; see memsem._dtypes)
+_PLAIN = frozenset(_dtypes.numpy_dtype(c) for c in range(1, 18))
+#: torn reads retried at once before waiting on the sequence word
+_TORN_SPINS = 3
+
+
+class Transfers:
+    """The data path of one runtime (get/put/xcopy); see the module docstring."""
+
+    def __init__(self, core: "RuntimeCore", resolver: Resolver, pool: cf.ThreadPoolExecutor) -> None:
+        self._core = core
+        self._resolver = resolver
+        self._cache = resolver.cache
+        self._pool = pool
+
+    # -- the one transfer -------------------------------------------------------------------------
+    def transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, keep: Any,
+                 lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
+        """Move ``n`` bytes between ``addr`` (here; ``keep`` owns that memory) and the window at
+        ``spec.offset + offset``. Blocking; remote completion. Returns the version whose bytes
+        were read or overwritten.
+
+        ``version`` 0 reads the latest committed version, else exactly that one.
+        ``signal_tile`` (puts): where the route's engine can signal tiles (mte
+        ``aclshmemx_putmem_signal``) the tile's signal word is set after the data.
+        """
+        if offset < 0 or n < 0 or offset + n > spec.nbytes:
+            raise tr.out_of_range(spec, offset, offset + n, spec.nbytes, "the ref")
+        if put and not spec.writable:
+            raise tr.read_only_ref(spec)
+        res = self._cache.get(spec.gva)
+        if res is None or res.generation != spec.generation or res.key != spec.key:
+            res = self._resolver.resolve(spec)
+        if res.direct:
+            if lease is None:
+                ls = lid = 0
+            else:
+                ls, lid = lease.native_args(spec)
+                if not ls:
+                    lease.check("before the transfer")
+            rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
+            if rc & _ATTN:
+                return self._slow(rc, res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+            return rc >> _SHIFT
+        return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+
+    def _slow(self, rc: int, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
+              keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
+        """Everything but a plain success of the native copy: retries, waits and errors."""
+        deadline = None
+        torn = 0
+        while True:
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            status = rc & tr.RC_STATUS
+            if status == tr.OK:
+                if rc & tr.RC_CHECK_PEER:
+                    res.peer_checked()
+                return rc >> _SHIFT
+            if status == tr.CLOSED:
+                res = self._resolver.resolve(spec)  # raises RuntimeClosedError when closed
+            elif status in (tr.BUSY, tr.TORN):
+                self._core.telemetry.count_error("torn" if status == tr.TORN else "busy")
+                if deadline is None:
+                    deadline = time.monotonic() + self._core.timeout
+                torn += 1
+                if torn > _TORN_SPINS:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise tr.busy_timeout(spec, self._core.timeout)
+                    self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
+                    if not res.own_cb and not res.peer.alive():
+                        raise res.peer.lost(spec.label)
+            else:
+                raise self._failure(status, rc, res, spec, put, lease, version)
+            if not res.direct:
+                return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+            if lease is None:
+                ls = lid = 0
+            else:
+                ls, lid = lease.native_args(spec)
+            rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
+
+    def _failure(self, status: int, rc: int, res: Resolution, spec: RefSpec, put: bool,
+                 lease: Lease | None, version: int) -> BaseException:
+        """The error for a native status. Never touches the control block: the resolution may be
+        released by now; what the native side saw comes back in ``rc``'s value bits."""
+        found = rc >> _SHIFT
+        if status in (tr.GEN_BEFORE, tr.GEN_AFTER):
+            self._resolver.drop(spec.gva, res)
+            self._core.telemetry.count_error("stale")
+            if status == tr.GEN_AFTER and lease is not None and lease.expired():
+                self._core.telemetry.count_error("lease_expired")
+                return tr.lease_expired(spec, "during the transfer and the owner reclaimed the window; "
+                                              "the bytes moved are not valid")
+            return tr.stale(spec, found, during=status == tr.GEN_AFTER)
+        if status == tr.VERSION_GONE:
+            self._core.telemetry.count_error("stale")
+            return tr.version_gone(spec, version, found)
+        if status in (tr.LEASE_BEFORE, tr.LEASE_DURING):
+            self._core.telemetry.count_error("lease_expired")
+            if lease is not None and not lease.held:
+                return tr.lease_expired(spec, "before the transfer (not held)")
+            return tr.lease_expired(spec, "before the transfer" if status == tr.LEASE_BEFORE
+                                    else "during the transfer; the bytes moved are not valid")
+        if status == tr.RANGE:
+            return tr.out_of_range(spec, spec.offset, spec.offset + spec.nbytes, res.nbytes)
+        if status == tr.READONLY:
+            return tr.read_only(spec)
+        if status == tr.ERRNO:
+            exc = EngineError(f"{'put' if put else 'get'} on {spec.label}", errno=found)
+            err = tr.engine_failure(exc, spec, res.peer, "put" if put else "get")
+            if not isinstance(err, EngineError):
+                self._core.telemetry.count_error("peer_lost")
+            return tr.chain(err, exc)
+        return MemsemError(f"{spec.label}: unexpected native status {status}")  # pragma: no cover
+
+    def _wait_sequence(self, res: Resolution, version: int, slice_s: float) -> None:
+        """Sleep on the slot sequence word a write section will move (futex; woken at close)."""
+        cb = res.cb
+        if cb is None or not res.enter():  # held while waiting: nothing unmaps the word under us
+            time.sleep(slice_s if cb is None else 0)
+            return
+        try:
+            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
+            a = cb.seq_addr + 8 * slot
+            native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
+        finally:
+            res.leave()
+
+    def _via_engine(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
+                    keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
+        """Routes the CPU cannot copy on by itself: the engine moves the bytes inside the bracket."""
+        eng = res.engine
+        if res.cb is None and not eng.enforces_generation:
+            raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
+                                    "generation (no control block here and the engine does not enforce it)")
+        if lease is not None:
+            lease.check("before the transfer")
+        ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
+        at = spec.offset + offset
+        flat = address_view(addr, n, keep)
+        deadline = None
+        while True:
+            st = _ffi.new("uint64_t[5]")
+            rc = _open(res.plan, put, at, n, version, ls, lid, st)
+            if rc == tr.OK:
+                break
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            status = rc & tr.RC_STATUS
+            if status == tr.CLOSED:
+                res = self._resolver.resolve(spec)
+                if res.direct:
+                    return self.transfer(spec, put, offset, addr, n, keep, lease, version, signal_tile)
+                continue
+            if status in (tr.BUSY, tr.TORN):
+                if deadline is None:
+                    deadline = time.monotonic() + self._core.timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise tr.busy_timeout(spec, self._core.timeout)
+                self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
+                continue
+            raise self._failure(status, rc, res, spec, put, lease, version)
+        try:
+            if not put:
+                eng.get(res.remote, at, flat)
+            elif signal_tile is not None and eng.can_signal(res.remote):
+                eng.put_signal(res.remote, at, flat, signal_tile, spec.generation)
+            else:
+                eng.put(res.remote, at, flat)
+        except BaseException as exc:
+            rc = _close(res.plan, put, n, ls, lid, st, 1)
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            if isinstance(exc, MemsemError):
+                if (rc & tr.RC_STATUS) == tr.GEN_AFTER:
+                    self._resolver.drop(spec.gva, res)
+                    raise tr.stale(spec, rc >> _SHIFT, during=True) from exc
+                if isinstance(exc, StaleReferenceError):
+                    self._resolver.drop(spec.gva, res)
+                    if lease is not None and lease.expired():
+                        raise tr.lease_expired(spec, "during the transfer and the owner reclaimed the "
+                                                     "window; the bytes moved are not valid") from exc
+                    raise
+                if res.cb is None and isinstance(exc, EngineError):
+                    # Device- or owner-enforced routes: a moved generation shows up as an access
+                    # fault; the directory tells which it was.
+                    rec = self._core.directory.get_window(spec.gva)
+                    if rec is None or int(rec.get("generation", -1)) != spec.generation:
+                        self._resolver.drop(spec.gva, res)
+                        raise tr.stale(spec, None if rec is None else int(rec["generation"]),
+                                       during=True) from exc
+                raise tr.chain(tr.engine_failure(exc, spec, res.peer, "put" if put else "get"), exc)
+            raise
+        rc = _close(res.plan, put, n, ls, lid, st, 0)
+        if rc & _ATTN:
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            status = rc & tr.RC_STATUS
+            if status != tr.OK:
+                if status == tr.TORN:
+                    # The owner opened a write section during the copy: do it again.
+                    return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+                raise self._failure(status, rc, res, spec, put, lease, version)
+            if rc & tr.RC_CHECK_PEER:
+                res.peer_checked()
+        if lease is not None and not ls:
+            lease.check("during the transfer; the bytes moved are not valid")
+        return rc >> _SHIFT
+
+    # -- get / put --------------------------------------------------------------------------------
+    def get(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
+        """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
+        ref's dtype); returns it (``out``'s own object when given)."""
+        if out is None:
+            out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
+            n = out.nbytes
+            self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
+            return out
+        if type(out) is np.ndarray and out.dtype in _PLAIN and (f := out.flags).c_contiguous and f.writeable:
+            n = out.nbytes
+            if n != spec.nbytes:
+                raise _size_mismatch("out", n, spec)
+            self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
+            return out
+        flat, info = as_byte_array(out, "out", writable=True)
+        if info.nbytes != spec.nbytes:
+            raise _size_mismatch("out", info.nbytes, spec)
+        self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version)
+        return out
+
+    def put(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
+        """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
+        returns the version overwritten."""
+        if type(src) is np.ndarray and src.dtype in _PLAIN and src.flags.c_contiguous:
+            n, code = src.nbytes, _dtypes.code_of(src.dtype)
+            addr, keep = (array_address(src) if n else 0), src
+        else:
+            flat, info = as_byte_array(src, "src", writable=False)
+            n, code, addr, keep = info.nbytes, info.dtype_code, info.address, flat
+        if n != spec.nbytes:
+            raise _size_mismatch("src", n, spec)
+        if code != spec.dtype_code and spec.dtype_code != _UINT8 and code != _UINT8:
+            raise TypeError(f"src dtype {_dtypes.name_of(code)} differs from the ref's "
+                            f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
+        return self.transfer(spec, True, 0, addr, n, keep, lease)
+
+    def transfer_array(self, spec: RefSpec, put: bool, offset: int, local: np.ndarray, *,
+                       lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
+        """``transfer`` with a flat uint8 numpy array as the local side (pipelines, tiles)."""
+        n = local.nbytes
+        return self.transfer(spec, put, offset, array_address(local) if n else 0, n, local, lease,
+                             version, signal_tile)
+
+    def submit(self, what: str, fn: Any) -> Completion:
+        self._core.check_open()
+        return Completion.run(self._pool, what, fn)
+
+    # -- xcopy ------------------------------------------------------------------------------------
+    def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
+        """Start a batch of copies (see ``memsem.Runtime.xcopy``). Ranges fail independently;
+        the Batch gives every range a final state. Ranges to or from a window whose engine posts
+        batches to hardware (``Engine.batches``) go to it as one batch."""
+        core = self._core
+        core.check_open()
+        results = []
+        jobs = []
+        for i, pair in enumerate(pairs):
+            try:
+                src, dst = pair
+            except (TypeError, ValueError):
+                raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}") from None
+            if not isinstance(src, RefSpec) and not isinstance(dst, RefSpec):
+                raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref")
+            r = RangeResult(i, src.nbytes if isinstance(src, RefSpec) else dst.nbytes)
+            results.append(r)
+            jobs.append((r, src, dst))
+        batch = Batch(results)
+        grouped: dict[int, list[tuple[RangeResult, Any, Any]]] = {}
+        single = []
+        for job in jobs:
+            eng_res = self._batchable(job[1], job[2])
+            if eng_res is not None:
+                grouped.setdefault(id(eng_res), []).append(job)
+            else:
+                single.append(job)
+
+        def run(r: RangeResult, src: Any, dst: Any) -> None:
+            r.state = State.RUNNING
+            try:
+                self._copy_one(src, dst, lease)
+            except BaseException as exc:
+                batch._settle(r, State.FAILED, exc)
+            else:
+                batch._settle(r, State.DONE)
+
+        def run_group(group: list[tuple[RangeResult, Any, Any]]) -> None:
+            self._copy_batch(group, batch, lease)
+
+        for r, src, dst in single:
+            self._queue(batch, [r], run, r, src, dst)
+        for group in grouped.values():
+            self._queue(batch, [g[0] for g in group], run_group, group)
+        return batch
+
+    def _queue(self, batch: Batch, ranges: list[RangeResult], fn: Any, *args: Any) -> None:
+        fut = self._pool.submit(fn, *args)
+
+        def dropped(f: cf.Future, ranges: list[RangeResult] = ranges) -> None:
+            if f.cancelled():  # dropped by the pool (runtime closing) before it ran
+                for r in ranges:
+                    batch._settle(r, State.CANCELLED)
+
+        fut.add_done_callback(dropped)
+        batch._futures.append(fut)
+
+    def _batchable(self, src: Any, dst: Any) -> Resolution | None:
+        """The resolution when one side is a ref reached through a batching engine (not a
+        direct route) and the other a local buffer."""
+        if isinstance(src, RefSpec) == isinstance(dst, RefSpec):
+            return None
+        spec = src if isinstance(src, RefSpec) else dst
+        try:
+            res = self._resolver.resolve(spec)
+        except MemsemError:
+            return None  # reported by the range itself
+        return res if res.engine.batches and not res.direct else None
+
+    def _copy_batch(self, group: list[tuple[RangeResult, Any, Any]], batch: Batch, lease: Lease | None) -> None:
+        """Hand ranges of one window to its engine's ``submit`` as one batch, each range in its
+        own bracket."""
+        ops: list[tuple[RangeResult, RefSpec, Op, Any]] = []
+        for r, src, dst in group:
+            r.state = State.RUNNING
+            try:
+                spec, local, put = (src, dst, False) if isinstance(src, RefSpec) else (dst, src, True)
+                flat, info = as_byte_array(local, "dst" if not put else "src", writable=not put)
+                if info.nbytes != spec.nbytes:
+                    raise ValueError(f"xcopy sizes differ: ref {spec.nbytes} bytes, buffer {info.nbytes} bytes")
+                if put and not spec.writable:
+                    raise tr.read_only_ref(spec)
+                res = self._resolver.resolve(spec)
+                if lease is not None and lease.spec.gva == spec.gva:
+                    lease.check("before the transfer")
+                st = _ffi.new("uint64_t[5]")
+                rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
+                if rc != tr.OK:
+                    if rc & tr.RC_LAST_OUT:
+                        res.release()
+                    raise self._failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0)
+                op = Op(OpKind.PUT if put else OpKind.GET, res.remote, spec.offset, flat)
+                ops.append((r, spec, op, (res, st, put)))
+            except BaseException as exc:
+                batch._settle(r, State.FAILED, exc)
+        if not ops:
+            return
+        eng = ops[0][3][0].engine
+        req = eng.submit([o[2] for o in ops])
+        try:
+            req.wait(self._core.timeout)
+        except MemsemTimeoutError as exc:
+            for r, spec, op, (res, st, put) in ops:
+                batch._settle(r, State.FAILED, exc)
+            # The hardware still owns the buffers: close the brackets when the ops end.
+            self._pool.submit(_close_late, req, [o[3] for o in ops], self._core.timeout)
+            return
+        for r, spec, op, (res, st, put) in ops:
+            rc = _close(res.plan, put, spec.nbytes, 0, 0, st, 0 if op.state == OpState.DONE else 1)
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            if op.state == OpState.DONE and not (rc & tr.RC_STATUS):
+                if lease is not None and lease.spec.gva == spec.gva and lease.expired():
+                    batch._settle(r, State.FAILED, tr.lease_expired(spec, "during the transfer"))
+                else:
+                    batch._settle(r, State.DONE)
+            elif op.state == OpState.DONE:
+                batch._settle(r, State.FAILED, self._failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0))
+            else:
+                err = op.error or MemsemError(f"xcopy range {r.index}: engine op ended {op.state.name}")
+                if isinstance(err, MemsemError) and not isinstance(err, EngineError):
+                    batch._settle(r, State.FAILED, err)
+                else:
+                    batch._settle(r, State.FAILED, tr.chain(tr.engine_failure(err, spec, res.peer, "xcopy"), err))
+
+    def _copy_one(self, src: Any, dst: Any, lease: Lease | None) -> None:
+        t0 = time.perf_counter_ns()
+
+        def lease_for(spec: RefSpec) -> Lease | None:
+            # The lease is checked for the ranges of its own window only.
+            return lease if lease is not None and lease.spec.gva == spec.gva else None
+
+        if isinstance(src, RefSpec) and isinstance(dst, RefSpec):
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"xcopy sizes differ: src {src.nbytes} bytes, dst {dst.nbytes} bytes")
+            if not dst.writable:
+                raise tr.read_only_ref(dst, "xcopy")
+            rs = self._resolver.resolve(src)
+            if rs.route.zero_copy and rs.direct and not rs.remote.direct.cma:
+                self._copy_mapped(rs, src, dst, lease_for(src), lease_for(dst))
+            else:
+                bounce = np.empty(src.nbytes, np.uint8)
+                self.transfer_array(src, False, 0, bounce, lease=lease_for(src))
+                self.transfer_array(dst, True, 0, bounce, lease=lease_for(dst))
+                self._core.telemetry.bounce_bytes += src.nbytes
+        elif isinstance(src, RefSpec):
+            flat, info = as_byte_array(dst, "dst", writable=True)
+            if info.nbytes != src.nbytes:
+                raise ValueError(f"xcopy sizes differ: src ref {src.nbytes} bytes, dst {info.nbytes} bytes")
+            self.transfer(src, False, 0, info.address, info.nbytes, flat, lease_for(src))
+        else:
+            flat, info = as_byte_array(src, "src", writable=False)
+            if info.nbytes != dst.nbytes:
+                raise ValueError(f"xcopy sizes differ: src {info.nbytes} bytes, dst ref {dst.nbytes} bytes")
+            self.transfer(dst, True, 0, info.address, info.nbytes, flat, lease_for(dst))
+        self._core.telemetry.record_latency("xcopy", time.perf_counter_ns() - t0)
+
+    def _copy_mapped(self, rs: Resolution, src: RefSpec, dst: RefSpec, src_lease: Lease | None,
+                     dst_lease: Lease | None) -> None:
+        """Ref to ref with the source mapped here: one copy straight from its memory, inside the
+        source's bracket (the bytes put count only if the source did not move meanwhile)."""
+        if src_lease is not None:
+            src_lease.check("before the transfer")
+        ls, lid = src_lease.native_args(src) if src_lease is not None else (0, 0)
+        st = _ffi.new("uint64_t[5]")
+        rc = _open(rs.plan, 0, src.offset, src.nbytes, 0, ls, lid, st)
+        if rc != tr.OK:
+            if rc & tr.RC_LAST_OUT:
+                rs.release()
+            status = rc & tr.RC_STATUS
+            if status in (tr.BUSY, tr.CLOSED):  # take the general path (waits, re-resolves)
+                bounce = np.empty(src.nbytes, np.uint8)
+                self.transfer_array(src, False, 0, bounce, lease=src_lease)
+                self.transfer_array(dst, True, 0, bounce, lease=dst_lease)
+                self._core.telemetry.bounce_bytes += src.nbytes
+                return
+            raise self._failure(status, rc, rs, src, False, src_lease, 0)
+        failed = True
+        try:
+            self.transfer(dst, True, 0, int(st[4]), src.nbytes, rs.remote, dst_lease)
+            failed = False
+        finally:
+            rc = _close(rs.plan, 0, src.nbytes, ls, lid, st, 1 if failed else 0)
+            if rc & tr.RC_LAST_OUT:
+                rs.release()
+        if rc & tr.RC_STATUS:
+            raise self._failure(rc & tr.RC_STATUS, rc, rs, src, False, src_lease, 0)
+
+
+def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
+    return ValueError(f"{arg} holds {n} bytes; the ref is {spec.nbytes} bytes "
+                      f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
+
+
+def _close_late(req: Any, brackets: list[tuple[Resolution, Any, bool]], timeout: float) -> None:
+    """Close the brackets of a batch that timed out once its ops end (bounded waits)."""
+    for _ in range(100):
+        try:
+            req.wait(timeout)
+            break
+        except MemsemTimeoutError:
+            continue
+    for res, st, put in brackets:
+        rc = _close(res.plan, put, 0, 0, 0, st, 1)
+        if rc & tr.RC_LAST_OUT:
+            res.release()
+
+
+__all__ = ["Transfers"]

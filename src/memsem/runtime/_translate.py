@@ -1,0 +1,105 @@
+"""Errors, made in one place: the boundary where engine and native outcomes become memsem errors.
+
+Every condition has one wording and one type whatever the call that met it (get, put, lease,
+view, wait_tile, xcopy): a moved generation is ``StaleReferenceError`` (expected and found
+generations attached), a dead owner ``PeerLostError``, an expired lease ``LeaseExpiredError``.
+Engine errors are chained (``raise ... from``) so their errno / status name stays visible.
+"""
+from __future__ import annotations
+
+import errno as _errno
+from typing import Any
+
+from memsem import native
+from memsem._errors import (
+    AccessDeniedError,
+    EngineError,
+    LeaseExpiredError,
+    MemsemError,
+    MemsemTimeoutError,
+    StaleReferenceError,
+)
+from memsem.gva import RefSpec
+
+RC_STATUS = native.lib.MEMSEM_RC_STATUS_MASK
+RC_SHIFT = native.lib.MEMSEM_RC_VERSION_SHIFT
+RC_LAST_OUT = native.lib.MEMSEM_RC_LAST_OUT
+RC_CHECK_PEER = native.lib.MEMSEM_RC_CHECK_PEER
+RC_ATTENTION = native.lib.MEMSEM_RC_ATTENTION
+OK = native.lib.MEMSEM_OK
+CLOSED = native.lib.MEMSEM_RC_CLOSED
+GEN_BEFORE = native.lib.MEMSEM_RC_GEN_BEFORE
+GEN_AFTER = native.lib.MEMSEM_RC_GEN_AFTER
+BUSY = native.lib.MEMSEM_RC_BUSY
+TORN = native.lib.MEMSEM_RC_TORN
+VERSION_GONE = native.lib.MEMSEM_RC_VERSION_GONE
+LEASE_BEFORE = native.lib.MEMSEM_RC_LEASE_BEFORE
+LEASE_DURING = native.lib.MEMSEM_RC_LEASE_DURING
+RANGE = native.lib.MEMSEM_RC_RANGE
+READONLY = native.lib.MEMSEM_RC_READONLY
+ERRNO = native.lib.MEMSEM_RC_ERRNO
+
+
+def stale(spec: RefSpec, found: int | None, *, during: bool = False) -> StaleReferenceError:
+    """The generation of ``spec``'s window moved (or the window is gone: ``found`` None)."""
+    when = " during the transfer" if during else ""
+    now = "it is gone" if found is None else f"it is now {found}"
+    return StaleReferenceError(
+        f"{spec.label}: the ref is stale (generation {spec.generation}; {now}): the window was "
+        f"unpublished, republished or reused{when}; no byte of it is valid",
+        window=spec.name, expected=spec.generation, found=found)
+
+
+def version_gone(spec: RefSpec, wanted: int, found: int) -> StaleReferenceError:
+    """Version ``wanted`` of ``spec``'s window was overwritten by version ``found``."""
+    return StaleReferenceError(
+        f"{spec.label}: version {wanted} is gone (the window holds version {found} now); read "
+        f"the latest version, or hold a lease on a version to keep it readable",
+        window=spec.name, expected=wanted, found=found)
+
+
+def lease_expired(spec: RefSpec, when: str) -> LeaseExpiredError:
+    return LeaseExpiredError(f"lease on {spec.label} expired {when}")
+
+
+def read_only(spec: RefSpec, what: str = "put") -> AccessDeniedError:
+    return AccessDeniedError(f"{what} to {spec.label}: the window was published read-only")
+
+
+def read_only_ref(spec: RefSpec, what: str = "put") -> AccessDeniedError:
+    return AccessDeniedError(f"{what} through a read-only ref to {spec.label}")
+
+
+def wrong_key(spec: RefSpec) -> AccessDeniedError:
+    return AccessDeniedError(f"wrong access key for {spec.label}: the ref was not minted by its owner")
+
+
+def out_of_range(spec: RefSpec, start: int, end: int, size: int, whose: str = "window") -> ValueError:
+    return ValueError(f"range [{start}, {end}) lies outside {spec.label}'s {size} bytes ({whose})")
+
+
+def busy_timeout(spec: RefSpec, timeout: float) -> MemsemTimeoutError:
+    return MemsemTimeoutError(
+        f"{spec.label}: a write section stayed open (or the version asked for was not committed) "
+        f"for {timeout} s; no bytes were returned", what=f"write section on {spec.label}", timeout=timeout)
+
+
+def engine_failure(exc: BaseException, spec: RefSpec, peer: Any, kind: str) -> MemsemError:
+    """Translate an engine's or the native layer's failure: the owner's death (ESRCH, or a
+    liveness check that fails now) is PeerLostError, memsem errors stay, anything else becomes
+    an EngineError chained to the cause (the caller raises ``... from exc``)."""
+    if isinstance(exc, MemsemError) and not isinstance(exc, EngineError):
+        return exc
+    err = getattr(exc, "errno", None)
+    if peer is not None and (err == _errno.ESRCH or not peer.alive()):
+        return peer.lost(f"{spec.label}, during the {kind},")
+    if isinstance(exc, EngineError):
+        return exc
+    return EngineError(f"{kind} on {spec.label} failed: {exc}")
+
+
+def chain(translated: BaseException, cause: BaseException) -> BaseException:
+    """``raise chain(t, exc)``: chain ``t`` to ``exc`` unless they are the same error."""
+    if translated is not cause:
+        translated.__cause__ = cause
+    return translated

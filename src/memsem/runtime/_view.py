@@ -1,0 +1,78 @@
+"""Zero-copy views: an array over the window's memory itself, held under a lease."""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from memsem import _dtypes
+from memsem._errors import MemsemError, NotSupportedError
+from memsem.gva import RefSpec
+from memsem.runtime import _translate as tr
+from memsem.runtime._lease import Lease
+
+if TYPE_CHECKING:
+    from memsem.runtime._core import RuntimeCore
+
+
+def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> np.ndarray:
+    """Zero-copy array over the window itself (see ``memsem.TensorRef.view``).
+
+    The array holds what it shows: on host/shm a pin on the mapped segment, on loopback the
+    published object; a slice or reshape of it holds the same. It also holds a lease (``lease``,
+    which then refuses ``release`` while the view lives, or one of its own, released when the
+    last array over the view is collected), so the owner cannot retire the window under it.
+    """
+    t0 = time.perf_counter_ns()
+    res = core.resolver.resolve(spec)
+    if not res.own_cb and not res.peer.alive():  # a cached resolution may outlive its owner
+        raise res.peer.lost(spec.label)
+    if not res.route.zero_copy:
+        raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
+                                f"({res.route.reason}); use get()")
+    own_lease = lease is None
+    if own_lease:
+        lease = Lease(core, spec, None).acquire()
+    elif lease.spec.gva != spec.gva:
+        raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+    if not res.enter():  # the resolution is being dropped: its region may be released
+        if own_lease:
+            lease.release()
+        raise tr.stale(spec, res.cb.generation if res.cb is not None else None)
+    try:
+        lease.check("at view()")
+        raw = res.engine.view(res.remote)
+        if res.cb is not None and res.cb.generation != spec.generation:
+            raise tr.stale(spec, res.cb.generation)
+        dt = _dtypes.numpy_dtype(spec.dtype_code)
+        flat = raw[spec.offset:spec.offset + spec.nbytes]
+        if not spec.writable and flat.flags.writeable:
+            flat = flat.view()
+            flat.flags.writeable = False
+        arr = flat.view(dt).reshape(spec.shape)
+    except BaseException:
+        if own_lease:
+            lease.release()
+        raise
+    finally:
+        res.leave()
+    with lease._lock:
+        lease._views += 1
+    # The lease is tied to the object under every array derived from this view (a slice or
+    # reshape of ``arr`` outlives ``arr`` itself and must keep the lease).
+    holder = raw.base if raw.base is not None and not isinstance(raw.base, np.ndarray) else raw
+    weakref.finalize(holder, _view_gone, lease, own_lease)
+    core.telemetry.record("view", res.route.kind, 0, time.perf_counter_ns() - t0)
+    return arr
+
+
+def _view_gone(lease: Lease, own: bool) -> None:
+    with lease._lock:
+        lease._views = max(0, lease._views - 1)
+    if own:
+        try:
+            lease.release()
+        except MemsemError:
+            pass
