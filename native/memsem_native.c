@@ -181,6 +181,10 @@ static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t 
     if (put && (!(p->flags & MEMSEM_PLAN_WRITABLE) || (p->flags & MEMSEM_PLAN_NO_PUT)))
         return finish(p, MEMSEM_RC_READONLY);
     if (lease_slot && !lease_ok(lease_slot, lease_id, t0)) return finish(p, MEMSEM_RC_LEASE_BEFORE);
+    /* A write must not land in the memory of an owner that may be dead: when its liveness is
+     * due for a check, check first (a read is checked after the copy instead). */
+    if (put && p->check_every_ns && t0 - p->checked_ns >= p->check_every_ns)
+        return finish(p, MEMSEM_RC_CHECK_FIRST);
     uint64_t *inflight = (uint64_t *)(uintptr_t)p->inflight_addr;
     const uint64_t *gen = (const uint64_t *)(uintptr_t)p->gen_addr;
     const uint64_t *seqs = (const uint64_t *)(uintptr_t)p->seq_addr;
@@ -279,6 +283,43 @@ uint64_t memsem_bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t
                              uint64_t lease_id, const uint64_t *state, int failed) {
     return bracket_close(p, put, nbytes, lease_slot, lease_id, state,
                          failed ? MEMSEM_RC_ERRNO | ((uint64_t)EIO << MEMSEM_RC_VERSION_SHIFT) : MEMSEM_OK);
+}
+
+/* ---- scans ------------------------------------------------------------------------------ */
+int memsem_scan_inflight(uint64_t slots, uint32_t n, uint64_t *out, uint32_t max) {
+    const uint64_t *w = (const uint64_t *)(uintptr_t)slots;
+    uint32_t found = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (uint32_t i = 0; i < n && found < max; i++) {
+        uint64_t ident = __atomic_load_n(&w[2 * i], __ATOMIC_ACQUIRE);
+        if (!ident) continue;
+        uint64_t count = __atomic_load_n(&w[2 * i + 1], __ATOMIC_ACQUIRE);
+        if (!count) continue;
+        out[2 * found] = ident;
+        out[2 * found + 1] = count;
+        found++;
+    }
+    return (int)found;
+}
+
+int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *out, uint32_t max) {
+    const uint64_t *w = (const uint64_t *)(uintptr_t)slots;
+    uint32_t found = 0;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (uint32_t i = 0; i < n && found < max; i++) {
+        const uint64_t *s = &w[6 * i];
+        if (!__atomic_load_n(&s[3], __ATOMIC_ACQUIRE)) continue;  /* free slot */
+        uint64_t exp = __atomic_load_n(&s[2], __ATOMIC_ACQUIRE);
+        if (exp <= now_ns) continue;
+        uint64_t *o = &out[5 * found];
+        o[0] = i;
+        o[1] = __atomic_load_n(&s[0], __ATOMIC_ACQUIRE);
+        o[2] = __atomic_load_n(&s[1], __ATOMIC_ACQUIRE);
+        o[3] = exp;
+        o[4] = __atomic_load_n(&s[4], __ATOMIC_ACQUIRE);
+        found++;
+    }
+    return (int)found;
 }
 
 /* ---- mappings --------------------------------------------------------------------------- */

@@ -100,6 +100,7 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_RANGE 9         /* [offset, offset + nbytes) outside the window */
 #define MEMSEM_RC_READONLY 10     /* put to a read-only window (or one whose owner writes) */
 #define MEMSEM_RC_ERRNO 11        /* the copy failed natively: errno in bits 16.. */
+#define MEMSEM_RC_CHECK_FIRST 12  /* a put while the owner's liveness is due: check, then retry */
 /* Flags in bits 8-15. */
 #define MEMSEM_RC_LAST_OUT 256    /* this call left a closed plan last: the caller releases it */
 #define MEMSEM_RC_CHECK_PEER 512  /* the owner's liveness is due for a re-check */
@@ -136,6 +137,15 @@ uint64_t memsem_bracket_close(memsem_plan *plan, int put, uint64_t nbytes, uint6
 int memsem_lat_bucket(uint64_t ns);
 /* Lower bound in ns of a bucket (inverse of memsem_lat_bucket). */
 uint64_t memsem_lat_bucket_floor(int bucket);
+
+/* ---- scans of a control block's slot tables (one call instead of one per word) ------------
+ * Both start with a sequentially consistent fence (the Dekker side of the owner: its state or
+ * generation store comes before). memsem_scan_inflight writes (identity, count) of every
+ * in-flight slot whose count is not 0; memsem_scan_leases writes (slot, pid, start, expiry,
+ * version) of every occupied lease slot whose expiry is after now_ns. Both return how many
+ * they found (at most max). Layouts: gva/_control.py. */
+int memsem_scan_inflight(uint64_t slots, uint32_t n, uint64_t *out, uint32_t max);
+int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *out, uint32_t max);
 
 /* ---- mappings without file descriptors ------------------------------------------------------
  * mmap(MAP_SHARED) of fd's first nbytes; the caller closes fd right after: a mapping holds no

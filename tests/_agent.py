@@ -196,11 +196,11 @@ def apply_plant(name: str) -> None:
 
     from memsem import native
     from memsem.gva import _control, _lease
-    from memsem.runtime import _runtime
+    from memsem.runtime import _publish
 
     if name == "no-bump-on-republish":
         flag = threading.local()
-        orig_rep, orig_bump = _runtime.RuntimeCore._republish, _control.ControlBlock.bump_generation
+        orig_rep, orig_bump = _publish.Publisher._republish, _control.ControlBlock.bump_generation
 
         def _republish(self, *a, **k):
             flag.on = True
@@ -212,7 +212,7 @@ def apply_plant(name: str) -> None:
         def bump(self):
             return self.generation if getattr(flag, "on", False) else orig_bump(self)
 
-        _runtime.RuntimeCore._republish = _republish
+        _publish.Publisher._republish = _republish
         _control.ControlBlock.bump_generation = bump
     elif name == "renew-ignores-expiry":
         def renew(cb, slot, lease_id, ttl_ns):

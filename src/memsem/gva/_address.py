@@ -95,14 +95,18 @@ class WindowInfo:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in _FIELDS}
         d["descriptors"] = {k: v.to_json() for k, v in self.descriptors.items()}
         d["shape"] = list(self.shape)
+        d["extra"] = dict(self.extra)
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "WindowInfo":
+    def from_json(cls, d: dict[str, Any]) -> "WindowInfo":  # noqa: D102
         d = dict(d)
         d["descriptors"] = {k: Descriptor.from_json(v) for k, v in d["descriptors"].items()}
         d["shape"] = tuple(d["shape"])
         return cls(**d)
+
+
+_FIELDS = dataclasses.fields(WindowInfo)

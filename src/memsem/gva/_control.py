@@ -205,7 +205,23 @@ class ControlBlock:
                             native.load_acquire(a + 16), lid, native.load_acquire(a + 32)))
         return out
 
+    def unexpired_leases(self, now_ns: int) -> list[tuple[int, int, int, int, int]]:
+        """``(slot, pid, start, expiry_ns, version)`` of occupied lease slots expiring after
+        ``now_ns``: one native scan, after a sequentially consistent fence."""
+        n = self.n_lease
+        buf = native.ffi.new("uint64_t[]", 5 * max(n, 1))
+        k = native.lib.memsem_scan_leases(self._lease0, n, now_ns, buf, n)
+        return [tuple(int(buf[5 * i + j]) for j in range(5)) for i in range(k)]  # type: ignore[misc]
+
     # -- in-flight slots --------------------------------------------------------------------------
+    def busy_inflight(self) -> list[tuple[int, int]]:
+        """``(identity word, copies)`` of in-flight slots with copies running now: one native
+        scan, after a sequentially consistent fence."""
+        n = self.n_inflight
+        buf = native.ffi.new("uint64_t[]", 2 * max(n, 1))
+        k = native.lib.memsem_scan_inflight(self._inflight0, n, buf, n)
+        return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(k)]
+
     def inflight_slot_addr(self, slot: int) -> int:
         """Address of in-flight slot ``slot`` (its identity word; the count is the next word)."""
         if not 0 <= slot < self.n_inflight:

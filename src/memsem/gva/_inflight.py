@@ -60,20 +60,20 @@ def count_addr(cb: ControlBlock, slot: int) -> int:
 
 def busy_holders(cb: ControlBlock) -> list[tuple[int, int]]:
     """``(pid, copies)`` of live holders with copies in flight right now; slots of dead holders
-    are reclaimed on the way."""
-    native.lib.memsem_fence_seq_cst()
+    are reclaimed on the way (one native scan, then a liveness check per busy slot)."""
     out = []
-    for slot in range(cb.n_inflight):
-        a = cb.inflight_slot_addr(slot)
-        ident = native.load_acquire(a)
-        if not ident:
-            continue
-        n = native.load_acquire(a + 8)
-        if not n:
-            continue
+    for ident, n in cb.busy_inflight():
         pid, start = identity_of(ident)
         if process_alive(pid, start):
             out.append((pid, n))
         else:
-            native.compare_exchange(a, ident, 0)  # a dead holder's marks are void
+            _reclaim(cb, ident)
     return out
+
+
+def _reclaim(cb: ControlBlock, ident: int) -> None:
+    """A dead holder's marks are void: free its slot(s)."""
+    for slot in range(cb.n_inflight):
+        a = cb.inflight_slot_addr(slot)
+        if native.load_acquire(a) == ident:
+            native.compare_exchange(a, ident, 0)

@@ -101,15 +101,12 @@ def release(cb: ControlBlock, slot: int, lease_id: int) -> None:
 def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float]]:
     """``(pid, seconds_left)`` of unexpired leases held by live processes. Reaps dead holders'
     slots when ``reap``."""
-    native.lib.memsem_fence_seq_cst()
     now = native.monotonic_ns()
     out = []
-    for slot, pid, start, expiry, lid, _version in cb.lease_slots():
-        if expiry <= now:
-            continue
+    for slot, pid, start, expiry, _version in cb.unexpired_leases(now):
         if not process_alive(pid, start):
             if reap:
-                release(cb, slot, lid)
+                _reap(cb, slot, pid, start)
             continue
         out.append((pid, (expiry - now) / 1e9))
     return out
@@ -118,17 +115,24 @@ def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, 
 def pinned_versions(cb: ControlBlock) -> dict[int, float]:
     """Versions pinned by unexpired leases of live holders -> seconds until the last of them
     expires (dead holders' slots are reaped)."""
-    native.lib.memsem_fence_seq_cst()
     now = native.monotonic_ns()
     out: dict[int, float] = {}
-    for slot, pid, start, expiry, lid, version in cb.lease_slots():
-        if not version or expiry <= now:
+    for slot, pid, start, expiry, version in cb.unexpired_leases(now):
+        if not version:
             continue
         if not process_alive(pid, start):
-            release(cb, slot, lid)
+            _reap(cb, slot, pid, start)
             continue
         out[version] = max(out.get(version, 0.0), (expiry - now) / 1e9)
     return out
+
+
+def _reap(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
+    """Free a dead holder's slot (only if it still holds that holder's lease)."""
+    a = cb.lease_slot_addr(slot)
+    lid = native.load_acquire(a + 24)
+    if lid and native.load_acquire(a) == pid and native.load_acquire(a + 8) == start:
+        native.compare_exchange(a + 24, lid, 0)
 
 
 def lease_words() -> int:

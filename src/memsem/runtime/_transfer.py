@@ -104,6 +104,8 @@ class Transfers:
                 return rc >> _SHIFT
             if status == tr.CLOSED:
                 res = self._resolver.resolve(spec)  # raises RuntimeClosedError when closed
+            elif status == tr.CHECK_FIRST:
+                res.peer_checked()  # PeerLostError when the owner died: nothing was written
             elif status in (tr.BUSY, tr.TORN):
                 self._core.telemetry.count_error("torn" if status == tr.TORN else "busy")
                 if deadline is None:
@@ -198,6 +200,9 @@ class Transfers:
                 res = self._resolver.resolve(spec)
                 if res.direct:
                     return self.transfer(spec, put, offset, addr, n, keep, lease, version, signal_tile)
+                continue
+            if status == tr.CHECK_FIRST:
+                res.peer_checked()
                 continue
             if status in (tr.BUSY, tr.TORN):
                 if deadline is None:
@@ -369,7 +374,7 @@ class Transfers:
         spec = src if isinstance(src, RefSpec) else dst
         try:
             res = self._resolver.resolve(spec)
-        except MemsemError:
+        except (MemsemError, ValueError, TypeError):
             return None  # reported by the range itself
         return res if res.engine.batches and not res.direct else None
 
@@ -391,6 +396,9 @@ class Transfers:
                     lease.check("before the transfer")
                 st = _ffi.new("uint64_t[5]")
                 rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
+                if (rc & tr.RC_STATUS) == tr.CHECK_FIRST:
+                    res.peer_checked()  # PeerLostError when the owner died
+                    rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
                 if rc != tr.OK:
                     if rc & tr.RC_LAST_OUT:
                         res.release()

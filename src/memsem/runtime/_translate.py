@@ -38,6 +38,7 @@ LEASE_DURING = native.lib.MEMSEM_RC_LEASE_DURING
 RANGE = native.lib.MEMSEM_RC_RANGE
 READONLY = native.lib.MEMSEM_RC_READONLY
 ERRNO = native.lib.MEMSEM_RC_ERRNO
+CHECK_FIRST = native.lib.MEMSEM_RC_CHECK_FIRST
 
 
 def stale(spec: RefSpec, found: int | None, *, during: bool = False) -> StaleReferenceError:
