@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _dtypes
-from memsem._buffers import buffer_info
+from memsem._buffers import as_array, buffer_info, dtype_code
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef
@@ -216,7 +216,13 @@ class FieldRef(TensorRef):
             ValueError / TypeError: wrong shape, dtype or range. AccessDeniedError: read-only.
         """
         sc = self.schema
-        arr = np.asarray(data)
+        if isinstance(data, np.ndarray):
+            arr = data
+            dtype_code(arr.dtype, "data")  # object/structured/str... refused, naming data
+        elif isinstance(data, (list, tuple)):
+            arr = np.asarray(data)
+        else:  # torch, DLPack, buffer objects: their own checks (conj/neg/sparse/... refused)
+            arr = as_array(data, "data")
         if arr.shape[1:] != sc.shape[1:] or arr.ndim != len(sc.shape):
             raise ValueError(f"data must have shape (k, {', '.join(map(str, sc.shape[1:]))}) for field "
                              f"{self.field!r}, got {arr.shape}")

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _dtypes
-from memsem._buffers import as_byte_array
+from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.runtime import Completion, Lease, RuntimeCore, current_core
@@ -171,7 +171,10 @@ class TensorRef:
             StaleReferenceError: the generation moved before or during the copy (no valid bytes).
             LeaseExpiredError: ``lease`` expired before or during the copy.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
-            ValueError / TypeError: ``out`` has the wrong size or is read-only.
+            ValueError / TypeError: ``out`` has the wrong size or is read-only, or is not plain
+                memory: a dtype that is not a number or bool (object, structured, str,
+                datetime...), or a torch tensor that is a conj/neg view, sparse, nested,
+                quantized, meta or not on the CPU (the message says which and how to fix it).
         """
         rt = self._rt
         if rt is None or rt._closed:
@@ -207,6 +210,8 @@ class TensorRef:
         """
         if out is None:
             out = self._alloc(framework)
+        else:
+            check_buffer(out, "out", writable=True)  # a caller mistake raises here, not in wait()
         return self.runtime.submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
 
     def _alloc(self, framework: str | None) -> Any:
@@ -228,7 +233,8 @@ class TensorRef:
             AccessDeniedError: the ref is read-only, or the window was published read-only.
             StaleReferenceError / LeaseExpiredError / PeerLostError: as for ``get``; on a stale
                 error the target is being retired and the bytes count for nothing.
-            ValueError / TypeError: size or dtype mismatch.
+            ValueError / TypeError: size or dtype mismatch, or ``src`` is not plain memory (as
+                for ``get``'s ``out``).
         """
         rt = self._rt
         if rt is None or rt._closed:
@@ -236,7 +242,13 @@ class TensorRef:
         rt.put_spec(self.spec, src, lease=lease)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
-        """Start a put; ``src`` must not change until the Completion is final."""
+        """Start a put; ``src`` must not change until the Completion is final.
+
+        Raises:
+            TypeError / ValueError: ``src`` is not usable memory (see ``put``); raised now, before
+                anything is started.
+        """
+        check_buffer(src, "src", writable=False)
         return self.runtime.submit(f"put to {self.spec.label}", lambda: self.put(src, lease=lease))
 
     def view(self, *, lease: Lease | None = None, framework: str | None = None) -> Any:

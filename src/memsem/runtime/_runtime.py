@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import contextvars
 import errno as _errno
 import logging
+import math
 import secrets
 import threading
 import time
@@ -20,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from memsem import _dtypes, native
-from memsem._buffers import BufferInfo, address_view, array_address, as_byte_array, buffer_info
+from memsem import _args, _dtypes, native
+from memsem._buffers import BufferInfo, address_view, array_address, as_byte_array, buffer_info, dtype_code
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
@@ -221,13 +222,12 @@ class RuntimeCore:
             if alloc is None:
                 raise NotSupportedError(f"engine {engine!r} has no memory of its own to allocate from")
             return alloc(shape, dtype)
-        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape_t):
-            raise ValueError(f"shape must be non-negative, got {shape_t}")
-        code = _dtypes.code_of(dtype)
-        dt = _dtypes.numpy_dtype(code)
-        nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
-        seg = Segment.create("data", max(nbytes, 1))
+        dt = _dtypes.numpy_dtype(dtype_code(dtype, "dtype", of_buffer=False))
+        shape_t = _args.shape(shape, "shape", itemsize=dt.itemsize)
+        nbytes = math.prod(shape_t) * dt.itemsize
+        if nbytes == 0:
+            return np.zeros(shape_t, dt)  # no bytes: nothing to share (publishable all the same)
+        seg = Segment.create("data", nbytes)
         with self._lock:
             self._segments[seg.address] = seg
         # The holder under every array derived from this one exports the mmap's buffer, so the
@@ -779,7 +779,8 @@ class RuntimeCore:
         of shape ``spec.shape`` and the ref's dtype (``out``'s own array when given)."""
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
-        elif not (type(out) is np.ndarray and (f := out.flags).c_contiguous and f.writeable):
+        elif not (type(out) is np.ndarray and (f := out.flags).c_contiguous and f.writeable
+                  and out.dtype in _dtypes.NUMPY_CODES):  # others: as_byte_array refuses, naming out
             flat, info = as_byte_array(out, "out", writable=True)
             if info.nbytes != spec.nbytes:
                 raise ValueError(f"out holds {info.nbytes} bytes; the ref is {spec.nbytes} bytes "
@@ -795,8 +796,8 @@ class RuntimeCore:
 
     def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> None:
         """Blocking put of ``src`` (exactly the ref's bytes) into the window."""
-        if type(src) is np.ndarray and src.flags.c_contiguous:
-            n, code = src.nbytes, _dtypes.code_of(src.dtype)
+        if type(src) is np.ndarray and src.flags.c_contiguous and src.dtype in _dtypes.NUMPY_CODES:
+            n, code = src.nbytes, _dtypes.NUMPY_CODES[src.dtype]
             addr = array_address(src) if n else 0
         else:
             flat, info = as_byte_array(src, "src", writable=False)
