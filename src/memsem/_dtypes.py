@@ -38,6 +38,11 @@ _BY_NUMPY = {dt: code for code, (_, dt, _) in _TABLE.items()}
 NUMPY_CODES: "dict[np.dtype, int]" = _BY_NUMPY
 
 
+def codes() -> list[int]:
+    """Every wire dtype code."""
+    return list(_TABLE)
+
+
 def supported_names() -> list[str]:
     return [name for name, _, _ in _TABLE.values()]
 

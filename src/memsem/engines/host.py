@@ -58,20 +58,26 @@ class HostEngine(Engine):
 
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
-        f = descriptor.fields
-        writable = bool(f.get("writable", True))
-        if f["kind"] == "shm":
-            off = int(f.get("offset", 0))
-            seg = Segment.attach(str(f["segment"]), off + nbytes, writable=writable)
-            remote = RemoteRegion(self, nbytes, DirectAccess(False, int(f["pid"]), seg.address + off))
+        d = descriptor
+        writable = d.field("writable", bool, True)
+        kind = d.field("kind", str)
+        pid = d.field("pid", int)
+        if kind == "shm":
+            off = d.field("offset", int, 0)
+            seg_name = d.field("segment", str)
+            if off < 0 or "/" in seg_name or not seg_name:
+                raise ValueError(f"host descriptor: segment {seg_name!r} at offset {off} is not a segment range")
+            seg = Segment.attach(seg_name, off + nbytes, writable=writable)
+            remote = RemoteRegion(self, nbytes, DirectAccess(False, pid, seg.address + off))
             remote.segment = seg  # type: ignore[attr-defined]
-        elif f["kind"] == "cma":
+        elif kind == "cma":
+            address = d.field("address", int)
             avail = self.cma_availability()
             if not avail:
                 raise NotSupportedError(f"host engine (cross-memory attach): {avail.reason}")
-            remote = RemoteRegion(self, nbytes, DirectAccess(True, int(f["pid"]), int(f["address"])))
+            remote = RemoteRegion(self, nbytes, DirectAccess(True, pid, address))
         else:
-            raise ValueError(f"host descriptor kind {f['kind']!r} is unknown")
+            raise ValueError(f"host descriptor field 'kind' must be 'shm' or 'cma', got {kind!r}")
         remote.writable = writable  # type: ignore[attr-defined]
         return remote
 

@@ -31,16 +31,18 @@ class LoopbackEngine(Engine):
 
     def deregister(self, descriptor: Descriptor) -> None:
         super().deregister(descriptor)
-        _KEEPALIVE.pop(str(descriptor.fields.get("token")), None)
+        _KEEPALIVE.pop(descriptor.field("token", str, ""), None)
 
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
-        pid = int(descriptor.fields["pid"])
+        d = descriptor
+        pid = d.field("pid", int)
+        address = d.field("address", int)
         if pid != os.getpid():
             raise NotSupportedError(f"loopback reaches only this process ({os.getpid()}), not pid {pid}")
-        remote = RemoteRegion(self, nbytes, DirectAccess(False, pid, int(descriptor.fields["address"])))
-        remote.keepalive = _KEEPALIVE.get(str(descriptor.fields.get("token")))  # type: ignore[attr-defined]
-        remote.writable = bool(descriptor.fields.get("writable", True))  # type: ignore[attr-defined]
+        remote = RemoteRegion(self, nbytes, DirectAccess(False, pid, address))
+        remote.keepalive = _KEEPALIVE.get(d.field("token", str, ""))  # type: ignore[attr-defined]
+        remote.writable = d.field("writable", bool, True)  # type: ignore[attr-defined]
         return remote
 
     def view(self, remote: RemoteRegion) -> np.ndarray:
