@@ -122,7 +122,16 @@ def read_record(fd: int, name: str, max_bytes: int = MAX_RECORD_BYTES) -> str | 
             raise ValueError(f"record {name} is not a regular file")
         if st.st_size > max_bytes:
             raise ValueError(f"record {name} has {st.st_size} bytes; a record has at most {max_bytes}")
-        data = os.read(f, max_bytes + 1)
+        chunks, left = [], st.st_size + 1  # +1: see a file that grew since fstat
+        while left > 0:
+            chunk = os.read(f, min(left, max_bytes + 1))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise ValueError(f"record {name} has more than {max_bytes} bytes")
     finally:
         os.close(f)
     try:

@@ -581,9 +581,10 @@ class MteEngine(Engine):
                      "ready word", n, owned.info.gva)
             return
         desc.fields["sig_slot"], desc.fields["n_sig"] = slot, n
+        offset = desc.field("offset", int)
         with self._lock:
-            alloc, _, _ = self._regs.get(desc.fields["offset"], (None, -1, 0))
-            self._regs[desc.fields["offset"]] = (alloc, slot, n)
+            alloc, _, _ = self._regs.get(offset, (None, -1, 0))
+            self._regs[offset] = (alloc, slot, n)
 
     def deregister(self, descriptor: Descriptor) -> None:
         self._check_descriptor(descriptor)

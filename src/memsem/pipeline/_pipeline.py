@@ -221,9 +221,9 @@ class Pipeline:
             raise TypeError(f"spec must be a RefSpec or a ref, got {type(spec).__name__}")
         depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
         timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
-        if zero_copy not in (None, True, False):
+        if zero_copy is not None and not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
-        if wait_ready not in (None, True, False):
+        if wait_ready is not None and not isinstance(wait_ready, bool):
             raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
         if zero_copy and out is not None:
             raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")

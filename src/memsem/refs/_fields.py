@@ -68,7 +68,8 @@ class FieldSchema:
 
     @property
     def n_tiles(self) -> int:
-        return max(1, -(-self.rows // self.tile_rows))
+        """Tiles of rows (0 for a field of 0 rows: nothing to wait for)."""
+        return -(-self.rows // self.tile_rows)
 
     @property
     def nbytes(self) -> int:
@@ -276,7 +277,7 @@ class FieldRef(TensorRef):
                              f"{self.field!r}, got {arr.shape}")
         if arr.dtype != sc.dtype:
             raise TypeError(f"data dtype {arr.dtype} differs from field {self.field!r}'s {sc.dtype}")
-        if mark not in (True, False):
+        if not isinstance(mark, bool):
             raise TypeError(f"mark must be True or False, got {mark!r}")
         start, stop = _check_rows(sc, start, start + arr.shape[0])
         if mark:
@@ -344,7 +345,7 @@ class FieldRef(TensorRef):
         would wait for too few tiles and read rows that are not ready."""
         info = rt._resolve(self.spec).info
         n = self.n_tiles
-        if info.n_ready != n or (n > 1 and info.tile_bytes != self.tile_bytes):
+        if info.n_ready != max(1, n) or (n > 1 and info.tile_bytes != self.tile_bytes):
             raise ValueError(f"field {self.field!r}: tile_rows={self.tile_rows} gives {n} tiles of "
                              f"{self.tile_bytes} B, but {self.spec.label} has {info.n_ready} ready words "
                              f"of {info.tile_bytes} B")
@@ -379,7 +380,7 @@ class FieldRef(TensorRef):
         """
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
-        if wait not in (True, False):
+        if not isinstance(wait, bool):
             raise TypeError(f"wait must be True or False, got {wait!r}")
         if not wait and timeout is not None:
             _args.timeout(timeout)
@@ -626,8 +627,10 @@ class FieldSet(Mapping[str, FieldRef]):
         events = self.tile_events(names, timeout=timeout)  # validates now
         return self._as_ready(events, {n: self[n].n_tiles for n in names})
 
-    @staticmethod
-    def _as_ready(events: Iterator[tuple[FieldRef, int]], left: dict[str, int]) -> Iterator[FieldRef]:
+    def _as_ready(self, events: Iterator[tuple[FieldRef, int]], left: dict[str, int]) -> Iterator[FieldRef]:
+        for name, n in left.items():
+            if n == 0:  # a field of 0 rows is complete from the start
+                yield self[name]
         for r, _ in events:
             left[r.field] -= 1
             if left[r.field] == 0:
