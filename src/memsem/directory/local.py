@@ -92,6 +92,15 @@ def open_folder(path: str, *, create: bool) -> int:
             kind = "a symlink" if os.path.islink(path) else "not a folder"
             raise AccessDeniedError(f"directory {path} is {kind}; memsem never follows it (another "
                                     "user may have planted it): remove it or use another MEMSEM_JOB") from None
+        if exc.errno == errno.EACCES:
+            try:
+                st = os.lstat(path)
+                found = f"uid {st.st_uid} mode {oct(stat.S_IMODE(st.st_mode))}"
+            except OSError:
+                found = "it cannot even be inspected"
+            raise AccessDeniedError(f"directory {path} must be a folder owned by uid {os.getuid()} with "
+                                    f"mode 0700; found {found}: another user may have planted it; remove "
+                                    "it (as root or its owner) or use another MEMSEM_JOB") from None
         raise
     try:
         check_folder(fd, path)
