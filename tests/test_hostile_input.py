@@ -185,8 +185,7 @@ def wires():
     import os
     import secrets
 
-    os.environ["MEMSEM_JOB"] = f"hyp{os.getpid()}-{secrets.token_hex(3)}"
-    rt = memsem.Runtime(timeout=5.0)
+    rt = memsem.Runtime(timeout=5.0, job=f"hyp{os.getpid()}-{secrets.token_hex(3)}")
     try:
         w = rt.publish(np.arange(64, dtype=np.float32).reshape(8, 8), name="weights", tiles=4)
         fs = rt.publish_fields({"prompts": np.arange(24, dtype=np.int32).reshape(6, 4),
@@ -195,7 +194,6 @@ def wires():
                    "set": fs.to_bytes()}, w.nbytes
     finally:
         rt.close()
-        os.environ.pop("MEMSEM_JOB", None)
 
 
 _PARSERS = {"ref": TensorRef.from_bytes, "sub": TensorRef.from_bytes, "field": FieldRef.from_bytes,
