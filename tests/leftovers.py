@@ -7,7 +7,9 @@
 
 * entries of the segment directory (``MEMSEM_SHM_DIR`` or ``/dev/shm``) named ``memsem.*``
   (segments, job folders) or ``memsem-*`` (the tests' private segment folders);
-* mounts under ``RUN_TMP`` (the run's TMPDIR) or under a pytest temporary directory;
+* mounts under ``RUN_TMP`` (the run's TMPDIR, so every pytest temporary directory of the run),
+  and other new mounts with ``memsem`` in their path (pytest directories of other runs on the
+  machine are theirs);
 * network namespaces named ``memsem-*``.
 
 Only the run's own leftovers count: an item whose creator (the pid in a segment or namespace
@@ -124,10 +126,13 @@ def check(before: dict[str, list[str]], run_tmp: str | None) -> tuple[list[str],
             left.append(f"{path} (job folder, {len(os.listdir(path))} entries)")
             continue
         left.append(f"{path} (test segment folder or file)")
-    pytest_tmp = re.compile(r"/pytest-of-[^/]+/")
     for mnt in sorted(set(_mounts()) - set(before["mounts"])):
-        if (run_tmp and (mnt == run_tmp or mnt.startswith(run_tmp.rstrip("/") + "/"))) or pytest_tmp.search(mnt):
+        if run_tmp and (mnt == run_tmp or mnt.startswith(run_tmp.rstrip("/") + "/")):
             left.append(f"{mnt} (mount)")
+        elif mnt.startswith("/run/netns/"):
+            continue  # a named namespace's own mount: reported with the namespaces below
+        elif "memsem" in mnt and not re.search(r"/pytest-of-[^/]+/", mnt):
+            left.append(f"{mnt} (mount)")  # outside the run's TMPDIR, but memsem's by name
     for ns in sorted(set(_netns()) - set(before["netns"])):
         m = NETNS_PID.match(ns)
         if m is not None and _foreign(int(m.group(1))):

@@ -10,7 +10,7 @@
 # terminal and to a log; the summary lines are the pytest-style totals found in that log.
 #
 # Leftover check (tests/leftovers.py): memsem segments, job folders and test segment folders in
-# the segment directory, mounts under the run's temporary directory (or any pytest temp dir),
+# the segment directory, mounts under the run's temporary directory (or named memsem),
 # and network namespaces named memsem-*, that appeared during the run and do not belong to a
 # process outside this run. The run gets a temporary directory of its own (TMPDIR), removed at
 # the end unless something is still mounted in it.
