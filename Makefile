@@ -25,10 +25,13 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m memsem.cli demo --pipeline
 
+# Every suite runs (a failing one does not stop the others), then one summary table and a check
+# that the run left nothing behind (segments, job folders, mounts, namespaces): tests/run_all.sh.
+# A new suite is a test-NAME target below plus NAME in SUITES.
+SUITES ?= core rdma tq
+
 test: $(TEST_STAMP)
-	$(MAKE) test-core
-	$(MAKE) test-rdma
-	$(MAKE) test-tq
+	PY=$(PY) MAKE="$(MAKE)" bash tests/run_all.sh $(SUITES)
 
 # Network-namespace tests need root and redis-server (installed here when missing); under CI a
 # machine that cannot create namespaces fails instead of skipping.

@@ -368,5 +368,5 @@ def test_gc_dry_run_lists_nothing_of_live_processes(private_shm):
         assert mine
         out = _gc_cli("--dry-run")
         assert out.returncode == 0
-        assert out.stdout.strip().splitlines() == ["0 item(s) would be removed (dry run)"]
+        assert out.stdout.strip().splitlines() == ["0 item(s) would be removed (dry run), 0 skipped"]
         assert _segments_of(os.getpid()) == mine

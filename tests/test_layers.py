@@ -6,7 +6,7 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "memsem"
 ORDER = ["native", "engines", "topology", "directory", "gva", "runtime", "pipeline", "refs"]
-LEAVES = {"_errors", "_dtypes", "_buffers", "_native"}
+LEAVES = {"_errors", "_dtypes", "_buffers", "_args", "_native"}
 
 
 def _layer(module: str) -> str | None:

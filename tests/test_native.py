@@ -112,13 +112,29 @@ def test_segment_bad_names_rejected():
         Segment.create("data", 0)
 
 
+def _mounted(path) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == str(path) for line in f)
+
+
 def test_small_tmpfs_fails_at_create_not_sigbus(tmp_path, monkeypatch):
-    """Case 6: more than the segment directory can hold fails at creation with a clear error."""
+    """Case 6: more than the segment directory can hold fails at creation with a clear error.
+
+    The tmpfs is unmounted in every case: the arrays mapping its segments are dropped (and their
+    mappings released) first, so a plain umount works; a lazy umount is the last resort if it
+    did not (and then the test fails: something kept a mapping alive)."""
+    import gc
+    import subprocess
+
     mnt = tmp_path / "shm"
     mnt.mkdir()
-    rc = os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null")
-    if rc != 0:
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("mounting a small tmpfs needs root; CI runs as root")
         pytest.skip("cannot mount a small tmpfs here (needs root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True, timeout=60,
+                   capture_output=True)
+    plain_umount = None
     try:
         monkeypatch.setenv("MEMSEM_SHM_DIR", str(mnt))
         with pytest.raises(OutOfMemoryError, match="cannot reserve"):
@@ -132,5 +148,15 @@ def test_small_tmpfs_fails_at_create_not_sigbus(tmp_path, monkeypatch):
             small = rt.alloc(1024, np.uint8)
             small[:] = 1
             assert small.sum() == 1024
+        del small  # the last reference to the segment's mapping
+        gc.collect()
+        assert os.listdir(mnt) == [], os.listdir(mnt)
     finally:
-        os.system(f"umount {mnt}")
+        gc.collect()
+        if _mounted(mnt):
+            plain_umount = subprocess.run(["umount", str(mnt)], timeout=60, capture_output=True, text=True)
+            if plain_umount.returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], timeout=60, capture_output=True)
+    assert not _mounted(mnt), f"{mnt} is still mounted"
+    assert plain_umount is None or plain_umount.returncode == 0, \
+        f"plain umount failed (a mapping outlived its array): {plain_umount.stderr}"

@@ -90,7 +90,7 @@ def _c_owner_stats(rt, st):
 
 def _c_mr_access(rt, st, name):
     ref = st["ref:" + name]
-    rec = rt.directory.get_window(ref.gva)
+    rec = rt.core.directory.get_window(ref.gva)
     return rt.engine("rdma").registration_access(Descriptor.from_json(rec["descriptors"]["rdma"]))
 
 
@@ -166,7 +166,7 @@ def _c_latency(rt, st, data, iters):
 def _c_raw_put(rt, st, data):
     """Bypass the runtime's permission check: post an RDMA WRITE with the window's rkey."""
     ref = rt.ref(data)
-    rec = rt.directory.get_window(ref.gva)
+    rec = rt.core.directory.get_window(ref.gva)
     desc = Descriptor.from_json(rec["descriptors"]["rdma"])
     eng = rt.engine("rdma")
     remote = eng.attach(desc, ref.nbytes)

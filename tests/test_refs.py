@@ -75,7 +75,7 @@ def test_ref_is_compact_and_carries_no_pointer(rt):
     assert p == ref and (p.get() == a).all()
     with pytest.raises(ValueError, match="not a serialized memsem ref"):
         TensorRef.from_bytes(b"hello")
-    with pytest.raises(ValueError, match="header says"):
+    with pytest.raises(ValueError, match=r"header \(ndim 2, name length 1\) says"):
         TensorRef.from_bytes(b + b"x")
 
 
@@ -99,7 +99,7 @@ def test_noncontiguous_rejected_with_reason(rt):
         rt.publish(a[:, ::2])
     with pytest.raises(TypeError, match="obj must be"):
         rt.publish(object())
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(TypeError, match="obj has dtype <U4, which holds strings"):
         rt.publish(np.zeros(3, dtype="U4"))
 
 

@@ -25,7 +25,13 @@ MAX_WAIT_S = 30 * 86400.0
 #: the longest finite lease ttl (seconds): expiries are 64-bit nanosecond clock values.
 MAX_TTL_S = 1e9
 
-__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "timeout", "timeout_or", "ttl", "count", "index"]
+#: the largest byte count memsem accepts for one window or allocation (64-bit offsets, signed)
+MAX_BYTES = (1 << 63) - 1
+#: the most dimensions a shape may have (numpy's own limit, and the wire format's u8 ndim)
+MAX_NDIM = 64
+
+__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "MAX_BYTES", "MAX_NDIM", "timeout", "timeout_or", "ttl", "count",
+           "index", "shape"]
 
 
 def _real(value: Any, name: str, what: str) -> float:
@@ -108,3 +114,31 @@ def index(value: Any, name: str, n: int, *, of: str = "") -> int:
     if not 0 <= v < n:
         raise ValueError(f"{name} must be an int in [0, {n}){' for ' + of if of else ''}, got {value!r}")
     return v
+
+
+def shape(value: Any, name: str = "shape", *, itemsize: int = 1) -> tuple[int, ...]:
+    """An element shape: an int (1-d) or a sequence of ints, each >= 0, at most ``MAX_NDIM``
+    dimensions, whose product times ``itemsize`` bytes fits ``MAX_BYTES``.
+
+    Raises:
+        TypeError: not an int or a sequence of ints (``bool`` and floats included); the message
+            names the offending dimension (``shape[1]``).
+        ValueError: a negative dimension, too many dimensions, or more than ``MAX_BYTES`` bytes.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        dims: tuple[Any, ...] = (value,)
+    elif isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r} ({type(value).__name__})")
+    else:
+        dims = tuple(value)
+    if len(dims) > MAX_NDIM:
+        raise ValueError(f"{name} must have at most {MAX_NDIM} dimensions, got {len(dims)}")
+    out = tuple(count(d, f"{name}[{i}]" if not isinstance(value, numbers.Integral) else name, unit="elements")
+                for i, d in enumerate(dims))
+    total = itemsize
+    for d in out:
+        total *= d
+    if total > MAX_BYTES:
+        raise ValueError(f"{name} {out} x {itemsize} bytes per element is {total} bytes, more than "
+                         f"{MAX_BYTES}")
+    return out

@@ -5,6 +5,20 @@ memsem windows are C-contiguous byte ranges. Non-contiguous views (transposes, s
 strides) are rejected with an error that says so: a strided window would need a gather copy on
 every access, which would silently defeat zero-copy. Make the data contiguous first (a copy you
 can see) or publish its base.
+
+memsem moves bytes, so it only accepts buffers whose bytes *are* their values:
+
+* dtypes are plain numbers and bools (``memsem._dtypes``): object arrays (their bytes are
+  pointers to Python objects), structured/void records, str/bytes, datetime/timedelta, non-native
+  byte order and other dtypes are refused with a ``TypeError`` naming the argument;
+* torch tensors must be plain strided CPU memory: conjugate and negative views (a lazy bit, not
+  the bytes), sparse, mkldnn and nested layouts, quantized, meta, zero and non-CPU tensors are
+  refused with the reason and the call that makes an acceptable tensor (``.resolve_conj()``,
+  ``.to_dense()``, ``.cpu()``...). Torch's own errors never leak out of here.
+
+Every path that takes a destination or a source (publish, get/put and their ``_async`` forms,
+xcopy, pipelines, FieldRef rows, ``put_tile``) comes through :func:`buffer_info` or the numpy
+fast-path test ``dtype in memsem._dtypes.NUMPY_CODES``.
 """
 from __future__ import annotations
 
@@ -45,6 +59,11 @@ class BufferInfo:
     keepalive: Any
 
 
+def _is_torch_dtype(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.dtype)
+
+
 def _is_torch_tensor(obj: object) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
@@ -69,10 +88,61 @@ def _noncontig(argname: str, obj: object, strides: object) -> ValueError:
     )
 
 
+def _dtype_reason(dt: np.dtype) -> str:
+    if dt.hasobject:
+        return ("holds pointers to Python objects, not values (copying its bytes would copy "
+                "pointers); convert it to a numeric array first")
+    if dt.fields is not None:
+        return "is a structured (record) dtype; move each field as its own array, or view it as uint8"
+    if dt.kind == "V":
+        return "is an opaque void dtype; view it as uint8 to move raw bytes"
+    if dt.kind in "US":
+        return "holds strings; encode them into a uint8 array first"
+    if dt.kind in "Mm":
+        return "is a datetime/timedelta; view it as int64 (arr.view('i8')) to move the raw values"
+    if not dt.isnative:
+        return "is not in native byte order; convert it with arr.astype(arr.dtype.newbyteorder('='))"
+    return "is not a dtype memsem moves"
+
+
+def dtype_code(dtype: Any, argname: str, *, of_buffer: bool = True) -> int:
+    """Wire code of a dtype: of buffer ``argname`` (``of_buffer``), or the dtype argument
+    ``argname`` itself (a numpy/torch dtype, a scalar type or a name).
+
+    Raises:
+        TypeError: the dtype is not a plain number or bool; the message names ``argname``, the
+            dtype, why it is refused and what to do instead.
+    """
+    try:
+        hit = _dtypes.NUMPY_CODES.get(dtype)
+    except TypeError:  # unhashable (a list of record fields...): not a plain dtype
+        hit = None
+    if hit is not None:
+        return hit
+    if not isinstance(dtype, np.dtype) and not _is_torch_dtype(dtype) and dtype not in _dtypes.supported_names():
+        try:
+            dtype = np.dtype(dtype)  # np.float32, "<U3", object, a record description...
+        except (TypeError, ValueError):
+            pass
+        else:
+            hit = _dtypes.NUMPY_CODES.get(dtype)
+            if hit is not None:
+                return hit
+    supported = ", ".join(_dtypes.supported_names())
+    if isinstance(dtype, np.dtype):
+        head = f"{argname} has dtype {dtype}, which" if of_buffer else \
+            f"{argname}={dtype} is refused: this dtype"
+        raise TypeError(f"{head} {_dtype_reason(dtype)}; memsem moves plain numbers and bools ({supported})")
+    try:
+        return _dtypes.code_of(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{argname}: {exc}") from None
+
+
 def from_numpy(arr: np.ndarray, argname: str = "obj") -> BufferInfo:
+    code = dtype_code(arr.dtype, argname)
     if not arr.flags.c_contiguous:
         raise _noncontig(argname, arr, arr.strides)
-    code = _dtypes.code_of(arr.dtype)
     return BufferInfo(
         address=arr.__array_interface__["data"][0],
         nbytes=arr.nbytes,
@@ -85,15 +155,58 @@ def from_numpy(arr: np.ndarray, argname: str = "obj") -> BufferInfo:
     )
 
 
+def _torch_refusal(t: Any, argname: str) -> Exception | None:
+    """Why torch tensor ``t`` cannot be used as plain CPU bytes (None when it can)."""
+    torch = sys.modules["torch"]
+    if t.is_nested:
+        return ValueError(f"{argname} is a nested tensor (layout {t.layout}): its components are not "
+                          "one byte range with one shape; pass its components (t.unbind()) or "
+                          "t.to_padded_tensor(0)")
+    layout = t.layout
+    if layout is not torch.strided:
+        kind = "a sparse" if "sparse" in str(layout) else f"a {str(layout).removeprefix('torch.')}"
+        return ValueError(f"{argname} is {kind} tensor (layout {layout}): its values are not one "
+                          "contiguous byte range; call .to_dense() first")
+    if t.is_quantized:
+        return TypeError(f"{argname} is a quantized tensor ({t.dtype}): its bytes are not its values; "
+                         "call .dequantize() for the values, or .int_repr() for the raw integers")
+    dev = t.device.type
+    if dev == "meta" or t.is_meta:
+        return ValueError(f"{argname} is a meta tensor: it has no data; materialize it first "
+                          "(e.g. torch.empty_like(t, device='cpu'))")
+    if dev != "cpu":
+        return ValueError(f"{argname} lives on device {t.device}; memsem's host routes move CPU "
+                          "memory: call .cpu() first")
+    if t.is_conj():
+        return ValueError(f"{argname} is a conjugate view (is_conj()): its bytes hold the "
+                          "unconjugated values; call .resolve_conj() first")
+    if t.is_neg():
+        return ValueError(f"{argname} is a negative view (is_neg()): its bytes hold the "
+                          "un-negated values; call .resolve_neg() first")
+    zero = getattr(t, "_is_zerotensor", None)
+    if zero is not None and zero():
+        return ValueError(f"{argname} is a lazy zero tensor with no memory; call .clone() first")
+    return None
+
+
 def from_torch(t: Any, argname: str = "obj") -> BufferInfo:
-    if t.device.type != "cpu":
-        raise ValueError(f"{argname} must be a CPU tensor for this route, got device {t.device}")
+    err = _torch_refusal(t, argname)
+    if err is not None:
+        raise err
+    code = dtype_code(t.dtype, argname)
     if not t.is_contiguous():
         raise _noncontig(argname, t, tuple(t.stride()))
-    code = _dtypes.code_of(t.dtype)
+    try:
+        address = t.data_ptr()
+    except RuntimeError as exc:  # tensor subclasses without storage (fake, functional, wrapper)
+        raise ValueError(f"{argname} ({type(t).__name__}) has no CPU memory of its own "
+                         f"({str(exc).splitlines()[0]}); pass a plain tensor") from None
+    nbytes = t.numel() * t.element_size()
+    if address == 0 and nbytes:
+        raise ValueError(f"{argname} ({type(t).__name__}) has no CPU memory of its own; pass a plain tensor")
     return BufferInfo(
-        address=t.data_ptr(),
-        nbytes=t.numel() * t.element_size(),
+        address=address,
+        nbytes=nbytes,
         dtype_code=code,
         shape=tuple(t.shape),
         readonly=False,
@@ -146,10 +259,16 @@ _capsule_get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_cha
 
 def from_dlpack(obj: Any, argname: str = "obj") -> BufferInfo:
     try:
-        capsule = obj.__dlpack__()
-    except TypeError:
-        capsule = obj.__dlpack__(stream=None)
-    ptr = _capsule_get(capsule, b"dltensor")
+        try:
+            capsule = obj.__dlpack__()
+        except TypeError:
+            capsule = obj.__dlpack__(stream=None)
+    except (TypeError, ValueError, RuntimeError, BufferError, NotImplementedError) as exc:
+        raise ValueError(f"{argname}.__dlpack__() refused to export its memory: {exc}") from None
+    try:
+        ptr = _capsule_get(capsule, b"dltensor")
+    except (TypeError, ValueError):
+        ptr = None
     if not ptr:
         raise ValueError(f"{argname}.__dlpack__() returned a capsule that is not an unconsumed 'dltensor'")
     t = _DLManagedTensor.from_address(ptr).dl_tensor
@@ -161,7 +280,9 @@ def from_dlpack(obj: Any, argname: str = "obj") -> BufferInfo:
         raise TypeError(f"{argname} has a vector DLPack dtype (lanes={t.dtype.lanes}); not supported")
     name = _DL_TYPES.get((t.dtype.code, t.dtype.bits))
     if name is None:
-        raise TypeError(f"{argname} has DLPack dtype code={t.dtype.code} bits={t.dtype.bits}; not supported")
+        raise TypeError(f"{argname} has DLPack dtype code={t.dtype.code} bits={t.dtype.bits}, which is "
+                        f"not a dtype memsem moves (plain numbers and bools: "
+                        f"{', '.join(_dtypes.supported_names())})")
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     strides = tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides else None
     if not _c_contiguous(shape, strides):
@@ -185,7 +306,11 @@ def from_buffer_protocol(obj: Any, argname: str = "obj") -> BufferInfo:
     mv = memoryview(obj)
     if not mv.c_contiguous:
         raise _noncontig(argname, obj, mv.strides)
-    arr = np.asarray(mv) if mv.format not in ("", "B") or mv.ndim != 1 else np.frombuffer(mv, np.uint8)
+    try:
+        arr = np.asarray(mv) if mv.format not in ("", "B") or mv.ndim != 1 else np.frombuffer(mv, np.uint8)
+    except (TypeError, ValueError, NotImplementedError) as exc:  # a format numpy cannot read
+        raise TypeError(f"{argname} exports buffer format {mv.format!r}, which is not a dtype memsem "
+                        f"moves ({exc}); plain numbers and bools: {', '.join(_dtypes.supported_names())}") from None
     info = from_numpy(arr.reshape(mv.shape) if mv.ndim else arr, argname)
     return dataclasses.replace(info, readonly=mv.readonly, framework="buffer", keepalive=(obj, mv, arr))
 
@@ -210,6 +335,31 @@ def buffer_info(obj: Any, argname: str = "obj") -> BufferInfo:
             f"{argname} must be a numpy array, a CPU torch tensor, an object with __dlpack__ or "
             f"a buffer-protocol object; got {type(obj).__name__}") from None
     return from_buffer_protocol(obj, argname)
+
+
+def check_buffer(obj: Any, argname: str, *, writable: bool) -> None:
+    """Refuse, now, a buffer that a later (e.g. asynchronous) copy would refuse: the same checks
+    as :func:`as_byte_array` without building the view (a dtype lookup for C-contiguous numpy).
+
+    Raises:
+        TypeError / ValueError: as :func:`buffer_info`, or ``writable`` and the buffer is read-only.
+    """
+    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype in _dtypes.NUMPY_CODES:
+        if writable and not obj.flags.writeable:
+            raise ValueError(f"{argname} is read-only; a writable destination is needed")
+        return
+    as_byte_array(obj, argname, writable=writable)
+
+
+def as_array(obj: Any, argname: str, *, writable: bool = False) -> np.ndarray:
+    """A numpy array of ``obj``'s own shape and dtype over its memory (no copy), after the
+    checks of :func:`buffer_info` (torch bfloat16/fp8 tensors included, which numpy cannot
+    convert by itself)."""
+    if type(obj) is np.ndarray:
+        check_buffer(obj, argname, writable=writable)
+        return obj
+    flat, info = as_byte_array(obj, argname, writable=writable)
+    return flat.view(_dtypes.numpy_dtype(info.dtype_code)).reshape(info.shape)
 
 
 def as_byte_array(obj: Any, argname: str, *, writable: bool) -> tuple[np.ndarray, BufferInfo]:

@@ -32,6 +32,15 @@ _TABLE: dict[int, tuple[str, np.dtype, str | None]] = {
 }
 _BY_NAME = {name: code for code, (name, _, _) in _TABLE.items()}
 _BY_NUMPY = {dt: code for code, (_, dt, _) in _TABLE.items()}
+#: numpy dtype -> wire code of every dtype memsem moves (plain numbers and bools). A numpy dtype
+#: that is not a key (object, structured, void, str/bytes, datetime, non-native byte order,
+#: float128...) is refused at every door: ``dtype in NUMPY_CODES`` is the hot-path test.
+NUMPY_CODES: "dict[np.dtype, int]" = _BY_NUMPY
+
+
+def codes() -> list[int]:
+    """Every wire dtype code."""
+    return list(_TABLE)
 
 
 def supported_names() -> list[str]:

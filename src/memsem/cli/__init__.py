@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         verb = "would remove" if args.dry_run else "removed"
         for path, why in items:
             print(f"{verb} {path}: {why}")
-        print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}")
+        for path, why in items.skipped:
+            print(f"skipped {path}: {why}")
+        print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}, "
+              f"{len(items.skipped)} skipped")
         return 0
     if args.cmd == "bench":
         try:

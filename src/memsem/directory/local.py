@@ -1,25 +1,190 @@
 """The ``local`` directory: files in a 0700 folder next to the segments, one machine, no server.
 
 Layout of ``<segment dir>/memsem.<uid>.dir.<job>/``: ``r.<rank>`` (rank records), ``w.<gva hex>``
-(window records), ``n.<hex of name>`` (name -> gva), ``k.<hex of key>`` (engine entries). Every file is written to a temporary name
-and renamed, so readers never see a torn record. The job (``MEMSEM_JOB``, default ``default``)
-namespaces everything.
+(window records), ``n.<hex of name>`` (name -> gva), ``k.<hex of key>`` (engine entries). The job
+(``MEMSEM_JOB``, default ``default``) namespaces everything.
+
+Safety (the segment directory, ``/dev/shm``, is writable by every local user):
+
+* The job folder is opened once, with ``O_NOFOLLOW | O_DIRECTORY``, and checked through that
+  descriptor (``fstat``): it must be a directory owned by this user with mode 0700, else
+  :class:`memsem.AccessDeniedError` names the path. Every later file operation is relative to
+  the descriptor (``dir_fd``), so the folder cannot be swapped for a symlink after the check.
+  Files inside are opened with ``O_NOFOLLOW``.
+* Every record is written to ``.tmp.<pid>-<start>.<token>`` and then renamed (rank claims are
+  hard links, which fail if the rank is taken), so readers never see a torn record; a temporary
+  file whose writer died between write and rename is recognised by its name and removed by gc.
+* Records that do not parse, or hold fields of the wrong types, are skipped by the listings
+  (``windows()``, ``ranks()``) and never stop a runtime from starting; ``get_window`` of such a
+  record raises ValueError naming the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 from typing import Any, Callable
 
+from memsem._errors import AccessDeniedError
 from memsem.directory._base import Directory, check_entry_key
-from memsem.native import segment_dir
+from memsem.native import process_start_time, segment_dir
 
 _MAX_RANKS = 1 << 16
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the largest record the directory reads (bytes): a bigger file is not a memsem record
+MAX_RECORD_BYTES = 1 << 20
+#: prefix of temporary record files: ``.tmp.<pid>-<start time>.<token>``
+TMP_PREFIX = ".tmp."
+
+_start_times: dict[int, int] = {}
+
+
+def tmp_name() -> str:
+    """A fresh temporary file name carrying this process's pid and start time (for gc)."""
+    pid = os.getpid()
+    start = _start_times.get(pid)
+    if start is None:
+        start = _start_times[pid] = process_start_time(pid)
+    return f"{TMP_PREFIX}{pid}-{start}.{secrets.token_hex(8)}"
 
 
 def default_job() -> str:
     return os.environ.get("MEMSEM_JOB", "default")
+
+
+def job_folder_name(job: str, uid: int | None = None) -> str:
+    return f"memsem.{os.getuid() if uid is None else uid}.dir.{job}"
+
+
+def check_folder(fd: int, path: str) -> None:
+    """Refuse a job folder (open as ``fd``) that is not a directory owned by this user with mode
+    0700. Raises :class:`memsem.AccessDeniedError` naming ``path``."""
+    st = os.fstat(fd)
+    uid = os.getuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) != 0o700:
+        raise AccessDeniedError(
+            f"directory {path} must be a folder owned by uid {uid} with mode 0700; found "
+            f"{'a folder' if stat.S_ISDIR(st.st_mode) else 'no folder'} of uid {st.st_uid} mode "
+            f"{oct(stat.S_IMODE(st.st_mode))}: another user may have planted it; remove it (as "
+            "root or its owner) or use another MEMSEM_JOB")
+
+
+def open_folder(path: str, *, create: bool) -> int:
+    """Open (creating it when ``create``) the job folder at ``path`` without following a symlink,
+    and check it (:func:`check_folder`). Returns the directory descriptor.
+
+    Raises:
+        AccessDeniedError: ``path`` is a symlink or not a folder of this user with mode 0700.
+        FileNotFoundError: ``path`` does not exist and ``create`` is False.
+    """
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, _O_DIR)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "a symlink" if os.path.islink(path) else "not a folder"
+            raise AccessDeniedError(f"directory {path} is {kind}; memsem never follows it (another "
+                                    "user may have planted it): remove it or use another MEMSEM_JOB") from None
+        if exc.errno == errno.EACCES:
+            try:
+                st = os.lstat(path)
+                found = f"uid {st.st_uid} mode {oct(stat.S_IMODE(st.st_mode))}"
+            except OSError:
+                found = "it cannot even be inspected"
+            raise AccessDeniedError(f"directory {path} must be a folder owned by uid {os.getuid()} with "
+                                    f"mode 0700; found {found}: another user may have planted it; remove "
+                                    "it (as root or its owner) or use another MEMSEM_JOB") from None
+        raise
+    try:
+        check_folder(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_record(fd: int, name: str, max_bytes: int = MAX_RECORD_BYTES) -> str | None:
+    """Text of regular file ``name`` in folder ``fd`` (not following symlinks); None when absent.
+
+    Raises:
+        ValueError: ``name`` is a symlink, not a regular file, larger than ``max_bytes`` or not
+            UTF-8 (the message names it).
+    """
+    try:
+        f = os.open(name, _O_READ, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"record {name} is a symlink; not followed") from None
+        raise
+    try:
+        st = os.fstat(f)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"record {name} is not a regular file")
+        if st.st_size > max_bytes:
+            raise ValueError(f"record {name} has {st.st_size} bytes; a record has at most {max_bytes}")
+        chunks, left = [], st.st_size + 1  # +1: see a file that grew since fstat
+        while left > 0:
+            chunk = os.read(f, min(left, max_bytes + 1))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > max_bytes:
+            raise ValueError(f"record {name} has more than {max_bytes} bytes")
+    finally:
+        os.close(f)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"record {name} is not UTF-8 text") from None
+
+
+def parse_json_record(text: str, name: str) -> dict[str, Any]:
+    """A JSON object, else ValueError naming the record."""
+    try:
+        rec = json.loads(text)
+    except ValueError:
+        raise ValueError(f"record {name} is not valid JSON") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"record {name} is JSON {type(rec).__name__}, not an object")
+    return rec
+
+
+def _int_field(rec: dict[str, Any], field: str, name: str, default: Any = ...) -> int:
+    v = rec.get(field, default)
+    if v is ... or isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"record {name} field {field!r} must be an int, got {v!r:.40}")
+    return v
+
+
+def check_rank_record(rec: dict[str, Any], name: str) -> dict[str, Any]:
+    """A rank record has int ``pid`` and ``start`` and a str ``node``; ValueError otherwise."""
+    _int_field(rec, "pid", name)
+    _int_field(rec, "start", name, 0)
+    if not isinstance(rec.get("node", ""), str):
+        raise ValueError(f"record {name} field 'node' must be a str")
+    return rec
+
+
+def check_window_record(rec: dict[str, Any], name: str) -> dict[str, Any]:
+    """The fields of a window record the directory and gc read themselves (the GVA layer checks
+    the rest): int ``gva``, ``rank``, ``owner_pid``, ``owner_start``; str ``name``, ``node``."""
+    for field in ("gva", "rank", "owner_pid", "owner_start"):
+        _int_field(rec, field, name)
+    for field in ("name", "node"):
+        if not isinstance(rec.get(field, ""), str):
+            raise ValueError(f"record {name} field {field!r} must be a str")
+    return rec
 
 
 class LocalDirectory(Directory):
@@ -28,72 +193,98 @@ class LocalDirectory(Directory):
     Args:
         job: namespace; defaults to ``MEMSEM_JOB`` or ``"default"``.
         alive: ``alive(record) -> bool`` used to reap rank records of dead owners.
+
+    Raises:
+        ValueError: ``job`` is not alphanumeric (with ``-``/``_``).
+        AccessDeniedError: the job folder is a symlink, not a folder, not owned by this user or
+            not mode 0700 (the message names the path).
     """
 
     def __init__(self, job: str | None = None, *, alive: Callable[[dict[str, Any]], bool]) -> None:
         self.job = job or default_job()
-        if not self.job.replace("-", "").replace("_", "").isalnum():
+        if not isinstance(self.job, str) or not self.job.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")
-        self.path = os.path.join(segment_dir(), f"memsem.{os.getuid()}.dir.{self.job}")
+        self.path = os.path.join(segment_dir(), job_folder_name(self.job))
         self.url = f"local://{self.path}"
         self._alive = alive
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        st = os.stat(self.path)
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise PermissionError(
-                f"directory {self.path} must be owned by uid {os.getuid()} with mode 0700; "
-                f"found uid {st.st_uid} mode {oct(st.st_mode & 0o777)}")
+        self._fd: int | None = open_folder(self.path, create=True)
 
     # -- files ----------------------------------------------------------------------------------
-    def _write(self, fname: str, data: dict[str, Any] | str) -> None:
-        tmp = os.path.join(self.path, f".tmp.{secrets.token_hex(8)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"directory {self.path} is closed")
+        return self._fd
+
+    def _reopen(self) -> None:
+        """The folder was removed (an empty job folder is removed by close/gc) between our open
+        and our rank claim: open (create) it again."""
+        old, self._fd = self._fd, None
+        if old is not None:
+            os.close(old)
+        self._fd = open_folder(self.path, create=True)
+
+    def _write_tmp(self, data: dict[str, Any] | str) -> str:
+        tmp = tmp_name()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self.fd)
         with os.fdopen(fd, "w") as f:
             f.write(data if isinstance(data, str) else json.dumps(data))
-        os.replace(tmp, os.path.join(self.path, fname))
+        return tmp
+
+    def _write(self, fname: str, data: dict[str, Any] | str) -> None:
+        tmp = self._write_tmp(data)
+        try:
+            os.replace(tmp, fname, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            self._unlink(tmp)
+            raise
 
     def _read(self, fname: str) -> str | None:
-        try:
-            with open(os.path.join(self.path, fname)) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        return read_record(self.fd, fname)
 
     def _unlink(self, fname: str) -> None:
         try:
-            os.unlink(os.path.join(self.path, fname))
+            os.unlink(fname, dir_fd=self.fd)
         except FileNotFoundError:
             pass
 
+    def _list(self) -> list[str]:
+        return os.listdir(self.fd)
+
     # -- ranks ----------------------------------------------------------------------------------
     def claim_rank(self, record: dict[str, Any]) -> int:
+        payload = json.dumps(record)
         for attempt in range(3):
             try:
-                return self._claim_rank(json.dumps(record))
+                return self._claim_rank(payload)
             except FileNotFoundError:
-                # An empty job folder was removed (close/gc) between makedirs and our claim.
-                os.makedirs(self.path, mode=0o700, exist_ok=True)
-        return self._claim_rank(json.dumps(record))
+                self._reopen()
+        return self._claim_rank(payload)
 
     def _claim_rank(self, payload: str) -> int:
-        for rank in range(_MAX_RANKS):
-            fname = os.path.join(self.path, f"r.{rank}")
-            try:
-                fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
+        # The record is written whole to a temporary file and hard-linked to r.<rank>: the link
+        # fails if the rank is taken, and a reader never sees a half-written rank record.
+        tmp = self._write_tmp(payload)
+        try:
+            for rank in range(_MAX_RANKS):
+                fname = f"r.{rank}"
+                try:
+                    os.link(tmp, fname, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+                    return rank
+                except FileExistsError:
+                    pass
                 old = self.rank_record(rank)
                 if old is not None and not self._alive(old):
                     self._reap_rank(rank, old)
                     try:
-                        fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                        os.link(tmp, fname, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+                        return rank
                     except FileExistsError:
                         continue
-                else:
-                    continue
-            with os.fdopen(fd, "w") as f:
-                f.write(payload)
-            return rank
-        raise RuntimeError(f"no free rank in {self.path}")
+            raise RuntimeError(f"no free rank in {self.path}")
+        finally:
+            self._unlink(tmp)
 
     def _reap_rank(self, rank: int, record: dict[str, Any]) -> None:
         for w in self.windows():
@@ -105,18 +296,21 @@ class LocalDirectory(Directory):
         self._unlink(f"r.{rank}")
 
     def rank_record(self, rank: int) -> dict[str, Any] | None:
-        text = self._read(f"r.{rank}")
-        if not text:
-            return None
+        """The record of ``rank``; None when no runtime holds it or when the file is not a valid
+        rank record (a corrupt or planted file is never taken for a dead owner to reap)."""
+        name = f"r.{rank}"
         try:
-            return json.loads(text)
-        except json.JSONDecodeError:  # being written by O_EXCL creator: treat as held
-            return {"pid": -1}
+            text = self._read(name)
+            if not text:
+                return None
+            return check_rank_record(parse_json_record(text, name), name)
+        except ValueError:
+            return None
 
     def ranks(self) -> dict[int, dict[str, Any]]:
         out = {}
-        for f in os.listdir(self.path):
-            if f.startswith("r."):
+        for f in self._list():
+            if f.startswith("r.") and f[2:].isdigit():
                 rec = self.rank_record(int(f[2:]))
                 if rec is not None:
                     out[int(f[2:])] = rec
@@ -134,18 +328,42 @@ class LocalDirectory(Directory):
         self._unlink(f"w.{gva:016x}")
 
     def get_window(self, gva: int) -> dict[str, Any] | None:
-        text = self._read(f"w.{gva:016x}")
-        return json.loads(text) if text else None
+        """The record of window ``gva`` or None.
+
+        Raises:
+            ValueError: the record file exists but is not a valid record (names the file).
+        """
+        name = f"w.{gva:016x}"
+        text = self._read(name)
+        if not text:
+            return None
+        try:
+            return check_window_record(parse_json_record(text, name), name)
+        except ValueError as exc:
+            raise ValueError(f"directory {self.path}: {exc}") from None
 
     def lookup(self, name: str) -> int | None:
-        text = self._read(f"n.{name.encode().hex()}")
-        return int(text, 16) if text else None
+        fname = f"n.{name.encode().hex()}"
+        try:
+            text = self._read(fname)
+        except ValueError:
+            return None
+        if not text:
+            return None
+        try:
+            return int(text.strip(), 16)
+        except ValueError:
+            return None  # not a name record: as if the name were not published
 
     def windows(self) -> list[dict[str, Any]]:
+        """Every parseable window record (corrupt ones are skipped)."""
         out = []
-        for f in os.listdir(self.path):
+        for f in self._list():
             if f.startswith("w."):
-                rec = self.get_window(int(f[2:], 16))
+                try:
+                    rec = self.get_window(int(f[2:], 16))
+                except ValueError:
+                    continue
                 if rec is not None:
                     out.append(rec)
         return out
@@ -155,12 +373,13 @@ class LocalDirectory(Directory):
         self._write(f"k.{check_entry_key(key).encode().hex()}", record)
 
     def get_entry(self, key: str) -> dict[str, Any] | None:
-        text = self._read(f"k.{check_entry_key(key).encode().hex()}")
-        if not text:
-            return None
+        name = f"k.{check_entry_key(key).encode().hex()}"
         try:
-            return json.loads(text)
-        except json.JSONDecodeError:
+            text = self._read(name)
+            if not text:
+                return None
+            return parse_json_record(text, name)
+        except ValueError:
             return None
 
     def remove_entry(self, key: str) -> None:
@@ -169,17 +388,45 @@ class LocalDirectory(Directory):
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         head = f"k.{prefix.encode().hex()}"
         out = {}
-        for f in os.listdir(self.path):
+        for f in self._list():
             if f.startswith(head) and len(f) % 2 == 0:  # "k." + whole bytes of hex
-                key = bytes.fromhex(f[2:]).decode()
+                try:
+                    key = bytes.fromhex(f[2:]).decode()
+                    check_entry_key(key)
+                except ValueError:
+                    continue
                 rec = self.get_entry(key)
                 if rec is not None:
                     out[key] = rec
         return out
 
     def close(self) -> None:
-        """Remove the job folder when this was its last user (no rank, window or entry left)."""
+        """Remove the job folder when this was its last user (no rank, window or entry left);
+        close its descriptor. Safe twice."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
         try:
-            os.rmdir(self.path)
+            parent = os.open(segment_dir(), _O_DIR)
         except OSError:
-            pass  # not empty: other runtimes of the job still use it
+            parent = None
+        try:
+            # Only if the name still refers to the folder we opened (not a replacement).
+            if parent is not None:
+                st, mine = os.stat(os.path.basename(self.path), dir_fd=parent, follow_symlinks=False), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.rmdir(os.path.basename(self.path), dir_fd=parent)
+        except OSError:
+            pass  # not empty: other runtimes of the job still use it (or it is gone already)
+        finally:
+            if parent is not None:
+                os.close(parent)
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -41,6 +41,7 @@ import secrets
 import threading
 from typing import Any, Callable
 
+from memsem import _args
 from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
 from memsem.directory._base import Directory, check_entry_key
 from memsem.directory.local import default_job
@@ -145,9 +146,16 @@ class RedisDirectory(Directory):
         self.job = job or default_job()
         if not self.job.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")
-        ttl = float(os.environ.get("MEMSEM_HEARTBEAT_TTL", 0) or 0) or DEFAULT_TTL if ttl is None else float(ttl)
-        if not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
+        if ttl is None:
+            raw = os.environ.get("MEMSEM_HEARTBEAT_TTL", "") or ""
+            try:
+                ttl = float(raw) if raw else DEFAULT_TTL
+            except ValueError:
+                raise ValueError(f"MEMSEM_HEARTBEAT_TTL must be a number of seconds, got {raw!r}") from None
+            ttl = _args.timeout(ttl, "MEMSEM_HEARTBEAT_TTL", positive=True)
+        else:
+            ttl = _args.timeout(ttl, "ttl", positive=True)
+        timeout = _args.timeout(timeout, "timeout", positive=True)
         self.ttl = ttl
         self._ttl_ms = max(1, int(ttl * 1000))
         self.url = url
@@ -385,6 +393,7 @@ class RedisDirectory(Directory):
         """
         member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
                  f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
+        ttl = _args.ttl(ttl)
         ms = -1 if ttl is None else max(1, int(ttl * 1000))
         g = f"{gva:016x}"
         rc = self._call(self._acquire, keys=[self._k("w", g), self._k("l", g), self._k("c", g)],
@@ -397,6 +406,7 @@ class RedisDirectory(Directory):
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (server clock); False when it was lost."""
+        ttl = _args.ttl(ttl)
         ms = -1 if ttl is None else max(1, int(ttl * 1000))
         return bool(self._call(self._renew, keys=[self._k("l", f"{gva:016x}")], args=[member, ms]))
 

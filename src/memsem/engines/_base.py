@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from memsem import _args
 from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
 
 
@@ -47,47 +48,67 @@ class Availability:
         return self.ok
 
 
+_MISSING: Any = object()
+
+
+def typed_field(record: Any, name: str, kind: type | tuple[type, ...], what: str, default: Any = _MISSING) -> Any:
+    """``record[name]`` checked to be a ``kind`` (``bool`` is never an ``int``).
+
+    ``what`` names the record in the message (e.g. ``"host descriptor"``). With ``default``, a
+    missing field (or a JSON null) gives ``default`` instead of an error.
+
+    Raises:
+        ValueError: ``record`` is not a mapping, the field is missing or has another type; the
+            message names the record, the field, the type wanted and the type found.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(record).__name__}")
+    v = record.get(name)
+    if v is None:
+        if default is not _MISSING:
+            return default
+        present = ", ".join(sorted(map(str, record))) or "none"
+        raise ValueError(f"{what} has no field {name!r} (fields: {present})")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        want = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"{what} field {name!r} must be {want}, got {type(v).__name__} {v!r:.60}")
+    return v
+
+
 @dataclasses.dataclass(frozen=True)
 class Descriptor:
     """How one engine reaches a window: engine-tagged, JSON-serializable ``fields``.
 
     A descriptor is only ever interpreted by the engine named in ``engine``; handing it to another
-    engine raises ``ValueError`` (never reinterpreted).
+    engine raises ``ValueError`` (never reinterpreted). Engines read their fields through
+    :meth:`field`, so a descriptor with the right tag but missing or mistyped fields (another
+    engine's, a corrupted directory record) is a ValueError naming the field, never a KeyError.
     """
 
     engine: str
     fields: dict[str, Any]
 
-    def field(self, name: str, kind: type) -> Any:
-        """Field ``name`` checked to be of ``kind`` (``int`` excludes ``bool``).
+    def field(self, name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+        """Field ``name`` of this descriptor, checked to be a ``kind`` (see :func:`typed_field`).
 
         Raises:
-            ValueError: the field is missing or of another type (a descriptor of another
-                engine's shape, or a corrupted record); the message names engine and field.
+            ValueError: missing (and no ``default``) or of another type; names engine and field.
         """
-        try:
-            v = self.fields[name]
-        except (KeyError, TypeError):
-            raise ValueError(f"{self.engine} descriptor has no field {name!r} (fields: "
-                             f"{sorted(self.fields) if isinstance(self.fields, dict) else self.fields!r})") from None
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise ValueError(f"{self.engine} descriptor field {name!r} must be {kind.__name__}, "
-                             f"got {v!r}")
-        return v
+        return typed_field(self.fields, name, kind, f"{self.engine} descriptor", default)
 
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "fields": self.fields}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Descriptor":
-        """Parse a descriptor record. Raises ValueError naming what is wrong."""
-        if not isinstance(data, dict):
-            raise ValueError(f"descriptor record must be an object, got {type(data).__name__}")
-        engine, fields = data.get("engine"), data.get("fields")
-        if not isinstance(engine, str) or not engine:
-            raise ValueError(f"descriptor field 'engine' must be a non-empty str, got {engine!r}")
-        if not isinstance(fields, dict):
-            raise ValueError(f"{engine} descriptor field 'fields' must be an object, got {fields!r}")
+    def from_json(cls, data: Any) -> "Descriptor":
+        """Parse ``to_json`` output.
+
+        Raises:
+            ValueError: not an object with a str ``engine`` and an object ``fields``.
+        """
+        engine = typed_field(data, "engine", str, "descriptor")
+        fields = typed_field(data, "fields", dict, f"{engine} descriptor")
         return cls(engine, dict(fields))
 
 
@@ -216,7 +237,9 @@ class Request:
 
         Raises:
             MemsemTimeoutError: the ops did not finish in time (they keep running; poll again).
+            TypeError / ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
+        timeout = _args.timeout(timeout)
         if not self._done.wait(timeout):
             raise MemsemTimeoutError(
                 f"engine request of {len(self.ops)} ops not complete after {timeout} s",

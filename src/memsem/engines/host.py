@@ -69,11 +69,14 @@ class HostEngine(Engine):
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
         kind = descriptor.field("kind", str)
-        writable = descriptor.field("writable", bool)
+        writable = descriptor.field("writable", bool, True)
         pid = descriptor.field("pid", int)
         if kind == "shm":
-            off = descriptor.field("offset", int)
-            seg = Segment.attach(descriptor.field("segment", str), off + nbytes, writable=writable)
+            off = descriptor.field("offset", int, 0)
+            seg_name = descriptor.field("segment", str)
+            if off < 0 or "/" in seg_name or not seg_name:
+                raise ValueError(f"host descriptor: segment {seg_name!r} at offset {off} is not a segment range")
+            seg = Segment.attach(seg_name, off + nbytes, writable=writable)
             return RemoteRegion(self, nbytes, DirectAccess(False, pid, seg.address + off),
                                 writable=writable, segment=seg)
         if kind == "cma":

@@ -56,7 +56,7 @@ class LoopbackEngine(Engine):
                 raise WindowNotFoundError("the loopback registration is gone (unpublished)")
             keep = self._regions[token]
         return RemoteRegion(self, nbytes, DirectAccess(False, pid, descriptor.field("address", int)),
-                            writable=descriptor.field("writable", bool), keepalive=keep)
+                            writable=descriptor.field("writable", bool, True), keepalive=keep)
 
     def view(self, remote: RemoteRegion) -> np.ndarray:
         d = remote.direct

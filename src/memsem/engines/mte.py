@@ -47,8 +47,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from memsem import _dtypes
-from memsem._buffers import address_view
+from memsem import _args, _dtypes
+from memsem._buffers import address_view, dtype_code
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, OutOfMemoryError
 from memsem.engines._base import (
     Availability,
@@ -242,8 +242,8 @@ class ShmemTeam:
             ValueError: ``nbytes`` not positive. OutOfMemoryError: the heap cannot hold it.
             EngineError: the library refused (``name`` is the SHMEM function).
         """
-        if not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        nbytes = _args.count(nbytes, "nbytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
+        align = _args.count(align, "align", unit="bytes")
         if align and zero:
             raise ValueError("pass align or zero, not both")
         self._check_open()
@@ -418,19 +418,13 @@ def init_team(my_pe: int, n_pes: int, uniqueid: bytes, heap_bytes: int, *,
         ValueError / TypeError: bad arguments (named).
     """
     global _team
-    for nm, v in (("my_pe", my_pe), ("n_pes", n_pes), ("heap_bytes", heap_bytes), ("signal_slots", signal_slots)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-            raise TypeError(f"{nm} must be an int, got {type(v).__name__}")
-    if n_pes <= 0 or not 0 <= my_pe < n_pes:
-        raise ValueError(f"my_pe must be in [0, n_pes) and n_pes > 0, got my_pe={my_pe} n_pes={n_pes}")
-    if heap_bytes <= 0:
-        raise ValueError(f"heap_bytes must be > 0, got {heap_bytes}")
-    if signal_slots < 0:
-        raise ValueError(f"signal_slots must be >= 0, got {signal_slots}")
+    n_pes = _args.count(n_pes, "n_pes", minimum=1, unit="PEs")
+    my_pe = _args.index(my_pe, "my_pe", n_pes, of=f"a team of {n_pes} PEs")
+    heap_bytes = _args.count(heap_bytes, "heap_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
+    signal_slots = _args.count(signal_slots, "signal_slots", unit="slots")
     if engine_type not in _ENGINE_TYPES:
         raise ValueError(f"engine_type must be one of {sorted(_ENGINE_TYPES)}, got {engine_type!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    timeout = _args.timeout(timeout, "timeout", positive=True)
     if not isinstance(uniqueid, (bytes, bytearray, memoryview)):
         raise TypeError(f"uniqueid must be bytes from new_uniqueid(), got {type(uniqueid).__name__}")
     ffi, lib, path = _load(lib_path)
@@ -508,7 +502,7 @@ class MteEngine(Engine):
         if me.attrs.get("shmem_team") != team:
             return f"this process is not a PE of SHMEM team {team!r}"
         return ("mte", f"both ends are PEs of SHMEM team {team!r} with MTE reach",
-                bool(descriptor.fields.get("mapped", False)))
+                descriptor.field("mapped", bool, False))
 
     def __init__(self, team: ShmemTeam | None = None) -> None:
         super().__init__()
@@ -540,14 +534,12 @@ class MteEngine(Engine):
         (freeing is a collective call). Where the heap is NPU memory this raises
         NotSupportedError (a numpy array cannot live there): use :meth:`malloc`.
         """
-        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape_t):
-            raise ValueError(f"shape must be non-negative, got {shape_t}")
+        dt = _dtypes.numpy_dtype(dtype_code(dtype, "dtype", of_buffer=False))
+        shape_t = _args.shape(shape, "shape", itemsize=dt.itemsize)
         if not self.team.host_mapped:
             raise NotSupportedError("the symmetric heap of libshmem.so is NPU memory: a numpy array "
                                     "cannot live there; use MteEngine.malloc() and wrap the address "
                                     "as a device tensor")
-        dt = _dtypes.numpy_dtype(_dtypes.code_of(dtype))
         nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
         a = self.team.malloc(max(nbytes, 1), zero=True)
         raw = address_view(a.address, nbytes, a)
@@ -598,14 +590,15 @@ class MteEngine(Engine):
                      "ready word", n, gva)
             return
         desc.fields["sig_slot"], desc.fields["n_sig"] = slot, n
+        offset = desc.field("offset", int)
         with self._lock:
-            alloc, _, _ = self._regs.get(desc.fields["offset"], (None, -1, 0))
-            self._regs[desc.fields["offset"]] = (alloc, slot, n)
+            alloc, _, _ = self._regs.get(offset, (None, -1, 0))
+            self._regs[offset] = (alloc, slot, n)
 
     def deregister(self, descriptor: Descriptor) -> None:
         self._check_descriptor(descriptor)
         with self._lock:
-            alloc, slot, n = self._regs.pop(int(descriptor.fields["offset"]), (None, -1, 0))
+            alloc, slot, n = self._regs.pop(descriptor.field("offset", int), (None, -1, 0))
         if alloc is not None:
             with self.team._lock:
                 alloc.registrations = max(0, alloc.registrations - 1)
@@ -617,11 +610,12 @@ class MteEngine(Engine):
         self._check_descriptor(descriptor)
         self._check_usable()
         t = self.team
-        f = descriptor.fields
-        if f.get("team") != t.team_id:
-            raise NotSupportedError(f"mte: the window belongs to SHMEM team {f.get('team')!r}; this "
+        d = descriptor
+        team = d.field("team", str)
+        if team != t.team_id:
+            raise NotSupportedError(f"mte: the window belongs to SHMEM team {team!r}; this "
                                     f"process is PE {t.my_pe} of {t.team_id!r}")
-        pe, offset = int(f["pe"]), int(f["offset"])
+        pe, offset = d.field("pe", int), d.field("offset", int)
         if not 0 <= pe < t.n_pes:
             raise EngineError(f"mte: the window's owner PE {pe} is outside team {t.team_id} of "
                               f"{t.n_pes} PEs (aclshmem_ptr would return NULL)", name="aclshmem_ptr")
@@ -637,7 +631,7 @@ class MteEngine(Engine):
                               f"(aclshmem_ptr returned NULL{': ' + msg if msg else ''})",
                               name="aclshmem_ptr", code=code or None)
         return _MteRemote(self, nbytes, pe, sym, int(t.ffi.cast("uintptr_t", p)),
-                          bool(f.get("writable", True)), int(f.get("sig_slot", -1)), int(f.get("n_sig", 0)))
+                          d.field("writable", bool, True), d.field("sig_slot", int, -1), d.field("n_sig", int, 0))
 
     def view(self, remote: RemoteRegion) -> np.ndarray:
         r = self._remote(remote)
@@ -799,20 +793,19 @@ class MteEngine(Engine):
         self._check_descriptor(descriptor)
         self._check_usable()
         t = self.team
-        f = descriptor.fields
-        if f.get("team") != t.team_id or int(f["pe"]) != t.my_pe:
+        d = descriptor
+        team, pe = d.field("team", str), d.field("pe", int)
+        if team != t.team_id or pe != t.my_pe:
             raise ValueError("wait_signal waits on this PE's own windows only "
-                             f"(descriptor is PE {f.get('pe')} of {f.get('team')!r})")
-        n, slot = int(f.get("n_sig", 0)), int(f.get("sig_slot", -1))
+                             f"(descriptor is PE {pe} of {team!r})")
+        n, slot = d.field("n_sig", int, 0), d.field("sig_slot", int, -1)
         if n <= 0:
             raise NotSupportedError("mte: this window has no SHMEM signal words")
-        if not isinstance(tile, (int, np.integer)) or not 0 <= tile < n:
-            raise ValueError(f"tile must be an int in [0, {n}), got {tile!r}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+        tile = _args.index(tile, "tile", n, of="this window's signal words")
+        timeout = _args.timeout(timeout)
         value = signal_value(generation)
         word = t.ffi.cast("int32_t *", t.slot_address(slot + int(tile)))
-        what = f"SHMEM signal of tile {tile} (heap offset {f['offset']})"
+        what = f"SHMEM signal of tile {tile} (heap offset {d.field('offset', int)})"
         if t.test_double:
             t.lib.aclshmemx_emu_set_wait_timeout_ms(max(1, int(timeout * 1000)))
             t.lib.aclshmem_signal_wait_until(word, t.lib.ACLSHMEM_CMP_EQ, int(value))

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from memsem import _args
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
 from memsem.engines._base import (
     Availability,
@@ -69,6 +70,7 @@ from memsem.engines._base import (
     OpState,
     RemoteRegion,
     Request,
+    typed_field,
 )
 
 log = logging.getLogger(__name__)
@@ -299,10 +301,10 @@ class RdmaEngine(Engine):
     def reach(cls, me, owner, descriptor, cost):  # noqa: D102 - see Engine.reach
         if not me.attrs.get("rdma_port"):
             return "this process has no active RDMA port"
-        if me.node == owner.node and not descriptor.fields.get("force", False):
+        if me.node == owner.node and not descriptor.field("force", bool, False):
             return "same node: shared memory is cheaper than the NIC"
         return ("rdma", f"different nodes ({me.node!r} -> {owner.node!r}), active ports "
-                f"{me.attrs.get('rdma_port')} and {descriptor.fields.get('port')}", False)
+                f"{me.attrs.get('rdma_port')} and {descriptor.field('port', str, '?')}", False)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -364,9 +366,17 @@ class RdmaEngine(Engine):
         self.ep = secrets.token_hex(8)
         self._dir = directory
         self._force = bool(int(os.environ.get("MEMSEM_RDMA_FORCE", "0") or 0)) if force is None else force
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        self.connect_timeout = float(os.environ.get("MEMSEM_RDMA_CONNECT_TIMEOUT", 0) or 0) or (
-            DEFAULT_CONNECT_TIMEOUT if connect_timeout is None else float(connect_timeout))
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else _args.timeout(timeout, "timeout", positive=True)
+        env = os.environ.get("MEMSEM_RDMA_CONNECT_TIMEOUT", "") or ""
+        if env:
+            try:
+                env_v = float(env)
+            except ValueError:
+                raise ValueError(f"MEMSEM_RDMA_CONNECT_TIMEOUT must be a number of seconds, got {env!r}") from None
+            self.connect_timeout = _args.timeout(env_v, "MEMSEM_RDMA_CONNECT_TIMEOUT", positive=True)
+        else:
+            self.connect_timeout = DEFAULT_CONNECT_TIMEOUT if connect_timeout is None else \
+                _args.timeout(connect_timeout, "connect_timeout", positive=True)
         self._node = ""
         self._lock = threading.RLock()
         self._regs: dict[int, _Registration] = {}
@@ -448,11 +458,11 @@ class RdmaEngine(Engine):
     def deregister(self, descriptor: Descriptor) -> None:
         """Close the window's MRs: its rkeys stop working at the device from now on."""
         self._check_descriptor(descriptor)
-        f = descriptor.fields
-        if f.get("ep") != self.ep:
-            raise ValueError(f"rdma descriptor of endpoint {f.get('ep')!r} was not made by this engine")
+        ep = descriptor.field("ep", str)
+        if ep != self.ep:
+            raise ValueError(f"rdma descriptor of endpoint {ep!r} was not made by this engine")
         with self._lock:
-            reg = self._regs.pop(int(f["reg"]), None)
+            reg = self._regs.pop(descriptor.field("reg", int), None)
             if reg is None:
                 return
             self._counts["deregistrations"] += 1
@@ -466,8 +476,8 @@ class RdmaEngine(Engine):
         """The ibv access flags of the live registration behind ``descriptor`` (owner side)."""
         self._check_descriptor(descriptor)
         with self._lock:
-            reg = self._regs.get(int(descriptor.fields["reg"]))
-        if reg is None or descriptor.fields.get("ep") != self.ep:
+            reg = self._regs.get(descriptor.field("reg", int))
+        if reg is None or descriptor.field("ep", str) != self.ep:
             raise ValueError("descriptor has no live registration in this engine")
         return int(reg.access)
 
@@ -574,17 +584,26 @@ class RdmaEngine(Engine):
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
         self._check_open()
-        f = descriptor.fields
-        if nbytes > int(f["nbytes"]):
-            raise ValueError(f"attach of {nbytes} bytes to an RDMA region of {f['nbytes']} bytes")
-        entries = {m["device"]: m for m in f["mrs"]}
-        dev, m = next(((d, entries[d.name]) for d in self._devices if d.name in entries),
-                      (self._devices[0], f["mrs"][0]))
-        conn = self._conn(str(f["ep"]), dev, dict(m, ep=f["ep"], node=f.get("node"), pid=f.get("pid")))
+        d = descriptor
+        region_bytes = d.field("nbytes", int)
+        if nbytes > region_bytes:
+            raise ValueError(f"attach of {nbytes} bytes to an RDMA region of {region_bytes} bytes")
+        ep, addr, access = d.field("ep", str), d.field("addr", int), d.field("access", str, "r")
+        mrs = d.field("mrs", list)
+        if not mrs:
+            raise ValueError("rdma descriptor field 'mrs' is empty (no memory registration to reach)")
+        for i, m in enumerate(mrs):
+            what = f"rdma descriptor mrs[{i}]"
+            typed_field(m, "device", str, what)
+            typed_field(m, "rkey", int, what)
+        entries = {m["device"]: m for m in mrs}
+        dev, m = next(((dv, entries[dv.name]) for dv in self._devices if dv.name in entries),
+                      (self._devices[0], mrs[0]))
+        conn = self._conn(ep, dev, dict(m, ep=ep, node=d.field("node", str, None), pid=d.field("pid", int, None)))
         with conn.lock:
             if conn.broken:
                 self._reconnect(conn)
-        return _RdmaRemote(self, nbytes, conn, int(f["addr"]), int(m["rkey"]), f.get("access") == "rw")
+        return _RdmaRemote(self, nbytes, conn, addr, m["rkey"], access == "rw")
 
     def _conn(self, owner_ep: str, dev: _Device, owner: dict[str, Any]) -> _Conn:
         key = (owner_ep, dev.name)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from memsem import _args
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
@@ -133,9 +134,11 @@ class TcpEngine(Engine):
         if not avail:
             raise NotSupportedError(f"engine 'tcp' is unavailable: {avail.reason}")
         self._host = host or os.environ.get("MEMSEM_TCP_HOST") or None
-        self._port = int(port if port is not None else os.environ.get("MEMSEM_TCP_PORT", 0) or 0)
-        self.timeout = float(timeout) if timeout is not None else None
-        n_io = int(io_threads if io_threads is not None else os.environ.get("MEMSEM_TCP_IO_THREADS", 1) or 1)
+        self._port = _args.count(port, "port", maximum=65535) if port is not None else \
+            _env_int("MEMSEM_TCP_PORT", 0, maximum=65535)
+        self.timeout = _args.timeout(timeout, "timeout", positive=True) if timeout is not None else None
+        n_io = _args.count(io_threads, "io_threads", minimum=1, maximum=256) if io_threads is not None else \
+            _env_int("MEMSEM_TCP_IO_THREADS", 1, minimum=1, maximum=256)
         self._ctx = zmq.Context(io_threads=max(1, n_io))
         self._rt: "weakref.ref[Any] | None" = None
         self._lock = threading.Lock()
@@ -345,17 +348,17 @@ class TcpEngine(Engine):
     # -- consumer side ----------------------------------------------------------------------------
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
-        f = descriptor.fields
+        d = descriptor
         if not credential:
             raise ValueError("engine 'tcp' needs the ref's credential (the owner checks it on every request)")
         if len(credential) > 0xFFFF:
             raise ValueError(f"credential of {len(credential)} bytes is too long")
-        endpoint = str(f.get("endpoint") or "")
+        endpoint = d.field("endpoint", str)
         if not endpoint.startswith("tcp://"):
-            raise ValueError(f"tcp descriptor has no tcp:// endpoint: {f!r}")
+            raise ValueError(f"tcp descriptor field 'endpoint' must be a tcp:// address, got {endpoint!r}")
         return TcpRemote(self, nbytes, endpoint, bytes(credential),
-                         (int(f.get("pid", 0)), int(f.get("start", 0)), str(f.get("node", "")),
-                          int(f.get("rank", -1))))
+                         (d.field("pid", int, 0), d.field("start", int, 0), d.field("node", str, ""),
+                          d.field("rank", int, -1)))
 
     def _socket(self, endpoint: str) -> Any:
         socks = getattr(self._local, "socks", None)
@@ -557,3 +560,15 @@ def _error_reply(rid: int, exc: BaseException) -> bytes:
 
 
 __all__ = ["TcpEngine", "TcpRemote", "ZERO_COPY_BYTES"]
+
+
+def _env_int(name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """An integer setting from the environment (``default`` when unset or empty)."""
+    raw = os.environ.get(name, "") or ""
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an int, got {raw!r}") from None
+    return _args.count(v, name, minimum=minimum, maximum=maximum)

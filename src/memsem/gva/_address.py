@@ -13,7 +13,8 @@ import hashlib
 import hmac
 from typing import Any
 
-from memsem.engines._base import Descriptor
+from memsem import _dtypes
+from memsem.engines._base import Descriptor, typed_field
 
 RANK_SHIFT = 44
 RANK_LIMIT = 1 << (64 - RANK_SHIFT)
@@ -102,11 +103,59 @@ class WindowInfo:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "WindowInfo":  # noqa: D102
-        d = dict(d)
-        d["descriptors"] = {k: Descriptor.from_json(v) for k, v in d["descriptors"].items()}
-        d["shape"] = tuple(d["shape"])
-        return cls(**d)
+    def from_json(cls, d: Any) -> "WindowInfo":
+        """Parse a directory record (``to_json`` output), checking every field's type.
 
+        Unknown fields are ignored (a newer writer may add some).
+
+        Raises:
+            ValueError: not an object, a field missing or of the wrong type, an unknown access
+                or dtype code, a descriptor that does not parse; the message names the window
+                (when its gva parsed) and the field.
+        """
+        what = "window record"
+        gva = typed_field(d, "gva", int, what)
+        what = f"window record of gva {gva:#x}"
+        out: dict[str, Any] = {"gva": gva}
+        for name, kind, default in _RECORD_FIELDS:
+            out[name] = typed_field(d, name, kind, what) if default is ... else \
+                typed_field(d, name, kind, what, default)
+        if out["extra"] is None:
+            out["extra"] = {}
+        for name in ("gva", "nbytes", "generation", "rank", "owner_pid", "owner_start", "n_ready",
+                     "tile_bytes", "byte_offset"):
+            if out[name] < 0:
+                raise ValueError(f"{what} field {name!r} must be >= 0, got {out[name]}")
+        if out["access"] not in ("r", "rw"):
+            raise ValueError(f"{what} field 'access' must be 'r' or 'rw', got {out['access']!r}")
+        if out["dtype_code"] not in _dtypes.codes():
+            raise ValueError(f"{what} field 'dtype_code' {out['dtype_code']} is not a known dtype code")
+        shape = out["shape"]
+        for i, dim in enumerate(shape):
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                raise ValueError(f"{what} field 'shape' must hold ints >= 0, got {dim!r} at [{i}]")
+        out["shape"] = tuple(shape)
+        descs = {}
+        for ename, raw in out["descriptors"].items():
+            try:
+                desc = Descriptor.from_json(raw)
+            except ValueError as exc:
+                raise ValueError(f"{what} field 'descriptors'[{ename!r}]: {exc}") from None
+            if desc.engine != ename:
+                raise ValueError(f"{what} field 'descriptors'[{ename!r}] is tagged for engine "
+                                 f"{desc.engine!r}")
+            descs[ename] = desc
+        out["descriptors"] = descs
+        return cls(**out)
+
+
+#: (field, type, default) of a window record after ``gva``; ``...`` marks a required field
+_RECORD_FIELDS: tuple[tuple[str, Any, Any], ...] = (
+    ("nbytes", int, ...), ("name", str, ""), ("generation", int, ...), ("access", str, ...),
+    ("key_digest", str, ...), ("rank", int, ...), ("owner_pid", int, ...), ("owner_start", int, ...),
+    ("node", str, ...), ("control", str, ""), ("n_ready", int, 0), ("tile_bytes", int, 0),
+    ("descriptors", dict, ...), ("dtype_code", int, ...), ("shape", (list, tuple), ...),
+    ("byte_offset", int, 0), ("framework", str, "numpy"), ("extra", dict, None),
+)
 
 _FIELDS = dataclasses.fields(WindowInfo)

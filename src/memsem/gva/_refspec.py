@@ -12,15 +12,39 @@ a capability checked against the directory's digest before a byte moves.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import struct
 
-from memsem import _dtypes
+from memsem import _args, _dtypes
 
 MAGIC = b"MSR1"
 _HEAD = struct.Struct("<4sBBBBQQ16sQQI")
 FLAG_RW = 1
 FLAG_TORCH = 2
 FLAG_DLPACK = 4
+_FLAGS = FLAG_RW | FLAG_TORCH | FLAG_DLPACK
+KEY_BYTES = 16
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+#: the most dimensions a ref's shape may have
+MAX_NDIM = _args.MAX_NDIM
+#: the longest window name (UTF-8 bytes; the wire format's u8 length)
+MAX_NAME_BYTES = 255
+_FRAMEWORKS = ("numpy", "torch", "dlpack")
+_ITEMSIZE = {code: _dtypes.numpy_dtype(code).itemsize for code in _dtypes.codes()}
+
+
+def _uint(value: object, field: str, limit: int) -> int:
+    if type(value) is int:  # fast path
+        if 0 <= value <= limit:
+            return value
+    elif isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"RefSpec.{field} must be an int, got {value!r} ({type(value).__name__})")
+    v = value.__index__()  # type: ignore[union-attr]
+    if not 0 <= v <= limit:
+        raise ValueError(f"RefSpec.{field} must be an int in [0, {limit}], got {value!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +52,24 @@ class RefSpec:
     """Addressing data of a ref: a byte range of a window plus how to interpret it.
 
     Attributes:
-        gva: base GVA of the window. generation: generation the ref was minted for.
+        gva: base GVA of the window (u64). generation: generation the ref was minted for (u64).
         key: 16-byte access key. access: "r" or "rw".
         offset: byte offset of this ref's range inside the window.
-        nbytes: bytes in the range. dtype_code/shape: element view of the range (C order).
-        byte_offset: DLPack byte_offset of the published source (re-exported as is).
+        nbytes: bytes in the range; ``offset + nbytes`` fits in 63 bits.
+        dtype_code/shape: element view of the range (C order); ``prod(shape) x itemsize == nbytes``,
+            at most ``MAX_NDIM`` dimensions.
+        byte_offset: DLPack byte_offset of the published source (re-exported as is; u32).
         framework: "numpy", "torch" or "dlpack" (what ``get`` returns by default).
-        name: the window's name, for messages ("" when unnamed).
+        name: the window's name, for messages ("" when unnamed; at most 255 UTF-8 bytes).
+
+    Construction validates every field (``RefSpec(offset=-1, ...)`` is a ValueError naming
+    ``offset``), so a RefSpec that exists is self-consistent: nothing derived from it (an
+    allocation of ``shape``) can exceed ``nbytes``. The repr never shows the access key.
     """
 
     gva: int
     generation: int
-    key: bytes
+    key: bytes = dataclasses.field(repr=False)
     access: str
     offset: int
     nbytes: int
@@ -49,6 +79,78 @@ class RefSpec:
     framework: str = "numpy"
     name: str = ""
 
+    def __post_init__(self) -> None:
+        # Fast path (every RefSpec memsem itself builds): exact ints in range, a tuple shape that
+        # matches nbytes, a known dtype code. Anything else goes through the full, naming check.
+        shape = self.shape
+        itemsize = _ITEMSIZE.get(self.dtype_code) if type(self.dtype_code) is int else None
+        if (itemsize is not None and type(self.gva) is int and type(self.generation) is int
+                and type(self.offset) is int and type(self.nbytes) is int and type(self.byte_offset) is int
+                and type(shape) is tuple and type(self.key) is bytes and len(self.key) == KEY_BYTES
+                and 0 <= self.gva <= _U64 and 0 <= self.generation <= _U64 and 0 <= self.offset
+                and 0 <= self.nbytes and self.offset + self.nbytes <= _args.MAX_BYTES
+                and 0 <= self.byte_offset <= _U32 and len(shape) <= MAX_NDIM
+                and self.access in ("r", "rw") and self.framework in _FRAMEWORKS
+                and type(self.name) is str and len(self.name) <= MAX_NAME_BYTES // 4
+                and all(type(d) is int and d >= 0 for d in shape)
+                and math.prod(shape) * itemsize == self.nbytes):
+            return
+        self._check()
+
+    def _check(self) -> None:
+        put = object.__setattr__
+        put(self, "gva", _uint(self.gva, "gva", _U64))
+        put(self, "generation", _uint(self.generation, "generation", _U64))
+        key = self.key
+        if type(key) is not bytes:
+            if not isinstance(key, (bytes, bytearray, memoryview)):
+                raise TypeError(f"RefSpec.key must be {KEY_BYTES} bytes, got {type(key).__name__}")
+            key = bytes(key)
+            put(self, "key", key)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"RefSpec.key must be {KEY_BYTES} bytes, got {len(key)} bytes")
+        if self.access not in ("r", "rw"):
+            raise ValueError(f"RefSpec.access must be 'r' or 'rw', got {self.access!r}")
+        off = _uint(self.offset, "offset", _args.MAX_BYTES)
+        n = _uint(self.nbytes, "nbytes", _args.MAX_BYTES)
+        if off + n > _args.MAX_BYTES:
+            raise ValueError(f"RefSpec.offset + nbytes = {off} + {n} overflows 63 bits")
+        put(self, "offset", off)
+        put(self, "nbytes", n)
+        if type(self.dtype_code) is not int or isinstance(self.dtype_code, bool):
+            raise TypeError(f"RefSpec.dtype_code must be an int, got {self.dtype_code!r}")
+        try:
+            itemsize = _dtypes.numpy_dtype(self.dtype_code).itemsize
+        except ValueError:
+            raise ValueError(f"RefSpec.dtype_code {self.dtype_code!r} is not a known dtype code "
+                             f"(known: {sorted(_dtypes.codes())})") from None
+        shape = self.shape
+        if type(shape) is not tuple:
+            if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+                raise TypeError(f"RefSpec.shape must be a tuple of ints, got {shape!r}")
+            shape = tuple(shape)
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"RefSpec.shape has {len(shape)} dimensions; at most {MAX_NDIM}")
+        elems = 1
+        dims = []
+        for i, d in enumerate(shape):
+            d = _uint(d, f"shape[{i}]", _args.MAX_BYTES)
+            dims.append(d)
+            elems *= d
+        if elems * itemsize != n:
+            raise ValueError(f"RefSpec.shape {tuple(dims)} x {itemsize} bytes per "
+                             f"{_dtypes.name_of(self.dtype_code)} is {elems * itemsize} bytes, but "
+                             f"nbytes is {n}")
+        put(self, "shape", tuple(dims))
+        put(self, "byte_offset", _uint(self.byte_offset, "byte_offset", _U32))
+        if self.framework not in _FRAMEWORKS:
+            raise ValueError(f"RefSpec.framework must be one of {_FRAMEWORKS}, got {self.framework!r}")
+        if type(self.name) is not str:
+            raise TypeError(f"RefSpec.name must be a str, got {type(self.name).__name__}")
+        if len(self.name) > MAX_NAME_BYTES // 4 and len(self.name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise ValueError(f"RefSpec.name must be at most {MAX_NAME_BYTES} UTF-8 bytes, got "
+                             f"{len(self.name.encode('utf-8', 'surrogatepass'))}")
+
     @property
     def writable(self) -> bool:
         return self.access == "rw"
@@ -57,10 +159,21 @@ class RefSpec:
     def label(self) -> str:
         return f"window {self.name!r} (gva {self.gva:#x})" if self.name else f"window gva {self.gva:#x}"
 
+    @property
+    def key_hint(self) -> str:
+        """A short digest of the access key, safe to print (identifies the key, reveals nothing)."""
+        return hashlib.sha256(b"memsem-key-hint\0" + self.key).hexdigest()[:8]
+
+    def __repr__(self) -> str:
+        return (f"RefSpec(gva={self.gva:#x}, generation={self.generation}, key=<hidden, "
+                f"digest {self.key_hint}>, access={self.access!r}, offset={self.offset}, "
+                f"nbytes={self.nbytes}, dtype={_dtypes.name_of(self.dtype_code)}, shape={self.shape}, "
+                f"byte_offset={self.byte_offset}, framework={self.framework!r}, name={self.name!r})")
+
     def to_bytes(self) -> bytes:
         name = self.name.encode()
-        if len(name) > 255:
-            name = name[:255]
+        if len(name) > MAX_NAME_BYTES:
+            raise ValueError(f"RefSpec.name must be at most {MAX_NAME_BYTES} UTF-8 bytes")
         flags = (FLAG_RW if self.writable else 0) | (FLAG_TORCH if self.framework == "torch" else 0) \
             | (FLAG_DLPACK if self.framework == "dlpack" else 0)
         head = _HEAD.pack(MAGIC, flags, self.dtype_code, len(self.shape), len(name), self.gva,
@@ -69,19 +182,38 @@ class RefSpec:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "RefSpec":
+        """Parse ``to_bytes`` output. Everything is validated here, before any caller allocates
+        or resolves anything from it.
+
+        Raises:
+            ValueError: ``data`` is not a well-formed ref; the message names the field (length,
+                flags, dtype code, ndim, shape vs nbytes, offset/nbytes range, name encoding).
+            TypeError: ``data`` is not bytes-like.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
         data = bytes(data)
         if len(data) < _HEAD.size or data[:4] != MAGIC:
             raise ValueError(f"data is not a serialized memsem ref (got {len(data)} bytes starting {data[:4]!r})")
         magic, flags, dtype, ndim, nlen, gva, gen, key, off, nbytes, boff = _HEAD.unpack_from(data)
+        if flags & ~_FLAGS:
+            raise ValueError(f"serialized ref: unknown flag bits {flags & ~_FLAGS:#x} in flags {flags:#x}")
+        if flags & FLAG_TORCH and flags & FLAG_DLPACK:
+            raise ValueError(f"serialized ref: flags {flags:#x} name two frameworks (torch and dlpack)")
+        if ndim > MAX_NDIM:
+            raise ValueError(f"serialized ref: ndim {ndim} exceeds {MAX_NDIM}")
         end = _HEAD.size + 8 * ndim + nlen
         if len(data) != end:
-            raise ValueError(f"serialized ref has {len(data)} bytes, its header says {end}")
+            raise ValueError(f"serialized ref has {len(data)} bytes, its header (ndim {ndim}, name "
+                             f"length {nlen}) says {end}")
         shape = struct.unpack_from(f"<{ndim}Q", data, _HEAD.size)
         try:
             name = data[_HEAD.size + 8 * ndim:end].decode()
         except UnicodeDecodeError:
-            raise ValueError("data is not a serialized memsem ref (its name is not UTF-8)") from None
-        _dtypes.name_of(dtype)  # validates the code
+            raise ValueError("serialized ref: its name is not UTF-8") from None
         fw = "torch" if flags & FLAG_TORCH else "dlpack" if flags & FLAG_DLPACK else "numpy"
-        return cls(gva, gen, key, "rw" if flags & FLAG_RW else "r", off, nbytes, dtype, tuple(shape),
-                   boff, fw, name)
+        try:
+            return cls(gva, gen, key, "rw" if flags & FLAG_RW else "r", off, nbytes, dtype, tuple(shape),
+                       boff, fw, name)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"serialized ref: {exc}") from None

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from memsem import _dtypes
+from memsem import _args, _dtypes
 from memsem._buffers import as_byte_array
 from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
 from memsem.gva import RefSpec
@@ -187,13 +187,14 @@ class Pipeline:
         tile_bytes: bytes per tile; default the window's ready-word tile size. The last tile may
             be shorter.
         depth: staging slots (>= 1; 2 = double buffer). The mover runs at most ``depth`` tiles
-            ahead of the tiles the caller released. Staging memory (``depth * tile_bytes``) is
-            allocated once; no per-tile allocation.
+            ahead of the tiles the caller released. Staging memory (``depth * tile_bytes``, at
+            most one slot per tile and no slot larger than the ref) is allocated once; no
+            per-tile allocation.
         wait_ready: wait for the window's ready words of each tile before moving it. Default:
             True when the window was published with tiles. The window's tiles need not match
             ``tile_bytes``: a pipeline tile waits for every window tile it overlaps.
-        timeout: bound in seconds of every wait for one tile (ready words, data); default the
-            runtime's timeout.
+        timeout: bound in seconds of every wait for one tile (ready words, data): finite and > 0;
+            default the runtime's timeout.
         zero_copy: None (default): hand out views of the window where the route allows it
             (nothing moves); True: require views (NotSupportedError otherwise); False: always copy.
         out: optional destination of the ref's size (numpy array, torch tensor, buffer): tiles
@@ -219,13 +220,12 @@ class Pipeline:
         spec = getattr(spec, "spec", spec)
         if not isinstance(spec, RefSpec):
             raise TypeError(f"spec must be a RefSpec or a ref, got {type(spec).__name__}")
-        if not isinstance(depth, (int, np.integer)) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"depth must be an int >= 1 (staging slots), got {depth!r}")
-        timeout = runtime.timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if zero_copy not in (None, True, False):
+        depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
+        timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
+        if zero_copy is not None and not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
+        if wait_ready is not None and not isinstance(wait_ready, bool):
+            raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
         if zero_copy and out is not None:
             raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
         self.runtime = runtime
@@ -240,10 +240,12 @@ class Pipeline:
             if not info.tile_bytes:
                 raise ValueError(f"{spec.label} was published without tiles: pass tile_bytes=")
             tile_bytes = info.tile_bytes
-        if not isinstance(tile_bytes, (int, np.integer)) or isinstance(tile_bytes, bool) or tile_bytes <= 0:
-            raise ValueError(f"tile_bytes must be a positive int (bytes), got {tile_bytes!r}")
-        self.tile_bytes = int(tile_bytes)
+        self.tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
         self.n_tiles = -(-spec.nbytes // self.tile_bytes)
+        # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
+        # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
+        self._n_slots = min(self.depth, max(1, self.n_tiles))
+        self._slot_bytes = max(1, min(self.tile_bytes, spec.nbytes))
         has_ready = info.n_ready > 0 and info.tile_bytes > 0
         if wait_ready is None:
             wait_ready = has_ready
@@ -284,11 +286,11 @@ class Pipeline:
             self._base = flat
         else:
             # Pooled per runtime: page-aligned and already faulted in (see StagingPool).
-            self._slot_mem = runtime.staging.borrow(self.depth * self.tile_bytes)
-            self._slots = self._slot_mem.reshape(self.depth, self.tile_bytes)
+            self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)
+            self._slots = self._slot_mem.reshape(self._n_slots, self._slot_bytes)
         # Tile 0 is moved by the caller's first next() (it would wait for it anyway, and it saves
         # the thread start and one hand-off from the first-tile latency): slot 0 is the caller's.
-        for s in range(0 if self.mode == "view" else 1, self.depth):
+        for s in range(0 if self.mode == "view" else 1, self._n_slots):
             self._sh.free.put(s)
 
         self._next = 0
@@ -323,8 +325,7 @@ class Pipeline:
 
     def tile_range(self, index: int) -> tuple[int, int]:
         """``(offset, nbytes)`` of tile ``index`` within the ref."""
-        if not 0 <= index < self.n_tiles:
-            raise ValueError(f"index must be in [0, {self.n_tiles}), got {index!r}")
+        index = _args.index(index, "index", self.n_tiles, of=f"the tiles of {self.spec.label}")
         off = index * self.tile_bytes
         return off, min(self.tile_bytes, self.spec.nbytes - off)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from memsem import _dtypes
-from memsem._buffers import buffer_info
+from memsem import _args, _dtypes
+from memsem._buffers import as_array, buffer_info, dtype_code
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, as_core
@@ -68,7 +68,8 @@ class FieldSchema:
 
     @property
     def n_tiles(self) -> int:
-        return max(1, -(-self.rows // self.tile_rows))
+        """Tiles of rows (0 for a field of 0 rows: nothing to wait for)."""
+        return -(-self.rows // self.tile_rows)
 
     @property
     def nbytes(self) -> int:
@@ -94,11 +95,55 @@ class FieldSchema:
 
 def _check_rows(schema: FieldSchema, start: int, stop: int | None, argname: str = "rows") -> tuple[int, int]:
     stop = schema.rows if stop is None else stop
-    if not isinstance(start, (int, np.integer)) or not isinstance(stop, (int, np.integer)):
-        raise TypeError(f"{argname} bounds must be ints, got {start!r}, {stop!r}")
+    for v in (start, stop):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{argname} bounds must be ints, got {start!r}, {stop!r}")
     if not 0 <= start <= stop <= schema.rows:
         raise ValueError(f"{argname} [{start}, {stop}) lie outside field {schema.name!r} of {schema.rows} rows")
     return int(start), int(stop)
+
+
+class _Reader:
+    """Bounds-checked reads of a wire form: every short or malformed read is a ValueError that
+    names the field (never struct.error / IndexError / UnicodeDecodeError)."""
+
+    def __init__(self, data: Any, what: str) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        self.data = bytes(data)
+        self.what = what
+        self.at = 0
+
+    def take(self, n: int, field: str) -> bytes:
+        if self.at + n > len(self.data):
+            raise ValueError(f"serialized {self.what} is truncated: {field} needs {n} bytes at offset "
+                             f"{self.at}, {len(self.data) - self.at} left")
+        out = self.data[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def _int(self, fmt: str, field: str) -> int:
+        st = struct.Struct(fmt)
+        return st.unpack(self.take(st.size, field))[0]
+
+    def u8(self, field: str) -> int:
+        return self._int("<B", field)
+
+    def u16(self, field: str) -> int:
+        return self._int("<H", field)
+
+    def u32(self, field: str) -> int:
+        return self._int("<I", field)
+
+    def text(self, n: int, field: str) -> str:
+        raw = self.take(n, field)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"serialized {self.what}: {field} is not UTF-8 ({raw[:16]!r})") from None
+
+    def ref(self, n: int, field: str) -> RefSpec:
+        return RefSpec.from_bytes(self.take(n, field))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,8 +164,7 @@ class FieldRef(TensorRef):
         super().__init__(spec, runtime)
         if not isinstance(field, str) or not field:
             raise ValueError(f"field must be a non-empty str, got {field!r}")
-        if not isinstance(tile_rows, (int, np.integer)) or tile_rows <= 0:
-            raise ValueError(f"tile_rows must be a positive int, got {tile_rows!r}")
+        tile_rows = _args.count(tile_rows, "tile_rows", minimum=1, maximum=(1 << 32) - 1, unit="rows")
         if not spec.shape:
             raise ValueError(f"field {field!r} must have at least one dimension (rows)")
         self.field = field
@@ -183,12 +227,17 @@ class FieldRef(TensorRef):
         Raises:
             ValueError: ``data`` is not a serialized FieldRef.
         """
-        data = bytes(data)
-        if len(data) < 9 or data[:4] != FIELD_MAGIC:
-            raise ValueError(f"data is not a serialized FieldRef (got {len(data)} bytes starting {data[:4]!r})")
-        tile_rows, nlen = struct.unpack_from("<IB", data, 4)
-        field = data[9:9 + nlen].decode()
-        return cls(RefSpec.from_bytes(data[9 + nlen:]), runtime, field=field, tile_rows=tile_rows)
+        r = _Reader(data, "FieldRef")
+        if r.take(4, "magic") != FIELD_MAGIC:
+            raise ValueError(f"data is not a serialized FieldRef (got {len(r.data)} bytes starting "
+                             f"{r.data[:4]!r})")
+        tile_rows = r.u32("tile_rows")
+        field = r.text(r.u8("field name length"), "field name")
+        spec = r.ref(len(r.data) - r.at, "ref")
+        try:
+            return cls(spec, runtime, field=field, tile_rows=tile_rows)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"serialized FieldRef: {exc}") from None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (FieldRef.from_bytes, (self.to_bytes(),))
@@ -216,13 +265,23 @@ class FieldRef(TensorRef):
             ValueError / TypeError: wrong shape, dtype or range. AccessDeniedError: read-only.
         """
         sc = self.schema
-        arr = np.asarray(data)
+        if isinstance(data, np.ndarray):
+            arr = data
+            dtype_code(arr.dtype, "data")  # object/structured/str... refused, naming data
+        elif isinstance(data, (list, tuple)):
+            arr = np.asarray(data)
+        else:  # torch, DLPack, buffer objects: their own checks (conj/neg/sparse/... refused)
+            arr = as_array(data, "data")
         if arr.shape[1:] != sc.shape[1:] or arr.ndim != len(sc.shape):
             raise ValueError(f"data must have shape (k, {', '.join(map(str, sc.shape[1:]))}) for field "
                              f"{self.field!r}, got {arr.shape}")
         if arr.dtype != sc.dtype:
             raise TypeError(f"data dtype {arr.dtype} differs from field {self.field!r}'s {sc.dtype}")
+        if not isinstance(mark, bool):
+            raise TypeError(f"mark must be True or False, got {mark!r}")
         start, stop = _check_rows(sc, start, start + arr.shape[0])
+        if mark:
+            self._check_tiling(self._core())
         if stop > start:
             self.rows_ref(start, stop).put(np.ascontiguousarray(arr))
         done = []
@@ -239,6 +298,7 @@ class FieldRef(TensorRef):
         place by the owner); returns them."""
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
+        self._check_tiling(self._core())
         done = []
         for t in sc.tiles_of_rows(start, stop):
             a, b = sc.rows_of_tile(t)
@@ -249,44 +309,81 @@ class FieldRef(TensorRef):
 
     # -- consumer --------------------------------------------------------------------------------
     def wait_tiles(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
-        """Block until tiles ``[start, stop)`` (default: all) are ready; ``timeout`` bounds the
-        whole wait (default the runtime's).
+        """Block until tiles ``[start, stop)`` (default: all) are ready; ``timeout`` (seconds,
+        finite, default the runtime's) bounds the whole wait.
 
         Raises:
-            MemsemTimeoutError: names the window and the first tile not ready. PeerLostError: the
-            owner died. StaleReferenceError: the generation moved.
+            MemsemTimeoutError: names the field, the window, the first tile not ready and the
+                ``timeout`` given. PeerLostError: the owner died. StaleReferenceError: the
+                generation moved. TypeError / ValueError: bad tile range or timeout (NaN, inf,
+                negative, bool).
         """
-        n = self.n_tiles
-        stop = n if stop is None else stop
-        if not 0 <= start <= stop <= n:
-            raise ValueError(f"tiles [{start}, {stop}) lie outside field {self.field!r}'s {n} tiles")
         rt = self._core()
-        timeout = rt.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        given = _args.timeout_or(timeout, rt.timeout)
+        n = self.n_tiles
+        start = _args.count(start, "start", maximum=n, unit="tiles")
+        stop = n if stop is None else _args.count(stop, "stop", maximum=n, unit="tiles")
+        if start > stop:
+            raise ValueError(f"tiles [{start}, {stop}) of field {self.field!r}: start > stop")
+        self._check_tiling(rt)
+        self._wait_tiles(rt, start, stop, time.monotonic() + given, given)
+
+    def _wait_tiles(self, rt: RuntimeCore, start: int, stop: int, deadline: float, given: float) -> None:
         for t in range(start, stop):
-            rt.wait_tile(self.spec, t, max(0.0, deadline - time.monotonic()))
+            try:
+                rt.wait_tile(self.spec, t, max(0.0, deadline - time.monotonic()))
+            except MemsemTimeoutError as exc:
+                a, b = self.schema.rows_of_tile(t)
+                raise MemsemTimeoutError(
+                    f"field {self.field!r} ({self.spec.label}): tile {t} (rows [{a}, {b})) not ready "
+                    f"after {given} s (waiting for tiles [{start}, {stop}))",
+                    what=f"tile {t} of field {self.field!r}", timeout=given) from exc
+
+    def _check_tiling(self, rt: RuntimeCore) -> None:
+        """The ready words this FieldRef waits on or marks must be the window's own: a FieldRef
+        whose ``tile_rows`` disagrees with the window's tiling (a corrupted or hand-built one)
+        would wait for too few tiles and read rows that are not ready."""
+        info = rt.resolve(self.spec).info
+        n = self.n_tiles
+        if info.n_ready != max(1, n) or (n > 1 and info.tile_bytes != self.tile_bytes):
+            raise ValueError(f"field {self.field!r}: tile_rows={self.tile_rows} gives {n} tiles of "
+                             f"{self.tile_bytes} B, but {self.spec.label} has {info.n_ready} ready words "
+                             f"of {info.tile_bytes} B")
 
     def wait_rows(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
         """Block until every tile holding rows ``[start, stop)`` is ready (see ``wait_tiles``)."""
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
+        rt = self._core()
+        given = _args.timeout_or(timeout, rt.timeout)
         r = sc.tiles_of_rows(start, stop)
         if len(r):
-            self.wait_tiles(r.start, r.stop, timeout)
+            self._check_tiling(rt)
+            self._wait_tiles(rt, r.start, r.stop, time.monotonic() + given, given)
 
     def rows_ready(self, start: int = 0, stop: int | None = None) -> bool:
         """Whether every tile holding rows ``[start, stop)`` is ready now (no wait)."""
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
         rt = self._core()
+        self._check_tiling(rt)
         return all(rt.is_ready(self.spec, t) for t in sc.tiles_of_rows(start, stop))
 
     def get_rows(self, start: int = 0, stop: int | None = None, *, wait: bool = True,
                  timeout: float | None = None, out: Any = None) -> np.ndarray:
         """Copy rows ``[start, stop)`` here (shape ``(stop - start, *shape[1:])``, the field's
-        dtype), first waiting for their tiles when ``wait``. Blocking."""
+        dtype), first waiting for their tiles when ``wait`` (at most ``timeout`` s, see
+        ``wait_tiles``). Blocking.
+
+        Raises:
+            As ``wait_tiles`` and ``TensorRef.get`` (``out`` must hold exactly the rows' bytes).
+        """
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be True or False, got {wait!r}")
+        if not wait and timeout is not None:
+            _args.timeout(timeout)
         if wait:
             self.wait_rows(start, stop, timeout)
         return self.rows_ref(start, stop).get(out, framework="numpy" if out is None else None)
@@ -298,10 +395,9 @@ class FieldRef(TensorRef):
         ``tile.rows`` gives the row range); it waits for each tile's ready words."""
         from memsem.pipeline import Pipeline
 
-        if not isinstance(tiles_per_step, (int, np.integer)) or tiles_per_step < 1:
-            raise ValueError(f"tiles_per_step must be an int >= 1, got {tiles_per_step!r}")
+        tiles_per_step = _args.count(tiles_per_step, "tiles_per_step", minimum=1, unit="tiles")
         rt = self._core()
-        tb = max(1, self.tile_bytes * int(tiles_per_step))
+        tb = max(1, self.tile_bytes * tiles_per_step)
         return Pipeline(rt, self.spec, tile_bytes=tb, depth=depth, timeout=timeout,
                         zero_copy=zero_copy, out=out)
 
@@ -379,10 +475,11 @@ class FieldSet(Mapping[str, FieldRef]):
                 if not info.shape:
                     raise ValueError(f"field {fname!r} must have at least one dimension (rows), got shape ()")
                 tr = tile_rows.get(fname) if isinstance(tile_rows, Mapping) else tile_rows
-                tr = info.shape[0] if tr is None else tr
-                if not isinstance(tr, (int, np.integer)) or isinstance(tr, bool) or tr < 0:
-                    raise ValueError(f"tile_rows for field {fname!r} must be a positive int, got {tr!r}")
-                tr = max(1, int(tr))
+                if tr is None:  # default: the whole field is one tile
+                    tr = max(1, info.shape[0])
+                else:
+                    tr = _args.count(tr, f"tile_rows for field {fname!r}", minimum=1,
+                                     maximum=(1 << 32) - 1, unit="rows")
                 sc = FieldSchema(fname, info.dtype_code, tuple(info.shape), tr)
                 tiling = {"tile_bytes": sc.tile_bytes} if sc.tile_bytes else {"tiles": 1}
                 spec = runtime.publish_spec(obj, name=f"{set_name}/{fname}", access=access, **tiling)
@@ -457,20 +554,24 @@ class FieldSet(Mapping[str, FieldRef]):
              timeout: float | None = None) -> None:
         """Block until ``field``'s rows ``rows`` (default: all of them) are ready; with
         ``field=None``, until every field is complete. ``timeout`` bounds the whole wait."""
+        rt = self._core()
+        given = _args.timeout_or(timeout, rt.timeout)
         if field is None:
             if rows is not None:
                 raise ValueError("rows= needs field=")
-            rt = self._core()
-            timeout = rt.timeout if timeout is None else timeout
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + given
             for r in self._refs.values():
-                r.wait_tiles(timeout=max(0.0, deadline - time.monotonic()))
+                r._check_tiling(rt)
+            for r in self._refs.values():
+                r._wait_tiles(rt, 0, r.n_tiles, deadline, given)
             return
         r = self[field]
         if rows is None:
-            r.wait_tiles(timeout=timeout)
+            r.wait_tiles(timeout=given)
         else:
-            r.wait_rows(rows[0], rows[1], timeout)
+            if not isinstance(rows, tuple) or len(rows) != 2:
+                raise TypeError(f"rows must be a (start, stop) tuple, got {rows!r}")
+            r.wait_rows(rows[0], rows[1], given)
 
     def tile_events(self, fields: Iterable[str] | None = None, *,
                     timeout: float | None = None) -> Iterator[tuple[FieldRef, int]]:
@@ -482,9 +583,18 @@ class FieldSet(Mapping[str, FieldRef]):
             MemsemTimeoutError: not every tile became ready in time (names what is missing).
             PeerLostError: a field's owner died.
         """
+        if isinstance(fields, str):
+            raise TypeError(f"fields must be an iterable of field names, not a str ({fields!r}); "
+                            "pass [name]")
         refs = [self[f] for f in (self.fields if fields is None else fields)]
         rt = self._core()
-        timeout = rt.timeout if timeout is None else timeout
+        timeout = _args.timeout_or(timeout, rt.timeout)  # checked now, not at the first next()
+        for r in refs:
+            r._check_tiling(rt)
+        return self._tile_events(rt, refs, timeout)
+
+    def _tile_events(self, rt: RuntimeCore, refs: list[FieldRef],
+                     timeout: float) -> Iterator[tuple[FieldRef, int]]:
         deadline = time.monotonic() + timeout
         pending = [set(range(r.n_tiles)) for r in refs]
         turn = 0
@@ -517,9 +627,18 @@ class FieldSet(Mapping[str, FieldRef]):
                  timeout: float | None = None) -> Iterator[FieldRef]:
         """Yield each of ``fields`` (default all) once it is complete (every tile ready), in the
         order they complete. ``timeout`` bounds the whole iteration (MemsemTimeoutError)."""
+        if isinstance(fields, str):
+            raise TypeError(f"fields must be an iterable of field names, not a str ({fields!r}); "
+                            "pass [name]")
         names = list(self.fields if fields is None else fields)
-        left = {n: self[n].n_tiles for n in names}
-        for r, _ in self.tile_events(names, timeout=timeout):
+        events = self.tile_events(names, timeout=timeout)  # validates now
+        return self._as_ready(events, {n: self[n].n_tiles for n in names})
+
+    def _as_ready(self, events: Iterator[tuple[FieldRef, int]], left: dict[str, int]) -> Iterator[FieldRef]:
+        for name, n in left.items():
+            if n == 0:  # a field of 0 rows is complete from the start
+                yield self[name]
+        for r, _ in events:
             left[r.field] -= 1
             if left[r.field] == 0:
                 yield r
@@ -543,26 +662,31 @@ class FieldSet(Mapping[str, FieldRef]):
         Raises:
             ValueError: ``data`` is not a serialized FieldSet.
         """
-        data = bytes(data)
-        if len(data) < 8 or data[:4] != SET_MAGIC:
-            raise ValueError(f"data is not a serialized FieldSet (got {len(data)} bytes starting {data[:4]!r})")
-        version, nlen = struct.unpack_from("<BB", data, 4)
+        r = _Reader(data, "FieldSet")
+        if r.take(4, "magic") != SET_MAGIC:
+            raise ValueError(f"data is not a serialized FieldSet (got {len(r.data)} bytes starting "
+                             f"{r.data[:4]!r})")
+        version = r.u8("version")
         if version != SET_VERSION:
             raise ValueError(f"serialized FieldSet version {version}; this memsem reads {SET_VERSION}")
-        at = 6
-        name = data[at:at + nlen].decode()
-        at += nlen
-        (n,) = struct.unpack_from("<H", data, at)
-        at += 2
+        name = r.text(r.u8("name length"), "name")
+        n = r.u16("field count")
+        if n == 0:
+            raise ValueError("serialized FieldSet: field count is 0 (a FieldSet has at least one field)")
         refs = []
-        for _ in range(n):
-            (ln,) = struct.unpack_from("<I", data, at)
-            at += 4
-            refs.append(FieldRef.from_bytes(data[at:at + ln], runtime))
-            at += ln
-        if at != len(data):
-            raise ValueError(f"serialized FieldSet has {len(data)} bytes, its contents end at {at}")
-        return cls(name, refs, runtime)
+        for i in range(n):
+            ln = r.u32(f"length of field {i}")
+            body = r.take(ln, f"field {i}")
+            try:
+                refs.append(FieldRef.from_bytes(body, runtime))
+            except ValueError as exc:
+                raise ValueError(f"serialized FieldSet: field {i}: {exc}") from None
+        if r.at != len(r.data):
+            raise ValueError(f"serialized FieldSet has {len(r.data)} bytes, its contents end at {r.at}")
+        try:
+            return cls(name, refs, runtime)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"serialized FieldSet: {exc}") from None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (FieldSet.from_bytes, (self.to_bytes(),))

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from memsem._buffers import check_buffer
+from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
 from memsem.runtime import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
 from memsem.topology import Route
@@ -212,8 +214,9 @@ class Runtime:
 
         Args:
             pairs: ``(src, dst)`` pairs; each side is a TensorRef (a window or a range of one,
-                see ``TensorRef.bytes``/``tile``) or a local buffer with the same byte count. At
-                least one side of each pair is a ref. Ref-to-ref copies go straight between
+                see ``TensorRef.bytes``/``tile``) or a local buffer with the same byte count
+                (C-contiguous CPU memory of a plain numeric or bool dtype; a destination must be
+                writable). At least one side of each pair is a ref. Ref-to-ref copies go straight between
                 mapped memories when the source route allows, else through a bounce buffer
                 (counted in ``stats().bounce_bytes``).
             lease: optional lease checked for the ranges of its window.
@@ -221,12 +224,27 @@ class Runtime:
         Returns:
             A Batch; ``batch.wait(timeout)`` returns the per-range results and raises only on
             timeout; failed ranges carry their error (``batch.errors``).
+
+        Raises:
+            TypeError / ValueError: a malformed pair, a pair of two local buffers, or a local
+                buffer that no copy could use (object/structured dtype, conj/neg/sparse/non-CPU
+                tensor, read-only destination...): raised before any range starts.
         """
         specs = []
         for i, pair in enumerate(pairs):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}")
-            specs.append(tuple(p.spec if isinstance(p, TensorRef) else p for p in pair))
+            src, dst = (p.spec if isinstance(p, TensorRef) else p for p in pair)
+            if not isinstance(src, RefSpec) and not isinstance(dst, RefSpec):
+                raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref, got "
+                                f"{type(src).__name__} and {type(dst).__name__}")
+            # Local buffers are checked here, before any range starts: a caller mistake is a
+            # TypeError/ValueError now, not a FAILED range later.
+            if not isinstance(src, RefSpec):
+                check_buffer(src, f"pairs[{i}] src", writable=False)
+            if not isinstance(dst, RefSpec):
+                check_buffer(dst, f"pairs[{i}] dst", writable=True)
+            specs.append((src, dst))
         return self._core.xcopy_specs(specs, lease=lease)
 
     def lease(self, ref: TensorRef, ttl: float | None = 10.0) -> Lease:

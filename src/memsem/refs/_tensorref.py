@@ -6,11 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from memsem import _dtypes
-from memsem._buffers import as_byte_array
+from memsem import _args, _dtypes
+from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError, RuntimeClosedError
 from memsem.gva import RefSpec
 from memsem.runtime import Completion, Lease, RuntimeCore, current_core
+
+
+_UINT8 = _dtypes.code_of("uint8")
 
 
 def _default_core() -> RuntimeCore:
@@ -155,30 +158,26 @@ class TensorRef:
         Raises:
             ValueError: the range lies outside this ref.
         """
-        if not isinstance(offset, (int, np.integer)) or not isinstance(nbytes, (int, np.integer)):
-            raise TypeError(f"offset and nbytes must be ints, got {offset!r}, {nbytes!r}")
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.spec.nbytes:
+        offset = _args.count(offset, "offset", unit="bytes")
+        nbytes = _args.count(nbytes, "nbytes", unit="bytes")
+        if offset + nbytes > self.spec.nbytes:
             raise ValueError(f"byte range [{offset}, {offset + nbytes}) lies outside the ref's "
                              f"{self.spec.nbytes} bytes")
         s = self.spec
-        return type(self)(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + int(offset), int(nbytes),
-                                  _dtypes.code_of("uint8"), (int(nbytes),), 0, "numpy", s.name), self._rt)
+        return type(self)(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + offset, nbytes,
+                                  _UINT8, (nbytes,), 0, "numpy", s.name), self._rt)
 
     def tile(self, index: int, tile_bytes: int) -> "TensorRef":
         """Tile ``index`` of ``tile_bytes`` bytes (the last one may be shorter), as a uint8 ref."""
-        if not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
-            raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
         n = self.num_tiles(tile_bytes)
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < n:
-            raise ValueError(f"index must be in [0, {n}), got {index!r}")
-        start = int(index) * int(tile_bytes)
+        index = _args.index(index, "index", n, of=f"tiles of {tile_bytes} bytes")
+        start = index * int(tile_bytes)
         return self.bytes(start, min(int(tile_bytes), self.spec.nbytes - start))
 
     def num_tiles(self, tile_bytes: int) -> int:
         """Tiles of ``tile_bytes`` bytes covering this ref (at least 1)."""
-        if isinstance(tile_bytes, bool) or not isinstance(tile_bytes, (int, np.integer)) or tile_bytes <= 0:
-            raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")
-        return max(1, -(-self.spec.nbytes // int(tile_bytes)))
+        tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
+        return max(1, -(-self.spec.nbytes // tile_bytes))
 
     # -- data ------------------------------------------------------------------------------------
     def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None) -> Any:
@@ -199,7 +198,10 @@ class TensorRef:
             StaleReferenceError: the generation moved before or during the copy (no valid bytes).
             LeaseExpiredError: ``lease`` expired before or during the copy.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
-            ValueError / TypeError: ``out`` has the wrong size or is read-only.
+            ValueError / TypeError: ``out`` has the wrong size or is read-only, or is not plain
+                memory: a dtype that is not a number or bool (object, structured, str,
+                datetime...), or a torch tensor that is a conj/neg view, sparse, nested,
+                quantized, meta or not on the CPU (the message says which and how to fix it).
         """
         rt = self._rt
         if rt is None or rt._closed:
@@ -207,6 +209,7 @@ class TensorRef:
         if out is not None:
             return rt.transfers.get(self.spec, out, lease=lease)
         fw = framework or self._default_framework()
+        _check_before_alloc(rt, self.spec)
         if fw == "numpy":
             return rt.get_spec(self.spec, None, lease=lease)
         if fw == "torch":
@@ -235,10 +238,13 @@ class TensorRef:
         """
         if out is None:
             out = self._alloc(framework)
+        else:
+            check_buffer(out, "out", writable=True)  # a caller mistake raises here, not in wait()
         return self._core().submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
 
     def _alloc(self, framework: str | None) -> Any:
         fw = framework or self._default_framework()
+        _check_before_alloc(self._core(), self.spec)
         if fw == "torch":
             import torch
 
@@ -256,7 +262,8 @@ class TensorRef:
             AccessDeniedError: the ref is read-only, or the window was published read-only.
             StaleReferenceError / LeaseExpiredError / PeerLostError: as for ``get``; on a stale
                 error the target is being retired and the bytes count for nothing.
-            ValueError / TypeError: size or dtype mismatch.
+            ValueError / TypeError: size or dtype mismatch, or ``src`` is not plain memory (as
+                for ``get``'s ``out``).
         """
         rt = self._rt
         if rt is None or rt._closed:
@@ -264,7 +271,13 @@ class TensorRef:
         rt.transfers.put(self.spec, src, lease=lease)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
-        """Start a put; ``src`` must not change until the Completion is final."""
+        """Start a put; ``src`` must not change until the Completion is final.
+
+        Raises:
+            TypeError / ValueError: ``src`` is not usable memory (see ``put``); raised now, before
+                anything is started.
+        """
+        check_buffer(src, "src", writable=False)
         return self._core().submit(f"put to {self.spec.label}", lambda: self.put(src, lease=lease))
 
     def view(self, *, lease: Lease | None = None, framework: str | None = None) -> Any:
@@ -310,9 +323,7 @@ class TensorRef:
             raise ValueError(f"put_tile needs a ref to the whole window (tile indices are the "
                              f"window's); this ref covers bytes [{self.spec.offset}, "
                              f"{self.spec.offset + self.spec.nbytes}) of {res.info.nbytes}")
-        if not isinstance(index, (int, np.integer)) or isinstance(index, bool) or not 0 <= index < res.info.n_ready:
-            raise ValueError(f"index must be an int in [0, {res.info.n_ready}) for {self.spec.label}, "
-                             f"got {index!r}")
+        index = _args.index(index, "index", res.info.n_ready, of=self.spec.label)
         tile = self.bytes(0, self.nbytes).tile(index, tb)
         flat, info = as_byte_array(data, "data", writable=False)
         if info.nbytes != tile.nbytes:
@@ -325,7 +336,8 @@ class TensorRef:
         """Consumer: block until tile ``index`` is ready for this ref's generation.
 
         Raises:
-            MemsemTimeoutError (a TimeoutError): not ready within ``timeout`` s; names window and tile.
+            MemsemTimeoutError (a TimeoutError): not ready within ``timeout`` s (finite, default the
+                runtime's); names window and tile. TypeError / ValueError: bad index or timeout.
             PeerLostError: the owner died while waiting (within 0.05 s of its death).
             StaleReferenceError: the window's generation moved.
         """
@@ -346,6 +358,19 @@ class TensorRef:
     def route(self) -> Any:
         """The :class:`memsem.topology.Route` this process uses to reach the window."""
         return self._core().route_of(self.spec)
+
+
+def _check_before_alloc(rt: RuntimeCore, spec: RefSpec) -> None:
+    """Before allocating a destination from a ref's own shape: resolve it (access key,
+    generation and owner checked) and check its range against the window, so a forged or
+    corrupted ref never makes this process allocate more than the window it names holds."""
+    info = rt.resolve(spec).info
+    if spec.offset + spec.nbytes > info.nbytes:
+        raise ValueError(f"ref range [{spec.offset}, {spec.offset + spec.nbytes}) lies outside "
+                         f"{spec.label} of {info.nbytes} bytes")
+    if spec.byte_offset not in (0, info.byte_offset):
+        raise ValueError(f"ref byte_offset {spec.byte_offset} differs from {spec.label}'s "
+                         f"{info.byte_offset}")
 
 
 def _torch_importable() -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import _args, _dtypes, native
-from memsem._buffers import BufferInfo, buffer_info
+from memsem._buffers import BufferInfo, buffer_info, dtype_code
 from memsem._errors import (
     AccessDeniedError,
     LeaseHeldError,
@@ -114,16 +115,9 @@ class Publisher:
         core.check_open()
         if engine is not None:
             return core.engine(engine).alloc_array(shape, dtype)
-        if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-            shape_t = (_args.count(shape, "shape"),)
-        else:
-            try:
-                shape_t = tuple(_args.count(s, "shape") for s in shape)
-            except TypeError:
-                raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-        code = _dtypes.code_of(dtype)
-        dt = _dtypes.numpy_dtype(code)
-        nbytes = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+        dt = _dtypes.numpy_dtype(dtype_code(dtype, "dtype", of_buffer=False))
+        shape_t = _args.shape(shape, "shape", itemsize=dt.itemsize)
+        nbytes = math.prod(shape_t) * dt.itemsize
         if nbytes == 0:
             return np.zeros(shape_t, dt)  # nothing to share; publishable all the same
         seg = Segment.create("data", nbytes)

@@ -43,8 +43,8 @@ _ffi = native.ffi
 _ATTN = tr.RC_ATTENTION
 _SHIFT = tr.RC_SHIFT
 _UINT8 = _dtypes.code_of("uint8")
-#: numpy dtypes a destination or source may have (plain numbers and bools; see memsem._dtypes)
-_PLAIN = frozenset(_dtypes.numpy_dtype(c) for c in range(1, 18))
+#: numpy dtypes a destination or source may have (plain numbers and bools) -> wire code
+_PLAIN = _dtypes.NUMPY_CODES
 #: torn reads retried at once before waiting on the sequence word
 _TORN_SPINS = 3
 
@@ -285,7 +285,7 @@ class Transfers:
         """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
         returns the version overwritten."""
         if type(src) is np.ndarray and src.dtype in _PLAIN and src.flags.c_contiguous:
-            n, code = src.nbytes, _dtypes.code_of(src.dtype)
+            n, code = src.nbytes, _PLAIN[src.dtype]
             addr, keep = (array_address(src) if n else 0), src
         else:
             flat, info = as_byte_array(src, "src", writable=False)

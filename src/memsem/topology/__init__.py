@@ -115,10 +115,10 @@ def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descript
             continue
         try:
             cls = engine_class(engine)
-            got = cls.reach(me, owner, desc, None)
         except (ValueError, NotSupportedError) as exc:
             no.append((engine, str(exc)))
             continue
+        got = cls.reach(me, owner, desc, None)  # a corrupt descriptor: ValueError naming the field
         if isinstance(got, str):
             no.append((engine, got))
             continue
