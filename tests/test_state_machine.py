@@ -6,7 +6,7 @@ the same operation code (``tests._agent._OPS``), so every rule can be issued by 
 A plain-Python model (windows with generation, data, owner, liveness; refs; leases; views) says
 what each call must return or raise; the real outcome is compared after every step.
 
-Budget: ``MEMSEM_SM_EXAMPLES`` x ``MEMSEM_SM_STEPS`` (default 130 x 100, >= 10,000 steps; the
+Budget: ``MEMSEM_SM_EXAMPLES`` x ``MEMSEM_SM_STEPS`` (default 180 x 100, >= 10,000 steps; the
 test asserts the count). Run time is printed (``-s``).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tests._agent import Agent, pattern
 
 pytestmark = pytest.mark.multiproc
 
-EXAMPLES = int(os.environ.get("MEMSEM_SM_EXAMPLES", "130"))
+EXAMPLES = int(os.environ.get("MEMSEM_SM_EXAMPLES", "180"))
 STEPS = int(os.environ.get("MEMSEM_SM_STEPS", "100"))
 #: MEMSEM_SM_PLANT=<name> plants a known bug in both participants (see tests._agent.apply_plant);
 #: the test is then expected to fail, which shows the model catches it.

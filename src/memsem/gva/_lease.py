@@ -13,6 +13,7 @@ So either the owner sees the lease, or the consumer sees CLOSING: never neither.
 """
 from __future__ import annotations
 
+import math
 import secrets
 
 from memsem import native
@@ -98,9 +99,13 @@ def release(cb: ControlBlock, slot: int, lease_id: int) -> None:
     native.compare_exchange(a + 24, lease_id, 0)
 
 
+#: expiries this far ahead (ns) belong to leases held until released (ttl=None)
+FOREVER_NS = 1 << 61
+
+
 def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float]]:
-    """``(pid, seconds_left)`` of unexpired leases held by live processes. Reaps dead holders'
-    slots when ``reap``."""
+    """``(pid, seconds_left)`` of unexpired leases held by live processes (``math.inf`` for a
+    lease held until released). Reaps dead holders' slots when ``reap``."""
     now = native.monotonic_ns()
     out = []
     for slot, pid, start, expiry, _version in cb.unexpired_leases(now):
@@ -108,7 +113,7 @@ def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, 
             if reap:
                 _reap(cb, slot, pid, start)
             continue
-        out.append((pid, (expiry - now) / 1e9))
+        out.append((pid, math.inf if expiry - now >= FOREVER_NS else (expiry - now) / 1e9))
     return out
 
 

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 #: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
 MAX_TTL = _args.MAX_TTL_S
 _FOREVER_NS = 1 << 62
+#: a lease slot that is always free: the native check of a released lease fails on it
+_NEVER = native.ffi.new("uint64_t[6]")
+_NEVER_ADDR = int(native.ffi.cast("uintptr_t", _NEVER))
 
 
 class Lease:
@@ -174,12 +177,16 @@ class Lease:
             raise tr.lease_expired(self.spec, when)
 
     def native_args(self, spec: RefSpec) -> tuple[int, int]:
-        """``(slot address, lease id)`` for ``memsem_plan_copy``; (0, 0) for a lease held in the
-        directory (checked in Python). Raises ValueError for a lease of another window."""
+        """``(slot address, lease id)`` for ``memsem_plan_copy``: a released lease gives a slot
+        that never holds its id, so the native check fails it in its turn (after range and
+        permission); (0, 0) for a lease held in the directory (checked in Python). Raises
+        ValueError for a lease of another window."""
         if self.spec.gva != spec.gva:
             raise ValueError(f"lease is for {self.spec.label}, not {spec.label}")
         if self._pid != os.getpid():
             self._check_process()
+        if not self._id:
+            return _NEVER_ADDR, 1
         return self._slot_addr, self._id
 
     def release(self) -> None:

@@ -38,7 +38,7 @@ class Peer:
     """
 
     __slots__ = ("pid", "start", "node", "rank", "_fd", "dead", "checks", "checked_ns", "_remote",
-                 "__weakref__")
+                 "watchers", "__weakref__")
 
     def __init__(self, pid: int, start: int, node: str, rank: int,
                  remote: Callable[[], bool | None] | None) -> None:
@@ -48,6 +48,9 @@ class Peer:
         self.checks = 0
         self.checked_ns = native.monotonic_ns()
         self._remote = remote
+        #: objects with a ``close()`` closed when this peer is found dead (its resolutions: a
+        #: copy through them after that re-resolves and meets PeerLostError)
+        self.watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         if node == native.node_id() and pid != os.getpid():
             try:
                 fd = os.pidfd_open(pid)
@@ -82,6 +85,11 @@ class Peer:
             ok = verdict is None or bool(verdict)
         if not ok:
             self.dead = True  # final: every later check says so at once
+            for w in list(self.watchers):
+                try:
+                    w.close()
+                except Exception:  # noqa: BLE001 - a watcher's failure must not hide the death
+                    pass
         return ok
 
     def lost(self, what: str) -> "Exception":

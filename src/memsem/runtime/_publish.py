@@ -276,9 +276,10 @@ class Publisher:
                         d.reopen_window(owned.info.gva)
                     raise LeaseHeldError(
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
-                        "held by " + ", ".join(f"pid {p} ({left:.2f} s left)" for p, left in holders),
+                        "held by " + ", ".join(f"pid {p} ({_left(left)})" for p, left in holders),
                         holders=holders)
-                time.sleep(min(WAIT_SLICE_S, max(0.0, min(h[1] for h in holders)) + 0.001))
+                time.sleep(min(WAIT_SLICE_S, max(0.0, min(h[1] for h in holders)) + 0.001,
+                               max(0.0, deadline - time.monotonic()) + 0.001))
             owned.generation = cb.bump_generation()
             owned.retiring = True
         # Drain copies that started under the old generation (they will see it moved). Dead
@@ -391,6 +392,10 @@ class Publisher:
             for seg in list(self.segments.values()):
                 seg.unlink()
             self.segments.clear()
+
+
+def _left(seconds: float) -> str:
+    return "held until released" if seconds == float("inf") else f"{seconds:.2f} s left"
 
 
 def tiling(nbytes: int, tile_bytes: int | None, tiles: int | None) -> tuple[int, int]:

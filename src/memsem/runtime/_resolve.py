@@ -112,6 +112,7 @@ class Resolution:
         if own_cb:
             cb.pin()  # the owner's block: held for as long as this resolution
         core.telemetry.track(self)
+        peer.watchers.add(self)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def enter(self) -> bool:

@@ -81,7 +81,7 @@ class Transfers:
                 ls = lid = 0
             else:
                 ls, lid = lease.native_args(spec)
-                if not ls:
+                if not ls:  # held in the directory (another node): checked here
                     lease.check("before the transfer")
             rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
             if rc & _ATTN:
@@ -182,8 +182,6 @@ class Transfers:
         if res.cb is None and not eng.enforces_generation:
             raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
                                     "generation (no control block here and the engine does not enforce it)")
-        if lease is not None:
-            lease.check("before the transfer")
         ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
         at = spec.offset + offset
         flat = address_view(addr, n, keep)
@@ -192,6 +190,14 @@ class Transfers:
             st = _ffi.new("uint64_t[5]")
             rc = _open(res.plan, put, at, n, version, ls, lid, st)
             if rc == tr.OK:
+                if lease is not None and not ls:  # held in the directory: checked here, in turn
+                    try:
+                        lease.check("before the transfer")
+                    except BaseException:
+                        rc = _close(res.plan, put, n, ls, lid, st, 1)
+                        if rc & tr.RC_LAST_OUT:
+                            res.release()
+                        raise
                 break
             if rc & tr.RC_LAST_OUT:
                 res.release()
