@@ -76,6 +76,10 @@ class Transfers:
         res = self._cache.get(spec.gva)
         if res is None or res.generation != spec.generation or res.key != spec.key:
             res = self._resolver.resolve(spec)
+        if lease is not None and lease.spec.gva != spec.gva:
+            if put and not res.writable:
+                raise tr.read_only(spec)  # the window's permission is checked first, as always
+            raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
         if res.direct:
             if lease is None:
                 ls = lid = 0
