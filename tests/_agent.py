@@ -188,6 +188,64 @@ def _op_loop_get(st: _State, refbytes: bytes, seconds: float) -> list[str]:
     return out
 
 
+def _op_loop_put(st: _State, refbytes: bytes, seconds: float) -> list[str]:
+    """Put to ``refbytes`` over and over for ``seconds``; outcomes as for ``loop_get``."""
+    out = []
+    ref = _ref(st, refbytes)
+    src = np.full(ref.nbytes, 3, np.uint8)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            ref.bytes(0, ref.nbytes).put(src)
+            out.append("ok")
+        except Exception as exc:  # noqa: BLE001 - the test inspects every outcome
+            out.append(type(exc).__name__)
+    return out
+
+
+def _op_chaos(st: _State, refbytes: bytes, seed: int, seconds: float) -> int:
+    """Random operations on one window (get, put, lease + get, view, wait_tile, pipeline) for
+    ``seconds``, expected errors swallowed; returns how many ran. Killed at a random instant by
+    the kill-loop test."""
+    import random
+
+    import memsem
+
+    rng = random.Random(seed)
+    ref = _ref(st, refbytes)
+    raw = ref.bytes(0, ref.nbytes)
+    buf = np.empty(ref.nbytes, np.uint8)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        op = rng.randrange(7)
+        try:
+            if op == 0:
+                raw.get(buf)
+            elif op == 1:
+                raw.put(buf)
+            elif op == 2:
+                with ref.lease(ttl=rng.choice([0.05, 5.0, None])) as lease:
+                    raw.get(buf, lease=lease)
+            elif op == 3:
+                v = raw.view()
+                v[:8].sum()
+                del v
+            elif op == 4:
+                ref.wait_tile(rng.randrange(max(1, len(ref.ready_tiles()) or 1)), timeout=0.01)
+            elif op == 5:
+                with st.rt.pipeline(raw, tile_bytes=max(1, ref.nbytes // 4), wait_ready=False) as p:
+                    for tile in p:
+                        with tile:
+                            tile.raw[:1].sum()
+            else:
+                st.rt.core.resolver.drop(ref.spec.gva)
+        except (memsem.MemsemError, ValueError):
+            pass
+        n += 1
+    return n
+
+
 def apply_plant(name: str) -> None:
     """Plant a known bug in this process (used to show the state machine catches it; the
     source files are never edited). Names: ``no-bump-on-republish`` (a republish keeps the old

@@ -14,6 +14,7 @@ from memsem._errors import (
     NotSupportedError,
     OutOfMemoryError,
     PeerLostError,
+    RuntimeClosedError,
     StaleReferenceError,
     WindowNotFoundError,
 )
@@ -26,6 +27,6 @@ __all__ = [
     "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
-    "PeerLostError", "RangeResult", "Runtime", "StaleReferenceError", "State", "Stats", "TensorRef",
+    "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StaleReferenceError", "State", "Stats", "TensorRef",
     "WindowNotFoundError", "default_runtime", "__version__",
 ]

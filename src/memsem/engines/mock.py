@@ -25,17 +25,22 @@ class ScriptedEngine(Engine):
         fail: ``fail(kind, offset, nbytes) -> bool``; True makes that op raise EngineError.
         reorder: run the ops of a submitted batch in a random order.
         seed: seed for ``reorder``.
+        before: ``before(kind, offset, nbytes)``, called before each get/put (after ``delay``):
+            a test blocks it on an event to force an order (an operation is then provably in
+            flight while the test acts) instead of hoping for one with sleeps.
     """
 
     def __init__(self, inner: Engine, *, delay: float = 0.0,
                  fail: Callable[[str, int, int], bool] | None = None,
-                 reorder: bool = False, seed: int = 0) -> None:
+                 reorder: bool = False, seed: int = 0,
+                 before: Callable[[str, int, int], None] | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.name = inner.name  # descriptors stay tagged with the real engine
         self.delay = delay
         self.fail = fail
         self.reorder = reorder
+        self.before = before
         #: with ``reorder`` the runtime's xcopy hands whole batches to ``submit`` (as it does to
         #: engines with asynchronous hardware), so the reordering reaches the runtime's logic
         self.batches = bool(reorder)
@@ -71,6 +76,8 @@ class ScriptedEngine(Engine):
             self.calls.append((kind, offset, nbytes))
         if self.delay:
             time.sleep(self.delay)
+        if self.before is not None:
+            self.before(kind, offset, nbytes)
         if self.fail is not None and self.fail(kind, offset, nbytes):
             raise EngineError(f"scripted failure of {kind} at offset {offset} ({nbytes} bytes)",
                               name="SCRIPTED")

@@ -331,7 +331,8 @@ class RuntimeCore:
             if busy:
                 log.info("memsem runtime (rank %d) closed with %d resolution(s) still in use; each is "
                          "released by its last copy", self.rank, len(busy))
-            self._pool.shutdown(wait=True)
+            # Running tasks are not waited for beyond the deadline: each holds what it uses (its
+            # resolution's mappings) and fails with RuntimeClosedError at its next step.
             for eng in reversed(list(self.engines.values())):
                 try:
                     eng.close()

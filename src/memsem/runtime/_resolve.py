@@ -40,7 +40,10 @@ if TYPE_CHECKING:
     from memsem.runtime._core import RuntimeCore
 
 #: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
-RESOLUTION_LIMIT = 256
+RESOLUTION_LIMIT = 128
+#: cached resolutions checked for a moved generation (and dropped) per new resolution: a
+#: consumer of many short-lived windows keeps no mapping of a retired one for long
+SWEEP_PER_RESOLVE = 8
 
 _ffi = native.ffi
 
@@ -207,11 +210,26 @@ class Resolver:
             if res is not None:
                 self.drop(spec.gva)
             res = self._make(spec)
+            self._sweep(SWEEP_PER_RESOLVE)
             self.cache[spec.gva] = res
             while len(self.cache) > self.limit:
                 oldest = next(iter(self.cache))
                 self.drop(oldest)
             return res
+
+    def _sweep(self, n: int) -> None:
+        """Drop up to ``n`` of the oldest cached resolutions whose window moved on (retired or
+        republished): their mappings would only keep unlinked memory alive."""
+        for gva, r in list(self.cache.items())[:n]:
+            cb = r.cb
+            if cb is None or not r.enter():
+                continue
+            try:
+                moved = cb.generation != r.generation
+            finally:
+                r.leave()
+            if moved:
+                self.drop(gva, r)
 
     def drop(self, gva: int, res: Resolution | None = None) -> None:
         """Forget the resolution of ``gva`` (only ``res`` if given); it is released when idle."""
