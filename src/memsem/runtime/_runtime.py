@@ -810,7 +810,7 @@ class RuntimeCore:
 
     def submit(self, what: str, fn) -> Completion:
         self._check_open()
-        return Completion.run(self._pool, what, fn)
+        return Completion.run(self._pool, what, fn, timeout=self.timeout)
 
     def xcopy_specs(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
         """Start a batch of copies. Each pair is ``(src, dst)``; each side is a RefSpec (a
@@ -827,7 +827,7 @@ class RuntimeCore:
             r = RangeResult(i, getattr(src, "nbytes", 0) if isinstance(src, RefSpec) else getattr(dst, "nbytes", 0))
             results.append(r)
             jobs.append((r, src, dst))
-        batch = Batch(results)
+        batch = Batch(results, timeout=self.timeout)
 
         def run(r: RangeResult, src: Any, dst: Any) -> None:
             r.state = State.RUNNING
