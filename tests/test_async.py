@@ -317,3 +317,240 @@ def test_handle_timeouts_are_validated(owner, bad, exc):
             memsem.Batch([], timeout=bad)
         c.wait(10.0)
         b.close(10.0)
+
+
+# -- the native word waiter ---------------------------------------------------------------------
+from memsem import native  # noqa: E402
+from memsem.native import Segment  # noqa: E402
+from memsem.runtime._async import AsyncWordWaiter, probe, word_waiter  # noqa: E402
+from tests._proc import reap, recv, spawn  # noqa: E402
+
+MODES = ["waitv", "slices"]
+
+
+def word_writer(conn, name, nbytes):
+    """Child: map the segment and store words on command, waking their futexes."""
+    seg = Segment.attach(name, nbytes)
+    arr = seg.export()
+    conn.send("ready")
+    while True:
+        if not conn.poll(60):
+            return
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            conn.send("bye")
+            return
+        for off, size, value in cmd[1]:
+            view = arr[off:off + size].view(np.uint64 if size == 8 else np.uint32)
+            view[0] = value
+            native.futex_wake(seg.address + off)
+        conn.send("done")
+
+
+@pytest.fixture
+def segment():
+    seg = Segment.create("test", 1 << 16)
+    try:
+        yield seg
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@pytest.fixture
+def writer(segment):
+    p, conn = spawn(word_writer, segment.name, segment.nbytes)
+    assert recv(conn, 60) == "ready"
+
+    def write(*triples):
+        conn.send(("set", list(triples)))
+        assert recv(conn, 60) == "done"
+
+    try:
+        yield write
+    finally:
+        conn.send(("stop",))
+        reap([p])
+
+
+@pytest.fixture(params=MODES)
+def waiter(request):
+    if request.param == "waitv" and probe()[0] != "waitv":
+        pytest.skip(f"this kernel cannot: {probe()[1]}")
+    with AsyncWordWaiter(mode=request.param) as w:
+        yield w
+
+
+def test_many_words_written_by_another_process(segment, writer, waiter):
+    """300 64-bit words and 100 32-bit words (more than one futex_waitv call holds), three
+    awaits on some of them, resolved by stores of a spawned process."""
+    base = segment.address
+    words64 = [(i * 8, 8) for i in range(300)]
+    words32 = [(4096 + i * 4, 4) for i in range(100)]
+
+    async def main():
+        futs = [waiter.wait(base + off, 0, 30.0, size=size) for off, size in words64 + words32]
+        extra = [waiter.wait(base + off, 0, 30.0, size=8) for off, _ in words64[:20]]
+        assert waiter.pending == 420
+        if waiter.mode == "waitv":
+            assert waiter.threads >= 6  # 127 futex entries per thread; a 64-bit word takes 2
+        else:
+            assert waiter.threads == 1
+        loop = asyncio.get_running_loop()
+        triples = [(off, size, (7 << 32 | i) if size == 8 else 1000 + i)
+                   for i, (off, size) in enumerate(words64 + words32)]
+        await loop.run_in_executor(None, lambda: writer(*triples))
+        got = await asyncio.wait_for(asyncio.gather(*futs), 30.0)
+        got_extra = await asyncio.wait_for(asyncio.gather(*extra), 30.0)
+        return triples, got, got_extra
+
+    triples, got, got_extra = asyncio.run(main())
+    assert got == [v for _, _, v in triples]
+    assert got_extra == got[:20]
+    assert waiter.pending == 0
+
+
+def test_a_change_of_the_high_half_only_is_seen(segment, writer, waiter):
+    base = segment.address
+    writer((0, 8, 5))
+
+    async def main():
+        fut = waiter.wait(base, 5, 30.0)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: writer((0, 8, 5 | (1 << 32))))
+        return await asyncio.wait_for(fut, 30.0)
+
+    assert asyncio.run(main()) == 5 | (1 << 32)
+
+
+def test_a_word_already_changed_resolves_at_once(segment, writer, waiter):
+    writer((8, 8, 42))
+
+    async def main():
+        return await asyncio.wait_for(waiter.wait(segment.address + 8, 0, 30.0), 30.0)
+
+    assert asyncio.run(main()) == 42
+
+
+def test_cancelling_an_await_removes_its_waiter(segment, writer, waiter):
+    base = segment.address
+
+    async def main():
+        task = asyncio.ensure_future(waiter.wait(base, 0, 30.0))
+        other = waiter.wait(base + 8, 0, 30.0)
+        await asyncio.sleep(0)
+        assert waiter.pending == 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the future's done callbacks run one loop iteration later
+        assert waiter.pending == 1
+        # The cancelled word changes later: nothing is delivered to the dead future, the other
+        # waiter still works.
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: writer((0, 8, 1), (8, 8, 2)))
+        return await asyncio.wait_for(other, 30.0)
+
+    assert asyncio.run(main()) == 2
+    assert waiter.pending == 0
+
+
+def test_timeouts_fail_their_own_futures_only(segment, writer, waiter):
+    base = segment.address
+
+    async def main():
+        short = waiter.wait(base, 0, 0.05, what="tile 3 of test window")
+        zero = waiter.wait(base, 0, 0.0)
+        long = waiter.wait(base + 8, 0, 30.0)
+        with pytest.raises(memsem.MemsemTimeoutError, match="tile 3 of test window did not change within 0.05 s"):
+            await asyncio.wait_for(short, 30.0)
+        with pytest.raises(memsem.MemsemTimeoutError):
+            await asyncio.wait_for(zero, 30.0)
+        assert isinstance(short.exception(), TimeoutError)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: writer((8, 8, 9)))
+        return await asyncio.wait_for(long, 30.0)
+
+    assert asyncio.run(main()) == 9
+
+
+def test_close_fails_pending_awaits_and_stops_threads(segment, waiter):
+    base = segment.address
+    keep = object()
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    keep_ref = weakref.ref(holder)
+
+    async def main():
+        futs = [waiter.wait(base + 8 * i, 0, 30.0, keep=holder if i == 0 else keep) for i in range(10)]
+        await asyncio.sleep(0)
+        waiter.close()
+        results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30.0)
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, memsem.MemsemError) and "closed" in str(r) for r in results)
+    assert waiter.threads == 0 and waiter.closed
+    del holder
+    gc.collect()
+    assert keep_ref() is None  # the waiter let go of what it kept
+    waiter.close()  # safe twice
+
+    async def after():
+        waiter.wait(base, 0, 1.0)
+
+    with pytest.raises(memsem.MemsemError, match="closed"):
+        asyncio.run(after())
+
+
+def test_runtime_close_closes_its_word_waiter(segment):
+    base = segment.address
+    rt = memsem.Runtime(timeout=10.0)
+    w = word_waiter(rt)
+    assert word_waiter(rt) is w  # one per runtime
+    assert w.threads == 0  # created lazily
+
+    async def main():
+        fut = w.wait(base, 0, 30.0)
+        await asyncio.sleep(0)
+        assert w.threads == 1
+        rt.close()
+        with pytest.raises(memsem.MemsemError, match="closed"):
+            await asyncio.wait_for(fut, 30.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        rt.close()
+    assert w.closed and w.threads == 0
+    with pytest.raises(memsem.MemsemError, match="runtime is closed"):
+        word_waiter(rt)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"addr": 3}, ValueError, "aligned"),
+    ({"addr": 0}, ValueError, "addr"),
+    ({"addr": True}, TypeError, "addr"),
+    ({"size": 2}, ValueError, "size"),
+    ({"expected": 1 << 64}, ValueError, "expected"),
+    ({"expected": -1}, ValueError, "expected"),
+    ({"size": 4, "expected": 1 << 32}, ValueError, "expected"),
+    ({"timeout": math.nan}, ValueError, "timeout"),
+    ({"timeout": math.inf}, ValueError, "timeout"),
+    ({"timeout": -1.0}, ValueError, "timeout"),
+    ({"timeout": True}, TypeError, "timeout"),
+])
+def test_wait_arguments_are_checked(segment, kwargs, exc, match):
+    args = {"addr": segment.address, "expected": 0, "timeout": 1.0, "size": 8}
+    args.update(kwargs)
+    with AsyncWordWaiter() as w:
+        async def main():
+            w.wait(args.pop("addr"), args.pop("expected"), args.pop("timeout"), **args)
+
+        with pytest.raises(exc, match=match):
+            asyncio.run(main())
+        assert w.threads == 0 and w.pending == 0
+    with pytest.raises(ValueError, match="mode"):
+        AsyncWordWaiter(mode="spin")
