@@ -130,6 +130,7 @@ class Lease:
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
         if self.expired():
+            self.runtime.telemetry.count_error("lease_expired")
             raise LeaseExpiredError(f"lease on {self.spec.label} expired {when}")
 
     def release(self) -> None:

@@ -529,6 +529,7 @@ class RuntimeCore:
 
     # -- resolve ---------------------------------------------------------------------------------
     def _stale(self, spec: RefSpec, found: int | None) -> StaleReferenceError:
+        self.telemetry.count_error("stale")
         return StaleReferenceError(
             f"{spec.label} moved from generation {spec.generation} to {found}: the ref is stale "
             "(unpublished, republished or reused); no byte of it is valid",
@@ -538,6 +539,7 @@ class RuntimeCore:
         """The error for a generation that moved under a transfer: LeaseExpiredError when the
         caller's lease ran out (the owner reclaimed the window because of it), else stale."""
         if lease is not None and lease.expired():
+            self.telemetry.count_error("lease_expired")
             return LeaseExpiredError(f"lease on {spec.label} expired during the transfer and the owner "
                                      "reclaimed the window; the bytes moved are not valid")
         return self._stale(spec, found)
@@ -657,6 +659,7 @@ class RuntimeCore:
             return exc
         err = getattr(exc, "errno", None)
         if owner is not None and (err == _errno.ESRCH or not owner.alive()):
+            self.telemetry.count_error("peer_lost")
             return PeerLostError(f"the owner of {spec.label} (pid {owner.pid}) died during the transfer")
         if isinstance(exc, EngineError):
             return exc
@@ -731,6 +734,7 @@ class RuntimeCore:
             lease.check("during the transfer; the bytes moved are not valid")
         if not res.own_cb and (n >= LIVENESS_CHECK_BYTES or time.monotonic() - res.owner.checked >= LIVENESS_INTERVAL) \
                 and not res.owner.alive():
+            self.telemetry.count_error("peer_lost")
             raise PeerLostError(f"the owner of {spec.label} (pid {res.owner.pid}) died during the transfer")
         c = res.counter
         c[0] += 1
@@ -1010,7 +1014,7 @@ class RuntimeCore:
     # -- telemetry & lifetime --------------------------------------------------------------------
     def stats(self) -> Stats:
         """A snapshot of this runtime's telemetry."""
-        return self.telemetry.snapshot(len(self._owned))
+        return self.telemetry.snapshot(len(self._owned), leases=len(self._leases))
 
     def close(self, timeout: float | None = None) -> None:
         """Unpublish every window (waiting up to ``timeout`` for leases, then warning and
