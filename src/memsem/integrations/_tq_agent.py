@@ -303,7 +303,18 @@ class Agent:
             with self._lock:
                 live = self._regions.get(rid)
             if live is not None and not live.retiring:
-                keep.append((live, np.fromfile(fpath, dtype=np.uint64, count=n_items)))
+                words = np.empty(n_items, np.uint64)
+                got, c = 0, 0
+                with open(fpath, "rb") as f:
+                    got = f.readinto(memoryview(words).cast("B"))
+                    c = zlib.crc32(memoryview(words).cast("B"))
+                    while chunk := f.read(1 << 24):
+                        c = zlib.crc32(chunk, c)
+                        got += len(chunk)
+                if got != nbytes or c != crc:
+                    raise ValueError(f"Memsem storage file {fpath} does not match its CRC-32 in the index: "
+                                     "nothing of the checkpoint was restored")
+                keep.append((live, words))
                 continue
             arr = self.rt.alloc(max(nbytes, 8), np.uint8)
             with open(fpath, "rb") as f:
