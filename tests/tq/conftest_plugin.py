@@ -131,10 +131,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    left = []
     for mod in _MODULES:
         cleanup = getattr(mod, "remove_run_dirs", None)
         if callable(cleanup):
-            try:
-                cleanup()
-            except Exception:
-                pass
+            left += list(cleanup() or [])
+    if left:  # the run must leave nothing behind: say so loudly (exit status stays pytest's)
+        print(f"conftest_plugin: left behind after the run: {left}")

@@ -58,7 +58,9 @@ import functools
 import logging
 import os
 import pickle
+import secrets
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -119,21 +121,46 @@ def counters() -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------
 class _ProcessRuntime:
-    """One memsem Runtime per process (per directory/job), shared by every client instance.
-    The runtime bounds its own cache of resolved windows (regions the agent frees stop being
-    mapped here); this backend keeps no mappings of its own."""
+    """One memsem Runtime per process (per directory/job), shared by every client instance and
+    closed when the last open client of its job closes (so a closed TQ instance leaves no rank
+    record of this process in its job's folder). The runtime bounds its own cache of resolved
+    windows (regions the agent frees stop being mapped here); this backend keeps no mappings of
+    its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rts: dict[tuple[str | None, str | None], Any] = {}
+        self._users: dict[tuple[str | None, str | None], int] = {}
         self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's runtimes are not ours
+            self._rts, self._users, self._pid = {}, {}, os.getpid()
+
+    def acquire(self, directory: str | None, job: str | None) -> None:
+        with self._lock:
+            self._forked()
+            key = (directory, job)
+            self._users[key] = self._users.get(key, 0) + 1
+
+    def release(self, directory: str | None, job: str | None) -> None:
+        with self._lock:
+            self._forked()
+            key = (directory, job)
+            n = self._users.get(key, 0) - 1
+            if n > 0:
+                self._users[key] = n
+                return
+            self._users.pop(key, None)
+            rt = self._rts.pop(key, None)
+        if rt is not None:
+            rt.close()
 
     def runtime(self, directory: str | None, job: str | None) -> Any:
         from memsem import Runtime
 
         with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's runtimes are not ours
-                self._rts, self._pid = {}, os.getpid()
+            self._forked()
             rt = self._rts.get((directory, job))
             if rt is None or rt.closed:
                 rt = Runtime(directory=directory, job=job)
@@ -225,6 +252,8 @@ class MemsemStorageClient(StorageKVClient):
         self._job = config.get("job") or None
         self._agent = AgentClient(str(address), bytes.fromhex(str(authkey)),
                                   timeout=float(config.get("agent_timeout", 60.0)))
+        _PROC.acquire(self._directory, self._job)
+        self._closed = False
         self.checkpoint_timeout = float(config.get("checkpoint_timeout", 3600.0))
         self._ident: tuple[int, int] | None = None
         # rid -> the current window ref of a region whose meta names an older window (restored
@@ -504,7 +533,13 @@ class MemsemStorageClient(StorageKVClient):
                                 reply_timeout=self.checkpoint_timeout)
 
     def close(self) -> None:
+        """Close the control connection and, with the last open client of this job in this
+        process, the process's memsem runtime. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
         self._agent.close()
+        _PROC.release(self._directory, self._job)
 
 
 #: regions whose current window a client remembers (after a checkpoint restore)
@@ -525,6 +560,13 @@ class MemsemStorageManager(KVStorageManager):
         config = dict(config or {})
         config["client_name"] = CLIENT_NAME
         super().__init__(controller_info, config, zmq_context=zmq_context)
+
+    def close(self) -> None:
+        """TQ's close of the storage manager; TQ's KV manager does not close its client."""
+        client = getattr(self, "storage_client", None)
+        if client is not None:
+            client.close()
+        super().close()
 
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
         """TQ's storage checkpoint: the agent writes ``checkpoint_dir/memsem_storage``."""
@@ -562,8 +604,12 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
     if section.get("agent_address"):
         return {"agent": "external", "address": section.agent_address}
     stop_agents()
-    agent = start_agent(job=section.get("job") or None, directory=section.get("directory") or None)
+    # A memsem job of its own per TQ instance (unless configured): two instances on one node
+    # never share a namespace, and what a run leaves is recognisable and reaped as one.
+    job = section.get("job") or f"tq-{os.getpid()}-{secrets.token_hex(4)}"
+    agent = start_agent(job=job, directory=section.get("directory") or None)
     _AGENTS.append(agent)
+    _JOBS.add(agent.job)
     section.agent_address = agent.address
     section.agent_authkey = agent.authkey.hex()
     section.job = agent.job
@@ -571,14 +617,50 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
 
 
 def stop_agents() -> None:
-    """Stop the storage agents this process started (their data is gone). Safe twice."""
+    """Stop the storage agents this process started (their data is gone), then remove what
+    dead processes of their memsem jobs left (records, segments; the job folder once empty).
+    Safe twice."""
     while _AGENTS:
-        _AGENTS.pop().stop()
+        agent = _AGENTS.pop()
+        agent.stop()
+        _reap_job(agent.job, 0.0)
 
 
-def remove_run_dirs() -> None:
-    """Harness hook (tests/tq): stop this process's agents; they remove their own segments."""
+#: memsem jobs of the agents this process started
+_JOBS: set[str] = set()
+
+
+def _job_folder(job: str) -> str:
+    from memsem.native import segment_dir, segment_prefix
+
+    return os.path.join(segment_dir(), f"{segment_prefix()}dir.{job}")
+
+
+def _reap_job(job: str, timeout: float) -> bool:
+    """Garbage-collect dead processes' leftovers (``memsem gc``) until ``job``'s folder is gone
+    or ``timeout`` s passed (clients in live processes still use it). True when it is gone."""
+    from memsem.runtime import collect
+
+    deadline = time.monotonic() + timeout
+    folder = _job_folder(job)
+    while True:
+        if os.path.isdir(folder):
+            collect()
+        if not os.path.isdir(folder):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def remove_run_dirs(timeout: float = 30.0) -> list[str]:
+    """Harness hook (tests/tq, at session end): stop this process's agents and wait up to
+    ``timeout`` s for the clients of their jobs (Ray workers, killed by ``ray.shutdown``) to be
+    gone, reaping what they left. Returns the job folders still present (none expected)."""
     stop_agents()
+    deadline = time.monotonic() + timeout
+    left = [j for j in sorted(_JOBS) if not _reap_job(j, max(0.0, deadline - time.monotonic()))]
+    return [_job_folder(j) for j in left]
 
 
 atexit.register(stop_agents)
