@@ -162,7 +162,7 @@ def test_cancel_await_of_running_transfer_keeps_buffers_and_runs_to_done(owner):
         out = np.zeros(data.nbytes, np.uint8)
         out_alive = weakref.ref(out)
 
-        async def main():
+        async def main(out):
             c = cref.get_async(out)
             task = asyncio.ensure_future(c.wait_async(20.0))
             await asyncio.get_running_loop().run_in_executor(None, gate.wait_started)
@@ -172,8 +172,8 @@ def test_cancel_await_of_running_transfer_keeps_buffers_and_runs_to_done(owner):
                 await task
             return c
 
-        c = asyncio.run(main())
-        del out
+        c = asyncio.run(main(out))
+        del out  # only the handle references the buffer now
         gc.collect()
         # The await is gone, the copy is held in the engine: the handle keeps its buffer alive.
         assert c.state == memsem.State.RUNNING and out_alive() is not None
@@ -483,14 +483,14 @@ def test_close_fails_pending_awaits_and_stops_threads(segment, waiter):
     holder = Holder()
     keep_ref = weakref.ref(holder)
 
-    async def main():
+    async def main(holder):
         futs = [waiter.wait(base + 8 * i, 0, 30.0, keep=holder if i == 0 else keep) for i in range(10)]
         await asyncio.sleep(0)
         waiter.close()
         results = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 30.0)
         return results
 
-    results = asyncio.run(main())
+    results = asyncio.run(main(holder))
     assert all(isinstance(r, memsem.MemsemError) and "closed" in str(r) for r in results)
     assert waiter.threads == 0 and waiter.closed
     del holder

@@ -181,7 +181,13 @@ def test_data_survives_the_putters_exit(agent):
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     pid, metas = pickle.loads(proc.stdout)
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    time.sleep(1.2)  # past the agent's dead-putter check: committed regions are kept
+    # Past two of the agent's dead-putter passes after the putter's death (counted, not timed):
+    # committed regions are kept.
+    passes = _stats(agent)["reap_passes"]
+    deadline = time.monotonic() + 60
+    while _stats(agent)["reap_passes"] < passes + 2:
+        assert time.monotonic() < deadline, "the agent's housekeeping never ran"
+        time.sleep(0.05)
     cl = _client(agent)
     keys = [f"{i}@x" for i in range(8)]
     got = cl.get(keys, custom_backend_meta=metas)

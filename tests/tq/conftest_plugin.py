@@ -19,7 +19,8 @@ Load it with ``-p conftest_plugin`` (its folder on PYTHONPATH). It
 
 Each extra backend module should define ``BACKEND_NAME`` (else TQ_TEST_BACKEND is used) and may define
 ``E2E_BACKEND_CONFIG`` (the dict to add; default: polling_mode controller + an empty
-``backend.<name>`` section) and ``remove_run_dirs()`` (called at session end).
+``backend.<name>`` section) and ``remove_run_dirs()`` (called at session end; returns what it
+could not remove, which fails the run).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SIMPLESTORAGE_ONLY = {
     "test_checkpoint_e2e.py::TestCheckpointRoundtrip::test_tensor_fields":
         "checks SimpleStorage's own checkpoint files (simple_storage/storage_unit_info.json); the backend's "
         "data round trip is covered by the other roundtrip tests and its own files by "
-        "tests/tq/test_memsem_checkpoint_e2e.py",
+        "tests/tq/e2e_memsem_checkpoint.py",
     "test_checkpoint_e2e.py::TestIncludeStorageFalse::test_storage_saved_is_true":
         "tq.save_checkpoint forces include_storage=True only for SimpleStorage (an isinstance check); for "
         "every other backend include_storage=False means storage is not saved, and storage_saved is False",
@@ -130,11 +131,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 configs.setdefault(name, entry)
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every fixture (ray.shutdown included) is torn down: the run must leave nothing
+    behind; a backend's ``remove_run_dirs()`` returns what is left, and that fails the run."""
     left = []
     for mod in _MODULES:
         cleanup = getattr(mod, "remove_run_dirs", None)
         if callable(cleanup):
             left += list(cleanup() or [])
-    if left:  # the run must leave nothing behind: say so loudly (exit status stays pytest's)
-        print(f"conftest_plugin: left behind after the run: {left}")
+    if left:
+        print(f"\nconftest_plugin: FAILED: left behind after the run: {left}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -37,7 +37,7 @@ done
 WORK=$(mktemp -d /tmp/tq-e2e.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 printf '[pytest]\nasyncio_default_fixture_loop_scope = function\n' > "$WORK/pytest.ini"
-if [ "$BACKEND" = Memsem ]; then FILES+=("$HERE/test_memsem_checkpoint_e2e.py"); fi
+if [ "$BACKEND" = Memsem ]; then FILES+=("$HERE/e2e_memsem_checkpoint.py"); fi
 
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
 export TQ_TEST_BACKEND="$BACKEND"

@@ -140,7 +140,7 @@ class Agent:
         self.counters = {"allocs": 0, "alloc_bytes": 0, "frees": 0, "items_freed": 0, "regions_retired": 0,
                          "clear_waits": 0, "clear_wait_s": 0.0, "putters_reaped": 0, "aborts": 0,
                          "checkpoints_saved": 0, "regions_saved": 0, "checkpoints_loaded": 0,
-                         "regions_restored": 0, "items_restored": 0, "locates": 0}
+                         "regions_restored": 0, "items_restored": 0, "locates": 0, "reap_passes": 0}
 
     # -- ops -------------------------------------------------------------------------------------
     def op_ping(self) -> str:
@@ -413,6 +413,8 @@ class Agent:
                 r.retiring = True
                 self._retire_q.append(r)
                 self.counters["putters_reaped"] += 1
+        with self._lock:
+            self.counters["reap_passes"] += 1
 
     def housekeeping(self) -> None:
         from memsem.native import process_alive

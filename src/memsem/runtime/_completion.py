@@ -22,15 +22,17 @@ To let a pending transfer run although the await is cancelled, await ``asyncio.s
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import threading
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from memsem import _args
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.engines._base import OpState
+
+if TYPE_CHECKING:  # asyncio is imported on first await: `import memsem` stays fast
+    import asyncio
 
 T = TypeVar("T")
 
@@ -64,6 +66,8 @@ async def _await_final(loop: asyncio.AbstractEventLoop, subscribe: Callable[[Cal
                        done: Callable[[], bool], timeout: float, on_cancel: Callable[[], None]) -> bool:
     """Await until ``done()`` or ``timeout`` seconds; True when final. On cancellation of the
     awaiting task, ``on_cancel()`` runs (it cancels what has not started) and the error propagates."""
+    import asyncio
+
     if done():
         return True
     waiter: asyncio.Future[None] = loop.create_future()
@@ -176,6 +180,8 @@ class Completion(Generic[T]):
             MemsemError: as for :meth:`wait`.
             asyncio.CancelledError: the awaiting task was cancelled.
         """
+        import asyncio
+
         t = _args.timeout_or(timeout, self.timeout)
         loop = asyncio.get_running_loop()
         if not await _await_final(loop, self._future.add_done_callback, self._future.done, t,
@@ -292,6 +298,8 @@ class Batch:
             MemsemTimeoutError: some range is still running. asyncio.CancelledError: the
                 awaiting task was cancelled (ranges not started end CANCELLED).
         """
+        import asyncio
+
         t = _args.timeout_or(timeout, self.timeout)
         loop = asyncio.get_running_loop()
         if not await _await_final(loop, self._add_done_callback, self._event.is_set, t, self._cancel_pending):

@@ -3,7 +3,8 @@ controller and the memsem storage agent): the checks of TQ's checkpoint e2e file
 SimpleStorage's files, made for Memsem's files, and a restart of the storage agent
 (``tq.close()`` + ``tq.init()``) between save and load, which TQ's file does not do.
 
-Run by tests/tq/run_tq_e2e.sh (TQ venv, conftest_plugin) when the backend is Memsem.
+Run by tests/tq/run_tq_e2e.sh (TQ venv, conftest_plugin) when the backend is Memsem; named so that
+the core suite (no Ray there) does not collect it.
 """
 from __future__ import annotations
 
