@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import threading
 import weakref
 
@@ -554,3 +555,60 @@ def test_wait_arguments_are_checked(segment, kwargs, exc, match):
         assert w.threads == 0 and w.pending == 0
     with pytest.raises(ValueError, match="mode"):
         AsyncWordWaiter(mode="spin")
+
+
+def test_a_kernel_without_futex_waitv_gets_slices(monkeypatch):
+    import errno
+
+    import memsem.runtime._async as am
+
+    real = probe()
+    monkeypatch.setattr(am, "_probe", -errno.ENOSYS)
+    mode, reason = probe()
+    assert mode == "slices" and "ENOSYS" in reason
+    with AsyncWordWaiter() as w:
+        assert w.mode == "slices" and "ENOSYS" in w.reason
+    with pytest.raises(memsem.NotSupportedError, match="ENOSYS"):
+        AsyncWordWaiter(mode="waitv")
+    monkeypatch.setattr(am, "_probe", -errno.EPERM)  # a seccomp filter refusing the call
+    assert probe()[0] == "slices" and "EPERM" in probe()[1]
+    monkeypatch.undo()
+    assert probe() == real
+
+
+def _forked_wait(conn, addr):
+    async def main(w):
+        return await asyncio.wait_for(w.wait(addr, 0, 30.0), 30.0)
+
+    conn.send(asyncio.run(main(_INHERITED[0])))
+
+
+_INHERITED: list = []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_waits_with_threads_of_its_own(segment):
+    import multiprocessing as mp
+
+    base = segment.address
+    arr = segment.export()
+    with AsyncWordWaiter() as w:
+        _INHERITED[:] = [w]
+
+        async def parent_pending():
+            fut = w.wait(base + 8, 0, 30.0)  # pending in the parent while it forks
+            await asyncio.sleep(0)
+            arr[:8].view(np.uint64)[0] = 77  # the word the child awaits has changed already
+            ctx = mp.get_context("fork")
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_forked_wait, args=(b, base), daemon=True)
+            p.start()
+            got = await asyncio.get_running_loop().run_in_executor(None, lambda: a.poll(60) and a.recv())
+            p.join(30)
+            fut.cancel()
+            return got
+
+        try:
+            assert asyncio.run(parent_pending()) == 77
+        finally:
+            _INHERITED.clear()

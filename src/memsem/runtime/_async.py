@@ -28,12 +28,14 @@ Lifetime: the memory under an awaited word must stay mapped until its future is 
 object that holds the mapping as ``keep=`` (the waiter references it until then). ``close()``
 (also run by the runtime's ``close``) wakes the thread, joins it and fails every pending future
 with :class:`memsem.MemsemError` ("closed"); nothing hangs. Cancelling a future (or the task
-awaiting it) removes its waiter.
+awaiting it) removes its waiter. A child forked while waits are pending starts with none of
+them (the parent's futures belong to the parent's loops) and new threads on its first wait.
 """
 from __future__ import annotations
 
 import asyncio
 import errno as _errno
+import os
 import threading
 import weakref
 from typing import Any
@@ -181,6 +183,7 @@ class AsyncWordWaiter:
         self._lock = threading.Lock()
         self._shards: list[_Shard] = []
         self._closed = False
+        _instances.add(self)
 
     @property
     def closed(self) -> bool:
@@ -315,6 +318,19 @@ class AsyncWordWaiter:
         state = "closed" if self._closed else f"{self.pending} pending, {self.threads} thread(s)"
         return f"<AsyncWordWaiter {self.mode}: {state}>"
 
+
+_instances: "weakref.WeakSet[AsyncWordWaiter]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's waiter threads, and the parent's futures belong
+    to the parent's event loops: start every waiter afresh (new threads on the next wait)."""
+    for w in list(_instances):
+        w._lock = threading.Lock()
+        w._shards = []
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _by_runtime: "weakref.WeakKeyDictionary[Any, AsyncWordWaiter]" = weakref.WeakKeyDictionary()
 _by_runtime_lock = threading.Lock()
