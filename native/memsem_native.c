@@ -243,6 +243,7 @@ static uint64_t bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t
     __atomic_fetch_add(&p->ops[k], 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&p->bytes[k], nbytes, __ATOMIC_RELAXED);
     __atomic_fetch_add(&p->lat[k][memsem_lat_bucket(t1 - st[3])], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&p->lat_sum[k], t1 - st[3], __ATOMIC_RELAXED);
     status = st[0] << MEMSEM_RC_VERSION_SHIFT;
     if ((p->check_every_ns && t1 - p->checked_ns >= p->check_every_ns) ||
         (p->check_bytes && nbytes >= p->check_bytes))

@@ -76,6 +76,7 @@ typedef struct memsem_plan {
     uint64_t ops[2];         /* telemetry, [0] get [1] put: operations that returned OK */
     uint64_t bytes[2];       /* bytes they moved */
     uint64_t lat[2][128];    /* latency histograms, MEMSEM_LAT_BUCKETS each (memsem_lat_bucket) */
+    uint64_t lat_sum[2];     /* sum of the latencies counted in lat, ns */
     uint64_t local_gen;      /* stand-ins for routes without a control block here: gen_addr and */
     uint64_t local_seq;      /* seq_addr point at these (the engine or the owner enforces) */
 } memsem_plan;
@@ -158,5 +159,43 @@ int memsem_protect(uint64_t addr, uint64_t nbytes, int writable);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);
+
+/* ---- async word waiter (native/memsem_wait.c) ------------------------------------------------
+ * Waits on many shared 32/64-bit words at once, for memsem.runtime._async.AsyncWordWaiter:
+ * one background thread blocks here (the GIL is released) until a word leaves its expected
+ * value, the waiter's own wake word moves (a waiter was added or removed), or a deadline.
+ *
+ * Mode MEMSEM_WAIT_WAITV uses Linux futex_waitv (syscall 449, kernel >= 5.16) on all words at
+ * once: a 64-bit word is two 32-bit futex entries (both halves), so a change in either half
+ * before the thread sleeps is seen by the kernel's own compare; writers wake the word's address.
+ * At most MEMSEM_WAITV_MAX entries per call. Mode MEMSEM_WAIT_SLICES (kernels without
+ * futex_waitv, or seccomp filters refusing it) waits on one word at a time for at most
+ * MEMSEM_WAIT_SLICE_US microseconds and re-checks every word after each slice: a change is seen
+ * within one slice. Shared futexes (no private flag): words live in segments many processes map.
+ * Every address must stay mapped until the call returns (the Python side holds the mappings). */
+#define MEMSEM_WAIT_WAITV 1
+#define MEMSEM_WAIT_SLICES 2
+#define MEMSEM_WAITV_MAX 128
+#define MEMSEM_WAIT_SLICE_US 2000
+
+struct memsem_wait_word {
+    uint64_t addr;      /* word address: 4-byte aligned (size 4) or 8-byte aligned (size 8) */
+    uint64_t expected;  /* the value being waited away from */
+    uint64_t seen;      /* out: the value read last */
+    uint32_t size;      /* 4 or 8 (bytes) */
+    uint32_t changed;   /* out: 1 when seen != expected */
+};
+
+/* 1 when futex_waitv works here; else -errno of the probe (-ENOSYS: kernel too old, -EPERM:
+ * refused by a seccomp filter). */
+int memsem_wait_probe(void);
+/* Block until a word differs from its expected value or the absolute CLOCK_MONOTONIC time
+ * deadline_ns passes. Fills seen/changed of every word. Returns the number of changed words
+ * (> 0), -ETIMEDOUT at the deadline with none changed, -E2BIG when waitv mode needs more than
+ * MEMSEM_WAITV_MAX entries, -EINVAL for a bad size, alignment or mode, or another -errno. */
+int memsem_wait_any(struct memsem_wait_word *words, int n, uint64_t deadline_ns, int mode);
+/* Atomically increment the 32-bit word and wake every waiter on it (the waiter's wake word). */
+void memsem_wait_bump(uint32_t *word);
+/* ---- end of async word waiter ---------------------------------------------------------------- */
 
 #endif

@@ -181,7 +181,13 @@ def test_data_survives_the_putters_exit(agent):
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     pid, metas = pickle.loads(proc.stdout)
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    time.sleep(1.2)  # past the agent's dead-putter check: committed regions are kept
+    # Past two of the agent's dead-putter passes after the putter's death (counted, not timed):
+    # committed regions are kept.
+    passes = _stats(agent)["reap_passes"]
+    deadline = time.monotonic() + 60
+    while _stats(agent)["reap_passes"] < passes + 2:
+        assert time.monotonic() < deadline, "the agent's housekeeping never ran"
+        time.sleep(0.05)
     cl = _client(agent)
     keys = [f"{i}@x" for i in range(8)]
     got = cl.get(keys, custom_backend_meta=metas)
@@ -217,3 +223,113 @@ def test_failed_put_frees_its_region(agent, monkeypatch):
     monkeypatch.undo()
     st = _stats(agent)
     assert st["aborts"] == base["aborts"] + 1 and st["regions"] == base["regions"]
+
+
+# -- checkpoints and agent restarts (tq.save_checkpoint / tq.load_checkpoint underneath) ---------
+def _fresh_agent(tag: str):
+    return start_agent(job=f"tqtest-{os.getpid()}-{tag}", timeout=60)
+
+
+def test_checkpoint_survives_an_agent_restart(tmp_path):
+    first = _fresh_agent("a")
+    try:
+        cl = _client(first)
+        x = _batch(11, rows=4, cols=1024)
+        keys = [f"{i}@x" for i in range(4)] + ["0@txt", "1@txt"]
+        metas = cl.put(keys, list(x) + ["hello", {"k": 1}])
+        st = cl.save_checkpoint(str(tmp_path))
+        assert st["regions"] == 1 and st["items"] == 6
+        assert (tmp_path / "memsem_storage" / "index.json").exists()
+        cl.close()
+    finally:
+        first.stop()
+    second = _fresh_agent("b")
+    try:
+        cl = _client(second)
+        # The old metas name a window of the stopped agent: without a load there is nothing.
+        with pytest.raises(StaleReferenceError, match="not held by the storage agent"):
+            cl.get(keys, custom_backend_meta=metas)
+        st = cl.load_checkpoint(str(tmp_path))
+        assert st == {"regions": 1, "kept": 0, "items": 6}
+        got = cl.get(keys, custom_backend_meta=metas)  # the metas TQ restores, unchanged
+        assert all(torch.equal(a, b) for a, b in zip(got[:4], x))
+        assert got[4:] == ["hello", {"k": 1}]
+        # New puts in the restored agent never reuse a restored item's generation.
+        new = cl.put(["9@x"], [x[0]])
+        assert new[0]["g"] not in {m["g"] for m in metas} and new[0]["rid"] != metas[0]["rid"]
+        # Clears work on restored items (named by region id and generation).
+        cl.clear(keys[:2], metas[:2])
+        with pytest.raises(StaleReferenceError, match="0@x"):
+            cl.get(keys[:1], custom_backend_meta=metas[:1])
+        assert torch.equal(cl.get(keys[2:3], custom_backend_meta=metas[2:3])[0], x[2])
+        cl.clear(keys + ["9@x"], metas + new)
+        cl.close()
+    finally:
+        second.stop()
+
+
+def test_checkpoint_holds_committed_items_and_restores_cleared_ones(agent, tmp_path):
+    cl = _client(agent)
+    x = _batch(12, rows=3, cols=512)
+    keys = ["0@c", "1@c", "2@c"]
+    metas = cl.put(keys, list(x))
+    cl.clear(keys[:1], metas[:1])  # cleared before the save: not in the checkpoint
+    st = cl.save_checkpoint(str(tmp_path))
+    assert st["items"] >= 2
+    cl.clear(keys[1:2], metas[1:2])  # cleared after the save, region still held
+    with pytest.raises(StaleReferenceError):
+        cl.get(keys[1:2], custom_backend_meta=metas[1:2])
+    st = cl.load_checkpoint(str(tmp_path))
+    assert st["kept"] >= 1
+    assert torch.equal(cl.get(keys[1:2], custom_backend_meta=metas[1:2])[0], x[1])
+    assert torch.equal(cl.get(keys[2:3], custom_backend_meta=metas[2:3])[0], x[2])
+    with pytest.raises(StaleReferenceError, match="0@c"):  # never saved: never comes back
+        cl.get(keys[:1], custom_backend_meta=metas[:1])
+    cl.clear(keys, metas)
+
+
+def test_checkpoint_of_freed_regions_restores_into_new_windows(agent, tmp_path):
+    cl = _client(agent)
+    x = _batch(13, rows=2, cols=256)
+    keys = ["0@f", "1@f"]
+    metas = cl.put(keys, list(x))
+    cl.save_checkpoint(str(tmp_path))
+    cl.clear(keys, metas)  # the region is freed: its window generation moves
+    with pytest.raises(StaleReferenceError):
+        cl.get(keys, custom_backend_meta=metas)
+    assert cl.load_checkpoint(str(tmp_path))["regions"] >= 1
+    got = cl.get(keys, custom_backend_meta=metas)
+    assert all(torch.equal(a, b) for a, b in zip(got, x))
+    other = _client(agent)  # another client finds the region by its id too
+    assert torch.equal(other.get(keys[1:], custom_backend_meta=metas[1:])[0], x[1])
+    cl.clear(keys, metas)
+
+
+def test_damaged_checkpoint_restores_nothing(agent, tmp_path):
+    import json
+
+    cl = _client(agent)
+    a = cl.put(["0@d"], [_batch(14)[0]])
+    b = cl.put(["1@d"], [_batch(15)[0]])
+    cl.save_checkpoint(str(tmp_path))
+    cl.clear(["0@d", "1@d"], a + b)
+    before = _stats(agent)["regions"]
+    folder = tmp_path / "memsem_storage"
+    files = sorted(folder.glob("r*.bin"))
+    assert len(files) >= 2
+    raw = bytearray(files[-1].read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit in the last region's data
+    files[-1].write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="CRC-32"):
+        cl.load_checkpoint(str(tmp_path))
+    assert _stats(agent)["regions"] == before  # not even the intact region came back
+    with pytest.raises(StaleReferenceError):
+        cl.get(["0@d"], custom_backend_meta=a)
+    index = json.loads((folder / "index.json").read_text())
+    index["version"] = 99
+    (folder / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="version"):
+        cl.load_checkpoint(str(tmp_path))
+    (folder / "index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="index"):
+        cl.load_checkpoint(str(tmp_path))

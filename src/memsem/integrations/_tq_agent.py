@@ -18,9 +18,23 @@ never yields old bytes. A region is unpublished (its window generation bumped) a
 unlinked when its last item is cleared; while leases are held the clear waits (up to its timeout)
 and the unpublish is deferred.
 
+Region ids (``rid``) and item generations are unique across agents (random 40-bit bases), so a
+region restored from a checkpoint into another agent keeps its id and its items keep their
+generations: TransferQueue's restored metadata names them unchanged.
+
+Checkpoints (``save_checkpoint`` / ``load_checkpoint``, TQ's ``tq.save_checkpoint`` /
+``tq.load_checkpoint`` through the backend): the agent writes its own regions, in
+``<checkpoint>/memsem_storage/``: ``index.json`` (format, version, one entry per region: rid,
+bytes, item count, CRC-32) and ``r<rid>.bin`` (the region's bytes, item words first). Only
+committed items are saved (their word set before the snapshot of the words); a load re-creates
+every saved region that this agent does not hold (new window, same rid, same item words) and
+restores the words of items cleared since, in regions it still holds. Clients find a region's
+current window by its rid (``locate``) when the window in their meta is gone.
+
 Control channel: ``multiprocessing.connection`` over an AF_UNIX socket in a 0700 directory, with
 a random authkey (HMAC challenge). Requests are ``(op, kwargs)``; replies ``("ok", value)`` or
-``("err", error class name, message)``. Ops: ``alloc``, ``abort``, ``free``, ``stats``, ``ping``, ``shutdown``.
+``("err", error class name, message)``. Ops: ``alloc``, ``abort``, ``free``, ``locate``,
+``save_checkpoint``, ``load_checkpoint``, ``stats``, ``ping``, ``shutdown``.
 
 The agent exits when the process that started it exits (checked every 0.2 s), on ``shutdown``,
 or on SIGTERM; it then unpublishes everything and unlinks its segments. Segments of an agent
@@ -30,8 +44,11 @@ Run by :func:`start_agent` as ``python -m memsem.integrations._tq_agent``.
 """
 from __future__ import annotations
 
+import memsem
+
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -43,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -63,6 +81,22 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_S = 0.2
 #: alignment of each field's data inside a region (bytes)
 ALIGN = 64
+#: folder of the agent's files inside a TransferQueue checkpoint, and its index file
+CHECKPOINT_SUBDIR = "memsem_storage"
+CHECKPOINT_INDEX = "index.json"
+CHECKPOINT_FORMAT = "memsem-transferqueue-storage"
+CHECKPOINT_VERSION = 1
+#: seconds between looks at a region's leases while a clear waits for its readers
+LEASE_POLL_S = 0.005
+
+
+def _lease_holders(rt: Any, ref: Any) -> list[tuple[int, float]]:
+    """``(pid, seconds left)`` of unexpired leases of live holders on ``ref``'s window (a window
+    this agent's runtime owns; [] when it owns it no more)."""
+    try:
+        return rt.lease_holders(ref)
+    except memsem.WindowNotFoundError:
+        return []
 
 
 def align(n: int) -> int:
@@ -96,13 +130,16 @@ class Agent:
         self.parent = parent
         self._lock = threading.Lock()
         self._regions: dict[int, _Region] = {}
-        self._next_rid = 1
-        # Item generations are unique in this agent and, from a random 40-bit start, across agents.
+        # Region ids and item generations are unique in this agent and, from random 40-bit
+        # starts, across agents (a checkpoint restored elsewhere keeps both).
+        self._next_rid = (secrets.randbits(40) + 1) << 20
         self._next_gen = (secrets.randbits(40) + 1) << 20
         self._retire_q: list[_Region] = []
         self._stop = threading.Event()
         self.counters = {"allocs": 0, "alloc_bytes": 0, "frees": 0, "items_freed": 0, "regions_retired": 0,
-                         "clear_waits": 0, "clear_wait_s": 0.0, "putters_reaped": 0, "aborts": 0}
+                         "clear_waits": 0, "clear_wait_s": 0.0, "putters_reaped": 0, "aborts": 0,
+                         "checkpoints_saved": 0, "regions_saved": 0, "checkpoints_loaded": 0,
+                         "regions_restored": 0, "items_restored": 0, "locates": 0, "reap_passes": 0}
 
     # -- ops -------------------------------------------------------------------------------------
     def op_ping(self) -> str:
@@ -126,16 +163,18 @@ class Agent:
     def op_free(self, items: list[tuple[int, int, int, int]], timeout: float) -> dict[str, int]:
         """Clear items ``(rid, window gva, index, generation)``. Waits (up to ``timeout`` s) while a reader
         holds a lease on a region before zeroing its words; unknown or already cleared items are
-        ignored (TransferQueue clears keys that were never put)."""
-        by_region: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for rid, gva, index, gen in items:
-            by_region.setdefault((int(rid), int(gva)), []).append((int(index), int(gen)))
+        ignored (TransferQueue clears keys that were never put). An item is named by its rid and
+        generation (both unique across agents); the gva is that of the window the meta was
+        minted with, which a region restored from a checkpoint no longer has."""
+        by_region: dict[int, list[tuple[int, int]]] = {}
+        for rid, _gva, index, gen in items:
+            by_region.setdefault(int(rid), []).append((int(index), int(gen)))
         freed = missing = 0
         deadline = time.monotonic() + timeout
-        for (rid, gva), lst in by_region.items():
+        for rid, lst in by_region.items():
             with self._lock:
                 region = self._regions.get(rid)
-            if region is None or region.retiring or region.ref.spec.gva != gva:
+            if region is None or region.retiring:
                 missing += len(lst)
                 continue
             self._wait_unleased(region, deadline)
@@ -170,6 +209,145 @@ class Agent:
         self._drain_retire_q()
         return True
 
+    def op_locate(self, rids: list[int]) -> dict[int, bytes | None]:
+        """The current window ref of each region (None: not held here, or being retired)."""
+        out: dict[int, bytes | None] = {}
+        with self._lock:
+            self.counters["locates"] += 1
+            for rid in rids:
+                r = self._regions.get(int(rid))
+                out[int(rid)] = None if r is None or r.retiring else r.ref.to_bytes()
+        return out
+
+    def op_save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Write every region holding committed items to ``checkpoint_dir/memsem_storage``.
+
+        Items are saved if committed when the words are read (a put committing meanwhile is
+        not saved, like one after the save); their bytes never change once committed, so the
+        data copy needs no lock. Returns counts for the caller's log."""
+        folder = os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with self._lock:
+            snap = [(r, r.arr, r.words.copy()) for r in self._regions.values() if not r.retiring and r.arr is not None]
+        entries = []
+        items = nbytes = 0
+        for region, arr, words in snap:
+            live = int(np.count_nonzero(words))
+            if not live:
+                continue
+            name = f"r{region.rid}.bin"
+            crc = 0
+            with open(os.path.join(folder, name), "wb") as f:
+                head = words.view(np.uint8)
+                body = arr[head.nbytes:]
+                for chunk in (head, body):
+                    mv = memoryview(chunk)
+                    f.write(mv)
+                    crc = zlib.crc32(mv, crc)
+                f.flush()
+                os.fsync(f.fileno())
+            entries.append({"rid": region.rid, "file": name, "nbytes": int(arr.nbytes), "n_items": region.n_items,
+                            "gen_base": region.gen_base, "live": live, "crc32": crc})
+            items += live
+            nbytes += int(arr.nbytes)
+        index = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "regions": entries}
+        tmp = os.path.join(folder, CHECKPOINT_INDEX + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(folder, CHECKPOINT_INDEX))
+        with self._lock:
+            self.counters["checkpoints_saved"] += 1
+            self.counters["regions_saved"] += len(entries)
+        return {"regions": len(entries), "items": items, "bytes": nbytes, "folder": folder}
+
+    def op_load_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Restore the regions of ``checkpoint_dir/memsem_storage`` (see the module docstring).
+
+        Raises:
+            FileNotFoundError: no index (the checkpoint was saved without Memsem storage).
+            ValueError: the index or a region file is not what was saved (format, version,
+                size or CRC-32 differ): nothing of it is restored.
+        """
+        folder = os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR)
+        path = os.path.join(folder, CHECKPOINT_INDEX)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Memsem storage index not found: {path}")
+        try:
+            with open(path) as f:
+                index = json.load(f)
+            if index.get("format") != CHECKPOINT_FORMAT or index.get("version") != CHECKPOINT_VERSION:
+                raise ValueError(f"format {index.get('format')!r} version {index.get('version')!r}, expected "
+                                 f"{CHECKPOINT_FORMAT!r} version {CHECKPOINT_VERSION}")
+            entries = [(int(e["rid"]), str(e["file"]), int(e["nbytes"]), int(e["n_items"]), int(e["gen_base"]),
+                        int(e["crc32"])) for e in index["regions"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"Memsem storage index {path} is not valid: {exc}") from exc
+        # Read and check every file before touching any state.
+        loaded = []
+        for rid, name, nbytes, n_items, gen_base, crc in entries:
+            fpath = os.path.join(folder, os.path.basename(name))
+            if not os.path.exists(fpath):
+                raise FileNotFoundError(f"Memsem storage file of region {rid} not found: {fpath}")
+            if os.path.getsize(fpath) != nbytes or nbytes < 8 * n_items:
+                raise ValueError(f"Memsem storage file {fpath} holds {os.path.getsize(fpath)} bytes, the index "
+                                 f"says {nbytes} (for {n_items} items)")
+            loaded.append((rid, fpath, nbytes, n_items, gen_base, crc))
+        # Regions this agent does not hold are read into new memory and checked first; only when
+        # every file matched its index is anything published or changed.
+        fresh = []
+        keep = []
+        for rid, fpath, nbytes, n_items, gen_base, crc in loaded:
+            with self._lock:
+                live = self._regions.get(rid)
+            if live is not None and not live.retiring:
+                words = np.empty(n_items, np.uint64)
+                got, c = 0, 0
+                with open(fpath, "rb") as f:
+                    got = f.readinto(memoryview(words).cast("B"))
+                    c = zlib.crc32(memoryview(words).cast("B"))
+                    while chunk := f.read(1 << 24):
+                        c = zlib.crc32(chunk, c)
+                        got += len(chunk)
+                if got != nbytes or c != crc:
+                    raise ValueError(f"Memsem storage file {fpath} does not match its CRC-32 in the index: "
+                                     "nothing of the checkpoint was restored")
+                keep.append((live, words))
+                continue
+            arr = self.rt.alloc(max(nbytes, 8), np.uint8)
+            with open(fpath, "rb") as f:
+                got = f.readinto(memoryview(arr))
+            if got != nbytes or zlib.crc32(memoryview(arr)) != crc:
+                raise ValueError(f"Memsem storage file {fpath} does not match its CRC-32 in the index: "
+                                 "nothing of the checkpoint was restored")
+            words = arr[: 8 * n_items].view(np.uint64)
+            if np.count_nonzero(words):
+                fresh.append((rid, arr, n_items, gen_base, words))
+        restored = items = 0
+        for rid, arr, n_items, gen_base, words in fresh:
+            ref = self.rt.publish(arr, access="rw")
+            live_n = int(np.count_nonzero(words))
+            with self._lock:
+                self._regions[rid] = _Region(rid, arr, ref, n_items, gen_base, (os.getpid(), 0), live_n)
+                self._next_gen = max(self._next_gen, int(words.max()) + 1)
+                self._next_rid = max(self._next_rid, rid + 1)
+            restored += 1
+            items += live_n
+        for live, words in keep:
+            with self._lock:
+                cur = live.words
+                back = (cur == 0) & (words != 0)
+                cur[back] = words[back]
+                live.live += int(back.sum())
+                items += int(back.sum())
+        kept = len(keep)
+        with self._lock:
+            self.counters["checkpoints_loaded"] += 1
+            self.counters["regions_restored"] += restored
+            self.counters["items_restored"] += items
+        return {"regions": restored, "kept": kept, "items": items}
+
     def op_stats(self) -> dict[str, Any]:
         with self._lock:
             held = sum(int(r.arr.nbytes) for r in self._regions.values())
@@ -184,25 +362,16 @@ class Agent:
         return "bye"
 
     # -- internals -------------------------------------------------------------------------------
-    def _cb(self, region: _Region):
-        owned = self.rt.core.publisher.owned.get(region.ref.spec.gva)
-        return None if owned is None else owned.cb
-
     def _wait_unleased(self, region: _Region, deadline: float) -> None:
-        from memsem.gva import lease as _lease
-
-        cb = self._cb(region)
-        if cb is None:
-            return
         t0 = time.monotonic()
         waited = False
-        while _lease.blocking_holders(cb):
+        while _lease_holders(self.rt, region.ref):
             waited = True
             if time.monotonic() >= deadline:
                 # Readers that still hold a lease fail their after-copy check: never old bytes.
-                log.warning("clear of region %d proceeds with leases still held after the timeout", region.rid)
+                log.info("clear of region %d proceeds with leases still held after the timeout", region.rid)
                 break
-            time.sleep(0.002)
+            time.sleep(LEASE_POLL_S)
         if waited:
             with self._lock:
                 self.counters["clear_waits"] += 1
@@ -235,7 +404,7 @@ class Agent:
         with self._lock:
             cand = [r for r in self._regions.values() if not r.retiring]
         for r in cand:
-            if process_alive(*r.putter):
+            if r.putter[1] == 0 or process_alive(*r.putter):  # 0: restored from a checkpoint
                 continue
             with self._lock:
                 if r.retiring or r.arr is None or np.any(r.words):
@@ -243,6 +412,8 @@ class Agent:
                 r.retiring = True
                 self._retire_q.append(r)
                 self.counters["putters_reaped"] += 1
+        with self._lock:
+            self.counters["reap_passes"] += 1
 
     def housekeeping(self) -> None:
         from memsem.native import process_alive
@@ -329,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-_ERRORS = {c.__name__: c for c in (ValueError, TypeError, KeyError, MemsemError, OutOfMemoryError,
-                                   StaleReferenceError, LeaseHeldError, MemsemTimeoutError)}
+_ERRORS = {c.__name__: c for c in (ValueError, TypeError, KeyError, FileNotFoundError, MemsemError,
+                                   OutOfMemoryError, StaleReferenceError, LeaseHeldError, MemsemTimeoutError)}
 
 
 class AgentClient:
@@ -354,15 +525,19 @@ class AgentClient:
             self._pid = os.getpid()
         return self._conn
 
-    def call(self, op: str, **kwargs: Any) -> Any:
+    def call(self, op: str, /, *, reply_timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run ``op(**kwargs)`` in the agent; wait up to ``reply_timeout`` s (default: this
+        client's ``timeout``) for the reply. Raises the agent's error, mapped to its class."""
+        timeout = self.timeout if reply_timeout is None else reply_timeout
         with self._lock:
             conn = self._connection()
             try:
                 conn.send((op, kwargs))
-                if not conn.poll(self.timeout):
+                if not conn.poll(timeout):
                     self._conn = None
-                    raise MemsemTimeoutError(f"memsem TransferQueue agent: no reply to {op!r} in {self.timeout} s",
-                                             what=f"agent reply to {op}", timeout=self.timeout)
+                    conn.close()  # a late reply must not answer the next request
+                    raise MemsemTimeoutError(f"memsem TransferQueue agent: no reply to {op!r} in {timeout} s",
+                                             what=f"agent reply to {op}", timeout=timeout)
                 reply = conn.recv()
             except (EOFError, OSError) as exc:
                 self._conn = None

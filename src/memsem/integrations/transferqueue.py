@@ -31,10 +31,18 @@ never per item), so data outlives the putting process until it is cleared.
 * ``clear(keys, custom_backend_meta)``: the agent zeroes the items' words (waiting while a reader
   holds a lease), and unpublishes a region once its last item is cleared (deferred while leased):
   its generation moves, so every outstanding meta of it is stale. Never-put keys are ignored.
+* checkpoints (``tq.save_checkpoint`` / ``tq.load_checkpoint``): the storage manager asks the
+  agent to write its regions into ``<checkpoint>/memsem_storage/`` and to restore them from
+  there, into this agent or a new one (after ``tq.close()`` and ``tq.init()``). A region keeps its
+  id and its items their generations, so the metas TQ restores name them unchanged; a client
+  whose meta names a window that is gone asks the agent where the region lives now (by id).
+* ``tq.close()`` in the process that ran ``tq.init`` stops the agent (TQ 0.1.11's ``close``
+  knows only its own backends: this module wraps it, see :func:`_install_close_hook`).
 
 Guarantees: a recycled TQ global index never yields old bytes (the item's generation is in its
 meta and in the region); a clear that races a get either waits for it or makes the get raise
-``StaleReferenceError`` naming the keys, never return wrong bytes.
+``StaleReferenceError`` naming the keys, never return wrong bytes; a checkpoint restores exactly
+the items committed when it was saved (CRC-checked; a damaged file restores nothing).
 
 Scope: one agent per TQ instance, on the node that ran ``tq.init``; clients on that node reach it
 through shared segments (route ``host/shm``). Other nodes need a memsem directory and engine that
@@ -43,14 +51,16 @@ reach across nodes (``directory: redis://...``, RDMA), which this backend passes
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import pickle
+import secrets
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
 from typing import Any
 
 import numpy as np
@@ -59,7 +69,7 @@ from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
 
-from memsem._errors import MemsemError, StaleReferenceError, WindowNotFoundError
+from memsem._errors import MemsemError, PeerLostError, StaleReferenceError
 from memsem.integrations._tq_agent import ALIGN, AgentClient, AgentProcess, align, start_agent
 
 log = logging.getLogger(__name__)
@@ -111,51 +121,52 @@ def counters() -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------
 class _ProcessRuntime:
-    """One memsem Runtime per process (per directory/job), shared by every client instance, and
-    counted use of resolved windows: a window's mapping is dropped when its last user is done,
-    so segments that the agent unlinks do not stay mapped here."""
+    """One memsem Runtime per process (per directory/job), shared by every client instance and
+    closed when the last open client of its job closes (so a closed TQ instance leaves no rank
+    record of this process in its job's folder). The runtime bounds its own cache of resolved
+    windows (regions the agent frees stop being mapped here); this backend keeps no mappings of
+    its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rts: dict[tuple[str | None, str | None], Any] = {}
+        self._users: dict[tuple[str | None, str | None], int] = {}
         self._pid = os.getpid()
-        self._uses: dict[tuple[int, int], int] = {}
+
+    def _forked(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's runtimes are not ours
+            self._rts, self._users, self._pid = {}, {}, os.getpid()
+
+    def acquire(self, directory: str | None, job: str | None) -> None:
+        with self._lock:
+            self._forked()
+            key = (directory, job)
+            self._users[key] = self._users.get(key, 0) + 1
+
+    def release(self, directory: str | None, job: str | None) -> None:
+        with self._lock:
+            self._forked()
+            key = (directory, job)
+            n = self._users.get(key, 0) - 1
+            if n > 0:
+                self._users[key] = n
+                return
+            self._users.pop(key, None)
+            rt = self._rts.pop(key, None)
+        if rt is not None:
+            rt.close()
 
     def runtime(self, directory: str | None, job: str | None) -> Any:
         from memsem import Runtime
 
         with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's runtimes are not ours
-                self._rts, self._uses, self._pid = {}, {}, os.getpid()
+            self._forked()
             rt = self._rts.get((directory, job))
             if rt is None or rt.closed:
                 rt = Runtime(directory=directory, job=job)
                 self._rts[(directory, job)] = rt
                 atexit.register(rt.close)
             return rt
-
-    @contextmanager
-    def using(self, rt: Any, specs: list[Any]) -> Iterator[None]:
-        keys = [(id(rt), s.gva) for s in specs]
-        with self._lock:
-            for k in keys:
-                self._uses[k] = self._uses.get(k, 0) + 1
-        try:
-            yield
-        finally:
-            drop = []
-            with self._lock:
-                for k, s in zip(keys, specs):
-                    n = self._uses[k] - 1
-                    if n:
-                        self._uses[k] = n
-                    else:
-                        del self._uses[k]
-                        drop.append(s.gva)
-                # Under our lock, so no other thread starts using the window meanwhile.
-                if not rt.closed:
-                    for gva in drop:
-                        rt.core.resolver.drop(gva)
 
 
 _PROC = _ProcessRuntime()
@@ -220,7 +231,8 @@ class MemsemStorageClient(StorageKVClient):
     Config (``backend.Memsem``): ``agent_address`` and ``agent_authkey`` (written by the
     bootstrap provider), optional ``job`` and ``directory`` (memsem directory; default local),
     ``lease_ttl`` (s a get may hold a region, default 30), ``clear_timeout`` (s a clear waits
-    for readers' leases, default 30), ``agent_timeout`` (s per control request, default 60).
+    for readers' leases, default 30), ``agent_timeout`` (s per control request, default 60),
+    ``checkpoint_timeout`` (s a checkpoint save or load may take in the agent, default 3600).
 
     Thread safety: every method may be called from any thread (TQ calls put from executor
     threads and get/clear from its event loop thread).
@@ -240,7 +252,14 @@ class MemsemStorageClient(StorageKVClient):
         self._job = config.get("job") or None
         self._agent = AgentClient(str(address), bytes.fromhex(str(authkey)),
                                   timeout=float(config.get("agent_timeout", 60.0)))
+        _PROC.acquire(self._directory, self._job)
+        self._closed = False
+        self.checkpoint_timeout = float(config.get("checkpoint_timeout", 3600.0))
         self._ident: tuple[int, int] | None = None
+        # rid -> the current window ref of a region whose meta names an older window (restored
+        # from a checkpoint); bounded, refilled from the agent on demand
+        self._where: dict[int, bytes] = {}
+        self._where_lock = threading.Lock()
 
     @property
     def runtime(self) -> Any:
@@ -335,12 +354,11 @@ class MemsemStorageClient(StorageKVClient):
         gens = np.arange(grant["gen_base"], grant["gen_base"] + len(keys), dtype=np.uint64)
         moved = 0
         try:
-            with _PROC.using(rt, [spec]):
-                for off, src in sources:
-                    rt.transfer(spec, "put", off, src)
-                    moved += src.nbytes
-                # Commit: the item words go last; a reader accepts an item only once its word is set.
-                rt.transfer(spec, "put", 0, gens.view(np.uint8))
+            for off, src in sources:
+                rt.transfer(spec, "put", off, src)
+                moved += src.nbytes
+            # Commit: the item words go last; a reader accepts an item only once its word is set.
+            rt.transfer(spec, "put", 0, gens.view(np.uint8))
         except BaseException:
             try:
                 self._agent.call("abort", rid=int(grant["rid"]), gva=spec.gva)
@@ -371,9 +389,6 @@ class MemsemStorageClient(StorageKVClient):
                            f"(got {None if custom_backend_meta is None else len(custom_backend_meta)})")
         if not keys:
             return []
-        from memsem.refs import TensorRef
-        from memsem.runtime import Lease
-
         rt = self.runtime
         metas = []
         for key, m in zip(keys, custom_backend_meta):
@@ -396,42 +411,36 @@ class MemsemStorageClient(StorageKVClient):
         out = torch.empty(max(cursor, 1), dtype=torch.uint8)
         out_np = out.numpy()
 
-        regions: dict[bytes, list[int]] = {}
+        regions: dict[int, list[int]] = {}
         for idx, m in enumerate(metas):
-            regions.setdefault(m["ref"], []).append(idx)
-        specs = {rb: TensorRef.from_bytes(rb, rt).spec for rb in regions}
+            regions.setdefault(int(m["rid"]), []).append(idx)
         moved = runs = 0
-        with _PROC.using(rt, list(specs.values())):
-            for rb, idxs in regions.items():
-                spec = specs[rb]
-                try:
-                    lease = Lease(rt, spec, self.lease_ttl).acquire()
-                except (StaleReferenceError, WindowNotFoundError) as exc:
-                    raise self._gone(keys, idxs, "its region was freed") from exc
-                try:
-                    self._check_words(rt, spec, lease, keys, metas, idxs, "before")
-                    i = 0
-                    while i < len(idxs):
-                        a = idxs[i]
-                        src, dst, n = int(metas[a]["o"]), out_off[a], int(metas[a]["n"])
-                        j = i + 1
-                        while j < len(idxs):
-                            b = idxs[j]
-                            if int(metas[b]["o"]) != src + n or out_off[b] != dst + n:
-                                break
-                            n += int(metas[b]["n"])
-                            j += 1
-                        if n:
-                            try:
-                                rt.transfer(spec, "get", src, out_np[dst:dst + n], lease=lease)
-                            except StaleReferenceError as exc:
-                                raise self._gone(keys, idxs[i:j], "its region was freed during the read") from exc
-                            moved += n
-                            runs += 1
-                        i = j
-                    self._check_words(rt, spec, lease, keys, metas, idxs, "during")
-                finally:
-                    lease.release()
+        for rid, idxs in regions.items():
+            spec, lease = self._lease_region(rt, rid, metas[idxs[0]]["ref"], keys, idxs)
+            try:
+                self._check_words(rt, spec, lease, keys, metas, idxs, "before")
+                i = 0
+                while i < len(idxs):
+                    a = idxs[i]
+                    src, dst, n = int(metas[a]["o"]), out_off[a], int(metas[a]["n"])
+                    j = i + 1
+                    while j < len(idxs):
+                        b = idxs[j]
+                        if int(metas[b]["o"]) != src + n or out_off[b] != dst + n:
+                            break
+                        n += int(metas[b]["n"])
+                        j += 1
+                    if n:
+                        try:
+                            rt.transfer(spec, "get", src, out_np[dst:dst + n], lease=lease)
+                        except StaleReferenceError as exc:
+                            raise self._gone(keys, idxs[i:j], "its region was freed during the read") from exc
+                        moved += n
+                        runs += 1
+                    i = j
+                self._check_words(rt, spec, lease, keys, metas, idxs, "during")
+            finally:
+                lease.release()
         _count(get_bytes=moved, gets=1, runs_get=runs)
 
         values: list[Any] = []
@@ -443,12 +452,38 @@ class MemsemStorageClient(StorageKVClient):
                 values.append(pickle.loads(out_np[o:o + n].data))
         return values
 
+    def _lease_region(self, rt: Any, rid: int, meta_ref: bytes, keys: list[str],
+                      idxs: list[int]) -> tuple[Any, Any]:
+        """Lease the window that holds region ``rid`` now: the one in its meta, else (restored
+        from a checkpoint, possibly by another agent) the one the agent names."""
+        from memsem.refs import TensorRef
+        from memsem.runtime import Lease
+
+        with self._where_lock:
+            ref_bytes = self._where.get(rid, meta_ref)
+        for attempt in (0, 1):
+            spec = TensorRef.from_bytes(ref_bytes, rt).spec
+            try:
+                return spec, Lease(rt, spec, self.lease_ttl).acquire()
+            except (StaleReferenceError, PeerLostError) as exc:
+                if attempt:
+                    raise self._gone(keys, idxs, "its region was freed") from exc
+                now = self._agent.call("locate", rids=[rid]).get(rid)
+                if now is None or now == ref_bytes:
+                    raise self._gone(keys, idxs, "its region is not held by the storage agent") from exc
+                with self._where_lock:
+                    if len(self._where) >= _WHERE_MAX:
+                        self._where.clear()
+                    self._where[rid] = ref_bytes = now
+        raise AssertionError("unreachable")  # pragma: no cover
+
     @staticmethod
     def _gone(keys: list[str], idxs: list[int], why: str) -> StaleReferenceError:
         names = [keys[i] for i in idxs[:8]]
         more = f" (+{len(idxs) - 8} more)" if len(idxs) > 8 else ""
         return StaleReferenceError(f"Memsem backend: keys {names}{more} are no longer stored: {why} "
-                                   "(cleared, or the global index was recycled); no bytes of them are returned")
+                                   "(cleared, the global index was recycled, or the storage agent restarted "
+                                   "without tq.load_checkpoint); no bytes of them are returned")
 
     def _check_words(self, rt: Any, spec: Any, lease: Any, keys: list[str], metas: list[dict],
                      idxs: list[int], when: str) -> None:
@@ -475,8 +510,40 @@ class MemsemStorageClient(StorageKVClient):
         if items:
             self._agent.call("free", items=items, timeout=self.clear_timeout)
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Have the agent write its committed items into ``checkpoint_dir/memsem_storage``.
+
+        Blocking (up to ``checkpoint_timeout`` s). The agent writes the files itself: no tensor
+        byte passes through this process. Returns the agent's counts (regions, items, bytes).
+        """
+        return self._agent.call("save_checkpoint", checkpoint_dir=os.path.abspath(checkpoint_dir),
+                                reply_timeout=self.checkpoint_timeout)
+
+    def load_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Have the agent restore the regions saved in ``checkpoint_dir/memsem_storage``.
+
+        Raises:
+            FileNotFoundError: the checkpoint holds no Memsem storage.
+            ValueError: its files are damaged (index or CRC-32 mismatch); nothing was restored.
+        """
+        with self._where_lock:
+            self._where.clear()
+        return self._agent.call("load_checkpoint", checkpoint_dir=os.path.abspath(checkpoint_dir),
+                                reply_timeout=self.checkpoint_timeout)
+
     def close(self) -> None:
+        """Close the control connection and, with the last open client of this job in this
+        process, the process's memsem runtime. Safe twice."""
+        if self._closed:
+            return
+        self._closed = True
         self._agent.close()
+        _PROC.release(self._directory, self._job)
+
+
+#: regions whose current window a client remembers (after a checkpoint restore)
+_WHERE_MAX = 1 << 16
 
 
 @StorageManagerFactory.register(BACKEND_NAME)
@@ -494,6 +561,27 @@ class MemsemStorageManager(KVStorageManager):
         config["client_name"] = CLIENT_NAME
         super().__init__(controller_info, config, zmq_context=zmq_context)
 
+    def close(self) -> None:
+        """TQ's close of the storage manager; TQ's KV manager does not close its client."""
+        client = getattr(self, "storage_client", None)
+        if client is not None:
+            client.close()
+        super().close()
+
+    async def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """TQ's storage checkpoint: the agent writes ``checkpoint_dir/memsem_storage``."""
+        st = await asyncio.get_running_loop().run_in_executor(None, self.storage_client.save_checkpoint,
+                                                              checkpoint_dir)
+        log.info("Memsem backend: saved %d regions (%d items, %d bytes) to %s", st["regions"], st["items"],
+                 st["bytes"], st["folder"])
+
+    async def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """TQ's storage restore from ``checkpoint_dir/memsem_storage`` (see the client)."""
+        st = await asyncio.get_running_loop().run_in_executor(None, self.storage_client.load_checkpoint,
+                                                              checkpoint_dir)
+        log.info("Memsem backend: restored %d regions (%d items; %d already held) from %s", st["regions"],
+                 st["items"], st["kept"], checkpoint_dir)
+
 
 # ----------------------------------------------------------------------------------------------
 _AGENTS: list[AgentProcess] = []
@@ -506,9 +594,9 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
     Runs in the process whose ``tq.init`` creates the controller, before the controller stores
     the config; the agent's address and authkey go into ``conf.backend.Memsem`` and so reach
     every client. An ``agent_address`` already in the config (an agent you run yourself) is
-    used as is. The agent lives until this process exits or :func:`stop_agents` is called;
-    TQ's ``close`` does not stop unknown backends, so a new bootstrap in this process (a
-    ``tq.init`` after ``tq.close``) stops the agents of the closed instance first.
+    used as is. The agent lives until ``tq.close()`` in this process (see
+    :func:`_install_close_hook`), this process's exit, or :func:`stop_agents`; a new bootstrap
+    in this process stops the agents of an earlier instance first.
     """
     if conf.backend.get(BACKEND_NAME) is None:
         conf.backend[BACKEND_NAME] = {}
@@ -516,8 +604,12 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
     if section.get("agent_address"):
         return {"agent": "external", "address": section.agent_address}
     stop_agents()
-    agent = start_agent(job=section.get("job") or None, directory=section.get("directory") or None)
+    # A memsem job of its own per TQ instance (unless configured): two instances on one node
+    # never share a namespace, and what a run leaves is recognisable and reaped as one.
+    job = section.get("job") or f"tq-{os.getpid()}-{secrets.token_hex(4)}"
+    agent = start_agent(job=job, directory=section.get("directory") or None)
     _AGENTS.append(agent)
+    _JOBS.add(agent.job)
     section.agent_address = agent.address
     section.agent_authkey = agent.authkey.hex()
     section.job = agent.job
@@ -525,17 +617,91 @@ def bootstrap_memsem(conf: Any) -> dict[str, Any]:
 
 
 def stop_agents() -> None:
-    """Stop the storage agents this process started (their data is gone). Safe twice."""
+    """Stop the storage agents this process started (their data is gone), then remove what
+    dead processes of their memsem jobs left (records, segments; the job folder once empty).
+    Safe twice."""
     while _AGENTS:
-        _AGENTS.pop().stop()
+        agent = _AGENTS.pop()
+        agent.stop()
+        _reap_job(agent.job, 0.0)
 
 
-def remove_run_dirs() -> None:
-    """Harness hook (tests/tq): stop this process's agents; they remove their own segments."""
+#: memsem jobs of the agents this process started
+_JOBS: set[str] = set()
+
+
+def _job_folder(job: str) -> str:
+    from memsem.native import segment_dir, segment_prefix
+
+    return os.path.join(segment_dir(), f"{segment_prefix()}dir.{job}")
+
+
+def _reap_job(job: str, timeout: float) -> bool:
+    """Garbage-collect dead processes' leftovers (``memsem gc``) until ``job``'s folder is gone
+    or ``timeout`` s passed (clients in live processes still use it). True when it is gone."""
+    from memsem.runtime import collect
+
+    deadline = time.monotonic() + timeout
+    folder = _job_folder(job)
+    while True:
+        if os.path.isdir(folder):
+            collect()
+        if not os.path.isdir(folder):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def remove_run_dirs(timeout: float = 30.0) -> list[str]:
+    """Harness hook (tests/tq, at session end): stop this process's agents and wait up to
+    ``timeout`` s for the clients of their jobs (Ray workers, killed by ``ray.shutdown``) to be
+    gone, reaping what they left. Returns the job folders still present (none expected)."""
     stop_agents()
+    deadline = time.monotonic() + timeout
+    left = [j for j in sorted(_JOBS) if not _reap_job(j, max(0.0, deadline - time.monotonic()))]
+    return [_job_folder(j) for j in left]
 
 
 atexit.register(stop_agents)
+
+
+def _install_close_hook() -> None:
+    """Make ``tq.close()`` stop this backend's agent, without TQ's per-close warning.
+
+    TransferQueue 0.1.11's ``close`` walks the storage resources its bootstrap providers
+    returned and shuts down the backends it knows (SimpleStorage, MooncakeStore, Yuanrong); for
+    any other it logs "close for _TQ_STORAGE with key ... is not supported" and leaves it
+    running. TQ has no close hook for providers, so this wraps ``transfer_queue.close`` (and
+    ``transfer_queue.interface.close``): it takes this backend's entry out of TQ's resources,
+    runs TQ's own close, then stops the agents this process started. Idempotent; code that
+    bound ``from transfer_queue import close`` before this module was imported keeps TQ's
+    original (which then warns and leaves the agent to this process's exit).
+    """
+    import transfer_queue as _tq
+    import transfer_queue.interface as _iface
+
+    orig = _iface.close
+    if getattr(orig, "_memsem_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def close(*args: Any, **kwargs: Any) -> Any:
+        storage = getattr(_iface, "_TQ_STORAGE", None)
+        ours = storage.pop(BACKEND_NAME, None) if isinstance(storage, dict) else None
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            if ours is not None:
+                stop_agents()
+
+    close._memsem_wrapped = True  # type: ignore[attr-defined]
+    _iface.close = close
+    if getattr(_tq, "close", None) is orig:
+        _tq.close = close
+
+
+_install_close_hook()
 
 
 def worker_setup() -> None:

@@ -2,37 +2,114 @@
 
 Completion means *remote* completion: for a get, the bytes are in the destination; for a put,
 they are visible at the target window. Local-only completion is never reported as DONE.
+
+Both handles can be waited on from threads (``wait``) and from asyncio (``await handle`` or
+``await handle.wait_async(timeout)``). An await is woken by the transfer itself: the thread that
+finishes the transfer schedules the wake-up on the awaiting loop (``call_soon_threadsafe``), so
+nothing polls and no thread is spent per await.
+
+Cancelling an await (``task.cancel()``, ``asyncio.timeout``/``wait_for`` expiring) cancels the
+*await*, never a copy in flight:
+
+* a transfer that has not started yet (PENDING: queued behind others in the runtime's workers)
+  is cancelled with it: it ends CANCELLED and never touches its buffers;
+* a transfer that is RUNNING cannot be stopped half way: it runs on to DONE or FAILED, and the
+  handle keeps its buffers (the ``out``/``src`` arrays) referenced until then, so they stay alive
+  and mapped even if the caller drops every reference. ``handle.state`` and a later
+  ``wait``/``await`` report how it ended. Do not write into ``src`` or read ``out`` before then.
+
+To let a pending transfer run although the await is cancelled, await ``asyncio.shield(handle)``.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from memsem import _args
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.engines._base import OpState
+
+if TYPE_CHECKING:  # asyncio is imported on first await: `import memsem` stays fast
+    import asyncio
 
 T = TypeVar("T")
 
 #: Completion states share the engine op states: PENDING, RUNNING, DONE, FAILED, CANCELLED.
 State = OpState
 
+#: default bound (seconds) of ``wait``/``await`` for handles built directly; the runtime passes
+#: its own ``timeout`` to the handles it creates.
+DEFAULT_TIMEOUT = 30.0
+
+
+def _wake(waiter: "asyncio.Future[None]") -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _wake_from(loop: asyncio.AbstractEventLoop, waiter: "asyncio.Future[None]") -> Callable[[Any], None]:
+    """A done callback, run by whichever thread ends the transfer, that wakes ``waiter`` on
+    ``loop``. A closed loop has nobody left to wake."""
+
+    def cb(_: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(_wake, waiter)
+        except RuntimeError:  # the loop was closed meanwhile
+            pass
+
+    return cb
+
+
+async def _await_final(loop: asyncio.AbstractEventLoop, subscribe: Callable[[Callable[[Any], None]], None],
+                       done: Callable[[], bool], timeout: float, on_cancel: Callable[[], None]) -> bool:
+    """Await until ``done()`` or ``timeout`` seconds; True when final. On cancellation of the
+    awaiting task, ``on_cancel()`` runs (it cancels what has not started) and the error propagates."""
+    import asyncio
+
+    if done():
+        return True
+    waiter: asyncio.Future[None] = loop.create_future()
+    subscribe(_wake_from(loop, waiter))
+    timer = loop.call_later(timeout, _wake, waiter)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        on_cancel()
+        raise
+    finally:
+        timer.cancel()
+    return done()
+
 
 class Completion(Generic[T]):
-    """Handle of one non-blocking transfer.
+    """Handle of one non-blocking transfer (``get_async``, ``put_async``).
 
-    Thread safety: any thread may ``wait``/``done``/``state``.
+    Args:
+        what: what the transfer is, for messages (e.g. "get of window w7 gen 3").
+        timeout: default bound in seconds of ``wait``/``await`` (the runtime passes its own).
+        keep: objects kept referenced until the transfer is final (its buffers).
+
+    Thread safety: any thread may ``wait``/``done``/``state``; any event loop may ``await``.
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, timeout: float = DEFAULT_TIMEOUT, keep: Any = None) -> None:
         self.what = what
+        self.timeout = _args.timeout(timeout, "timeout", positive=True)
         self._future: cf.Future[T] = cf.Future()
-        self._running = False
+        self._keep = keep
+        self._future.add_done_callback(self._release)
+
+    def _release(self, _: Any) -> None:
+        self._keep = None  # final: the buffers are the caller's again
 
     @classmethod
-    def run(cls, pool: cf.ThreadPoolExecutor, what: str, fn: Callable[[], T]) -> "Completion[T]":
-        c = cls(what)
+    def run(cls, pool: cf.ThreadPoolExecutor, what: str, fn: Callable[[], T], *,
+            timeout: float = DEFAULT_TIMEOUT) -> "Completion[T]":
+        """Run ``fn`` on ``pool``; the handle keeps ``fn`` (and so the buffers it closes over)
+        referenced until it is final."""
+        c = cls(what, timeout=timeout, keep=fn)
 
         def task() -> None:
             if not c._future.set_running_or_notify_cancel():
@@ -60,20 +137,61 @@ class Completion(Generic[T]):
         """True when the state is final (DONE, FAILED or CANCELLED). Never blocks."""
         return self._future.done()
 
-    def wait(self, timeout: float) -> T:
-        """Block until final, at most ``timeout`` seconds; return the result.
+    def _outcome(self) -> T:
+        try:
+            return self._future.result(timeout=0)
+        except cf.CancelledError:
+            raise MemsemError(f"{self.what} was cancelled before it started") from None
+
+    def _timed_out(self, timeout: float) -> MemsemTimeoutError:
+        return MemsemTimeoutError(f"{self.what} not complete after {timeout} s (state "
+                                  f"{self.state.name}; the transfer goes on)", what=self.what, timeout=timeout)
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until final, at most ``timeout`` seconds (default: the runtime's timeout);
+        return the result (what the blocking call would have returned).
 
         Raises:
             MemsemTimeoutError: not final in time (the transfer keeps running).
-            MemsemError: the transfer failed (the original error, e.g. StaleReferenceError).
+            MemsemError: the transfer failed (the original error, e.g. StaleReferenceError), or
+                was cancelled before it started.
+            TypeError / ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
+        t = _args.timeout_or(timeout, self.timeout)
         try:
-            return self._future.result(timeout=timeout)
-        except cf.TimeoutError:
-            raise MemsemTimeoutError(f"{self.what} not complete after {timeout} s", what=self.what,
-                                     timeout=timeout) from None
+            return self._future.result(timeout=t)
         except cf.CancelledError:
-            raise MemsemError(f"{self.what} was cancelled") from None
+            raise MemsemError(f"{self.what} was cancelled before it started") from None
+        except TimeoutError:
+            if not self._future.done():
+                raise self._timed_out(t) from None
+            raise  # the transfer's own timeout error
+
+    async def wait_async(self, timeout: float | None = None) -> T:
+        """Await until final, at most ``timeout`` seconds (default: the runtime's timeout);
+        return the result. The event loop is woken by the transfer's end; nothing polls.
+
+        Cancelling the awaiting task cancels the transfer only if it has not started (it then
+        ends CANCELLED); a running transfer runs on to DONE or FAILED with its buffers kept
+        alive by this handle (see the module docstring).
+
+        Raises:
+            MemsemTimeoutError: not final in time (the transfer keeps running).
+            MemsemError: as for :meth:`wait`.
+            asyncio.CancelledError: the awaiting task was cancelled.
+        """
+        import asyncio
+
+        t = _args.timeout_or(timeout, self.timeout)
+        loop = asyncio.get_running_loop()
+        if not await _await_final(loop, self._future.add_done_callback, self._future.done, t,
+                                  self._future.cancel):
+            raise self._timed_out(t)
+        return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """``await completion``: :meth:`wait_async` with the default timeout."""
+        return self.wait_async().__await__()
 
     def cancel(self) -> bool:
         """Cancel if not started; True when it will never run."""
@@ -106,16 +224,27 @@ class RangeResult:
 
 class Batch:
     """Handle of an xcopy batch: one :class:`RangeResult` per range, each ending DONE, FAILED
-    or CANCELLED. ``wait`` never raises for a failed range: inspect ``results``/``errors``, or
-    call ``raise_for_errors``. ``close`` reclaims the batch (cancels what did not start, waits
-    for the rest)."""
+    or CANCELLED. ``wait``/``await`` never raise for a failed range: inspect
+    ``results``/``errors``, or call ``raise_for_errors``. ``close`` reclaims the batch (cancels
+    what did not start, waits for the rest).
 
-    def __init__(self, results: list[RangeResult]) -> None:
+    Args:
+        results: one RangeResult per range.
+        timeout: default bound in seconds of ``wait``/``await``/``close`` (the runtime passes
+            its own).
+
+    Cancelling an ``await batch`` cancels the ranges that have not started (they end
+    CANCELLED); running ranges go on to DONE or FAILED, their buffers referenced until they end.
+    """
+
+    def __init__(self, results: list[RangeResult], *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.results = results
+        self.timeout = _args.timeout(timeout, "timeout", positive=True)
         self._left = len(results)
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._futures: list[cf.Future[Any]] = []
+        self._callbacks: list[Callable[[Any], None]] = []
         if not results:
             self._event.set()
 
@@ -125,23 +254,61 @@ class Batch:
                 return  # settled once only (a cancel can race the range's own end)
             r.state, r.error = state, error
             self._left -= 1
-            if self._left == 0:
-                self._event.set()
+            if self._left:
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def _add_done_callback(self, cb: Callable[[Any], None]) -> None:
+        """Call ``cb(batch)`` once every range is final (now, if already so)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self)
 
     def done(self) -> bool:
         return self._event.is_set()
 
-    def wait(self, timeout: float) -> list[RangeResult]:
-        """Block until every range is final, at most ``timeout`` s; returns ``results``.
+    def _timed_out(self, timeout: float) -> MemsemTimeoutError:
+        left = [r.index for r in self.results if not r.state.final]
+        return MemsemTimeoutError(f"xcopy batch: ranges {left} not final after {timeout} s",
+                                  what="xcopy batch", timeout=timeout)
+
+    def wait(self, timeout: float | None = None) -> list[RangeResult]:
+        """Block until every range is final, at most ``timeout`` s (default: the runtime's
+        timeout); returns ``results``.
 
         Raises:
-            MemsemTimeoutError: some range is still running (names how many).
+            MemsemTimeoutError: some range is still running (names which).
+            TypeError / ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
-        if not self._event.wait(timeout):
-            left = [r.index for r in self.results if not r.state.final]
-            raise MemsemTimeoutError(f"xcopy batch: ranges {left} not final after {timeout} s",
-                                     what="xcopy batch", timeout=timeout)
+        t = _args.timeout_or(timeout, self.timeout)
+        if not self._event.wait(t):
+            raise self._timed_out(t)
         return self.results
+
+    async def wait_async(self, timeout: float | None = None) -> list[RangeResult]:
+        """Await until every range is final, at most ``timeout`` s (default: the runtime's
+        timeout); returns ``results``. Woken by the last range's end; nothing polls.
+
+        Raises:
+            MemsemTimeoutError: some range is still running. asyncio.CancelledError: the
+                awaiting task was cancelled (ranges not started end CANCELLED).
+        """
+        import asyncio
+
+        t = _args.timeout_or(timeout, self.timeout)
+        loop = asyncio.get_running_loop()
+        if not await _await_final(loop, self._add_done_callback, self._event.is_set, t, self._cancel_pending):
+            raise self._timed_out(t)
+        return self.results
+
+    def __await__(self) -> Generator[Any, None, list[RangeResult]]:
+        """``await batch``: :meth:`wait_async` with the default timeout."""
+        return self.wait_async().__await__()
 
     @property
     def errors(self) -> dict[int, BaseException]:
@@ -154,13 +321,24 @@ class Batch:
             raise MemsemError(f"xcopy: {len(errs)} of {len(self.results)} ranges failed; first, "
                               f"range {first}: {errs[first]}") from errs[first]
 
-    def close(self, timeout: float = 30.0) -> None:
+    def _cancel_pending(self) -> None:
+        """Cancel the ranges that have not started; they end CANCELLED."""
         for f in self._futures:
             f.cancel()
         for r, f in zip(self.results, self._futures):
             if f.cancelled() and not r.state.final:
                 self._settle(r, OpState.CANCELLED)
-        self.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel the ranges not started and wait up to ``timeout`` s (default: the runtime's
+        timeout) for the running ones.
+
+        Raises:
+            MemsemTimeoutError: ranges still running after ``timeout``.
+        """
+        t = _args.timeout_or(timeout, self.timeout)
+        self._cancel_pending()
+        self.wait(t)
 
     def __enter__(self) -> "Batch":
         return self

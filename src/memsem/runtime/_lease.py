@@ -174,6 +174,7 @@ class Lease:
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held ({when})")
         if self.expired():
+            self.runtime.telemetry.count_error("lease_expired")
             raise tr.lease_expired(self.spec, when)
 
     def native_args(self, spec: RefSpec) -> tuple[int, int]:

@@ -40,8 +40,10 @@ class Stats:
         registrations: regions registered with engines (per engine).
         latency_us: per op kind (``get``, ``put``, ``xcopy``, ``view``, ``pipeline_first_tile``):
             ``p50``, ``p99`` (microseconds, from the histogram: the bucket's lower bound) and ``n``.
-        latency_hist: per op kind, ``(bucket lower bounds in ns, counts)`` of every operation
-            so far (for exporters).
+        latency_histograms: per op kind, cumulative since the runtime started, in Prometheus'
+            form: ``buckets_s`` (upper bounds in seconds, powers of two of ns, the last ``inf``),
+            ``counts`` (cumulative count per bound), ``sum_s``, ``count``, ``overflows`` (always
+            0: the native counters never drop a sample).
         peak_rss_bytes: the process's peak resident set size.
         windows_published: windows this runtime owns now.
         pipelines: totals over the pipelines this runtime ran (``count``, ``tiles``,
@@ -65,7 +67,7 @@ class Stats:
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     leases_held: int = 0
     resolutions: int = 0
-    latency_hist: dict[str, tuple[list[float], list[int]]] = dataclasses.field(default_factory=dict, repr=False)
+    latency_histograms: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,8 +89,9 @@ class Telemetry:
         self._live: "weakref.WeakSet[Resolution]" = weakref.WeakSet()
         #: route kind -> [ops, bytes] of released resolutions
         self._routes: dict[str, list[int]] = {}
-        #: op kind -> histogram counts
+        #: op kind -> histogram counts, and the sum of the latencies they count (ns)
         self._hist: dict[str, np.ndarray] = {}
+        self._sum: dict[str, int] = {}
         self.bounce_bytes = 0
         self.registrations: defaultdict[str, int] = defaultdict(int)
         self.pipelines: defaultdict[str, float] = defaultdict(float)
@@ -101,14 +104,15 @@ class Telemetry:
 
     def absorb(self, res: "Resolution") -> None:
         """Fold a released resolution's counters into the totals (once)."""
-        ops, nbytes, hist = _plan_counts(res.plan)
+        ops, nbytes, hist, sums = _plan_counts(res.plan)
         with self._lock:
             self._live.discard(res)
             c = self._routes.setdefault(res.route.kind, [0, 0])
             c[0] += ops
             c[1] += nbytes
-            for k, h in zip(("get", "put"), hist):
+            for k, h, t in zip(("get", "put"), hist, sums):
                 self._add_hist(k, h)
+                self._sum[k] = self._sum.get(k, 0) + t
 
     def _add_hist(self, kind: str, h: np.ndarray) -> None:
         cur = self._hist.get(kind)
@@ -133,6 +137,7 @@ class Telemetry:
             if h is None:
                 h = self._hist[kind] = np.zeros(_NB, np.int64)
             h[b] += 1
+            self._sum[kind] = self._sum.get(kind, 0) + max(0, int(elapsed_ns))
 
     def count_error(self, kind: str) -> None:
         """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
@@ -156,22 +161,24 @@ class Telemetry:
             self.record_latency("pipeline_first_tile", int(st.first_tile_s * 1e9))
 
     # -- reading ----------------------------------------------------------------------------------
-    def _sums(self) -> tuple[dict[str, list[int]], dict[str, np.ndarray]]:
+    def _sums(self) -> tuple[dict[str, list[int]], dict[str, np.ndarray], dict[str, int]]:
         with self._lock:
             routes = {k: list(v) for k, v in self._routes.items()}
             hist = {k: v.copy() for k, v in self._hist.items()}
+            sums = dict(self._sum)
             live = list(self._live)
         for res in live:
-            ops, nbytes, h = _plan_counts(res.plan)
+            ops, nbytes, h, t = _plan_counts(res.plan)
             c = routes.setdefault(res.route.kind, [0, 0])
             c[0] += ops
             c[1] += nbytes
-            for k, hh in zip(("get", "put"), h):
+            for k, hh, tt in zip(("get", "put"), h, t):
                 if k in hist:
                     hist[k] += hh.astype(np.int64)
                 else:
                     hist[k] = hh.astype(np.int64)
-        return routes, hist
+                sums[k] = sums.get(k, 0) + tt
+        return routes, hist, sums
 
     @property
     def bytes_by_route(self) -> dict[str, int]:
@@ -182,7 +189,7 @@ class Telemetry:
         return {r: c[0] for r, c in self._sums()[0].items()}
 
     def snapshot(self, windows: int, leases: int = 0, resolutions: int = 0) -> Stats:
-        routes, hist = self._sums()
+        routes, hist, sums = self._sums()
         lat = {}
         lat_hist = {}
         for kind, h in hist.items():
@@ -190,7 +197,7 @@ class Telemetry:
             if n:
                 lat[kind] = {"p50": _percentile(h, 0.5) / 1e3, "p99": _percentile(h, 0.99) / 1e3,
                              "n": float(n)}
-                lat_hist[kind] = (BUCKET_FLOOR_NS.tolist(), h.tolist())
+                lat_hist[kind] = _prometheus_buckets(h, sums.get(kind, 0))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with self._lock:
             errors = dict(self.errors)
@@ -200,8 +207,23 @@ class Telemetry:
                      errors, leases, resolutions, lat_hist)
 
 
-def _plan_counts(plan: Any) -> tuple[int, int, tuple[np.ndarray, np.ndarray]]:
+def _prometheus_buckets(h: np.ndarray, sum_ns: int) -> dict[str, Any]:
+    """A histogram in Prometheus' form: cumulative counts at ``le`` bounds that are powers of two
+    of nanoseconds (every fourth native bucket, so no native bucket straddles a bound), from
+    256 ns to ~4.3 s, then +Inf."""
+    cum = np.cumsum(h)
+    bounds, counts = [], []
+    for b in range(4 * 7, _NB, 4):  # bucket 28 starts at 2**8 ns
+        bounds.append(float(BUCKET_FLOOR_NS[b]) / 1e9)
+        counts.append(int(cum[b - 1]))
+    bounds.append(float("inf"))
+    counts.append(int(cum[-1]))
+    return {"buckets_s": bounds, "counts": counts, "sum_s": sum_ns / 1e9, "count": int(cum[-1]),
+            "overflows": 0}
+
+
+def _plan_counts(plan: Any) -> tuple[int, int, tuple[np.ndarray, np.ndarray], tuple[int, int]]:
     ops = int(plan.ops[0]) + int(plan.ops[1])
     nbytes = int(plan.bytes[0]) + int(plan.bytes[1])
     lat = np.frombuffer(native.ffi.buffer(plan.lat), np.uint64).reshape(2, _NB).copy()
-    return ops, nbytes, (lat[0], lat[1])
+    return ops, nbytes, (lat[0], lat[1]), (int(plan.lat_sum[0]), int(plan.lat_sum[1]))

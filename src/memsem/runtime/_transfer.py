@@ -316,7 +316,7 @@ class Transfers:
 
     def submit(self, what: str, fn: Any) -> Completion:
         self._core.check_open()
-        return Completion.run(self._pool, what, fn)
+        return Completion.run(self._pool, what, fn, timeout=self._core.timeout)
 
     # -- xcopy ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
@@ -337,7 +337,7 @@ class Transfers:
             r = RangeResult(i, src.nbytes if isinstance(src, RefSpec) else dst.nbytes)
             results.append(r)
             jobs.append((r, src, dst))
-        batch = Batch(results)
+        batch = Batch(results, timeout=core.timeout)
         grouped: dict[int, list[tuple[RangeResult, Any, Any]]] = {}
         single = []
         for job in jobs:
