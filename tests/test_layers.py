@@ -51,7 +51,7 @@ def test_engines_know_nothing_of_generations_or_leases():
 
 #: modules of the runtime layer, each importing only the ones before it (docs/architecture.md)
 RUNTIME_ORDER = ["_telemetry", "_completion", "_async", "_staging", "_gc", "_liveness", "_translate", "_resolve",
-                 "_lease", "_transfer", "_view", "_readiness", "_publish", "_serve", "_core"]
+                 "_lease", "_transfer", "_view", "_remote", "_readiness", "_publish", "_serve", "_core"]
 
 
 def _runtime_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
@@ -92,7 +92,7 @@ def test_runtime_modules_import_in_order():
 def test_public_runtime_shows_no_internal_names():
     import memsem
 
-    internal = {"publish_spec", "xcopy_specs", "serve_check", "peer_alive", "get_spec", "put_spec",
+    internal = {"publish_spec", "xcopy_specs", "serve_open", "peer_alive", "get_spec", "put_spec",
                 "view_spec", "transfer", "submit", "resolve", "route_of", "alloc_array", "unpublish_spec",
                 "lookup_spec", "directory", "telemetry", "staging", "identity"}
     shown = {n for n in dir(memsem.Runtime) if not n.startswith("_")}

@@ -69,13 +69,13 @@ def test_ref_is_compact_and_carries_no_pointer(rt):
     a = np.zeros((4, 8), np.float32)
     ref = rt.publish(a, name="w")
     b = ref.to_bytes()
-    assert len(b) == 60 + 8 * 2 + len("w")
+    assert len(b) == 60 + 8 * 2 + len("w") + 32  # + the owner's mint: range and MAC
     assert a.ctypes.data.to_bytes(8, "little") not in b
     p = pickle.loads(pickle.dumps(ref))
     assert p == ref and (p.get() == a).all()
     with pytest.raises(ValueError, match="not a serialized memsem ref"):
         TensorRef.from_bytes(b"hello")
-    with pytest.raises(ValueError, match=r"header \(ndim 2, name length 1\) says"):
+    with pytest.raises(ValueError, match=r"header \(ndim 2, name length 1, mint\) says"):
         TensorRef.from_bytes(b + b"x")
 
 
@@ -111,7 +111,7 @@ def test_readonly_array_gives_readonly_window(rt):
     assert ref.access == "r"
     with pytest.raises(AccessDeniedError):
         ref.put(np.zeros(16, np.float32))
-    forged = TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw"}), rt)
+    forged = TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw", "mint": None}), rt)
     with pytest.raises(AccessDeniedError, match="read-only"):
         forged.put(np.zeros(16, np.float32))
     with pytest.raises(AccessDeniedError):

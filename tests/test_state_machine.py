@@ -327,7 +327,9 @@ class MemsemMachine(RuleBasedStateMachine):
             self.refs.append(R(r.w, r.gen, s.to_bytes(), r.access, forged=True))
         else:
             acc = "r" if s.access == "rw" else "rw"
-            self.refs.append(R(r.w, r.gen, dataclasses.replace(s, access=acc).to_bytes(), acc, r.forged))
+            # widening access means forging the mint too (its MAC no longer verifies)
+            mint = s.mint if s.mint is None or acc == "r" else dataclasses.replace(s.mint, access="rw")
+            self.refs.append(R(r.w, r.gen, dataclasses.replace(s, access=acc, mint=mint).to_bytes(), acc, r.forged))
         TRACE.append(f"derive_ref({kind})")
 
     # -- rules: leases -------------------------------------------------------------------------

@@ -9,7 +9,10 @@ from __future__ import annotations
 from importlib import metadata
 
 from memsem.engines._base import (
+    WATCH_HEADER,
+    WATCH_READY,
     Availability,
+    Credential,
     Descriptor,
     DirectAccess,
     Engine,
@@ -69,7 +72,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 __all__ = [
-    "Availability", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
+    "WATCH_HEADER", "WATCH_READY", "Availability", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
     "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

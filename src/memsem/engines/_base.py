@@ -28,7 +28,7 @@ import abc
 import dataclasses
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -144,6 +144,33 @@ class DirectAccess:
     cma: bool
     pid: int
     address: int
+
+
+class Credential:
+    """What a consumer shows an owner whose runtime checks every request (``enforces_generation
+    == "owner"``): a public ``token`` (sent as is) and ``prove(challenge)``, a proof of the
+    capability the token names computed from the owner's challenge, so the secret behind it
+    never crosses the wire. Engines carry both and interpret neither; the owner's runtime
+    checks them (``EngineContext.serve_open``).
+    """
+
+    __slots__ = ("token", "_prove")
+
+    def __init__(self, token: bytes, prove: Callable[[bytes], bytes]) -> None:
+        self.token = bytes(token)
+        self._prove = prove
+
+    def prove(self, challenge: bytes) -> bytes:
+        return self._prove(bytes(challenge))
+
+    def __repr__(self) -> str:
+        return f"<Credential {len(self.token)} B token>"
+
+
+#: what a watch names: a header word of the window's control block (index = the word), or a
+#: range of its ready words (index = first tile, count = tiles)
+WATCH_HEADER = 0
+WATCH_READY = 1
 
 
 class RemoteRegion:
@@ -268,6 +295,9 @@ class Engine(abc.ABC):
     #: revoked rkey), "owner" (the owner's runtime checks a credential with every request; see
     #: ``attach``'s ``credential``).
     enforces_generation: ClassVar[str] = ""
+    #: True when the owner checks versions for this engine: ``get``/``put`` take ``version=``
+    #: (0: the latest) and return the version read / overwritten
+    versions: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> Availability:
@@ -362,6 +392,34 @@ class Engine(abc.ABC):
         """A put that also sets tile ``tile``'s signal word after the data (mte)."""
         raise NotSupportedError(f"engine {self.name!r} cannot signal tiles with the data")
 
+    # -- control words of a remote window (tile-ready words, version words) ---------------------
+    def can_watch(self, remote: RemoteRegion) -> str:
+        """How this engine keeps control words of ``remote``'s window current here: "push" (the
+        owner sends every change: ``watch``), "read" (one-sided reads: ``read_words``), or ""
+        (it cannot)."""
+        return ""
+
+    def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
+              on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
+              timeout: float) -> Any:
+        """Subscribe to control words of ``remote``'s window: ``targets`` are ``(kind, index,
+        count)`` (``WATCH_HEADER``/``WATCH_READY``). ``on_update(changes)`` gets ``(kind, index,
+        value)`` triples, first the words' current values (before ``watch`` returns), then every
+        change, in order, from the engine's thread; ``on_lost(reason)`` once when the
+        subscription ends without ``close``. Returns a handle with ``close()``. Blocks at most
+        ``timeout`` s for the owner's first answer."""
+        raise NotSupportedError(f"engine {self.name!r} cannot watch control words of a remote window")
+
+    def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
+        """One-sided read of ``count`` control words of ``remote``'s window (``kind`` as in
+        ``watch``). Blocking."""
+        raise NotSupportedError(f"engine {self.name!r} cannot read control words of a remote window")
+
+    def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
+        """Mark (or clear) tile ``tile``'s ready word at the owner; the owner's runtime checks
+        the credential's write access and writes the word as its own ``mark_ready`` does."""
+        raise NotSupportedError(f"engine {self.name!r} cannot mark tiles of a remote window")
+
     def submit(self, ops: Sequence[Op]) -> Request:
         """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op.
 
@@ -435,9 +493,13 @@ class EngineContext(abc.ABC):
     rank: int
 
     @abc.abstractmethod
-    def serve_check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> Any:
-        """Owner side of engines whose ``enforces_generation`` is "owner": validate a remote
-        consumer's request for a window of this runtime (see ``RuntimeCore.serve_check``)."""
+    def serve_open(self, token: bytes, challenge: bytes, proof: bytes) -> Any:
+        """Owner side of engines whose ``enforces_generation`` is "owner": a remote consumer
+        shows ``token`` (a :class:`Credential`'s) and ``proof`` (its ``prove(challenge)``) for
+        the ``challenge`` this engine issued on that connection. Returns a grant (see
+        ``memsem.runtime._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
+        ``set_ready``, ``watch``) or raises the memsem error saying why not (AccessDeniedError,
+        StaleReferenceError, WindowNotFoundError)."""
 
     @abc.abstractmethod
     def serve_sweep(self) -> None:
@@ -449,6 +511,7 @@ class EngineContext(abc.ABC):
 
 
 __all__ = [
-    "Availability", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
+    "Availability", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
+    "WATCH_HEADER", "WATCH_READY",
     "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError",
 ]

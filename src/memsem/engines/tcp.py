@@ -1,45 +1,70 @@
-"""TCP engine (pyzmq): one-sided get/put of windows owned by another node, with no RDMA NIC.
+"""TCP engine: one-sided get/put of windows owned by another node, on plain sockets.
 
-Each runtime that owns windows runs one server thread with a ROUTER socket; consumers talk to it
-from DEALER sockets (one per consumer thread and owner endpoint). The owner's *runtime* validates
-every request before a byte moves (``RuntimeCore.serve_check``: access key, generation,
-permission, range) and brackets the copy with the window's in-flight count and a generation
-re-check (seqlock), so a request racing an unpublish gets STALE, never torn bytes reported as
-valid. Engines know nothing of generations: this one only carries the credential (the
-serialized RefSpec) the runtime hands to ``attach``.
+memsem's own request/response protocol, checked by the owner. The owner's *runtime* validates
+every credential and request (``EngineContext.serve_open`` and the grant it returns: access key,
+generation, the ref's minted range and access, permission) and brackets every copy with the
+window's seqlock; this engine only moves bytes and carries the credential, whose secret it never
+sends. Standard library sockets, one thread per connection on the owner, blocking I/O (large
+payloads go straight between the socket and the window or the caller's buffer, no copy in
+Python); measured against asyncio streams and pyzmq in docs/many-nodes.md.
 
-Protocol (little endian; frames of one ZMQ message arrive together or not at all):
+Connections: a consumer thread has one *data* connection per owner endpoint; a consumer runtime
+has one *watch* connection per owner endpoint (ready words and version words pushed by the
+owner). Little endian throughout::
 
-request    frame 0: ``op u8 | 0 u8 | cred_len u16 | req_id u32 | offset u64 | nbytes u64``
-                    followed by the credential; PUT: frame 1 = the ``nbytes`` bytes
-reply      ``status u8 | 0 u8 | 0 u16 | req_id u32 | value u64`` then, in the same frame, the
-           data of a small GET (< ZERO_COPY_BYTES) or an error message (utf-8)
-large GET  message 1: [reply status=MORE, data frames of CHUNK_BYTES sent zero-copy from the window's
-           memory];
-           message 2: [reply status=OK or STALE] sent once libzmq released the data frame and
-           the owner re-checked the generation. The consumer receives each data frame straight
-           into its slice of the destination (``recv_into``; sizes checked, so a truncated or
-           short reply is an error) and reports success only on the final OK.
+    on connect   owner -> consumer   HELLO   "MSTC" | protocol u16 | 0 u16 | nonce 16 B
+                 consumer -> owner   HELLO   "MSTC" | protocol u16 | kind u16 (0 data, 1 watch)
+    request      op u8 | 0 u8 | handle u16 | req_id u32 | offset u64 | nbytes u64 | arg u64 |
+                 wait_ms u32 | 0 u32                                   (40 bytes), then a body:
+                 OPEN: token | proof (nbytes of it); PUT: nbytes of data; WATCH: targets
+    reply        status u8 | flags u8 | handle u16 | req_id u32 | value u64 | nbytes u64 (24 B),
+                 then nbytes of data (DATA) or of an error message (UTF-8)
+    GET          reply DATA + the bytes + a trailer reply (OK: value = version read; TORN: a
+                 write section opened meanwhile, ask again; STALE: the generation moved)
+    EVENT        owner -> consumer on a watch connection: value = n entries of
+                 kind u8 | 0 u24 | index u32 | value u64
 
-Status values: OK, MORE, STALE (value = current generation, 0 when gone), DENIED, NOT_FOUND,
-RANGE, ERROR. Every request has a deadline (the runtime's timeout); waits are sliced (100 ms) and
-between slices the owner's liveness (directory heartbeat) is consulted, so a dead owner gives
-``PeerLostError`` once its heartbeat expired, and a silent one ``MemsemTimeoutError``. A socket
-that timed out is closed (linger 0) and replaced, so no late reply is ever taken for a new one.
+Ops: OPEN (handle: the consumer's number for a credential on this connection; the body is the
+credential's token and its proof for the challenge ``nonce | handle``), CLOSE, GET (arg: the
+version asked for, 0 the latest; wait_ms: how long the owner may wait for an open write
+section), PUT, MARK / CLEAR (offset: tile), WATCH / UNWATCH (watch connections). Statuses: OK,
+DATA, STALE (value: the current generation, or with flag VERSION the current version), DENIED,
+NOT_FOUND, RANGE, ERROR, TORN, BUSY, EVENT.
+
+**At the door.** The owner reads a request's fixed header, checks its handle (opened on this
+connection with a valid proof), range and direction, and only then reads its body: a PUT whose
+handle, range or access fails is answered and the connection closed without reading a byte of
+its payload; bodies of OPEN and WATCH are bounded; a wrong proof closes the connection. A
+request never makes the owner buffer its payload: a PUT is received straight into the window
+inside the bracket, a GET sent straight from it.
+
+**Pipelining.** Transfers larger than ``CHUNK_BYTES`` are split into chunks with up to
+``PIPELINE_DEPTH`` requests in flight on the connection (replies come in order); every chunk is
+its own bracket at the owner, all must report the same version (else the transfer is made
+again), and a failure drops the connection, so no late reply is taken for a later request.
+
+**Bounds.** Every wait has a deadline (the runtime's timeout); a blocked receive wakes every
+``POLL_SLICE`` seconds to check it and the owner's liveness (``PeerLostError`` once its
+heartbeat expired, ``MemsemTimeoutError`` for a silent live one). TCP keepalive
+(``KEEPALIVE_IDLE``/``_INTERVAL``/``_COUNT``) ends a connection to a node that vanished;
+``MAX_CONNECTIONS`` per owner, ``MAX_HANDLES`` per connection, ``MAX_PUT_BYTES`` per request.
 
 Environment: ``MEMSEM_TCP_HOST`` (address to bind and advertise; default: the local address
 that routes to the directory's Redis host, else 127.0.0.1), ``MEMSEM_TCP_PORT`` (default: any
-free port), ``MEMSEM_TCP_IO_THREADS`` (libzmq I/O threads, default 1).
+free port).
 """
 from __future__ import annotations
 
+import errno as _errno
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,109 +73,450 @@ from memsem import _args
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
+    MemsemError,
     MemsemTimeoutError,
     NotSupportedError,
     PeerLostError,
     StaleReferenceError,
     WindowNotFoundError,
 )
-from memsem.engines._base import Availability, Descriptor, Engine, LocalRegion, RemoteRegion
+from memsem.engines._base import Availability, Credential, Descriptor, Engine, LocalRegion, RemoteRegion
+from memsem.native import ffi as _ffi
 
 log = logging.getLogger(__name__)
 
-try:  # imported at module load: the engine registry imports this module only when asked for tcp
-    import zmq
-except ImportError:  # pragma: no cover - reported by probe()
-    zmq = None  # type: ignore[assignment]
+MAGIC = b"MSTC"
+PROTOCOL = 1
+KIND_DATA, KIND_WATCH = 0, 1
+_HELLO = struct.Struct("<4sHH16s")
+_CHELLO = struct.Struct("<4sHH")
+_REQ = struct.Struct("<BBHIQQQI4x")
+_REP = struct.Struct("<BBHIQQ")
+_TGT = struct.Struct("<B3xII")
+_EVT = struct.Struct("<B3xIQ")
+_H16 = struct.Struct("<H")
+OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH = range(1, 9)
+OK, DATA, STALE, DENIED, NOT_FOUND, RANGE, ERROR, TORN, BUSY, EVENT = range(10)
+_STATUS_NAMES = {OK: "OK", DATA: "DATA", STALE: "STALE", DENIED: "DENIED", NOT_FOUND: "NOT_FOUND",
+                 RANGE: "RANGE", ERROR: "ERROR", TORN: "TORN", BUSY: "BUSY", EVENT: "EVENT"}
+#: reply flag: a STALE reply's value (and the request's arg) are versions, not generations
+FLAG_VERSION = 1
 
-_REQ = struct.Struct("<BBHIQQ")
-_REP = struct.Struct("<BBHIQ")
-OP_GET, OP_PUT = 1, 2
-OK, MORE, STALE, DENIED, NOT_FOUND, RANGE, ERROR = range(7)
-_STATUS_NAMES = {OK: "OK", MORE: "MORE", STALE: "STALE", DENIED: "DENIED", NOT_FOUND: "NOT_FOUND",
-                 RANGE: "RANGE", ERROR: "ERROR"}
-#: GETs of at least this many bytes are sent zero-copy from the window (two-message reply)
-ZERO_COPY_BYTES = 1 << 16
-#: large GETs go as frames of this size (one message): 4-8 MiB frames beat one huge frame
+#: transfers larger than this go as chunks of this size, pipelined
 CHUNK_BYTES = 4 << 20
-#: slice of every blocking wait (seconds): the server's poll, a request's liveness re-check
+#: requests in flight per connection in a pipelined transfer
+PIPELINE_DEPTH = 4
+#: GETs of at most this many bytes are answered with one send (copied inside the bracket)
+SMALL_BYTES = 1 << 16
+#: bytes one PUT request may carry (the owner closes the connection beyond)
+MAX_PUT_BYTES = 64 << 20
+#: bodies of OPEN and WATCH, and the text of an error reply
+MAX_OPEN_BODY = 512
+MAX_WATCH_TARGETS = 16
+MAX_ERROR_TEXT = 4096
+#: handles (opened credentials) per connection, connections per owner
+MAX_HANDLES = 4096
+MAX_CONNECTIONS = 1024
+#: entries per EVENT frame (more changes go in more frames)
+MAX_EVENTS = 4096
+#: slice of every blocking receive (seconds): deadlines and the owner's liveness are checked
 POLL_SLICE = 0.1
+#: the owner's bound on a consumer's hello
+HANDSHAKE_TIMEOUT = 10.0
+#: TCP keepalive of every connection: a node that vanished is noticed within
+#: IDLE + INTERVAL x COUNT seconds (about 4 s)
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 1, 1, 3
 DEFAULT_TIMEOUT = 30.0
+#: owner side: the largest body discarded to keep a connection in sync after a refused PUT
+#: from a legitimate consumer (a stale ref); bigger ones close the connection
+DISCARD_BYTES = 8 << 20
 
 
-def _has_recv_into() -> bool:
-    return zmq is not None and hasattr(zmq.Socket, "recv_into")
+class _Closed(Exception):
+    """The connection must end (peer gone, protocol violation, shutdown)."""
+
+
+class _ConnectionLost(EngineError):
+    """A consumer's connection failed under a request (made again once on a new connection)."""
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, v in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                   ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
+    _rcvtimeo(sock, POLL_SLICE)
+
+
+def _rcvtimeo(sock: socket.socket, seconds: float) -> None:
+    """A blocking socket whose receives return EAGAIN after ``seconds`` (cheaper than Python's
+    socket timeouts, which poll before every receive)."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
 
 class TcpRemote(RemoteRegion):
-    """Consumer side of a window reached over TCP."""
+    """Consumer side of a window reached over TCP: the owner's endpoint and the credential."""
 
-    def __init__(self, engine: "TcpEngine", nbytes: int, endpoint: str, credential: bytes,
-                 owner: tuple[int, int, str, int]) -> None:
+    def __init__(self, engine: "TcpEngine", nbytes: int, endpoint: str, credential: Credential,
+                 owner: tuple[int, int, str, int], gva: int) -> None:
         super().__init__(engine, nbytes)
         self.endpoint = endpoint
+        self.host, self.port = _split_endpoint(endpoint)
         self.credential = credential
         self.owner = owner  # (pid, start, node, rank)
-        self.gva = struct.unpack_from("<Q", credential, 8)[0] if len(credential) >= 16 else 0
+        self.gva = gva
+        self.watches: "weakref.WeakSet[_WatchHandle]" = weakref.WeakSet()
 
 
-class _Pending:
-    """A zero-copy GET reply that libzmq still reads from the window's memory."""
+# -- consumer side: connections ---------------------------------------------------------------------
+class _Conn:
+    """One connection of a consumer to an owner: the owner's nonce, this side's handles for
+    the credentials opened on it, and a small receive buffer."""
 
-    __slots__ = ("tracker", "grant", "token", "ident", "rid", "since")
+    def __init__(self, engine: "TcpEngine", remote: TcpRemote, kind: int, deadline: float) -> None:
+        self.engine = engine
+        self.endpoint = remote.endpoint
+        self.closed = False
+        self.handles: dict[bytes, int] = {}
+        self._next_handle = 0
+        self._rid = 0
+        self._buf = bytearray(SMALL_BYTES + 2 * _REP.size)
+        self._mv = memoryview(self._buf)
+        self._lo = self._hi = 0
+        left = max(0.05, deadline - time.monotonic())
+        try:
+            sock = socket.create_connection((remote.host, remote.port), timeout=min(left, 10.0))
+        except OSError as exc:
+            raise engine._unreachable(remote, exc) from exc
+        self.sock = sock
+        try:
+            sock.settimeout(None)
+            _configure(sock)
+            hello = bytearray(_HELLO.size)
+            self.recv_into(memoryview(hello), remote, deadline)
+            magic, proto, _, nonce = _HELLO.unpack(hello)
+            if magic != MAGIC or proto != PROTOCOL:
+                raise EngineError(f"{remote.endpoint} does not speak memsem tcp protocol {PROTOCOL} "
+                                  f"(hello {bytes(hello[:8])!r})")
+            self.nonce = nonce
+            sock.sendall(_CHELLO.pack(MAGIC, PROTOCOL, kind))
+        except BaseException:
+            self.close()
+            raise
 
-    def __init__(self, tracker: Any, grant: Any, token: Any, ident: bytes, rid: int) -> None:
-        self.tracker, self.grant, self.token, self.ident, self.rid = tracker, grant, token, ident, rid
-        self.since = time.monotonic()
+    def next_rid(self) -> int:
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        return self._rid
+
+    def new_handle(self) -> int:
+        if len(self.handles) >= MAX_HANDLES:
+            raise EngineError(f"{len(self.handles)} credentials are open on the connection to {self.endpoint}")
+        self._next_handle = (self._next_handle + 1) & 0xFFFF
+        return self._next_handle
+
+    def challenge(self, handle: int) -> bytes:
+        return self.nonce + _H16.pack(handle)
+
+    # -- receiving --------------------------------------------------------------------------------
+    def recv_into(self, mv: memoryview, remote: TcpRemote, deadline: float) -> None:
+        """Fill ``mv`` exactly (buffered bytes first), waiting at most until ``deadline``."""
+        n = len(mv)
+        got = 0
+        if self._hi > self._lo:
+            k = min(n, self._hi - self._lo)
+            mv[:k] = self._mv[self._lo:self._lo + k]
+            self._lo += k
+            got = k
+        sock = self.sock
+        while got < n:
+            try:
+                k = sock.recv_into(mv[got:])
+            except BlockingIOError:
+                self.engine._waited(remote, deadline)
+                continue
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                raise self.engine._broken(remote, exc) from exc
+            if not k:
+                raise self.engine._broken(remote, None)
+            got += k
+
+    def reply(self, remote: TcpRemote, deadline: float, rid: int) -> tuple[int, int, int, int]:
+        """The next reply header ``(status, flags, value, nbytes)``; it must answer ``rid``."""
+        if self._hi - self._lo < _REP.size:
+            if self._lo:
+                rest = self._hi - self._lo
+                self._buf[:rest] = self._buf[self._lo:self._hi]
+                self._lo, self._hi = 0, rest
+            while self._hi < _REP.size:
+                try:
+                    k = self.sock.recv_into(self._mv[self._hi:])
+                except BlockingIOError:
+                    self.engine._waited(remote, deadline)
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    raise self.engine._broken(remote, exc) from exc
+                if not k:
+                    raise self.engine._broken(remote, None)
+                self._hi += k
+        status, flags, _, got, value, nbytes = _REP.unpack_from(self._buf, self._lo)
+        self._lo += _REP.size
+        if got != rid:
+            raise EngineError(f"tcp reply from {self.endpoint} answers request {got}, not {rid}: "
+                              "the connection is out of step")
+        return status, flags, value, nbytes
+
+    def text(self, nbytes: int, remote: TcpRemote, deadline: float) -> str:
+        if nbytes > MAX_ERROR_TEXT:
+            raise EngineError(f"tcp reply from {self.endpoint} carries {nbytes} bytes of error text")
+        b = bytearray(nbytes)
+        self.recv_into(memoryview(b), remote, deadline)
+        return b.decode(errors="replace")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            sock = getattr(self, "sock", None)
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+class _WatchConn(_Conn):
+    """A consumer runtime's watch connection to one owner: a reader thread applies the owner's
+    EVENT frames to the subscriptions and hands replies to the requests waiting for them."""
+
+    def __init__(self, engine: "TcpEngine", remote: TcpRemote, deadline: float) -> None:
+        super().__init__(engine, remote, KIND_WATCH, deadline)
+        self.send_lock = threading.Lock()
+        self.subs: dict[int, tuple[Callable[..., None], Callable[[str], None]]] = {}
+        self.pending: dict[int, list[Any]] = {}
+        self.lost: str | None = None
+        self.remote = remote
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._read, name=f"memsem-tcp-watch-{remote.endpoint}", daemon=True)
+        self.thread.start()
+
+    def request(self, op: int, handle: int, body: bytes, deadline: float) -> tuple[int, int, int, str]:
+        """Send a request and wait (bounded) for its reply ``(status, flags, value, text)``."""
+        with self._lock:
+            if self.lost is not None:
+                raise PeerLostError(f"watch connection to {self.endpoint} was lost: {self.lost}")
+            rid = self.next_rid()
+            slot: list[Any] = [threading.Event(), None]
+            self.pending[rid] = slot
+        try:
+            with self.send_lock:
+                self.sock.sendall(_REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body)
+        except OSError as exc:
+            self.pending.pop(rid, None)
+            raise self.engine._broken(self.remote, exc) from exc
+        while not slot[0].wait(POLL_SLICE):
+            try:
+                self.engine._waited(self.remote, deadline)
+            except BaseException:
+                self.pending.pop(rid, None)
+                raise
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        return slot[1]
+
+    def post(self, op: int, handle: int) -> None:
+        """Send a request whose reply nobody waits for (UNWATCH, CLOSE); best effort."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            rid = self.next_rid()
+        try:
+            with self.send_lock:
+                self.sock.sendall(_REQ.pack(op, 0, handle, rid, 0, 0, 0, 0))
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        hdr = memoryview(bytearray(_REP.size))
+        reason = "closed"
+        far = float("inf")
+        try:
+            while not self.closed:
+                try:
+                    self._recv_idle(hdr, far)
+                except _Closed:
+                    break
+                status, flags, handle, rid, value, nbytes = _REP.unpack(hdr)
+                if status == EVENT:
+                    if value > MAX_EVENTS or nbytes != value * _EVT.size:
+                        raise EngineError(f"EVENT frame from {self.endpoint} is malformed ({value} entries, "
+                                          f"{nbytes} bytes)")
+                    body = bytearray(nbytes)
+                    self._recv_idle(memoryview(body), far)
+                    changes = [_EVT.unpack_from(body, i * _EVT.size) for i in range(value)]
+                    sub = self.subs.get(handle)
+                    if sub is not None:
+                        sub[0](changes)
+                    continue
+                text = ""
+                if nbytes:
+                    if nbytes > MAX_ERROR_TEXT:
+                        raise EngineError(f"reply from {self.endpoint} carries {nbytes} bytes of text")
+                    b = bytearray(nbytes)
+                    self._recv_idle(memoryview(b), far)
+                    text = b.decode(errors="replace")
+                slot = self.pending.pop(rid, None)
+                if slot is not None:
+                    slot[1] = (status, flags, value, text)
+                    slot[0].set()
+        except BaseException as exc:  # noqa: BLE001 - ends every subscription of the connection
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._end(reason)
+
+    def _recv_idle(self, mv: memoryview, deadline: float) -> None:
+        """``recv_into`` that waits for the owner indefinitely (the owner pushes when it has
+        something; keepalive ends a dead link) and stops when the connection is closed."""
+        got = 0
+        n = len(mv)
+        while got < n:
+            if self.closed:
+                raise _Closed()
+            try:
+                k = self.sock.recv_into(mv[got:])
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                raise EngineError(f"watch connection to {self.endpoint} failed: {exc}") from exc
+            if not k:
+                raise EngineError(f"the owner at {self.endpoint} closed the watch connection")
+            got += k
+
+    def _end(self, reason: str) -> None:
+        with self._lock:
+            if self.lost is None:
+                self.lost = reason
+            subs = list(self.subs.values())
+            self.subs.clear()
+            pending = list(self.pending.values())
+            self.pending.clear()
+        err = PeerLostError(f"watch connection to {self.endpoint} was lost: {reason}")
+        for slot in pending:
+            slot[1] = err
+            slot[0].set()
+        if not self.closed:
+            for _, on_lost in subs:
+                try:
+                    on_lost(reason)
+                except Exception:  # noqa: BLE001 - one subscriber must not keep others uninformed
+                    log.exception("memsem tcp watch: on_lost failed")
+        self.engine._forget_watch(self)
+        super().close()
+
+    def close(self) -> None:
+        self.closed = True
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        t = getattr(self, "thread", None)
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+        super().close()
+
+
+class _WatchHandle:
+    """A subscription made by ``TcpEngine.watch`` (``close()`` ends it; safe twice)."""
+
+    def __init__(self, wc: _WatchConn, handle: int) -> None:
+        self.wc, self.handle = wc, handle
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        wc = self.wc
+        wc.subs.pop(self.handle, None)
+        wc.post(OP_UNWATCH, self.handle)
+
+
+# -- owner side: one accepted connection -------------------------------------------------------------
+class _Peer:
+    """One connection accepted by the owner's server."""
+
+    def __init__(self, engine: "TcpEngine", sock: socket.socket, addr: Any) -> None:
+        self.engine = engine
+        self.sock = sock
+        self.addr = addr
+        self.nonce = secrets.token_bytes(16)
+        self.kind = KIND_DATA
+        self.handles: dict[int, Any] = {}
+        self.subs: dict[int, Any] = {}
+        self.send_lock = threading.Lock()
+        self.wake = threading.Event()
+        self.closed = False
+        self.thread = threading.Thread(target=engine._serve_peer, args=(self,), daemon=True,
+                                       name=f"memsem-tcp-peer-{addr}")
+        self.writer: threading.Thread | None = None
+        #: reply buffer of small GETs (header, data, trailer) and receive buffer of small PUTs
+        self.buf = bytearray(2 * _REP.size + SMALL_BYTES)
+        self.mv = memoryview(self.buf)
+        self.addr = int(_ffi.cast("uintptr_t", _ffi.from_buffer(self.buf)))
+
+    def shutdown(self) -> None:
+        self.closed = True
+        self.wake.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class TcpEngine(Engine):
-    """One-sided get/put over TCP through pyzmq (see the module docstring for the protocol).
+    """One-sided get/put over TCP on plain sockets (see the module docstring for the protocol).
 
     Args:
         host: address to bind and advertise (``MEMSEM_TCP_HOST``; default derived from the
             directory's host, else 127.0.0.1).
         port: port to bind (``MEMSEM_TCP_PORT``; default any free one).
         timeout: seconds every request may take (default: the runtime's timeout).
-        io_threads: libzmq I/O threads (``MEMSEM_TCP_IO_THREADS``, default 1).
 
     Thread safety: ``get``/``put`` may be called from several threads (each thread has its own
-    sockets). The server thread starts at the first ``register`` and stops at ``close``.
+    connection per owner). The server starts at the first ``register`` and stops at ``close``.
     """
 
     name = "tcp"
     enforces_generation = "owner"
+    versions = True
 
     @classmethod
     def probe(cls) -> Availability:
-        if zmq is None:
-            return Availability(False, "pyzmq is not installed (pip install 'memsem[tcp]')")
         return Availability(True)
 
-    def __init__(self, *, host: str | None = None, port: int | None = None, timeout: float | None = None,
-                 io_threads: int | None = None) -> None:
+    def __init__(self, *, host: str | None = None, port: int | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        avail = self.probe()
-        if not avail:
-            raise NotSupportedError(f"engine 'tcp' is unavailable: {avail.reason}")
         self._host = host or os.environ.get("MEMSEM_TCP_HOST") or None
         self._port = _args.count(port, "port", maximum=65535) if port is not None else \
             _env_int("MEMSEM_TCP_PORT", 0, maximum=65535)
         self.timeout = _args.timeout(timeout, "timeout", positive=True) if timeout is not None else None
-        n_io = _args.count(io_threads, "io_threads", minimum=1, maximum=256) if io_threads is not None else \
-            _env_int("MEMSEM_TCP_IO_THREADS", 1, minimum=1, maximum=256)
-        self._ctx = zmq.Context(io_threads=max(1, n_io))
-        self._rt: "weakref.ref[Any] | None" = None
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._sockets: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._conns: "weakref.WeakSet[_Conn]" = weakref.WeakSet()
+        self._watch_conns: dict[str, _WatchConn] = {}
         self._endpoint: str | None = None
-        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._peers: set[_Peer] = set()
         self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._server_error: BaseException | None = None
-        self._rid = 0
-        self._recv_into = _has_recv_into()
+        self._last_sweep = time.monotonic()
         self.location_attrs: dict[str, Any] = {}
 
     # -- wiring -----------------------------------------------------------------------------------
@@ -159,19 +525,11 @@ class TcpEngine(Engine):
         return ("tcp", f"owner serves TCP at {descriptor.field('endpoint', str)}", False)
 
     def bind(self, context: Any) -> None:
-        """Called by the runtime once its directory is open: the server validates requests
+        """Called by the runtime once its directory is open: the server checks requests
         through it, and consumers ask it about owners' liveness (see ``Engine.bind``)."""
         super().bind(context)
-        self._rt = weakref.ref(context)
         if self.timeout is None:
             self.timeout = float(context.timeout)
-
-    def _runtime(self) -> Any:
-        rt = self._rt() if self._rt is not None else None
-        if rt is None:
-            raise NotSupportedError("engine 'tcp' serves windows only from inside a Runtime "
-                                    "(its runtime validates every request)")
-        return rt
 
     @property
     def endpoint(self) -> str | None:
@@ -181,8 +539,7 @@ class TcpEngine(Engine):
     def _advertised_host(self) -> str:
         if self._host:
             return self._host
-        rt = self._rt() if self._rt is not None else None
-        url = getattr(getattr(rt, "directory", None), "url", "") or ""
+        url = getattr(getattr(self.context, "directory", None), "url", "") or ""
         if url.startswith(("redis://", "rediss://")):
             hostport = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
             host = hostport.rsplit(":", 1)[0].strip("[]") if ":" in hostport else hostport
@@ -197,369 +554,744 @@ class TcpEngine(Engine):
 
     # -- owner side -------------------------------------------------------------------------------
     def register(self, region: LocalRegion) -> Descriptor:
+        ctx = self.context
+        if ctx is None:
+            raise NotSupportedError("engine 'tcp' serves windows only from inside a Runtime "
+                                    "(its runtime checks every request)")
         self._start_server()
-        rt = self._runtime()
-        ident = rt.identity
-        return Descriptor(self.name, {"endpoint": self._endpoint, "rank": rt.rank, "pid": ident.pid,
+        ident = ctx.identity
+        return Descriptor(self.name, {"endpoint": self._endpoint, "rank": ctx.rank, "pid": ident.pid,
                                       "start": ident.start_time, "node": ident.node})
 
     def _start_server(self) -> None:
         with self._lock:
-            if self._thread is not None:
-                if self._server_error is not None:
-                    raise EngineError(f"tcp server failed: {self._server_error}")
+            if self._accept_thread is not None:
                 return
             if self._closed:
                 raise EngineError("engine 'tcp' is closed")
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
             host = self._advertised_host()
             try:
-                sock.bind(f"tcp://{host}:{self._port or '*'}")
-            except zmq.ZMQError as exc:
-                sock.close(0)
+                ls = socket.create_server((host, self._port), backlog=128, reuse_port=False)
+            except OSError as exc:
                 raise EngineError(f"tcp server cannot bind {host}:{self._port or '*'}: {exc}",
                                   errno=exc.errno) from exc
-            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                                            name=f"memsem-tcp-server-{self._endpoint}")
-            self._thread.start()
+            self._listener = ls
+            self._endpoint = f"tcp://{host}:{ls.getsockname()[1]}"
+            self._accept_thread = threading.Thread(target=self._accept, args=(ls,), daemon=True,
+                                                   name=f"memsem-tcp-server-{self._endpoint}")
+            self._accept_thread.start()
 
-    def _serve(self, sock: Any) -> None:
-        pending: list[_Pending] = []
-        last_sweep = time.monotonic()
-        slice_ms = int(POLL_SLICE * 1000)
-        sock.setsockopt(zmq.RCVTIMEO, slice_ms)  # blocking receive, bounded: cheaper than poll+recv
-        timeout_ms = slice_ms
+    def _accept(self, ls: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, addr = ls.accept()
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.01)  # EMFILE and the like: do not spin
+                continue
+            with self._lock:
+                if self._stop.is_set() or len(self._peers) >= MAX_CONNECTIONS:
+                    sock.close()
+                    continue
+                peer = _Peer(self, sock, addr)
+                self._peers.add(peer)
+            peer.thread.start()
+
+    def _serve_peer(self, peer: _Peer) -> None:
+        sock = peer.sock
         try:
-            while not self._stop.is_set():
-                want = 1 if pending else slice_ms
-                if want != timeout_ms:
-                    sock.setsockopt(zmq.RCVTIMEO, want)
-                    timeout_ms = want
-                try:
-                    ident = sock.recv()
-                except zmq.Again:
-                    ident = None
-                if ident is not None:
-                    self._handle(sock, ident, pending)
-                if pending:
-                    self._finish_pending(sock, pending)
-                now = time.monotonic()
-                if ident is None and now - last_sweep > 1.0:
-                    last_sweep = now
-                    rt = self._rt() if self._rt is not None else None
-                    if rt is not None:
-                        rt.serve_sweep()
-        except BaseException as exc:  # the server must never die silently
-            self._server_error = exc
-            log.exception("memsem tcp server on %s failed", self._endpoint)
+            sock.settimeout(None)
+            _configure(sock)
+            sock.sendall(_HELLO.pack(MAGIC, PROTOCOL, 0, peer.nonce))
+            hello = memoryview(bytearray(_CHELLO.size))
+            self._srecv(peer, hello, time.monotonic() + HANDSHAKE_TIMEOUT)
+            magic, proto, kind = _CHELLO.unpack(hello)
+            if magic != MAGIC or proto != PROTOCOL or kind not in (KIND_DATA, KIND_WATCH):
+                return
+            peer.kind = kind
+            if kind == KIND_WATCH:
+                peer.writer = threading.Thread(target=self._push, args=(peer,), daemon=True,
+                                               name=f"memsem-tcp-push-{peer.addr}")
+                peer.writer.start()
+            hdr = memoryview(bytearray(_REQ.size))
+            while not peer.closed:
+                self._srecv(peer, hdr, None)
+                self._request(peer, *_REQ.unpack(hdr))
+        except (_Closed, OSError):
+            pass
+        except BaseException:  # noqa: BLE001 - one broken connection must not end the server
+            log.exception("memsem tcp server: connection from %s failed", peer.addr)
         finally:
-            sock.close(0)
-            for p in pending:  # closed with linger 0: libzmq drops the messages (term() waits)
-                p.grant.leave(p.token, failed=True)
+            peer.shutdown()
+            if peer.writer is not None and peer.writer is not threading.current_thread():
+                peer.writer.join(5.0)
+            for sub in list(peer.subs.values()):
+                try:
+                    sub.close()
+                except MemsemError:
+                    pass
+            peer.subs.clear()
+            peer.handles.clear()
+            try:
+                sock.close()
+            except OSError:
+                pass
+            with self._lock:
+                self._peers.discard(peer)
 
-    def _handle(self, sock: Any, ident: bytes, pending: list[_Pending]) -> None:
-        frames = [ident]
-        while sock.getsockopt(zmq.RCVMORE):
-            frames.append(sock.recv(copy=len(frames) < 2))
-        if len(frames) < 2 or len(frames[1]) < _REQ.size:
-            return  # not our protocol: nothing to answer
-        head = frames[1]
-        op, _, clen, rid, off, n = _REQ.unpack_from(head)
-        cred = head[_REQ.size:_REQ.size + clen]
-        put = op == OP_PUT
-        rt = self._rt() if self._rt is not None else None
+    def _srecv(self, peer: _Peer, mv: memoryview, deadline: float | None) -> None:
+        """Fill ``mv`` from a consumer. ``deadline`` None: wait for the next request as long as
+        the connection lives (a stall inside a request is bounded by the runtime's timeout)."""
+        got, n = 0, len(mv)
+        sock = peer.sock
+        stall = None
+        while got < n:
+            try:
+                k = sock.recv_into(mv[got:])
+            except (BlockingIOError, InterruptedError):
+                if peer.closed or self._stop.is_set():
+                    raise _Closed() from None
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise _Closed() from None
+                if got and deadline is None:
+                    stall = stall or now + (self.timeout or DEFAULT_TIMEOUT)
+                    if now >= stall:
+                        raise _Closed() from None
+                continue
+            if not k:
+                raise _Closed()
+            got += k
+
+    def _send(self, peer: _Peer, data: Any) -> None:
+        with peer.send_lock:
+            peer.sock.sendall(data)
+
+    def _reply(self, peer: _Peer, status: int, handle: int, rid: int, value: int = 0, text: str = "",
+               flags: int = 0) -> None:
+        body = text.encode()[:MAX_ERROR_TEXT]
+        self._send(peer, _REP.pack(status, flags, handle, rid, value, len(body)) + body)
+
+    def _refuse(self, peer: _Peer, handle: int, rid: int, exc: BaseException, grant: Any = None) -> None:
+        status, flags, value = _status_of(exc, grant)
+        self._reply(peer, status, handle, rid, value, f"{type(exc).__name__}: {exc}", flags)
+
+    def _request(self, peer: _Peer, op: int, flags: int, handle: int, rid: int, off: int, n: int, arg: int,
+                 wait_ms: int) -> None:
+        ctx = self.context
+        if ctx is None:
+            raise _Closed()
+        now = time.monotonic()
+        if now - self._last_sweep > 1.0:
+            self._last_sweep = now
+            ctx.serve_sweep()
+        if op == OP_GET:
+            g = peer.handles.get(handle)
+            if g is None:
+                return self._reply(peer, DENIED, handle, rid, 0, f"handle {handle} is not open on this connection")
+            self._get(peer, g, handle, rid, off, n, arg, wait_ms / 1000.0)
+        elif op == OP_PUT:
+            g = peer.handles.get(handle)
+            if g is None or n > MAX_PUT_BYTES:
+                # Nothing of the payload is read: the connection ends here.
+                self._reply(peer, DENIED if g is None else RANGE, handle, rid, 0,
+                            f"handle {handle} is not open on this connection" if g is None else
+                            f"a put request carries at most {MAX_PUT_BYTES} bytes, not {n}")
+                raise _Closed()
+            self._put(peer, g, handle, rid, off, n, wait_ms / 1000.0)
+        elif op == OP_OPEN:
+            if n > MAX_OPEN_BODY:
+                self._reply(peer, DENIED, handle, rid, 0, f"credential of {n} bytes (at most {MAX_OPEN_BODY})")
+                raise _Closed()
+            body = memoryview(bytearray(n))
+            self._srecv(peer, body, time.monotonic() + (self.timeout or DEFAULT_TIMEOUT))
+            if n < 16:
+                self._reply(peer, DENIED, handle, rid, 0, "credential without a proof")
+                raise _Closed()
+            try:
+                g = ctx.serve_open(bytes(body[:n - 16]), peer.nonce + _H16.pack(handle), bytes(body[n - 16:]))
+            except AccessDeniedError as exc:  # one guess per connection
+                self._refuse(peer, handle, rid, exc)
+                raise _Closed() from None
+            except MemsemError as exc:
+                return self._refuse(peer, handle, rid, exc)
+            if handle not in peer.handles and len(peer.handles) >= MAX_HANDLES:
+                return self._reply(peer, ERROR, handle, rid, 0, f"{MAX_HANDLES} credentials are open on "
+                                   "this connection already")
+            peer.handles[handle] = g
+            self._reply(peer, OK, handle, rid, g.generation)
+        elif op in (OP_MARK, OP_CLEAR):
+            g = peer.handles.get(handle)
+            if g is None:
+                return self._reply(peer, DENIED, handle, rid, 0, f"handle {handle} is not open on this connection")
+            try:
+                g.set_ready(off, op == OP_MARK)
+            except (MemsemError, ValueError, TypeError) as exc:
+                return self._refuse(peer, handle, rid, exc, g)
+            self._reply(peer, OK, handle, rid)
+        elif op == OP_WATCH:
+            g = peer.handles.get(handle)
+            if peer.kind != KIND_WATCH or n > MAX_WATCH_TARGETS * _TGT.size or n % _TGT.size:
+                self._reply(peer, DENIED, handle, rid, 0, "watch request refused (not a watch connection, "
+                            "or a malformed target list)")
+                raise _Closed()
+            body = memoryview(bytearray(n))
+            self._srecv(peer, body, time.monotonic() + (self.timeout or DEFAULT_TIMEOUT))
+            if g is None:
+                return self._reply(peer, DENIED, handle, rid, 0, f"handle {handle} is not open on this connection")
+            targets = [_TGT.unpack_from(body, i) for i in range(0, n, _TGT.size)]
+            old = peer.subs.pop(handle, None)
+            if old is not None:
+                old.close()
+            try:
+                sub = g.watch(targets, peer.wake.set)
+            except (MemsemError, ValueError) as exc:
+                return self._refuse(peer, handle, rid, exc, g)
+            peer.subs[handle] = sub
+            with peer.send_lock:  # the current values, then OK: the consumer starts in step
+                sub.dirty = False
+                peer.sock.sendall(b"".join(_events(handle, sub.collect())) +
+                                  _REP.pack(OK, 0, handle, rid, 0, 0))
+        elif op == OP_UNWATCH:
+            sub = peer.subs.pop(handle, None)
+            if sub is not None:
+                sub.close()
+        elif op == OP_CLOSE:
+            peer.handles.pop(handle, None)
+            sub = peer.subs.pop(handle, None)
+            if sub is not None:
+                sub.close()
+        else:
+            raise _Closed()
+
+    def _get(self, peer: _Peer, g: Any, handle: int, rid: int, off: int, n: int, version: int, wait_s: float) -> None:
         try:
-            if rt is None:
-                raise NotSupportedError("the owner's runtime is gone")
-            if op not in (OP_GET, OP_PUT):
-                raise ValueError(f"unknown op {op}")
-            grant = rt.serve_check(cred, put, off, n)
-        except BaseException as exc:
-            sock.send_multipart([ident, _error_reply(rid, exc)])
-            return
-        if put:
-            data = frames[2] if len(frames) == 3 else None
-            size = len(data) if data is not None else -1
-            if size != n:
-                sock.send_multipart([ident, _REP.pack(RANGE, 0, 0, rid, 0) +
-                                     f"put carried {size} bytes in {len(frames) - 2} data frame(s); the "
-                                     f"request said {n}: nothing written".encode()])
+            g.check(False, off, n)
+        except (MemsemError, ValueError) as exc:
+            return self._refuse(peer, handle, rid, exc, g)
+        if n <= SMALL_BYTES:
+            # One native call (bracket and copy) into the reply buffer, one send.
+            v = g.copy(False, off, peer.addr + _REP.size, n, version)
+            if v is not None:
+                _REP.pack_into(peer.buf, 0, DATA, 0, handle, rid, 0, n)
+                _REP.pack_into(peer.buf, _REP.size + n, OK, 0, handle, rid, v, 0)
+                with peer.send_lock:
+                    peer.sock.sendall(peer.mv[:2 * _REP.size + n])
                 return
-            tok = grant.enter(True, off, n)
-            if tok is None:
-                sock.send_multipart([ident, _REP.pack(STALE, 0, 0, rid, grant.current())])
-                return
+        try:
+            tok = g.enter(False, off, n, version, wait_s)
+        except (MemsemError, ValueError) as exc:
+            return self._refuse(peer, handle, rid, exc, g)
+        if n <= SMALL_BYTES:
+            try:
+                data = g.view(tok).tobytes()
+            except BaseException:
+                g.leave(tok, failed=True)
+                raise
+            try:
+                ok = g.leave(tok)
+            except MemsemError as exc:
+                return self._refuse(peer, handle, rid, exc, g)
+            if not ok:
+                return self._reply(peer, TORN, handle, rid)
+            return self._send(peer, b"".join((_REP.pack(DATA, 0, handle, rid, 0, n), data,
+                                              _REP.pack(OK, 0, handle, rid, tok.version, 0))))
+        # Large: straight from the window's memory, inside the bracket.
+        sent = False
+        try:
+            with peer.send_lock:
+                peer.sock.sendall(_REP.pack(DATA, 0, handle, rid, 0, n))
+                peer.sock.sendall(memoryview(g.view(tok)))
+            sent = True
+        finally:
+            try:
+                ok = g.leave(tok, failed=not sent)
+            except MemsemError as exc:
+                if sent:
+                    self._refuse(peer, handle, rid, exc, g)
+                ok = None
+        if ok is not None:
+            self._reply(peer, OK if ok else TORN, handle, rid, tok.version if ok else 0)
+
+    def _put(self, peer: _Peer, g: Any, handle: int, rid: int, off: int, n: int, wait_s: float) -> None:
+        try:
+            g.check(True, off, n)
+        except (MemsemError, ValueError) as exc:
+            # A legitimate consumer checks range and access itself: no payload is read.
+            self._refuse(peer, handle, rid, exc, g)
+            raise _Closed() from None
+        if n <= SMALL_BYTES:
+            # Checked: receive into the connection's own bounded buffer, then one native call.
+            self._srecv(peer, peer.mv[:n], time.monotonic() + (self.timeout or DEFAULT_TIMEOUT))
+            v = g.copy(True, off, peer.addr, n)
+            if v is not None:
+                return self._reply(peer, OK, handle, rid, v)
+            try:
+                tok = g.enter(True, off, n, 0, wait_s)
+            except (MemsemError, ValueError) as exc:
+                return self._refuse(peer, handle, rid, exc, g)
             ok = False
             try:
-                if n:
-                    grant.mem[off:off + n] = np.frombuffer(data.buffer if hasattr(data, "buffer") else data, np.uint8)
+                g.view(tok)[:] = np.frombuffer(peer.buf, np.uint8, n)
                 ok = True
             finally:
-                ok = grant.leave(tok, failed=not ok)
-            sock.send_multipart([ident, _REP.pack(OK, 0, 0, rid, n) if ok else
-                                 _REP.pack(STALE, 0, 0, rid, grant.current())])
-            return
-        tok = grant.enter(False, off, n)
-        if tok is None:
-            sock.send_multipart([ident, _REP.pack(STALE, 0, 0, rid, grant.current())])
-            return
-        if n < ZERO_COPY_BYTES:
-            data = b""
-            try:
-                data = grant.mem[off:off + n].tobytes()
-            finally:
-                ok = grant.leave(tok, failed=len(data) != n)
-            sock.send_multipart([ident, _REP.pack(OK, 0, 0, rid, n) + data if ok else
-                                 _REP.pack(STALE, 0, 0, rid, grant.current())])
-            return
-        # Large: zero-copy from the window; the bracket stays open (counted in flight, control
-        # block mapped) until libzmq let go of the frame.
+                try:
+                    ok = g.leave(tok, failed=not ok)
+                except MemsemError as exc:
+                    return self._refuse(peer, handle, rid, exc, g)
+            return self._reply(peer, OK if ok else TORN, handle, rid, tok.version if ok else 0)
         try:
-            sock.send(ident, zmq.SNDMORE)
-            sock.send(_REP.pack(MORE, 0, 0, rid, n), zmq.SNDMORE)
-            end = off + n
-            trackers = []
-            for o in range(off, end, CHUNK_BYTES):  # frames of CHUNK_BYTES: faster than one
-                last = o + CHUNK_BYTES >= end
-                trackers.append(sock.send(grant.mem[o:min(end, o + CHUNK_BYTES)], 0 if last else zmq.SNDMORE,
-                                          copy=False, track=True))
-            tracker = zmq.MessageTracker(*trackers)
-        except BaseException:
-            grant.leave(tok, failed=True)
-            raise
-        pending.append(_Pending(tracker, grant, tok, ident, rid))
+            tok = g.enter(True, off, n, 0, wait_s)
+        except (MemsemError, ValueError) as exc:
+            self._refuse(peer, handle, rid, exc, g)
+            if n > DISCARD_BYTES:
+                raise _Closed() from None
+            self._discard(peer, n)
+            return
+        received = False
+        try:
+            self._srecv(peer, memoryview(g.view(tok)), time.monotonic() + (self.timeout or DEFAULT_TIMEOUT))
+            received = True
+        finally:
+            try:
+                ok = g.leave(tok, failed=not received)
+            except MemsemError as exc:
+                if received:
+                    self._refuse(peer, handle, rid, exc, g)
+                ok = None
+        if ok is not None:
+            self._reply(peer, OK if ok else TORN, handle, rid, tok.version if ok else 0)
 
-    def _finish_pending(self, sock: Any, pending: list[_Pending]) -> None:
-        keep = []
-        for p in pending:
-            if p.tracker.done:
-                ok = p.grant.leave(p.token)
-                sock.send_multipart([p.ident, _REP.pack(OK, 0, 0, p.rid, 0) if ok else
-                                     _REP.pack(STALE, 0, 0, p.rid, p.grant.current())])
-            else:
-                keep.append(p)
-        pending[:] = keep
+    def _discard(self, peer: _Peer, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 18)))
+        deadline = time.monotonic() + (self.timeout or DEFAULT_TIMEOUT)
+        while n:
+            k = min(n, len(scratch))
+            self._srecv(peer, scratch[:k], deadline)
+            n -= k
+
+    def _push(self, peer: _Peer) -> None:
+        """Writer of a watch connection: sends what changed in the words of its subscriptions
+        (each collect returns only what changed since the last one)."""
+        try:
+            while not peer.closed:
+                peer.wake.wait()
+                peer.wake.clear()
+                for handle, sub in list(peer.subs.items()):
+                    if not sub.dirty:
+                        continue
+                    sub.dirty = False
+                    with peer.send_lock:
+                        frames = _events(handle, sub.collect())
+                        if frames:
+                            peer.sock.sendall(b"".join(frames))
+        except OSError:
+            pass
+        except BaseException:  # noqa: BLE001
+            log.exception("memsem tcp server: pushing to %s failed", peer.addr)
+        finally:
+            peer.shutdown()
 
     def deregister(self, descriptor: Descriptor) -> None:
         self._check_descriptor(descriptor)
 
     # -- consumer side ----------------------------------------------------------------------------
-    def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
+    def attach(self, descriptor: Descriptor, nbytes: int, credential: Any = b"") -> RemoteRegion:
         self._check_descriptor(descriptor)
         d = descriptor
-        if not credential:
-            raise ValueError("engine 'tcp' needs the ref's credential (the owner checks it on every request)")
-        if len(credential) > 0xFFFF:
-            raise ValueError(f"credential of {len(credential)} bytes is too long")
         endpoint = d.field("endpoint", str)
         if not endpoint.startswith("tcp://"):
             raise ValueError(f"tcp descriptor field 'endpoint' must be a tcp:// address, got {endpoint!r}")
-        return TcpRemote(self, nbytes, endpoint, bytes(credential),
-                         (d.field("pid", int, 0), d.field("start", int, 0), d.field("node", str, ""),
-                          d.field("rank", int, -1)))
+        owner = (d.field("pid", int, 0), d.field("start", int, 0), d.field("node", str, ""), d.field("rank", int, -1))
+        _split_endpoint(endpoint)
+        if not isinstance(credential, Credential):
+            raise ValueError("engine 'tcp' needs the ref's Credential (the owner checks it on every request)")
+        if len(credential.token) + 16 > MAX_OPEN_BODY:
+            raise ValueError(f"credential token of {len(credential.token)} bytes is too long")
+        gva = struct.unpack_from("<Q", credential.token, 4)[0] if len(credential.token) >= 12 else 0
+        return TcpRemote(self, nbytes, endpoint, credential, owner, gva)
 
-    def _socket(self, endpoint: str) -> Any:
-        socks = getattr(self._local, "socks", None)
-        if socks is None:
-            socks = self._local.socks = {}
-        s = socks.get(endpoint)
-        if s is None:
+    def detach(self, remote: RemoteRegion) -> None:
+        if isinstance(remote, TcpRemote):
+            for w in list(remote.watches):
+                w.close()
+
+    def _conn(self, remote: TcpRemote, deadline: float) -> _Conn:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        c = conns.get(remote.endpoint)
+        if c is None or c.closed:
             if self._closed:
                 raise EngineError("engine 'tcp' is closed")
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, int(POLL_SLICE * 1000))
-            s.connect(endpoint)
-            socks[endpoint] = s
-            with self._lock:
-                self._sockets.add(s)
-        return s
+            c = conns[remote.endpoint] = _Conn(self, remote, KIND_DATA, deadline)
+            self._conns.add(c)
+        return c
 
-    def _drop_socket(self, endpoint: str) -> None:
-        s = getattr(self._local, "socks", {}).pop(endpoint, None)
-        if s is not None:
-            s.close(0)
+    def _drop(self, c: _Conn) -> None:
+        c.close()
+        conns = getattr(self._local, "conns", None)
+        if conns is not None and conns.get(c.endpoint) is c:
+            del conns[c.endpoint]
 
-    def _next_rid(self) -> int:
-        with self._lock:
-            self._rid = (self._rid + 1) & 0xFFFFFFFF
-            return self._rid
+    def _handle(self, c: _Conn, remote: TcpRemote, deadline: float) -> int:
+        """This connection's handle for ``remote``'s credential (opened now if need be)."""
+        cred = remote.credential
+        h = c.handles.get(cred.token)
+        if h is not None:
+            return h
+        h = c.new_handle()
+        body = cred.token + cred.prove(c.challenge(h))
+        rid = c.next_rid()
+        try:
+            c.sock.sendall(_REQ.pack(OP_OPEN, 0, h, rid, 0, len(body), 0, 0) + body)
+        except OSError as exc:
+            raise self._broken(remote, exc) from exc
+        status, flags, value, nbytes = c.reply(remote, deadline, rid)
+        text = c.text(nbytes, remote, deadline) if nbytes else ""
+        if status != OK:
+            raise self._error(remote, status, flags, value, text, "open", 0)
+        c.handles[cred.token] = h
+        return h
 
-    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int = 0) -> int:
+        """Copy ``dst.nbytes`` bytes at ``offset`` here; returns the version the owner read
+        (``version`` 0 asks for the latest, else exactly that one)."""
         n = dst.nbytes
         self._check_range(remote, offset, n)
-        self._request(remote, OP_GET, offset, n, dst)
+        return self._transfer(remote, False, offset, dst, version)
 
-    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+        """Copy ``src`` to ``offset``; returns (at remote completion) the version overwritten."""
         n = src.nbytes
         self._check_range(remote, offset, n)
-        self._request(remote, OP_PUT, offset, n, src)
+        return self._transfer(remote, True, offset, src, 0)
 
-    def _request(self, remote: TcpRemote, op: int, offset: int, n: int, local: np.ndarray) -> None:
+    def _transfer(self, remote: RemoteRegion, put: bool, offset: int, local: np.ndarray, version: int) -> int:
         if not isinstance(remote, TcpRemote):
             raise ValueError("remote was not attached by engine 'tcp'")
-        ep = remote.endpoint
-        sock = self._socket(ep)
-        rid = self._next_rid()
-        cred = remote.credential
-        head = _REQ.pack(op, 0, len(cred), rid, offset, n) + cred
-        deadline = time.monotonic() + (self.timeout or DEFAULT_TIMEOUT)
-        ok = False
-        try:
-            if op == OP_PUT:
-                sock.send(head, zmq.SNDMORE)
-                tracker = sock.send(local if n >= ZERO_COPY_BYTES else local.tobytes(),
-                                    copy=n < ZERO_COPY_BYTES, track=n >= ZERO_COPY_BYTES)
-                status, value, rest = self._reply(sock, remote, rid, deadline, None)
-                if tracker is not None:
-                    tracker.wait(max(0.001, deadline - time.monotonic()))
-            else:
-                sock.send(head)
-                status, value, rest = self._reply(sock, remote, rid, deadline, local)
-            self._check_status(remote, status, value, rest, n, op)
-            ok = True
-        except zmq.ZMQError as exc:
-            raise EngineError(f"tcp request to {ep} failed: {exc}", errno=exc.errno) from exc
-        finally:
-            if not ok:
-                self._drop_socket(ep)  # no late reply of this request can be taken for another
-
-    def _recv(self, sock: Any, remote: TcpRemote, deadline: float) -> bytes:
-        """The next message frame; blocks in slices of POLL_SLICE (the socket's RCVTIMEO),
-        checking the owner's liveness in between. PeerLostError / MemsemTimeoutError."""
+        timeout = self.timeout or DEFAULT_TIMEOUT
+        deadline = time.monotonic() + timeout
+        mv = memoryview(local).cast("B") if local.ndim != 1 or local.dtype != np.uint8 else memoryview(local)
         while True:
+            got = self._on_conn(remote, deadline, lambda c, h: self._run(c, remote, h, put, offset, mv, version,
+                                                                         deadline))
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:  # torn again and again: a writer never let go
+                raise MemsemTimeoutError(f"tcp {'put' if put else 'get'} of {len(mv)} bytes at {remote.endpoint}: "
+                                         f"write sections kept tearing it for {timeout} s",
+                                         what=f"tcp transfer at {remote.endpoint}", timeout=timeout)
+
+    def _on_conn(self, remote: TcpRemote, deadline: float, fn: Callable[[_Conn, int], Any]) -> Any:
+        """``fn(connection, handle)`` on this thread's connection to the owner. A connection
+        that failed under it is dropped (no late reply is ever taken for a later request) and
+        the request made once more on a new one: an owner that died refuses the connection
+        (``PeerLostError``); requests are idempotent (a put writes the same bytes again)."""
+        for attempt in (0, 1):
+            c = self._conn(remote, deadline)
+            ok = False
             try:
-                return sock.recv()
-            except zmq.Again:
-                pass
-            if not self._peer_alive(remote):
-                raise PeerLostError(f"the owner of window gva {remote.gva:#x} at {remote.endpoint} "
-                                    f"(node {remote.owner[2]!r}, pid {remote.owner[0]}) is dead: its "
-                                    "heartbeat expired during the request")
-            if time.monotonic() >= deadline:
-                raise MemsemTimeoutError(f"tcp request to {remote.endpoint} (window gva {remote.gva:#x}) "
-                                         f"not answered after {self.timeout} s",
-                                         what=f"tcp reply from {remote.endpoint}", timeout=self.timeout)
+                out = fn(c, self._handle(c, remote, deadline))
+                ok = True
+                return out
+            except _ConnectionLost:
+                if attempt:
+                    raise
+            finally:
+                if not ok:
+                    self._drop(c)
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _reply(self, sock: Any, remote: TcpRemote, rid: int, deadline: float,
-               dst: np.ndarray | None) -> tuple[int, int, bytes]:
-        while True:
-            msg = self._recv(sock, remote, deadline)
-            if len(msg) < _REP.size:
-                self._drain(sock)
-                continue
-            status, _, _, got, value = _REP.unpack_from(msg)
-            if got != rid:
-                self._drain(sock)  # a late reply to an earlier request of this socket
-                continue
-            if status != MORE:
-                if dst is not None and status == OK:
-                    data = memoryview(msg)[_REP.size:]
-                    if len(data) != dst.nbytes:
-                        raise EngineError(f"tcp get from {remote.endpoint} returned {len(data)} bytes, "
-                                          f"{dst.nbytes} were asked: not reported as done")
-                    if len(data):
-                        dst[...] = np.frombuffer(data, np.uint8)
-                self._drain(sock)
-                return status, value, msg[_REP.size:]
-            # Large GET: data frame straight into the destination, then the final status.
-            if dst is None or not sock.getsockopt(zmq.RCVMORE):
-                self._drain(sock)
-                raise EngineError(f"tcp reply from {remote.endpoint} is malformed (MORE without data)")
-            size, n = 0, dst.nbytes
-            while sock.getsockopt(zmq.RCVMORE):  # each frame straight into its slice of dst
-                if size >= n:
-                    break
-                if self._recv_into:
-                    got = sock.recv_into(dst[size:])  # the full frame size: truncation shows
+    def _run(self, c: _Conn, remote: TcpRemote, h: int, put: bool, offset: int, mv: memoryview, version: int,
+             deadline: float) -> int | None:
+        """The chunks of one transfer, pipelined; the version moved, or None when a chunk was
+        torn or chunks saw different versions (the caller does it again)."""
+        n = len(mv)
+        op = OP_PUT if put else OP_GET
+        if n <= SMALL_BYTES:
+            return self._one(c, remote, h, op, offset, mv, version, deadline)
+        chunks = [(o, min(CHUNK_BYTES, n - o)) for o in range(0, n, CHUNK_BYTES)] or [(0, 0)]
+        sock = c.sock
+        wait_ms = lambda: max(0, min(0xFFFFFFFF, int((deadline - time.monotonic()) * 1000)))  # noqa: E731
+        rids = []
+
+        def send(i: int) -> None:
+            o, k = chunks[i]
+            rid = c.next_rid()
+            rids.append(rid)
+            head = _REQ.pack(op, 0, h, rid, offset + o, k, version, wait_ms())
+            try:
+                if put and k <= SMALL_BYTES:
+                    sock.sendall(head + mv[o:o + k])
+                elif put:
+                    sock.sendall(head)
+                    sock.sendall(mv[o:o + k])
                 else:
-                    frame = sock.recv(copy=False)
-                    got = len(frame)
-                    if size + got <= n:
-                        dst[size:size + got] = np.frombuffer(frame.buffer, np.uint8)
-                size += got
-            self._drain(sock)
-            if size != dst.nbytes:
-                raise EngineError(f"tcp get from {remote.endpoint} carried {size} bytes, {dst.nbytes} "
-                                  "were asked: the transfer is partial and not reported as done")
-            while True:  # the final status of this request (the owner re-checked the generation)
-                fin = self._recv(sock, remote, deadline)
-                self._drain(sock)
-                if len(fin) >= _REP.size and _REP.unpack_from(fin)[3] == rid:
-                    status, _, _, _, value = _REP.unpack_from(fin)
-                    if status == MORE:
-                        raise EngineError("tcp reply out of order (two data messages): not reported as done")
-                    return status, value, fin[_REP.size:]
+                    sock.sendall(head)
+            except OSError as exc:
+                raise self._broken(remote, exc) from exc
 
-    @staticmethod
-    def _drain(sock: Any) -> None:
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv(copy=False)
+        for i in range(min(PIPELINE_DEPTH, len(chunks))):
+            send(i)
+        seen = None
+        torn = False
+        for i, (o, k) in enumerate(chunks):
+            rid = rids[i]
+            status, flags, value, nbytes = c.reply(remote, deadline, rid)
+            if not put and status == DATA:
+                if nbytes != k:
+                    raise EngineError(f"tcp get from {remote.endpoint} answered {nbytes} bytes, {k} were asked")
+                c.recv_into(mv[o:o + k], remote, deadline)
+                status, flags, value, nbytes = c.reply(remote, deadline, rid)
+            if status == TORN:
+                torn = True
+            elif status != OK:
+                text = c.text(nbytes, remote, deadline) if nbytes else ""
+                raise self._error(remote, status, flags, value, text, "put" if put else "get", n, version)
+            elif seen is None:
+                seen = value
+            elif value != seen:
+                torn = True  # chunks of two versions: not one version's bytes
+            if i + PIPELINE_DEPTH < len(chunks):
+                send(i + PIPELINE_DEPTH)
+        return None if torn else (seen or 0)
 
-    def _check_status(self, remote: TcpRemote, status: int, value: int, rest: bytes, n: int, op: int) -> None:
+    def _one(self, c: _Conn, remote: TcpRemote, h: int, op: int, offset: int, mv: memoryview, version: int,
+             deadline: float) -> int | None:
+        """One small request and its reply (the common case, kept short)."""
+        n = len(mv)
+        rid = c.next_rid()
+        head = _REQ.pack(op, 0, h, rid, offset, n, version, max(0, min(0xFFFFFFFF, int((deadline - time.monotonic()) * 1000))))
+        try:
+            c.sock.sendall(head + mv if op == OP_PUT else head)
+        except OSError as exc:
+            raise self._broken(remote, exc) from exc
+        status, flags, value, nbytes = c.reply(remote, deadline, rid)
+        if status == DATA and op == OP_GET:
+            if nbytes != n:
+                raise EngineError(f"tcp get from {remote.endpoint} answered {nbytes} bytes, {n} were asked")
+            c.recv_into(mv, remote, deadline)
+            status, flags, value, nbytes = c.reply(remote, deadline, rid)
         if status == OK:
-            return
-        what = f"tcp {'put' if op == OP_PUT else 'get'} of {n} bytes at {remote.endpoint}"
-        msg = rest.decode(errors="replace") if rest else ""
+            return value
+        if status == TORN:
+            return None
+        text = c.text(nbytes, remote, deadline) if nbytes else ""
+        raise self._error(remote, status, flags, value, text, "put" if op == OP_PUT else "get", n, version)
+
+    def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
+        if not isinstance(remote, TcpRemote):
+            raise ValueError("remote was not attached by engine 'tcp'")
+        deadline = time.monotonic() + (self.timeout or DEFAULT_TIMEOUT)
+
+        def mark(c: _Conn, h: int) -> tuple[int, int, int, str]:
+            rid = c.next_rid()
+            try:
+                c.sock.sendall(_REQ.pack(OP_MARK if ready else OP_CLEAR, 0, h, rid, tile, 0, 0, 0))
+            except OSError as exc:
+                raise self._broken(remote, exc) from exc
+            status, flags, value, nbytes = c.reply(remote, deadline, rid)
+            return status, flags, value, c.text(nbytes, remote, deadline) if nbytes else ""
+
+        status, flags, value, text = self._on_conn(remote, deadline, mark)
+        if status != OK:
+            raise self._error(remote, status, flags, value, text, "ready mark", 0)
+
+    # -- consumer side: watches -------------------------------------------------------------------
+    def can_watch(self, remote: RemoteRegion) -> str:
+        return "push" if isinstance(remote, TcpRemote) else ""
+
+    def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
+              on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
+              timeout: float) -> _WatchHandle:
+        """See ``Engine.watch``: the owner pushes the words' values, then every change."""
+        if not isinstance(remote, TcpRemote):
+            raise ValueError("remote was not attached by engine 'tcp'")
+        if not 0 < len(targets) <= MAX_WATCH_TARGETS:
+            raise ValueError(f"a watch names 1 to {MAX_WATCH_TARGETS} targets, got {len(targets)}")
+        deadline = time.monotonic() + _args.timeout(timeout, "timeout")
+        wc = self._watch_conn(remote, deadline)
+        cred = remote.credential
+        with wc._lock:
+            h = wc.handles.get(cred.token)
+            fresh = h is None
+            if fresh:
+                h = wc.new_handle()
+        if fresh:
+            status, flags, value, text = wc.request(OP_OPEN, h, cred.token + cred.prove(wc.challenge(h)), deadline)
+            if status != OK:
+                raise self._error(remote, status, flags, value, text, "watch", 0)
+            wc.handles[cred.token] = h
+        wc.subs[h] = (lambda changes: on_update([(k, i, v) for k, i, v in changes]), on_lost)
+        body = b"".join(_TGT.pack(k, i, cnt) for k, i, cnt in targets)
+        try:
+            status, flags, value, text = wc.request(OP_WATCH, h, body, deadline)
+        except BaseException:
+            wc.subs.pop(h, None)
+            raise
+        if status != OK:
+            wc.subs.pop(h, None)
+            raise self._error(remote, status, flags, value, text, "watch", 0)
+        handle = _WatchHandle(wc, h)
+        remote.watches.add(handle)
+        return handle
+
+    def _watch_conn(self, remote: TcpRemote, deadline: float) -> _WatchConn:
+        with self._lock:
+            if self._closed:
+                raise EngineError("engine 'tcp' is closed")
+            wc = self._watch_conns.get(remote.endpoint)
+            if wc is not None and wc.lost is None and not wc.closed:
+                return wc
+        wc = _WatchConn(self, remote, deadline)
+        with self._lock:
+            old = self._watch_conns.get(remote.endpoint)
+            if old is not None and old.lost is None and not old.closed:
+                wc.close()
+                return old
+            self._watch_conns[remote.endpoint] = wc
+        return wc
+
+    def _forget_watch(self, wc: _WatchConn) -> None:
+        with self._lock:
+            if self._watch_conns.get(wc.endpoint) is wc:
+                del self._watch_conns[wc.endpoint]
+
+    # -- errors and liveness ----------------------------------------------------------------------
+    def _waited(self, remote: TcpRemote, deadline: float) -> None:
+        """A receive slice passed with nothing: the owner's liveness, then the deadline."""
+        if not self._peer_alive(remote):
+            raise PeerLostError(f"the owner of window gva {remote.gva:#x} at {remote.endpoint} "
+                                f"(node {remote.owner[2]!r}, pid {remote.owner[0]}) is dead: its "
+                                "heartbeat expired during the request")
+        if time.monotonic() >= deadline:
+            t = self.timeout or DEFAULT_TIMEOUT
+            raise MemsemTimeoutError(f"tcp request to {remote.endpoint} (window gva {remote.gva:#x}) "
+                                     f"not answered after {t} s", what=f"tcp reply from {remote.endpoint}",
+                                     timeout=t)
+        if self._closed:
+            raise EngineError("engine 'tcp' was closed during the request")
+
+    def _broken(self, remote: TcpRemote, exc: OSError | None) -> MemsemError:
+        """The connection failed mid-request: a dead owner is PeerLostError, else EngineError."""
+        why = "closed the connection" if exc is None else f"connection failed: {exc}"
+        if not self._peer_alive(remote):
+            return PeerLostError(f"the owner of window gva {remote.gva:#x} at {remote.endpoint} is dead ({why})")
+        return _ConnectionLost(f"tcp request to {remote.endpoint} failed: the owner {why}",
+                               errno=None if exc is None else exc.errno)
+
+    def _unreachable(self, remote: TcpRemote, exc: OSError) -> MemsemError:
+        if not self._peer_alive(remote) or exc.errno in (_errno.ECONNREFUSED, _errno.EHOSTUNREACH,
+                                                         _errno.ENETUNREACH):
+            return PeerLostError(f"the owner of window gva {remote.gva:#x} at {remote.endpoint} "
+                                 f"(node {remote.owner[2]!r}, pid {remote.owner[0]}) is unreachable: {exc}")
+        return EngineError(f"cannot connect to {remote.endpoint}: {exc}", errno=exc.errno)
+
+    def _error(self, remote: TcpRemote, status: int, flags: int, value: int, text: str, what: str, n: int,
+               version: int = 0) -> BaseException:
+        where = f"tcp {what} of {n} bytes at {remote.endpoint}" if n else f"tcp {what} at {remote.endpoint}"
         if status == STALE:
-            raise StaleReferenceError(f"window gva {remote.gva:#x} moved to generation {value or None} at its "
-                                      f"owner ({what}): no byte of it is valid", expected=None,
-                                      found=value or None)
+            if flags & FLAG_VERSION:
+                return StaleReferenceError(f"window gva {remote.gva:#x}: version {version} is gone at its owner "
+                                           f"(it holds version {value} now; {where})", expected=version,
+                                           found=value)
+            return StaleReferenceError(f"window gva {remote.gva:#x} moved to generation {value or None} at its "
+                                       f"owner ({where}): no byte of it is valid", expected=None,
+                                       found=value or None)
         if status == NOT_FOUND:
-            raise WindowNotFoundError(f"{what}: {msg}")
+            return WindowNotFoundError(f"{where}: {text}")
         if status == DENIED:
-            raise AccessDeniedError(f"{what}: {msg}")
+            return AccessDeniedError(f"{where}: {text}")
         if status == RANGE:
-            raise ValueError(f"{what}: {msg}")
-        raise EngineError(f"{what} failed at the owner: {msg or _STATUS_NAMES.get(status, status)}",
-                          name=_STATUS_NAMES.get(status, str(status)))
+            return ValueError(f"{where}: {text}")
+        if status == BUSY:
+            t = self.timeout or DEFAULT_TIMEOUT
+            return MemsemTimeoutError(f"{where}: {text}", what=f"write section at {remote.endpoint}", timeout=t)
+        return EngineError(f"{where} failed at the owner: {text or _STATUS_NAMES.get(status, status)}",
+                           name=_STATUS_NAMES.get(status, str(status)))
 
     def _peer_alive(self, remote: TcpRemote) -> bool:
-        rt = self._rt() if self._rt is not None else None
-        if rt is None:
+        ctx = self.context
+        if ctx is None:
             return True
         pid, start, node, rank = remote.owner
-        return rt.peer_alive(pid, start, node, rank)
+        try:
+            return ctx.peer_alive(pid, start, node, rank)
+        except MemsemError:
+            return True
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the server (its zero-copy replies are dropped) and close every socket. Safe twice."""
+        """Stop the server (waiting, bounded, for its connections' threads) and close every
+        connection. Safe twice."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=5.0)
-        with self._lock:
-            socks = list(self._sockets)
-        for s in socks:
+        ls = self._listener
+        if ls is not None:
             try:
-                s.close(0)
-            except zmq.ZMQError:
+                ls.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
-        # term() returns once libzmq released every message, zero-copy frames included: only then
-        # may the runtime unmap the windows' memory.
-        self._ctx.term()
+            ls.close()
+        with self._lock:
+            peers = list(self._peers)
+            watches = list(self._watch_conns.values())
+            self._watch_conns.clear()
+        for p in peers:
+            p.shutdown()
+        deadline = time.monotonic() + 5.0
+        t = self._accept_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+        for p in peers:
+            if p.thread is not threading.current_thread():
+                p.thread.join(max(0.0, deadline - time.monotonic()))
+        for w in watches:
+            w.close()
+        for c in list(self._conns):
+            c.close()
 
 
-def _error_reply(rid: int, exc: BaseException) -> bytes:
+def _events(handle: int, changes: list[tuple[int, int, int]]) -> list[bytes]:
+    """EVENT frames carrying ``changes`` (at most MAX_EVENTS entries each)."""
+    out = []
+    for i in range(0, len(changes), MAX_EVENTS):
+        part = changes[i:i + MAX_EVENTS]
+        out.append(_REP.pack(EVENT, 0, handle, 0, len(part), len(part) * _EVT.size)
+                   + b"".join(_EVT.pack(k, idx, v) for k, idx, v in part))
+    return out
+
+
+def _status_of(exc: BaseException, grant: Any) -> tuple[int, int, int]:
+    """``(status, flags, value)`` of a refusal."""
     if isinstance(exc, WindowNotFoundError):
-        status = NOT_FOUND
-    elif isinstance(exc, StaleReferenceError):
-        return _REP.pack(STALE, 0, 0, rid, int(getattr(exc, "found", 0) or 0)) + str(exc).encode()
-    elif isinstance(exc, AccessDeniedError):
-        status = DENIED
-    elif isinstance(exc, ValueError):
-        status = RANGE
-    else:
-        status = ERROR
-    return _REP.pack(status, 0, 0, rid, 0) + f"{type(exc).__name__}: {exc}".encode()
+        return NOT_FOUND, 0, 0
+    if isinstance(exc, StaleReferenceError):
+        version = grant is not None and exc.expected is not None and exc.expected != grant.generation
+        return STALE, FLAG_VERSION if version else 0, int(exc.found or 0)
+    if isinstance(exc, AccessDeniedError):
+        return DENIED, 0, 0
+    if isinstance(exc, MemsemTimeoutError):
+        return BUSY, 0, 0
+    if isinstance(exc, (ValueError, TypeError)):
+        return RANGE, 0, 0
+    return ERROR, 0, 0
 
 
-__all__ = ["TcpEngine", "TcpRemote", "ZERO_COPY_BYTES"]
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    rest = endpoint[len("tcp://"):] if endpoint.startswith("tcp://") else endpoint
+    host, sep, port = rest.rpartition(":")
+    try:
+        p = int(port)
+    except ValueError:
+        p = -1
+    if not sep or not host or not 0 < p < 65536:
+        raise ValueError(f"tcp descriptor field 'endpoint' must be tcp://host:port, got {endpoint!r}")
+    return host.strip("[]"), p
 
 
 def _env_int(name: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
@@ -572,3 +1304,6 @@ def _env_int(name: str, default: int, *, minimum: int = 0, maximum: int | None =
     except ValueError:
         raise ValueError(f"{name} must be an int, got {raw!r}") from None
     return _args.count(v, name, minimum=minimum, maximum=maximum)
+
+
+__all__ = ["CHUNK_BYTES", "MAX_PUT_BYTES", "PIPELINE_DEPTH", "TcpEngine", "TcpRemote"]

@@ -15,7 +15,15 @@ from memsem.gva._address import (
     make_gva,
     split_gva,
 )
-from memsem.gva._refspec import RefSpec
+from memsem.gva._refspec import (
+    Mint,
+    RefSpec,
+    credential_proof,
+    credential_token,
+    mint_mac,
+    mint_valid,
+    parse_token,
+)
 from memsem.gva._control import (
     PERM_READ,
     PERM_WRITE,
@@ -28,5 +36,6 @@ from memsem.gva._control import (
 __all__ = [
     "GVA_ALIGN", "RANK_SHIFT", "SliceAllocator", "WindowInfo", "key_digest", "key_matches",
     "make_gva", "split_gva", "PERM_READ", "PERM_WRITE", "ControlBlock", "WindowState",
-    "control_block_bytes", "new_generation", "inflight", "lease", "ready", "RefSpec",
+    "control_block_bytes", "new_generation", "inflight", "lease", "ready", "RefSpec", "Mint",
+    "mint_mac", "mint_valid", "credential_token", "credential_proof", "parse_token",
 ]

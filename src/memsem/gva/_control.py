@@ -24,7 +24,9 @@ word  meaning
 16    slot 0 sequence word: ``version << 1 | writing`` (odd while a write section is open)
 17    slot 1 sequence word (double-buffered windows)
 18    flags (bit 0: owner writes outside write sections are trapped, debug mode)
-19-23 reserved
+19    ready sequence: incremented (and futex-woken) after every ready-word write, so one
+      watcher of all ready words (the tcp owner pushing transitions) waits on one word
+20-23 reserved
 24..  lease slots, 6 words each: holder pid, holder start time, expiry (monotonic ns),
       lease id (0 = free slot), version the lease pins (0 = none), reserved
 then  in-flight slots, 2 words each: holder identity (``pid | start << 22``, 0 = free) and the
@@ -56,7 +58,7 @@ MAX_READY_WORDS = 1 << 24
 
 (W_MAGIC, W_VERSION, W_OWNER_PID, W_OWNER_START, W_GENERATION, W_STATE, W_PERMS, W_NBYTES,
  W_LATEST, W_HEARTBEAT, W_NREADY, W_NLEASE, W_TILE_BYTES, W_NINFLIGHT, W_NSLOTS, W_SLOT_STRIDE,
- W_SEQ0, W_SEQ1, W_FLAGS) = range(19)
+ W_SEQ0, W_SEQ1, W_FLAGS, W_READY_SEQ) = range(20)
 
 PERM_READ = 1
 PERM_WRITE = 2

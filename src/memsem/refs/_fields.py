@@ -24,7 +24,7 @@ from memsem import _args, _dtypes
 from memsem._buffers import as_array, buffer_info, dtype_code
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.gva import RefSpec
-from memsem.refs._tensorref import TensorRef, as_core
+from memsem.refs._tensorref import TensorRef, as_core, narrowed
 from memsem.runtime import RuntimeCore
 
 FIELD_MAGIC = b"MSFR"
@@ -209,9 +209,9 @@ class FieldRef(TensorRef):
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
         s = self.spec
-        return TensorRef(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + start * sc.row_bytes,
-                                 (stop - start) * sc.row_bytes, s.dtype_code, (stop - start,) + s.shape[1:],
-                                 0, s.framework, s.name), self._rt)
+        return TensorRef(narrowed(self._rt, s.sub(s.offset + start * sc.row_bytes, (stop - start) * sc.row_bytes,
+                                                  s.dtype_code, (stop - start,) + s.shape[1:],
+                                                  framework=s.framework)), self._rt)
 
     # -- serialization ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -124,7 +124,7 @@ class TensorRef:
 
     # -- serialization ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        """Compact wire form (60 bytes + 8 per dimension + name). Carries the access key: treat
+        """Compact wire form (60 bytes + 8 per dimension + name + 32 of the owner's mint). Carries the access key: treat
         it like a capability."""
         return self.spec.to_bytes()
 
@@ -155,6 +155,11 @@ class TensorRef:
     def bytes(self, offset: int, nbytes: int) -> "TensorRef":
         """A uint8 ref to ``nbytes`` bytes starting ``offset`` bytes into this ref.
 
+        Made by the window's owner (a ref bound to the runtime that published it), the new ref
+        is minted for exactly this range: handed to a consumer on another node, it reads or
+        writes this range and no other (the owner checks). Made anywhere else, it keeps the mint
+        of this ref.
+
         Raises:
             ValueError: the range lies outside this ref.
         """
@@ -164,8 +169,7 @@ class TensorRef:
             raise ValueError(f"byte range [{offset}, {offset + nbytes}) lies outside the ref's "
                              f"{self.spec.nbytes} bytes")
         s = self.spec
-        return type(self)(RefSpec(s.gva, s.generation, s.key, s.access, s.offset + offset, nbytes,
-                                  _UINT8, (nbytes,), 0, "numpy", s.name), self._rt)
+        return type(self)(narrowed(self._rt, s.sub(s.offset + offset, nbytes, _UINT8, (nbytes,))), self._rt)
 
     def tile(self, index: int, tile_bytes: int) -> "TensorRef":
         """Tile ``index`` of ``tile_bytes`` bytes (the last one may be shorter), as a uint8 ref."""
@@ -360,6 +364,14 @@ class TensorRef:
         return self._core().route_of(self.spec)
 
 
+def narrowed(rt: RuntimeCore | None, spec: RefSpec) -> RefSpec:
+    """``spec`` minted for its own range when ``rt`` owns its window (the owner narrows the
+    capability it hands out), else ``spec`` as is."""
+    if rt is None or rt._closed or spec.gva not in rt.publisher.owned:
+        return spec
+    return rt.server.mint(spec)
+
+
 def _check_before_alloc(rt: RuntimeCore, spec: RefSpec) -> None:
     """Before allocating a destination from a ref's own shape: resolve it (access key,
     generation and owner checked) and check its range against the window, so a forged or
@@ -385,4 +397,4 @@ def check_ref(obj: Any, argname: str) -> TensorRef:
     return obj
 
 
-__all__ = ["TensorRef", "check_ref", "MemsemError"]
+__all__ = ["TensorRef", "check_ref", "narrowed", "MemsemError"]

@@ -85,10 +85,10 @@ class _Context(EngineContext):
             raise RuntimeClosedError("the runtime of this engine is gone")
         return c
 
-    def serve_check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> Grant:
+    def serve_open(self, token: bytes, challenge: bytes, proof: bytes) -> Grant:
         c = self._c()
         c.check_open()
-        return c.server.check(credential, put, offset, nbytes)
+        return c.server.open(token, challenge, proof)
 
     def serve_sweep(self) -> None:
         c = self._core()

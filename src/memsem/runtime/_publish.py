@@ -45,6 +45,7 @@ from memsem.gva import (
     PERM_READ,
     PERM_WRITE,
     ControlBlock,
+    Mint,
     RefSpec,
     SliceAllocator,
     WindowInfo,
@@ -52,6 +53,7 @@ from memsem.gva import (
     inflight,
     key_digest,
     lease as _lease,
+    mint_mac,
 )
 from memsem.gva._control import FIRST_VERSION, W_LATEST, W_NBYTES, W_PERMS, W_SEQ0, W_STATE
 from memsem.native import Segment
@@ -73,7 +75,8 @@ class Owned:
         key: the 128-bit access key. keepalive: the published object (its memory).
         region: what was registered. regs: ``(engine, descriptor)`` of every registration.
         generation: the live generation. retiring: the generation was bumped by a retire that
-            has not finished (a retry resumes draining).
+            has not finished (a retry resumes draining). mint: the whole-window mint of the
+            refs this owner hands out (see ``memsem.gva.RefSpec``).
     """
 
     info: WindowInfo
@@ -84,6 +87,7 @@ class Owned:
     regs: list[tuple[Engine, Descriptor]]
     generation: int
     retiring: bool = False
+    mint: Mint | None = None
 
     @property
     def label(self) -> str:
@@ -93,7 +97,7 @@ class Owned:
     def spec(self) -> RefSpec:
         i = self.info
         return RefSpec(i.gva, self.generation, self.key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
-                       i.byte_offset, i.framework, i.name)
+                       i.byte_offset, i.framework, i.name, self.mint)
 
 
 class Publisher:
@@ -107,6 +111,8 @@ class Publisher:
         self.segments: dict[int, Segment] = {}
         self.lock = threading.RLock()
         self._gva = SliceAllocator(core.rank)
+        #: the secret this owner's mints are MACed with (never leaves this process)
+        self.mint_secret = secrets.token_bytes(32)
 
     # -- memory -----------------------------------------------------------------------------------
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *, engine: str | None = None) -> np.ndarray:
@@ -196,6 +202,7 @@ class Publisher:
             cb.close()
             raise
         key = secrets.token_bytes(16)
+        mint = Mint(0, info.nbytes, access, mint_mac(self.mint_secret, gva, gen, 0, info.nbytes, access))
         winfo = WindowInfo(gva=gva, nbytes=info.nbytes, name=name, generation=gen, access=access,
                            key_digest=key_digest(key), rank=core.rank, owner_pid=me.pid,
                            owner_start=me.start_time, node=me.node, control=cb.segment.name,
@@ -203,13 +210,14 @@ class Publisher:
                            descriptors={e.name: d for e, d in regs},
                            dtype_code=info.dtype_code, shape=info.shape, byte_offset=info.byte_offset,
                            framework=info.framework)
-        owned = Owned(winfo, cb, key, info.keepalive, region, regs, gen)
+        owned = Owned(winfo, cb, key, info.keepalive, region, regs, gen, mint=mint)
         cb.set_word(W_STATE, WindowState.LIVE)
         self.owned[gva] = owned
         if name:
             self.names[name] = gva
         d = core.directory
-        d.put_window(gva, name, winfo.to_json(), key=key if d.seals_keys else None)
+        # Sealed for the job secret: the access key and the whole-window mint's MAC (lookup).
+        d.put_window(gva, name, winfo.to_json(), key=key + mint.mac if d.seals_keys else None)
         return owned.spec()
 
     def _republish(self, old: Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int) -> RefSpec:
@@ -369,11 +377,13 @@ class Publisher:
         d = core.directory
         if d.seals_keys:  # another node's window: its key is sealed for the job secret
             gva = d.lookup(name)
-            rec, key = d.window_with_key(gva) if gva is not None else (None, None)
-            if rec is not None and key is not None:
+            rec, sealed = d.window_with_key(gva) if gva is not None else (None, None)
+            if rec is not None and sealed is not None:
                 i = WindowInfo.from_json(rec)
+                key, mac = sealed[:16], sealed[16:]
+                mint = Mint(0, i.nbytes, i.access, mac) if len(mac) == 16 else None
                 return RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
-                               i.byte_offset, i.framework, name)
+                               i.byte_offset, i.framework, name, mint)
         raise WindowNotFoundError(f"no window named {name!r} is published by this runtime; pass the "
                                   "serialized ref (to_bytes) to consumers instead")
 

@@ -28,8 +28,17 @@ from memsem._errors import (
     RuntimeClosedError,
     WindowNotFoundError,
 )
-from memsem.engines import Engine, RemoteRegion
-from memsem.gva import ControlBlock, RefSpec, WindowInfo, inflight, key_matches, split_gva
+from memsem.engines import Credential, Engine, RemoteRegion
+from memsem.gva import (
+    ControlBlock,
+    RefSpec,
+    WindowInfo,
+    credential_proof,
+    credential_token,
+    inflight,
+    key_matches,
+    split_gva,
+)
 from memsem.gva._control import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
 from memsem.native import UseWord
 from memsem.runtime import _translate as tr
@@ -41,6 +50,8 @@ if TYPE_CHECKING:
 
 #: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
 RESOLUTION_LIMIT = 128
+#: remote regions a resolution keeps for refs of other mints (owner-checked routes)
+MINT_REMOTES_LIMIT = 64
 #: cached resolutions checked for a moved generation (and dropped) per new resolution: a
 #: consumer of many short-lived windows keeps no mapping of a retired one for long
 SWEEP_PER_RESOLVE = 8
@@ -60,12 +71,15 @@ class Resolution:
     """
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
-                 "peer", "plan", "use", "direct", "writable", "nbytes", "slot", "_ident", "_core",
-                 "_released", "__weakref__")
+                 "peer", "plan", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
+                 "_ident", "_core", "_released", "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
-                 remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer) -> None:
+                 remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer,
+                 mint: object = None) -> None:
         self._core = core
+        self.mint = mint
+        self._remotes: dict[object, RemoteRegion] = {}
         self.info = info
         self.gva = info.gva
         self.generation = info.generation
@@ -144,10 +158,12 @@ class Resolution:
         self._released = True
         self._core.telemetry.absorb(self)
         cb = self.cb
-        try:
-            self.remote.close()
-        except MemsemError:
-            pass
+        for r in [self.remote, *self._remotes.values()]:
+            try:
+                r.close()
+            except MemsemError:
+                pass
+        self._remotes.clear()
         if cb is not None:
             if self.slot >= 0:
                 inflight.release(cb, self.slot, self._ident.pid, self._ident.start_time)
@@ -155,6 +171,21 @@ class Resolution:
                 cb.unpin()
             else:
                 cb.close()
+
+    def remote_for(self, spec: RefSpec) -> RemoteRegion:
+        """The remote region to move ``spec``'s bytes through: on owner-checked routes each mint
+        has its own credential (the owner serves each only its minted range), so a ref of
+        another mint than the one this resolution was made with gets a region of its own."""
+        if spec.mint == self.mint or self.engine.enforces_generation != "owner":
+            return self.remote
+        r = self._remotes.get(spec.mint)
+        if r is None:
+            if len(self._remotes) >= MINT_REMOTES_LIMIT:
+                old = self._remotes.pop(next(iter(self._remotes)))
+                old.close()
+            r = self._remotes[spec.mint] = self.engine.attach(self.info.descriptors[self.route.engine],
+                                                              self.info.nbytes, owner_credential(spec))
+        return r
 
     # -- hot-path helpers -------------------------------------------------------------------------
     def peer_checked(self) -> None:
@@ -301,7 +332,7 @@ class Resolver:
             route = choose_route(core.location, Location(info.node, info.owner_pid), info.descriptors,
                                  core.available, nbytes=info.nbytes, prefer=core.prefer)
             eng = core.engines[route.engine]
-            cred = spec.to_bytes() if eng.enforces_generation == "owner" else b""
+            cred = owner_credential(spec) if eng.enforces_generation == "owner" else b""
             try:
                 remote = eng.attach(info.descriptors[route.engine], info.nbytes, cred)
             except WindowNotFoundError:
@@ -309,7 +340,7 @@ class Resolver:
             except EngineError as exc:
                 raise tr.chain(tr.engine_failure(exc, spec, peer, "attach"), exc)
             try:
-                return Resolution(core, info, spec.key, route, eng, remote, cb, own_cb, peer)
+                return Resolution(core, info, spec.key, route, eng, remote, cb, own_cb, peer, spec.mint)
             except BaseException:
                 remote.close()
                 raise
@@ -319,4 +350,12 @@ class Resolver:
             raise
 
 
-__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError"]
+def owner_credential(spec: RefSpec) -> Credential:
+    """The credential an owner-checked route shows for ``spec``: its token (window and mint) and
+    proofs of its access key for the owner's challenges (the key itself is never sent)."""
+    token = credential_token(spec)
+    key = spec.key
+    return Credential(token, lambda challenge: credential_proof(key, challenge, token))
+
+
+__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "owner_credential"]

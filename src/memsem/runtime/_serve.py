@@ -1,78 +1,267 @@
 """The owner side of engines whose owner checks every request (``enforces_generation == "owner"``:
-tcp): validated credentials ("grants") and the seqlock bracket around the owner's own copy.
+tcp): credentials checked at the door, grants, the seqlock bracket around the owner's own copy,
+and watches of control words pushed to remote consumers.
 
-A grant is cached per credential. It holds a claim on the owner's own resolution of the window
-(so the control block stays mapped and the copy is counted in this process's in-flight slot)
-and a flat view of the window's memory (which keeps the published object alive). Retiring the
-window evicts its grants.
+**Opening.** A remote consumer shows a credential *token* (window gva and generation, the ref's
+mint: range, access and the owner's MAC over them) and a *proof*: an HMAC under the window's
+access key of the engine's per-connection challenge (a fresh nonce) and the token. The access
+key never crosses the wire, and a proof sniffed on one connection is worth nothing on another.
+``Server.open`` checks, before any byte moves: the window is owned here and LIVE at the token's
+generation, the proof matches the key, the mint's MAC verifies under this owner's secret (a ref
+edited to widen its range or add write access is refused), and returns a :class:`Grant`.
+
+**Grants** are cached per token. A grant holds a claim on the owner's own resolution of the
+window (the control block stays mapped and every copy is counted in this process's in-flight
+slot); requests must lie inside the mint's range, puts need a writable mint of a writable
+window. Every copy runs inside the native seqlock bracket (``enter``/``leave``): a request
+racing an unpublish gets a stale error, a write section makes it wait (bounded) or retry.
+Retiring the window evicts its grants.
+
+**Watches.** A grant can subscribe a consumer to control words of its window (the ready words,
+the latest-version word): one hub thread per runtime blocks in the native multi-word waiter on
+the window's ready sequence word and latest-version word; on a change the subscriptions are
+marked dirty and their engine's sender collects the words that changed since it last sent them
+(coalesced; memory per subscription is one snapshot). No polling, no sleeps.
 """
 from __future__ import annotations
 
+import errno as _errno
+import hmac
 import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from memsem import native
 from memsem._buffers import address_view
-from memsem._errors import AccessDeniedError, MemsemError, WindowNotFoundError
-from memsem.gva import RefSpec, WindowState, key_matches
-from memsem.gva._control import W_STATE
+from memsem._errors import (
+    AccessDeniedError,
+    EngineError,
+    MemsemError,
+    MemsemTimeoutError,
+    WindowNotFoundError,
+)
+from memsem.engines import WATCH_HEADER, WATCH_READY
+from memsem.gva import (
+    Mint,
+    RefSpec,
+    WindowState,
+    credential_proof,
+    mint_mac,
+    mint_valid,
+    parse_token,
+)
+from memsem.gva._control import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
 from memsem.runtime import _translate as tr
 from memsem.runtime._resolve import Resolution
 
 if TYPE_CHECKING:
     from memsem.runtime._core import RuntimeCore
+    from memsem.runtime._publish import Owned
 
 #: grants cached per runtime; past this the cache is emptied (grants are cheap to remake)
 GRANT_LIMIT = 4096
+#: header words of a control block a remote consumer may watch
+WATCHABLE_HEADER = (W_GENERATION, W_STATE, W_LATEST, W_SEQ0, W_SEQ1)
+#: targets of one watch, and subscriptions of one runtime
+MAX_TARGETS = 16
+MAX_SUBSCRIPTIONS = 65536
+#: owner-side wait of one request for an open write section, per slice (seconds)
+BUSY_SLICE_S = 0.05
 
 _ffi = native.ffi
 _lib = native.lib
 
 
+class Token:
+    """One open bracket: ``address`` to copy from or to, ``version`` read or overwritten."""
+
+    __slots__ = ("st", "put", "nbytes", "address", "version")
+
+    def __init__(self, st: Any, put: bool, nbytes: int) -> None:
+        self.st, self.put, self.nbytes = st, put, nbytes
+        self.address = int(st[4])
+        self.version = int(st[0])
+
+
 class Grant:
-    """A validated credential of a remote consumer for one window generation of this runtime.
+    """A checked credential of remote consumers for one window generation of this runtime.
 
     Attributes:
-        gva, generation: the window. nbytes: its size. writable: the ref and the window allow
-        puts. lo, hi: the byte range of the window the credential's ref covers (requests must
-        lie inside it). mem: flat uint8 array over the window's memory (keeps it alive).
+        gva, generation: the window. nbytes: its size. writable: the mint and the window allow
+        puts (and ready marks). lo, hi: the minted byte range (requests must lie inside it).
+        n_ready: ready words of the window. spec: the owner's ref (labels in messages).
     """
 
-    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "mem", "_res", "_closed")
+    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "spec", "_res",
+                 "_server", "_closed")
 
-    def __init__(self, res: Resolution, spec: RefSpec, mem: Any, writable: bool) -> None:
+    def __init__(self, server: "Server", res: Resolution, owned: "Owned", mint: Mint) -> None:
+        self._server = server
         self._res = res
-        self.gva, self.generation = spec.gva, spec.generation
+        self.spec = owned.spec()
+        self.gva, self.generation = owned.info.gva, owned.generation
         self.nbytes = res.nbytes
-        self.lo, self.hi = spec.offset, spec.offset + spec.nbytes
-        self.mem = mem
-        self.writable = writable
+        self.lo, self.hi = mint.offset, mint.offset + mint.nbytes
+        self.writable = mint.access == "rw" and owned.info.access == "rw"
+        self.n_ready = owned.cb.n_ready
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._res.closed
 
     def current(self) -> int:
         """The window's generation now (0 when its control block is gone)."""
         cb = self._res.cb
         return 0 if cb is None or cb.closed else cb.generation
 
-    def enter(self, put: bool, offset: int, nbytes: int) -> Any:
-        """Open the seqlock bracket for one copy (counted in flight); returns a token for
-        ``leave``, or None when the generation moved / the window is busy (nothing counted)."""
-        st = _ffi.new("uint64_t[5]")
-        rc = _lib.memsem_bracket_open(self._res.plan, 1 if put else 0, offset, nbytes, 0, 0, 0, st)
-        if rc & tr.RC_LAST_OUT:
-            self._res.release()
-        if rc & tr.RC_STATUS:
-            return None
-        return (st, put, nbytes)
+    def check(self, put: bool, offset: int, nbytes: int) -> None:
+        """A request's range and direction against the mint.
 
-    def leave(self, token: Any, failed: bool = False) -> bool:
-        """Close the bracket; True when the bytes moved are valid (generation and version did
-        not move meanwhile)."""
-        st, put, nbytes = token
-        rc = _lib.memsem_bracket_close(self._res.plan, 1 if put else 0, nbytes, 0, 0, st, 1 if failed else 0)
+        Raises:
+            ValueError: the range is not inside the minted range. AccessDeniedError: a put or
+            a ready mark through a read-only mint or to a read-only window.
+        """
+        if offset < self.lo or nbytes < 0 or offset + nbytes > self.hi:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside the range "
+                             f"[{self.lo}, {self.hi}) minted for this ref of window gva {self.gva:#x}")
+        if put and not self.writable:
+            raise AccessDeniedError(f"write to window gva {self.gva:#x}: the ref was minted read-only "
+                                    "or the window was published read-only")
+
+    def enter(self, put: bool, offset: int, nbytes: int, version: int = 0, wait_s: float = 0.0) -> Token:
+        """Open the seqlock bracket for one copy (counted in flight). An open write section (or
+        a version not committed yet) is waited for, at most ``wait_s`` seconds.
+
+        Raises:
+            StaleReferenceError: the generation moved (``found`` = the current one) or the
+                version asked for was overwritten. MemsemTimeoutError: still busy after
+                ``wait_s``. ValueError / AccessDeniedError: range or permission (natively).
+        """
+        res = self._res
+        deadline = None
+        while True:
+            st = _ffi.new("uint64_t[5]")
+            rc = _lib.memsem_bracket_open(res.plan, 1 if put else 0, offset, nbytes, version, 0, 0, st)
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            status = rc & tr.RC_STATUS
+            if status == tr.OK:
+                return Token(st, put, nbytes)
+            found = rc >> tr.RC_SHIFT
+            if status in (tr.GEN_BEFORE, tr.GEN_AFTER, tr.CLOSED):
+                raise tr.stale(self.spec, found if status != tr.CLOSED else (self.current() or None))
+            if status == tr.VERSION_GONE:
+                raise tr.version_gone(self.spec, version, found)
+            if status == tr.RANGE:
+                raise tr.out_of_range(self.spec, offset, offset + nbytes, self.nbytes)
+            if status == tr.READONLY:
+                raise tr.read_only(self.spec)
+            if status not in (tr.BUSY, tr.TORN):
+                raise MemsemError(f"{self.spec.label}: unexpected native status {status}")
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + wait_s
+            if now >= deadline:
+                raise tr.busy_timeout(self.spec, wait_s)
+            self._wait_sequence(version, min(BUSY_SLICE_S, deadline - now))
+
+    def _wait_sequence(self, version: int, slice_s: float) -> None:
+        res = self._res
+        cb = res.cb
+        if cb is None or not res.enter():
+            return
+        try:
+            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
+            a = cb.seq_addr + 8 * slot
+            native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
+        finally:
+            res.leave()
+
+    def leave(self, token: Token, failed: bool = False) -> bool:
+        """Close the bracket. True when the bytes moved are valid; False when a write section
+        opened meanwhile (torn: do it again).
+
+        Raises:
+            StaleReferenceError: the generation moved meanwhile (no byte moved is valid).
+        """
+        rc = _lib.memsem_bracket_close(self._res.plan, 1 if token.put else 0, token.nbytes, 0, 0, token.st,
+                                       1 if failed else 0)
         if rc & tr.RC_LAST_OUT:
             self._res.release()
-        return not (rc & tr.RC_STATUS)
+        status = rc & tr.RC_STATUS
+        if status == tr.OK:
+            return True
+        if status == tr.TORN:
+            return False
+        if status == tr.GEN_AFTER:
+            raise tr.stale(self.spec, rc >> tr.RC_SHIFT, during=True)
+        if failed:
+            return False
+        raise MemsemError(f"{self.spec.label}: unexpected native status {status}")
+
+    def copy(self, put: bool, offset: int, address: int, nbytes: int, version: int = 0) -> int | None:
+        """The whole bracket and copy in one native call, between the window and ``address``
+        (memory of this process): returns the version moved, or None when anything but a plain
+        success happened (nothing moved that counts: take ``enter``/``leave``, which waits or
+        raises). Small requests take this path."""
+        res = self._res
+        rc = _lib.memsem_plan_copy(res.plan, 1 if put else 0, offset, address, nbytes, version, 0, 0)
+        if not rc & tr.RC_ATTENTION:
+            return rc >> tr.RC_SHIFT
+        if rc & tr.RC_LAST_OUT:
+            res.release()
+        if (rc & tr.RC_STATUS) == tr.OK:
+            return rc >> tr.RC_SHIFT
+        return None
+
+    def view(self, token: Token) -> np.ndarray:
+        """Flat uint8 array over the bytes of an open bracket (valid until ``leave``)."""
+        return address_view(token.address, token.nbytes, self._res)
+
+    def set_ready(self, tile: int, ready: bool) -> None:
+        """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
+        ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers).
+
+        Raises:
+            AccessDeniedError: read-only mint or window. ValueError: no such tile.
+            StaleReferenceError: the generation moved.
+        """
+        if not self.writable:
+            raise AccessDeniedError(f"ready mark on window gva {self.gva:#x}: the ref was minted read-only "
+                                    "or the window was published read-only; readiness is the producer's to set")
+        if self.current() != self.generation:
+            raise tr.stale(self.spec, self.current() or None)
+        core = self._server.core
+        if ready:
+            core.readiness.mark(self.spec, tile)
+        else:
+            core.readiness.clear(self.spec, tile)
+
+    def watch(self, targets: Sequence[tuple[int, int, int]], notify: Callable[[], None]) -> "Subscription":
+        """Subscribe to control words of this window (see the module docstring). ``notify()``
+        is called (from the hub's thread; it must not block) when some of them changed; the
+        subscriber then calls ``Subscription.collect``.
+
+        Raises:
+            ValueError: a target names a word that cannot be watched. StaleReferenceError: the
+            window is gone. MemsemError: too many subscriptions.
+        """
+        return self._server.hub.subscribe(self, targets, notify)
+
+    def _pin(self) -> Any:
+        """The control block, pinned for a subscription (unpinned by its close)."""
+        cb = self._res.cb
+        if cb is None or self._res.closed:
+            raise tr.stale(self.spec, None)
+        try:
+            cb.pin()
+        except ValueError:
+            raise tr.stale(self.spec, None) from None
+        return cb
 
     def close(self) -> None:
         """Drop the grant's claim on the resolution (safe twice)."""
@@ -81,89 +270,360 @@ class Grant:
             self._res.leave()
 
 
-class Server:
-    """Grants of one runtime (the owner side of owner-checked engines)."""
+class Subscription:
+    """Control words of one window watched for one remote consumer (see ``Grant.watch``)."""
+
+    def __init__(self, hub: "WatchHub", grant: Grant, targets: list[tuple[int, int, int]],
+                 notify: Callable[[], None]) -> None:
+        self.hub = hub
+        self.gva = grant.gva
+        self.notify = notify
+        self.dirty = True
+        self.closed = False
+        self._lock = threading.Lock()
+        self._cb = grant._pin()
+        cb = self._cb
+        self.header = [i for kind, i, _ in targets if kind == WATCH_HEADER]
+        self._last_header: dict[int, int] = {}
+        self._ready: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for kind, index, count in targets:
+            if kind == WATCH_READY and count:
+                words = np.frombuffer(_ffi.buffer(_ffi.cast("char *", cb.ready_addr(index)), 8 * count), np.uint64)
+                self._ready.append((index, words, np.zeros(count, np.uint64)))
+        self.watches_ready = bool(self._ready)
+
+    def collect(self) -> list[tuple[int, int, int]]:
+        """``(kind, index, value)`` of every watched word that changed since the last collect
+        (all non-zero ones the first time). Empty once closed."""
+        with self._lock:
+            if self.closed:
+                return []
+            cb = self._cb
+            out: list[tuple[int, int, int]] = []
+            for i in self.header:
+                v = cb.word(i)
+                if self._last_header.get(i) != v:
+                    self._last_header[i] = v
+                    out.append((WATCH_HEADER, i, v))
+            for first, words, last in self._ready:
+                now = words.copy()  # aligned 8-byte words: each read whole
+                native.lib.memsem_fence_seq_cst()
+                changed = np.flatnonzero(now != last)
+                if changed.size:
+                    last[changed] = now[changed]
+                    out.extend((WATCH_READY, first + int(t), int(now[t])) for t in changed)
+            return out
+
+    def close(self) -> None:
+        """Stop watching (safe twice; the control block is unpinned)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._ready = []
+        self.hub.unsubscribe(self)
+        self._cb.unpin()
+
+
+class _Window:
+    """A window the hub watches: its words and subscriptions."""
+
+    __slots__ = ("gva", "cb", "subs", "words", "baseline")
+
+    def __init__(self, gva: int, cb: Any, words: list[int]) -> None:
+        self.gva = gva
+        self.cb = cb
+        self.subs: set[Subscription] = set()
+        #: addresses of 8-byte words whose change wakes the hub
+        self.words = words
+        #: their values when the watch began (read before any subscriber's first collect, so
+        #: a change between the two is never missed)
+        self.baseline = {a: native.load_acquire(a) for a in words}
+
+
+class WatchHub:
+    """One runtime's watcher of control words for remote subscribers: one thread per
+    ``SHARD_WORDS`` watched words, blocked in the native multi-word waiter (``futex_waitv``
+    where the kernel has it, else bounded futex slices), woken by the writers of the words."""
 
     def __init__(self, core: "RuntimeCore") -> None:
-        self._core = core
+        self.core = core
+        self._lock = threading.Lock()
+        self._windows: dict[int, _Window] = {}
+        self._shards: list[_Shard] = []
+        self._closed = False
+        self.count = 0
+        probe = _lib.memsem_wait_probe()
+        self._mode = _lib.MEMSEM_WAIT_WAITV if probe == 1 else _lib.MEMSEM_WAIT_SLICES
+        #: words (8-byte) one shard watches besides its wake word
+        self._per_shard = (_lib.MEMSEM_WAITV_MAX - 1) // 2 if self._mode == _lib.MEMSEM_WAIT_WAITV else 256
+
+    def subscribe(self, grant: Grant, targets: Sequence[tuple[int, int, int]],
+                  notify: Callable[[], None]) -> Subscription:
+        checked = _check_targets(grant, targets)
+        with self._lock:
+            if self._closed:
+                raise MemsemError("the runtime is closing: no new watches")
+            if self.count >= MAX_SUBSCRIPTIONS:
+                raise MemsemError(f"this owner serves {self.count} watches already (at most {MAX_SUBSCRIPTIONS})")
+            sub = Subscription(self, grant, checked, notify)
+            w = self._windows.get(grant.gva)
+            if w is None:
+                cb = sub._cb
+                cb.pin()  # the hub's own pin while it watches the window's words
+                w = self._windows[grant.gva] = _Window(
+                    grant.gva, cb, [cb.addr(W_LATEST)] + ([cb.addr(W_READY_SEQ)] if grant.n_ready else []))
+                self._place(w)
+            w.subs.add(sub)
+            self.count += 1
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            w = self._windows.get(sub.gva)
+            if w is None or sub not in w.subs:
+                return
+            w.subs.discard(sub)
+            self.count -= 1
+            if not w.subs:
+                del self._windows[w.gva]
+                for s in self._shards:
+                    if w in s.windows:
+                        # unpinned by the shard's thread once it no longer waits on the words
+                        s.windows.remove(w)
+                        s.used -= len(w.words)
+                        s.retired.append(w)
+                        s.bump()
+                        return
+                w.cb.unpin()
+
+    def _place(self, w: _Window) -> None:
+        shard = next((s for s in self._shards if s.used + len(w.words) <= self._per_shard), None)
+        if shard is None:
+            shard = _Shard(self, len(self._shards))
+            self._shards.append(shard)
+            shard.thread.start()
+        shard.windows.append(w)
+        shard.used += len(w.words)
+        shard.bump()
+
+    def changed(self, gva: int) -> None:
+        """Words of window ``gva`` may have changed without a wake (its generation moved):
+        let its subscribers collect."""
+        with self._lock:
+            w = self._windows.get(gva)
+            subs = list(w.subs) if w is not None else []
+        for s in subs:
+            s.dirty = True
+            s.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            shards, self._shards = self._shards, []
+            subs = [s for w in self._windows.values() for s in w.subs]
+        for s in shards:
+            s.stop = True
+            s.bump()
+        for s in shards:
+            if s.thread is not threading.current_thread():
+                s.thread.join(2.0)
+        for sub in subs:
+            sub.close()
+        for s in shards:
+            if not s.thread.is_alive():
+                for w in s.windows + s.retired:
+                    w.cb.unpin()
+                s.windows, s.retired = [], []
+
+
+class _Shard:
+    """One hub thread: its wake word and the windows whose words it waits on."""
+
+    def __init__(self, hub: WatchHub, index: int) -> None:
+        self.hub = hub
+        self.windows: list[_Window] = []
+        #: windows no longer watched, unpinned by this shard's thread outside its wait
+        self.retired: list[_Window] = []
+        self.used = 0
+        self.stop = False
+        self._wake = _ffi.new("uint32_t *")
+        self._wake_addr = int(_ffi.cast("uintptr_t", self._wake))
+        self.thread = threading.Thread(target=self._run, name=f"memsem-watch-hub-{index}", daemon=True)
+
+    def bump(self) -> None:
+        _lib.memsem_wait_bump(self._wake)
+
+    def _run(self) -> None:
+        hub = self.hub
+        seen: dict[int, int] = {}
+        try:
+            while True:
+                with hub._lock:
+                    if self.stop:
+                        return
+                    retired, self.retired = self.retired, []
+                    addrs = [(w, a) for w in self.windows for a in w.words]
+                    live = {a for _, a in addrs}
+                for w in retired:
+                    w.cb.unpin()
+                for a in list(seen):
+                    if a not in live:
+                        del seen[a]
+                n = len(addrs) + 1
+                words = _ffi.new("struct memsem_wait_word[]", n)
+                words[0].addr, words[0].size, words[0].expected = self._wake_addr, 4, self._wake[0]
+                for i, (w, a) in enumerate(addrs, 1):
+                    v = seen.get(a)
+                    if v is None:
+                        v = seen[a] = w.baseline[a]
+                    words[i].addr, words[i].size, words[i].expected = a, 8, v
+                rc = _lib.memsem_wait_any(words, n, native.monotonic_ns() + int(3600e9), hub._mode)
+                if rc < 0 and rc != -_errno.ETIMEDOUT:
+                    raise EngineError("watch hub wait failed", errno=-rc)
+                dirty: set[_Window] = set()
+                for i, (w, a) in enumerate(addrs, 1):
+                    if words[i].changed:
+                        seen[a] = int(words[i].seen)
+                        dirty.add(w)
+                for w in dirty:
+                    for s in list(w.subs):
+                        s.dirty = True
+                        s.notify()
+        except BaseException:  # noqa: BLE001 - a dead hub must not stay silent: subscribers lose
+            import logging
+
+            logging.getLogger(__name__).exception("memsem watch hub failed; its watches end")
+            with hub._lock:
+                subs = [s for w in self.windows for s in w.subs]
+            for s in subs:
+                s.dirty = True
+                s.notify()
+
+
+def _check_targets(grant: Grant, targets: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    if not 0 < len(targets) <= MAX_TARGETS:
+        raise ValueError(f"a watch names 1 to {MAX_TARGETS} targets, got {len(targets)}")
+    out = []
+    for kind, index, count in targets:
+        if kind == WATCH_HEADER:
+            if index not in WATCHABLE_HEADER or count != 1:
+                raise ValueError(f"control word {index} (x{count}) cannot be watched; watchable: "
+                                 f"{WATCHABLE_HEADER}")
+        elif kind == WATCH_READY:
+            if index < 0 or count < 0 or index + count > grant.n_ready:
+                raise ValueError(f"ready words [{index}, {index + count}) lie outside the window's "
+                                 f"{grant.n_ready} ready words")
+        else:
+            raise ValueError(f"watch target kind {kind} is unknown")
+        out.append((int(kind), int(index), int(count)))
+    return out
+
+
+class Server:
+    """Grants, mints and watches of one runtime (the owner side of owner-checked engines)."""
+
+    def __init__(self, core: "RuntimeCore") -> None:
+        self.core = core
         self._grants: dict[bytes, Grant] = {}
         self._lock = threading.Lock()
+        self.hub = WatchHub(core)
 
-    def check(self, credential: bytes, put: bool, offset: int, nbytes: int) -> Grant:
-        """Validate a remote consumer's request for a window this runtime owns.
+    # -- mints ------------------------------------------------------------------------------------
+    def mint(self, spec: RefSpec) -> RefSpec:
+        """``spec`` minted by this owner for exactly its own range and access (a narrower
+        capability to hand out). A ref of a window this runtime does not own (or of another
+        generation) is returned as is."""
+        owned = self.core.publisher.owned.get(spec.gva)
+        if owned is None or owned.generation != spec.generation or owned.retiring:
+            return spec
+        access = "rw" if spec.writable and owned.info.access == "rw" else "r"
+        mac = mint_mac(self.core.publisher.mint_secret, spec.gva, spec.generation, spec.offset, spec.nbytes, access)
+        m = Mint(spec.offset, spec.nbytes, access, mac)
+        return RefSpec(spec.gva, spec.generation, spec.key, access, spec.offset, spec.nbytes, spec.dtype_code,
+                       spec.shape, spec.byte_offset, spec.framework, spec.name, m)
 
-        ``credential`` is the consumer's serialized RefSpec; ``offset``/``nbytes`` the byte
-        range inside the window; ``put`` the direction. Checks, before a byte moves: the window
-        is owned here and LIVE at the credential's generation, the access key matches, the range
-        lies inside the credential's own range, a put has a writable ref to a writable window.
-        Validations are cached per credential; the generation is re-checked by every bracket.
+    # -- opening ----------------------------------------------------------------------------------
+    def open(self, token: bytes, challenge: bytes, proof: bytes) -> Grant:
+        """Check a remote consumer's credential for a window this runtime owns (see the module
+        docstring) and return its grant.
 
         Raises:
-            WindowNotFoundError, StaleReferenceError, AccessDeniedError, ValueError (range).
+            AccessDeniedError: malformed token, wrong proof (key), no mint, a mint whose MAC does
+                not verify (an edited ref). WindowNotFoundError: not owned here (any more).
+                StaleReferenceError: another generation, or the window is not LIVE.
         """
-        with self._lock:
-            g = self._grants.get(credential)
-            if g is None or g.current() != g.generation:
-                g = self._grant(credential)
-        if offset < g.lo or nbytes < 0 or offset + nbytes > g.hi:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside the ref's range "
-                             f"[{g.lo}, {g.hi}) of window gva {g.gva:#x}")
-        if put and not g.writable:
-            raise AccessDeniedError(f"put to window gva {g.gva:#x}: the ref or the window is read-only")
-        return g
-
-    def _grant(self, credential: bytes) -> Grant:
-        old = self._grants.pop(credential, None)
-        if old is not None:
-            old.close()
         try:
-            spec = RefSpec.from_bytes(credential)
-        except (ValueError, KeyError) as exc:
+            gva, gen, mint = parse_token(token)
+        except ValueError as exc:
             raise AccessDeniedError(f"malformed credential: {exc}") from None
-        core = self._core
-        owned = core.publisher.owned.get(spec.gva)
+        core = self.core
+        owned = core.publisher.owned.get(gva)
         if owned is None or owned.retiring:
-            raise WindowNotFoundError(f"{spec.label} is not published by this runtime (unpublished, "
-                                      "or never): the ref is stale", window=spec.name, expected=spec.generation)
-        if not key_matches(spec.key, owned.info.key_digest):
-            if spec.generation != owned.generation:
-                raise tr.stale(spec, owned.generation)
-            raise tr.wrong_key(spec)
+            raise WindowNotFoundError(f"window gva {gva:#x} is not published by this runtime (unpublished, "
+                                      "or never): the ref is stale", expected=gen)
+        spec = owned.spec()
+        if gen != owned.generation:
+            raise tr.stale(RefSpec(gva, gen, spec.key, spec.access, 0, spec.nbytes, spec.dtype_code, spec.shape,
+                                   spec.byte_offset, spec.framework, spec.name), owned.generation)
+        if not hmac.compare_digest(credential_proof(owned.key, challenge, token), bytes(proof)):
+            raise AccessDeniedError(f"wrong access key for {spec.label}: the credential's proof does not "
+                                    "match (a ref not minted by its owner, or a proof replayed from another "
+                                    "connection)")
+        if mint is None:
+            raise AccessDeniedError(f"the ref to {spec.label} carries no mint (built by hand, or by an older "
+                                    "memsem): ask its owner for a ref (publish, lookup)")
+        if not mint_valid(core.publisher.mint_secret, gva, gen, mint):
+            raise AccessDeniedError(f"the ref to {spec.label} was altered: its minted range/access "
+                                    f"[{mint.offset}, {mint.offset + mint.nbytes}) {mint.access!r} does "
+                                    "not verify under the owner's MAC")
         cb = owned.cb
-        gen = cb.generation
-        if gen != spec.generation or cb.word(W_STATE) != WindowState.LIVE:
-            raise tr.stale(spec, gen)
-        if spec.offset < 0 or spec.offset + spec.nbytes > owned.info.nbytes:
-            raise tr.out_of_range(spec, spec.offset, spec.offset + spec.nbytes, owned.info.nbytes)
-        res = core.resolver.resolve(owned.spec())
-        if not res.enter():  # the grant's claim
+        if cb.generation != gen or cb.word(W_STATE) != WindowState.LIVE:
             raise tr.stale(spec, cb.generation)
-        mem = address_view(owned.region.address, owned.info.nbytes, owned.keepalive)
-        g = Grant(res, spec, mem, spec.writable and owned.info.access == "rw")
-        if len(self._grants) >= GRANT_LIMIT:
-            self._evict(lambda g: True)
-        self._grants[credential] = g
-        return g
+        token = bytes(token)
+        with self._lock:
+            g = self._grants.get(token)
+            if g is not None and not g.closed and g.current() == g.generation:
+                return g
+            if g is not None:
+                del self._grants[token]
+                g.close()
+            res = core.resolver.resolve(spec)
+            if not res.enter():  # the grant's claim
+                raise tr.stale(spec, cb.generation)
+            g = Grant(self, res, owned, mint)
+            if len(self._grants) >= GRANT_LIMIT:
+                self._evict(lambda g: True)
+            self._grants[token] = g
+            return g
 
+    # -- lifetime ---------------------------------------------------------------------------------
     def sweep(self) -> None:
         """Drop cached grants of windows whose generation moved."""
         with self._lock:
             self._evict(lambda g: g.current() != g.generation)
 
     def evict(self, gva: int) -> None:
-        """Drop every grant of window ``gva`` (it is being retired)."""
+        """Drop every grant of window ``gva`` (it is being retired) and tell its watchers."""
         with self._lock:
             self._evict(lambda g: g.gva == gva)
+        self.hub.changed(gva)
 
     def close(self) -> None:
+        self.hub.close()
         with self._lock:
             self._evict(lambda g: True)
 
     def _evict(self, which: Any) -> None:
-        for cred, g in list(self._grants.items()):
+        for tok, g in list(self._grants.items()):
             if which(g):
-                del self._grants[cred]
+                del self._grants[tok]
                 try:
                     g.close()
                 except MemsemError:
                     pass
+
+
+__all__ = ["GRANT_LIMIT", "Grant", "MemsemTimeoutError", "Server", "Subscription", "Token", "WatchHub"]

@@ -190,9 +190,11 @@ class Transfers:
         at = spec.offset + offset
         flat = address_view(addr, n, keep)
         deadline = None
+        # Engines whose owner checks versions get the version asked for and say which they moved.
+        owner_versions = eng.versions and res.cb is None
         while True:
             st = _ffi.new("uint64_t[5]")
-            rc = _open(res.plan, put, at, n, version, ls, lid, st)
+            rc = _open(res.plan, put, at, n, 0 if owner_versions else version, ls, lid, st)
             if rc == tr.OK:
                 if lease is not None and not ls:  # held in the directory: checked here, in turn
                     try:
@@ -223,13 +225,17 @@ class Transfers:
                 self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
                 continue
             raise self._failure(status, rc, res, spec, put, lease, version)
+        moved = 0
         try:
-            if not put:
-                eng.get(res.remote, at, flat)
-            elif signal_tile is not None and eng.can_signal(res.remote):
-                eng.put_signal(res.remote, at, flat, signal_tile, spec.generation)
+            remote = res.remote_for(spec)
+            if owner_versions:
+                moved = eng.put(remote, at, flat) if put else eng.get(remote, at, flat, version=version)
+            elif not put:
+                eng.get(remote, at, flat)
+            elif signal_tile is not None and eng.can_signal(remote):
+                eng.put_signal(remote, at, flat, signal_tile, spec.generation)
             else:
-                eng.put(res.remote, at, flat)
+                eng.put(remote, at, flat)
         except BaseException as exc:
             rc = _close(res.plan, put, n, ls, lid, st, 1)
             if rc & tr.RC_LAST_OUT:
@@ -268,7 +274,7 @@ class Transfers:
                 res.peer_checked()
         if lease is not None and not ls:
             lease.check("during the transfer; the bytes moved are not valid")
-        return rc >> _SHIFT
+        return moved if owner_versions else rc >> _SHIFT
 
     # -- get / put --------------------------------------------------------------------------------
     def get(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:

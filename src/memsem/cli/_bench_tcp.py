@@ -1,0 +1,350 @@
+"""Across nodes: memsem's tcp route against a plain-socket request/response baseline, same run.
+
+Two "nodes" on this machine: a producer and a consumer process with different node ids (so the
+route is tcp), joined by a veth pair between two network namespaces when this process may make
+them (root, iproute2), else over loopback; the figures say which (``tcp_link``). The directory
+is the local one (the namespaces share /dev/shm), so no server is needed.
+
+Figures (medians; GB/s = 1e9 bytes/s):
+
+=========================  ===================================================================
+``tcp_get_64B_us``         ``TensorRef.get(out=)`` of 64 B through the whole runtime path
+``socket_rtt_64B_us``      one request/response of 64 B on a plain blocking socket (TCP_NODELAY,
+                           ``recv_into``), same link, measured interleaved with the above
+``tcp_get_64MiB_GBps``     64 MiB get (pipelined chunks, owner-checked)
+``socket_64MiB_GBps``      64 MiB answered on a plain socket (``sendall`` / ``recv_into``)
+``remote_first_tile_ratio``  first tile of a pipeline (``wait_ready=True``) over a remote
+                           256 MiB window in 1 MiB tiles, over one 1 MiB remote get
+=========================  ===================================================================
+
+Goals (issue 14, not tests): tcp 64 B get <= 1.3 x the socket round trip; 64 MiB >= 0.9 x the
+socket's throughput; remote first tile <= 3 x one tile get.
+
+Run alone: ``python -m memsem.cli._bench_tcp [--quick] [--json]``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+MiB = 1 << 20
+SMALL = 64
+BIG = 64 * MiB
+PIPE_BYTES = 256 * MiB
+TILE = 1 * MiB
+GOALS = {
+    "tcp_get_64B_us": "<= 1.3 x socket_rtt_64B_us",
+    "tcp_get_64MiB_GBps": ">= 0.9 x socket_64MiB_GBps",
+    "remote_first_tile_ratio": "<= 3",
+}
+KEYS = ("tcp_get_64B_us", "socket_rtt_64B_us", "tcp_get_64MiB_GBps", "socket_64MiB_GBps",
+        "remote_first_tile_ratio", "tcp_link")
+_HDR = struct.Struct("<QQ")
+_QUIT = (1 << 64) - 1
+
+
+# -- the plain-socket baseline -------------------------------------------------------------------------
+def socket_server(host: str, port: int, max_bytes: int, ready: Any = None) -> None:
+    """Answer ``offset u64 | nbytes u64`` requests with ``nbytes`` bytes of a buffer: the least
+    a request/response get can do on a socket (one thread per connection, ``sendall``)."""
+    src = bytearray(os.urandom(1 << 16)) * (max_bytes >> 16 or 1)
+    mv = memoryview(src)
+    ls = socket.create_server((host, port))
+    if ready is not None:
+        ready(ls.getsockname()[1])
+
+    def serve(c: socket.socket) -> None:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hb = memoryview(bytearray(16))
+        try:
+            while True:
+                got = 0
+                while got < 16:
+                    k = c.recv_into(hb[got:])
+                    if not k:
+                        return
+                    got += k
+                off, n = _HDR.unpack(hb)
+                if n == _QUIT:
+                    ls.close()
+                    return
+                c.sendall(mv[off:off + n])
+        except OSError:
+            return
+        finally:
+            c.close()
+
+    while True:
+        try:
+            c, _ = ls.accept()
+        except OSError:
+            return
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+
+class SocketClient:
+    """The consumer side of the baseline: one connection, one request in flight."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.s = socket.create_connection((host, port), timeout=30)
+        self.s.settimeout(None)
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get(self, dst: memoryview, offset: int = 0) -> None:
+        n = len(dst)
+        self.s.sendall(_HDR.pack(offset, n))
+        got = 0
+        while got < n:
+            k = self.s.recv_into(dst[got:])
+            if not k:
+                raise EOFError("baseline server closed")
+            got += k
+
+    def quit(self) -> None:
+        with contextlib.suppress(OSError):
+            self.s.sendall(_HDR.pack(0, _QUIT))
+        self.s.close()
+
+
+# -- the two nodes ---------------------------------------------------------------------------------------
+def _producer() -> None:
+    import numpy as np
+
+    import memsem
+
+    host = os.environ.get("MEMSEM_TCP_HOST", "127.0.0.1")
+    with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=60) as rt:
+        small = rt.publish(np.arange(SMALL, dtype=np.uint8), name="bench/small")
+        big = rt.publish((np.arange(BIG, dtype=np.uint32) % 251).astype(np.uint8), name="bench/big")
+        tile = rt.publish(np.ones(TILE, np.uint8), name="bench/tile")
+        pipe = rt.publish(np.zeros(PIPE_BYTES, np.uint8), name="bench/pipe", tile_bytes=TILE)
+        for t in range(PIPE_BYTES // TILE):
+            pipe.mark_ready(t)
+        port_box: list[int] = []
+        got = threading.Event()
+        threading.Thread(target=socket_server, args=(host, 0, BIG, lambda p: (port_box.append(p), got.set())),
+                         daemon=True).start()
+        got.wait(30)
+        print(json.dumps({"small": small.to_bytes().hex(), "big": big.to_bytes().hex(),
+                          "tile": tile.to_bytes().hex(), "pipe": pipe.to_bytes().hex(),
+                          "host": host, "socket_port": port_box[0]}), flush=True)
+        sys.stdin.readline()
+
+
+def _median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1e3
+
+
+def _consumer(quick: bool) -> None:
+    import numpy as np
+
+    import memsem
+
+    info = json.loads(sys.stdin.readline())
+    lat_iters = 2000 if quick else 10000
+    big_iters = 5 if quick else 12
+    with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=60) as rt:
+        small, big, tile, pipe = (rt.ref(bytes.fromhex(info[k])) for k in ("small", "big", "tile", "pipe"))
+        route = rt.route(small).kind
+        base = SocketClient(info["host"], info["socket_port"])
+        out = np.empty(SMALL, np.uint8)
+        omv = memoryview(out)
+        for _ in range(300):
+            small.get(out=out)
+            base.get(omv)
+        mem, sock = [], []
+        block = 100
+        now = time.perf_counter_ns
+        for _ in range(lat_iters // block):  # interleaved blocks: both see the same machine
+            for _ in range(block):
+                t0 = now()
+                small.get(out=out)
+                mem.append(now() - t0)
+            for _ in range(block):
+                t0 = now()
+                base.get(omv)
+                sock.append(now() - t0)
+        dst = np.empty(BIG, np.uint8)
+        dmv = memoryview(dst)
+        big.get(out=dst)
+        base.get(dmv)
+        mem_bw, sock_bw = [], []
+        for _ in range(big_iters):
+            t0 = time.perf_counter()
+            big.get(out=dst)
+            mem_bw.append(BIG / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            base.get(dmv)
+            sock_bw.append(BIG / (time.perf_counter() - t0) / 1e9)
+        big.get(out=dst)
+        intact = bool((dst[:1 << 20] == (np.arange(1 << 20, dtype=np.uint32) % 251).astype(np.uint8)).all())
+        tbuf = np.empty(TILE, np.uint8)
+        one = []
+        for _ in range(20 if quick else 50):
+            t0 = now()
+            tile.get(out=tbuf)
+            one.append(now() - t0)
+        first = []
+        for _ in range(5 if quick else 10):
+            t0 = now()
+            with rt.pipeline(pipe, tile_bytes=TILE, depth=2, wait_ready=True) as p:
+                for t in p:
+                    with t:
+                        first.append(now() - t0)
+                    break
+        base.quit()
+        print(json.dumps({
+            "route": route, "intact": intact,
+            "tcp_get_64B_us": _median_us(mem), "socket_rtt_64B_us": _median_us(sock),
+            "tcp_get_64MiB_GBps": statistics.median(mem_bw), "socket_64MiB_GBps": statistics.median(sock_bw),
+            "tile_get_1MiB_us": _median_us(one), "first_tile_us": _median_us(first),
+            "remote_first_tile_ratio": statistics.median(first) / statistics.median(one),
+        }), flush=True)
+
+
+# -- namespaces ------------------------------------------------------------------------------------------
+def _ip() -> str | None:
+    return shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None)
+
+
+def namespaces_possible() -> str | None:
+    """None when a veth pair between two namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return f"network namespaces need root (euid {os.geteuid()})"
+    if _ip() is None:
+        return "iproute2 'ip' not found"
+    return None
+
+
+@contextlib.contextmanager
+def veth_pair() -> Iterator[tuple[list[str], list[str], str]]:
+    """Two namespaces joined by veth: ``(argv prefix of A, of B, A's address)``; both removed on
+    exit (with every process left in them)."""
+    ip = _ip()
+    tag = f"memsem-bench-{os.getpid()}-{secrets.token_hex(2)}"
+    a, b = f"{tag}-a", f"{tag}-b"
+    x = os.getpid() % 250 + 2
+    made = []
+
+    def run(*args: str) -> None:
+        subprocess.run([ip, *args], check=True, capture_output=True, timeout=20)
+
+    try:
+        for n in (a, b):
+            run("netns", "add", n)
+            made.append(n)
+        run("link", "add", "veth0", "netns", a, "type", "veth", "peer", "name", "veth0", "netns", b)
+        for n, addr in ((a, f"10.203.{x}.1"), (b, f"10.203.{x}.2")):
+            run("-n", n, "link", "set", "lo", "up")
+            run("-n", n, "addr", "add", f"{addr}/24", "dev", "veth0")
+            run("-n", n, "link", "set", "veth0", "up")
+        yield [ip, "netns", "exec", a], [ip, "netns", "exec", b], f"10.203.{x}.1"
+    finally:
+        for n in made:
+            pids = subprocess.run([ip, "netns", "pids", n], capture_output=True, text=True).stdout.split()
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(p), 9)
+            subprocess.run([ip, "netns", "del", n], capture_output=True)
+
+
+def figures(quick: bool = True) -> tuple[dict[str, Any], str | None]:
+    """Run both nodes and return ``(figures, note)``; figures hold ``KEYS`` (None where not
+    measured) and the note says why when something was skipped."""
+    why = namespaces_possible()
+    link = "loopback" if why else "veth"
+    job = f"benchtcp{os.getpid()}{secrets.token_hex(2)}"
+    me = [sys.executable, "-m", "memsem.cli._bench_tcp"]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, MEMSEM_JOB=job, MEMSEM_DIRECTORY="local")
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    empty: dict[str, Any] = {k: None for k in KEYS}
+    try:
+        with contextlib.ExitStack() as stack:
+            if why:
+                pa, pb, host = [], [], "127.0.0.1"
+            else:
+                pa, pb, host = stack.enter_context(veth_pair())
+            penv = dict(env, MEMSEM_NODE_ID="bench-node-a", MEMSEM_TCP_HOST=host)
+            cenv = dict(env, MEMSEM_NODE_ID="bench-node-b")
+            prod = subprocess.Popen(pa + me + ["--role", "producer"], env=penv, **pipes)
+            try:
+                line = prod.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"producer failed: {prod.stderr.read()[-2000:]}")
+                cons = subprocess.Popen(pb + me + ["--role", "consumer"] + (["--quick"] if quick else []),
+                                        env=cenv, **pipes)
+                out, err = cons.communicate(line, timeout=900)
+                if cons.returncode != 0:
+                    raise RuntimeError(f"consumer failed: {err[-2000:]}")
+                res = json.loads(out.strip().splitlines()[-1])
+            finally:
+                with contextlib.suppress(OSError):
+                    prod.stdin.write("\n")
+                    prod.stdin.flush()
+                try:
+                    prod.wait(30)
+                except subprocess.TimeoutExpired:
+                    prod.kill()
+                    prod.wait(5)
+    except Exception as exc:  # the rest of the bench goes on; the note says what failed
+        return empty, f"tcp figures: {type(exc).__name__}: {exc}"
+    if res.get("route") != "tcp" or not res.get("intact"):
+        return empty, f"tcp figures: route {res.get('route')!r}, bytes intact: {res.get('intact')}"
+    fig = {k: (round(res[k], 3) if isinstance(res.get(k), float) else res.get(k)) for k in KEYS}
+    fig["tcp_link"] = link
+    note = f"tcp figures over {link}" + (f" ({why})" if why else " (veth pair between two network namespaces)")
+    return fig, note
+
+
+def goals_met(fig: dict[str, Any]) -> dict[str, bool | None]:
+    def ratio(a: str, b: str) -> float | None:
+        return None if fig.get(a) is None or not fig.get(b) else fig[a] / fig[b]
+
+    r64, rbw, ft = ratio("tcp_get_64B_us", "socket_rtt_64B_us"), ratio("tcp_get_64MiB_GBps", "socket_64MiB_GBps"), \
+        fig.get("remote_first_tile_ratio")
+    return {"tcp_get_64B_us": None if r64 is None else r64 <= 1.3,
+            "tcp_get_64MiB_GBps": None if rbw is None else rbw >= 0.9,
+            "remote_first_tile_ratio": None if ft is None else ft <= 3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--role", choices=("producer", "consumer"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role == "producer":
+        _producer()
+        return 0
+    if args.role == "consumer":
+        _consumer(args.quick)
+        return 0
+    fig, note = figures(args.quick)
+    if args.json:
+        print(json.dumps(fig))
+    else:
+        print(note)
+        for k in KEYS:
+            print(f"  {k:26} {fig.get(k)}")
+        for k, met in goals_met(fig).items():
+            print(f"  goal {k:21} {GOALS[k]:32} {'met' if met else 'NOT met' if met is False else 'n/a'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""An owner "node" for the tcp tests: publishes windows and obeys JSON commands on stdin.
+
+    python _owner.py            prints {"ready": true, "endpoint": ..., "pid": ...}, then one JSON
+                                reply line per command line
+
+Environment: MEMSEM_DIRECTORY (redis://...), MEMSEM_NODE_ID, MEMSEM_JOB, MEMSEM_JOB_SECRET.
+Commands (``op`` and arguments) - see ``handle``. Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+import memsem
+
+ENGINES = ("loopback", "host", "tcp")
+
+
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.rt = memsem.Runtime(engines=ENGINES, timeout=float(os.environ.get("OWNER_TIMEOUT", "10")))
+        self.wins: dict[str, memsem.TensorRef] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.sets: dict[str, memsem.FieldSet] = {}
+        self.writer: threading.Thread | None = None
+        self.writer_stop = threading.Event()
+        self.sections = 0
+
+    def publish(self, name: str, n: int, dtype: str = "int64", kind: str = "arange", access: str = "rw",
+                tile_bytes: int | None = None, value: float = 0) -> str:
+        if kind == "arange":
+            a = np.arange(n, dtype=dtype)
+        elif kind == "full":
+            a = np.full(n, value, dtype=dtype)
+        else:
+            a = np.zeros(n, dtype=dtype)
+        if access == "r":
+            a.flags.writeable = False
+        self.arrays[name] = a
+        ref = self.rt.publish(a, name=name, access=access, tile_bytes=tile_bytes)
+        self.wins[name] = ref
+        return ref.to_bytes().hex()
+
+    def write_loop(self, name: str, seconds: float) -> None:
+        """Write sections filling the window with one value each (a reader must never see two)."""
+        a = self.arrays[name]
+        end = time.monotonic() + seconds
+        v = 0
+        while not self.writer_stop.is_set() and time.monotonic() < end:
+            v += 1
+            with self.rt.write_section(self.wins[name]):
+                a[:] = v
+            self.sections += 1
+
+    def handle(self, cmd: dict) -> dict:
+        op = cmd["op"]
+        rt = self.rt
+        if op == "publish":
+            return {"ref": self.publish(cmd["name"], cmd["n"], cmd.get("dtype", "int64"), cmd.get("kind", "arange"),
+                                        cmd.get("access", "rw"), cmd.get("tile_bytes"), cmd.get("value", 0))}
+        if op == "bytes":
+            return {"ref": self.wins[cmd["name"]].bytes(cmd["offset"], cmd["nbytes"]).to_bytes().hex()}
+        if op == "fields":
+            fs = rt.publish_fields({k: (tuple(v[0]), v[1]) for k, v in cmd["fields"].items()},
+                                   tile_rows=cmd["tile_rows"], name=cmd["name"])
+            self.sets[cmd["name"]] = fs
+            return {"set": fs.to_bytes().hex()}
+        if op == "put_rows":
+            fs = self.sets[cmd["set"]]
+            f = fs[cmd["field"]]
+            rows = np.full((cmd["stop"] - cmd["start"],) + f.shape[1:], cmd["value"], f.dtype)
+            return {"marked": f.put_rows(cmd["start"], rows)}
+        if op == "mark":
+            for t in cmd["tiles"]:
+                self.wins[cmd["name"]].mark_ready(t)
+            return {}
+        if op == "clear":
+            for t in cmd["tiles"]:
+                rt.core.clear_ready(self.wins[cmd["name"]].spec, t)
+            return {}
+        if op == "write":
+            with rt.write_section(self.wins[cmd["name"]]) as v:
+                self.arrays[cmd["name"]][:] = cmd["value"]
+            return {"version": v}
+        if op == "writer":
+            self.writer_stop.clear()
+            self.writer = threading.Thread(target=self.write_loop, args=(cmd["name"], cmd["seconds"]), daemon=True)
+            self.writer.start()
+            return {}
+        if op == "writer_stop":
+            self.writer_stop.set()
+            if self.writer is not None:
+                self.writer.join(30)
+            return {"sections": self.sections}
+        if op == "republish":
+            name = cmd["name"]
+            ref = rt.publish(self.arrays[name], name=name, tile_bytes=cmd.get("tile_bytes"))
+            self.wins[name] = ref
+            return {"ref": ref.to_bytes().hex()}
+        if op == "unpublish":
+            rt.unpublish(self.wins[cmd["name"]], timeout=cmd.get("timeout", 5.0))
+            return {}
+        if op == "read":
+            a = self.arrays[cmd["name"]]
+            return {"head": a.ravel()[:8].tolist(), "sum": float(a.astype(np.float64).sum())}
+        if op == "read_field":
+            a = self.sets[cmd["set"]].local(cmd["field"])
+            return {"sum": float(a.astype(np.float64).sum()), "head": a.ravel()[:8].tolist()}
+        if op == "rss":
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return {"rss": int(line.split()[1]) * 1024}
+            return {"rss": -1}
+        if op == "stats":
+            return {"stats": rt.stats().as_dict()}
+        raise ValueError(f"unknown op {op}")
+
+
+def main() -> None:
+    owner = Owner()
+    say(ready=True, endpoint=owner.rt.engine("tcp").endpoint if owner.rt.engine("tcp").endpoint else None,
+        pid=os.getpid(), rank=owner.rt.rank)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "exit":
+            say(ok=True)
+            break
+        try:
+            out = owner.handle(cmd)
+            say(ok=True, **out)
+        except Exception as exc:
+            say(ok=False, error=type(exc).__name__, msg=str(exc), tb=traceback.format_exc()[-2000:])
+    owner.writer_stop.set()
+    owner.rt.close()
+
+
+if __name__ == "__main__":
+    main()

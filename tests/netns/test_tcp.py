@@ -1,0 +1,538 @@
+"""The tcp engine and remote ready words on one machine, with two node ids (no namespaces needed).
+
+An owner process (``_owner.py``, node "own-a") publishes windows; this test process is the
+consumer (node "con-b"): different node ids forbid shared memory and cross-memory attach, so
+every route is tcp. The directory is a real redis-server on loopback.
+
+What the owner must refuse is tested with the protocol itself (raw sockets): a PUT of 512 MiB
+on a handle that was never opened (the owner's RSS must not grow: nothing is read), bodies
+over their bounds, a proof replayed on another connection, refs edited to widen their range or
+add write access; and a recording proxy shows the access key never crosses the wire.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import memsem
+from memsem.engines import tcp as T
+from memsem.gva import RefSpec, credential_proof, credential_token
+from redis_server import redis_server
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OWNER = os.path.join(HERE, "_owner.py")
+SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
+SECRET = "tcp-test-secret"
+ENGINES = ("loopback", "host", "tcp")
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_binary):
+    with redis_server(binary=redis_binary) as srv:
+        yield srv.url
+
+
+class Owner:
+    """The owner process and its command channel."""
+
+    def __init__(self, url: str, job: str, ttl: float = 2.0) -> None:
+        env = dict(os.environ, MEMSEM_NODE_ID="own-a", MEMSEM_DIRECTORY=url, MEMSEM_JOB=job,
+                   MEMSEM_JOB_SECRET=SECRET, MEMSEM_HEARTBEAT_TTL=str(ttl), PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+        self.p = subprocess.Popen([sys.executable, OWNER], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.info = self._line(60)
+        self.pid = self.p.pid
+
+    def _line(self, timeout: float) -> dict:
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            self.p.kill()
+            raise AssertionError(f"owner silent for {timeout} s; stderr: {self.p.stderr.read()[-3000:]}")
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"owner exited rc={self.p.wait()}: {self.p.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def __call__(self, op: str, timeout: float = 60.0, **kw) -> dict:
+        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.p.stdin.flush()
+        r = self._line(timeout)
+        assert r.get("ok"), r
+        return r
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.p.stdin.flush()
+                self.p.wait(20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait(5)
+        for f in (self.p.stdin, self.p.stdout, self.p.stderr):
+            f.close()
+
+
+@pytest.fixture
+def job():
+    return f"tcp{os.getpid()}{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def owner(redis_url, job):
+    o = Owner(redis_url, job)
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def rt(redis_url, job, monkeypatch):
+    monkeypatch.setenv("MEMSEM_NODE_ID", "con-b")
+    monkeypatch.setenv("MEMSEM_JOB_SECRET", SECRET)
+    monkeypatch.setenv("MEMSEM_HEARTBEAT_TTL", "2")
+    r = memsem.Runtime(directory=redis_url, job=job, engines=ENGINES, timeout=10)
+    yield r
+    r.close()
+
+
+def _ref(rt, hexref: str) -> memsem.TensorRef:
+    return rt.ref(bytes.fromhex(hexref))
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def test_get_put_small_and_pipelined_large(owner, rt):
+    w = _ref(rt, owner("publish", name="w", n=(12 * MiB) // 8 + 3)["ref"])  # not a multiple of a chunk
+    assert rt.route(w).kind == "tcp"
+    n = w.shape[0]
+    a = w.get()
+    assert (a == np.arange(n)).all()
+    small = w.bytes(8, 64)  # a consumer's sub-range keeps the mint it was cut from
+    assert (small.get().view(np.int64) == np.arange(1, 9)).all()
+    assert (w.tile(2, 4096).get().view(np.int64) == np.arange(1024, 1536)).all()
+    w.put(a[::-1].copy())
+    assert owner("read", name="w")["head"][:2] == [n - 1, n - 2]
+    small.put(np.arange(100, 108, dtype=np.int64).view(np.uint8))
+    assert owner("read", name="w")["head"][:3] == [n - 1, 100, 101]
+    out = np.empty(n, np.int64)
+    batch = rt.xcopy([(w, out)])
+    batch.wait(30)
+    assert out[1] == 100 and out[-1] == 0
+
+
+def test_owner_minted_sub_range_is_all_a_consumer_gets(owner, rt):
+    owner("publish", name="w", n=1024)
+    narrow = _ref(rt, owner("bytes", name="w", offset=64, nbytes=16)["ref"])
+    assert narrow.spec.mint.offset == 64 and narrow.spec.mint.nbytes == 16
+    assert (narrow.get().view(np.int64) == [8, 9]).all()
+    s = narrow.spec
+    with pytest.raises(ValueError, match="outside its minted range"):  # a consistent ref never claims more
+        dataclasses.replace(s, nbytes=32, shape=(32,))
+    # Edit the wire form: the ref's range and its mint together, 0..8192 (the whole window).
+    wide = dataclasses.replace(s, offset=0, nbytes=8192, shape=(8192,),
+                               mint=dataclasses.replace(s.mint, offset=0, nbytes=8192))
+    with pytest.raises(memsem.AccessDeniedError, match="altered"):
+        rt.ref(wide.to_bytes()).get()
+    assert (narrow.get().view(np.int64) == [8, 9]).all()  # the genuine one still works
+
+
+def test_write_access_cannot_be_added_to_a_ref(owner, rt):
+    ro = _ref(rt, owner("publish", name="ro", n=64, access="r")["ref"])
+    assert ro.access == "r" and ro.spec.mint.access == "r"
+    s = ro.spec
+    with pytest.raises(ValueError, match="wider than its minted access"):
+        dataclasses.replace(s, access="rw")
+    forged = dataclasses.replace(s, access="rw", mint=dataclasses.replace(s.mint, access="rw"))
+    with pytest.raises(memsem.AccessDeniedError):
+        rt.ref(forged.to_bytes()).put(np.zeros(64, np.int64))
+    no_mint = dataclasses.replace(s, mint=None)
+    with pytest.raises(memsem.AccessDeniedError, match="no mint"):
+        rt.ref(no_mint.to_bytes()).get()
+    assert owner("read", name="ro")["head"][:3] == [0, 1, 2]
+
+
+def test_stale_after_unpublish_and_republish(owner, rt):
+    w = _ref(rt, owner("publish", name="w", n=4096)["ref"])
+    w.get()
+    owner("republish", name="w")
+    with pytest.raises(memsem.StaleReferenceError):
+        w.get()
+    with pytest.raises(memsem.StaleReferenceError):
+        w.put(np.zeros(4096, np.int64))
+    w2 = rt.lookup("w")  # the directory's whole-window mint, sealed for the job secret
+    assert w2.spec.mint is not None and (w2.get()[:3] == [0, 1, 2]).all()
+
+
+def test_versions_across_nodes_never_torn(owner, rt):
+    """The owner rewrites the window in write sections as fast as it can; every get returns the
+    bytes of exactly one version (every element equal) and says which."""
+    n = (2 * MiB) // 8
+    w = _ref(rt, owner("publish", name="w", n=n, kind="zeros")["ref"])
+    owner("writer", name="w", seconds=3.0)
+    out = np.empty(n, np.int64)
+    versions = []
+    for _ in range(40):
+        v = rt.core.transfer(w.spec, "get", 0, out.view(np.uint8))
+        assert (out == out[0]).all(), "torn read returned as valid"
+        versions.append((v, int(out[0])))
+    sections = owner("writer_stop")["sections"]
+    assert sections > 0
+    assert all(v >= 1 for v, _ in versions) and versions == sorted(versions)
+    for v, value in versions:  # section k writes value k and commits version k + 1
+        assert value == v - 1, versions
+    # a version wait through the one runtime function, across nodes
+    from memsem.gva._control import W_LATEST
+
+    latest = owner("write", name="w", value=-5)["version"]
+    got = rt.core.readiness.wait_word(w.spec, W_LATEST, lambda x: x >= latest, timeout=20)
+    assert got >= latest and (w.get() == -5).all()
+
+
+# -- at the door ---------------------------------------------------------------------------------------
+def _connect(endpoint: str) -> tuple[socket.socket, bytes]:
+    host, port = T._split_endpoint(endpoint)
+    s = socket.create_connection((host, port), timeout=20)
+    hello = _recv(s, T._HELLO.size)
+    magic, proto, _, nonce = T._HELLO.unpack(hello)
+    assert magic == T.MAGIC and proto == T.PROTOCOL
+    s.sendall(T._CHELLO.pack(T.MAGIC, T.PROTOCOL, T.KIND_DATA))
+    return s, nonce
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    b = b""
+    while len(b) < n:
+        k = s.recv(n - len(b))
+        if not k:
+            raise EOFError(f"closed after {len(b)} of {n} bytes")
+        b += k
+    return b
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    try:
+        s.settimeout(20)
+        while True:
+            if not s.recv(1 << 16):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def _open_body(spec: RefSpec, nonce: bytes, handle: int) -> bytes:
+    tok = credential_token(spec)
+    return tok + credential_proof(spec.key, nonce + struct.pack("<H", handle), tok)
+
+
+def _endpoint(rt, ref) -> str:
+    return rt.core.resolve(ref.spec).remote.endpoint
+
+
+def test_oversize_put_on_an_unopened_handle_is_not_read(owner, rt):
+    w = _ref(rt, owner("publish", name="w", n=1024)["ref"])
+    ep = _endpoint(rt, w)
+    before = owner("rss")["rss"]
+    s, _ = _connect(ep)
+    s.sendall(T._REQ.pack(T.OP_PUT, 0, 7, 1, 0, 512 * MiB, 0, 0))
+    junk = b"\xaa" * MiB
+    sent = 0
+    try:
+        s.settimeout(20)
+        while sent < 512 * MiB:
+            s.sendall(junk)
+            sent += len(junk)
+    except OSError:
+        pass
+    after = owner("rss")["rss"]
+    s.close()
+    assert sent < 512 * MiB, "the owner kept reading a payload it had refused"
+    assert after - before < 32 * MiB, (before, after)
+    assert (w.get()[:4] == np.arange(4)).all()  # the owner serves on
+
+
+def test_put_refused_by_range_or_access_closes_without_reading(owner, rt):
+    ro = _ref(rt, owner("publish", name="ro", n=1024, access="r")["ref"])
+    s, nonce = _connect(_endpoint(rt, ro))
+    body = _open_body(ro.spec, nonce, 1)
+    s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    st = T._REP.unpack(_recv(s, T._REP.size))
+    assert st[0] == T.OK, st
+    s.sendall(T._REQ.pack(T.OP_PUT, 0, 1, 2, 0, 8192, 0, 0))  # read-only: refused before the payload
+    st = T._REP.unpack(_recv(s, T._REP.size))
+    assert st[0] == T.DENIED
+    _recv(s, st[5])
+    assert _closed_by_peer(s)
+    s.close()
+    w = _ref(rt, owner("publish", name="w", n=1024)["ref"])
+    s, nonce = _connect(_endpoint(rt, w))
+    body = _open_body(w.spec, nonce, 1)
+    s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    assert T._REP.unpack(_recv(s, T._REP.size))[0] == T.OK
+    s.sendall(T._REQ.pack(T.OP_PUT, 0, 1, 2, 4096, 8192, 0, 0))  # past the minted range
+    st = T._REP.unpack(_recv(s, T._REP.size))
+    assert st[0] == T.RANGE
+    _recv(s, st[5])
+    assert _closed_by_peer(s)
+    s.close()
+    assert owner("read", name="w")["head"][:2] == [0, 1]
+
+
+@pytest.mark.parametrize("what", ["open-body", "hello", "op", "watch-on-data"])
+def test_malformed_requests_close_the_connection(owner, rt, what):
+    w = _ref(rt, owner("publish", name="w", n=64)["ref"])
+    ep = _endpoint(rt, w)
+    if what == "hello":
+        host, port = T._split_endpoint(ep)
+        s = socket.create_connection((host, port), timeout=20)
+        _recv(s, T._HELLO.size)
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    else:
+        s, _ = _connect(ep)
+        if what == "open-body":
+            s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, 1 << 30, 0, 0))
+        elif what == "op":
+            s.sendall(T._REQ.pack(200, 0, 1, 1, 0, 0, 0, 0))
+        else:
+            s.sendall(T._REQ.pack(T.OP_WATCH, 0, 1, 1, 0, 12, 0, 0))
+    assert _closed_by_peer(s)
+    s.close()
+    assert (w.get()[:2] == [0, 1]).all()
+
+
+def test_a_proof_replayed_on_another_connection_is_refused(owner, rt):
+    w = _ref(rt, owner("publish", name="w", n=64)["ref"])
+    ep = _endpoint(rt, w)
+    s1, nonce1 = _connect(ep)
+    body = _open_body(w.spec, nonce1, 1)
+    s1.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    assert T._REP.unpack(_recv(s1, T._REP.size))[0] == T.OK
+    s1.sendall(T._REQ.pack(T.OP_GET, 0, 1, 2, 0, 16, 0, 1000))
+    assert T._REP.unpack(_recv(s1, T._REP.size))[0] == T.DATA
+    # What a sniffer saw on connection 1, sent again on connection 2:
+    s2, nonce2 = _connect(ep)
+    assert nonce2 != nonce1
+    s2.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    st = T._REP.unpack(_recv(s2, T._REP.size))
+    assert st[0] == T.DENIED
+    assert "proof" in _recv(s2, st[5]).decode()
+    assert _closed_by_peer(s2)
+    s1.close()
+    s2.close()
+
+
+class _Recorder:
+    """A TCP proxy that records every byte in both directions."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.ls.getsockname()
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        self.threads = []
+        self.socks = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            self.socks += [c, u]
+            for a, b in ((c, u), (u, c)):
+                t = threading.Thread(target=self._pipe, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                d = a.recv(1 << 16)
+                if not d:
+                    break
+                with self.lock:
+                    self.seen += d
+                b.sendall(d)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.ls.close()
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+        for t in self.threads:
+            t.join(5)
+
+
+def test_the_access_key_never_crosses_the_wire(owner, rt, monkeypatch, redis_url, job):
+    hexref = owner("publish", name="w", n=4096, tile_bytes=8192)["ref"]
+    probe = _ref(rt, hexref)
+    real = T._split_endpoint(_endpoint(rt, probe))
+    rt.core.resolver.drop(probe.spec.gva)
+    rec = _Recorder(real)
+    try:
+        monkeypatch.setattr(T, "_split_endpoint", lambda ep: rec.addr)
+        with memsem.Runtime(directory=redis_url, job=job, engines=ENGINES, timeout=10) as rt2:
+            w = _ref(rt2, hexref)
+            w.get()
+            w.put(np.arange(4096, dtype=np.int64))
+            owner("mark", name="w", tiles=[0, 2])
+            w.wait_tile(2, timeout=20)
+            assert w.ready_tiles()[:2] == [0, 2]
+        key = w.spec.key
+        with rec.lock:
+            seen = bytes(rec.seen)
+        assert len(seen) > 4096 * 8  # the traffic was recorded (data went through the proxy)
+        assert key not in seen and key.hex().encode() not in seen
+    finally:
+        rec.close()
+
+
+# -- ready words across nodes ----------------------------------------------------------------------------
+def test_remote_ready_words(owner, rt):
+    w = _ref(rt, owner("publish", name="w", n=8 * 1024, tile_bytes=8192)["ref"])  # 8 tiles
+    assert w.ready_tiles() == [] and not w.is_ready(3)
+    with pytest.raises(memsem.MemsemTimeoutError, match="tile 3"):
+        w.wait_tile(3, timeout=0.2)
+    owner("mark", name="w", tiles=[5, 3])
+    w.wait_tile(3, timeout=20)
+    w.wait_tile(5, timeout=20)
+    assert w.is_ready(3) and set(w.ready_tiles()) >= {3, 5}
+    owner("clear", name="w", tiles=[3])
+    deadline = time.monotonic() + 20
+    while w.is_ready(3) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the clear is pushed like a mark: a snapshot shows it once it arrived
+    assert not w.is_ready(3)
+    # the consumer marks too (a producer on this node, the window there): checked like a put
+    w.mark_ready(6)
+    owner_view = _ref(rt, owner("bytes", name="w", offset=0, nbytes=8192 * 8)["ref"])
+    assert owner_view.spec.gva == w.spec.gva
+    w.wait_tile(6, timeout=20)
+    ro = _ref(rt, owner("publish", name="ro", n=1024, access="r", tile_bytes=1024)["ref"])
+    with pytest.raises(memsem.AccessDeniedError):
+        ro.mark_ready(0)
+
+
+def test_old_marks_never_satisfy_a_new_generation(owner, rt):
+    old = _ref(rt, owner("publish", name="w", n=4096, tile_bytes=8192)["ref"])
+    owner("mark", name="w", tiles=[0, 1, 2, 3])
+    old.wait_tile(3, timeout=20)
+    new = _ref(rt, owner("republish", name="w", tile_bytes=8192)["ref"])  # same control block reused
+    with pytest.raises(memsem.StaleReferenceError):
+        old.wait_tile(0, timeout=20)
+    with pytest.raises(memsem.MemsemTimeoutError):
+        new.wait_tile(0, timeout=0.3)  # the old generation's marks are still in the words
+    assert new.ready_tiles() == []
+    owner("mark", name="w", tiles=[0])
+    new.wait_tile(0, timeout=20)
+
+
+def test_remote_pipeline_moves_tile_0_when_it_is_marked(owner, rt):
+    """The owner marks tile i+1 only after the consumer holds tile i: a pipeline that waited
+    for the whole window would wait forever (here: its timeout)."""
+    n_tiles, tb = 6, 1 << 16
+    w = _ref(rt, owner("publish", name="w", n=n_tiles * tb // 8, tile_bytes=tb)["ref"])
+    owner("mark", name="w", tiles=[0])
+    got = []
+    with rt.pipeline(w, tile_bytes=tb, depth=2, wait_ready=True, timeout=30) as pipe:
+        for tile in pipe:
+            with tile:
+                got.append(tile.index)
+                arr = tile.array.view(np.int64)
+                assert arr[0] == tile.index * tb // 8
+            if tile.index + 1 < n_tiles:
+                owner("mark", name="w", tiles=[tile.index + 1])
+    assert got == list(range(n_tiles))
+
+
+def test_fieldset_across_nodes_rows_out_of_order(owner, rt):
+    fs = memsem.FieldSet.from_bytes(bytes.fromhex(owner(
+        "fields", name="batch", tile_rows=4,
+        fields={"obs": [[16, 3], "float32"], "reward": [[16], "float64"]})["set"]), rt)
+    obs, reward = fs["obs"], fs["reward"]
+    assert rt.route(obs).kind == "tcp"
+    owner("put_rows", set="batch", field="obs", start=8, stop=12, value=2.0)
+    obs.wait_rows(8, 12, timeout=20)
+    assert (obs.get_rows(8, 12, timeout=20) == 2.0).all()
+    with pytest.raises(memsem.MemsemTimeoutError):
+        obs.wait_rows(0, 4, timeout=0.2)
+    order = []
+
+    def produce():
+        for start, v in ((12, 3.0), (0, 1.0), (4, 5.0)):
+            owner("put_rows", set="batch", field="obs", start=start, stop=start + 4, value=v)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    try:
+        with obs.pipeline(timeout=30) as pipe:
+            for tile in pipe:
+                with tile:
+                    order.append((tile.rows, float(tile.array[0, 0])))
+    finally:
+        t.join(60)
+    assert order == [((0, 4), 1.0), ((4, 8), 5.0), ((8, 12), 2.0), ((12, 16), 3.0)]
+    # the consumer writes rows of another field (remote puts, remote marks)
+    reward.put_rows(0, np.arange(16, dtype=np.float64))
+    done = list(fs.as_ready(["reward"], timeout=20))
+    assert [f.name for f in done] == ["reward"]
+    assert owner("read_field", set="batch", field="reward")["sum"] == float(sum(range(16)))
+
+
+def test_owner_killed_during_a_wait_is_peer_lost(redis_url, job, rt):
+    o = Owner(redis_url, job)
+    try:
+        w = _ref(rt, o("publish", name="w", n=4096, tile_bytes=8192)["ref"])
+        assert w.ready_tiles() == []
+        errors: list[BaseException] = []
+        started = threading.Event()
+
+        def wait():
+            started.set()
+            try:
+                w.wait_tile(1, timeout=60)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        started.wait(10)
+        os.kill(o.pid, signal.SIGKILL)
+        o.p.wait(10)
+        t.join(90)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], memsem.PeerLostError), errors
+        with pytest.raises((memsem.PeerLostError, memsem.StaleReferenceError)):
+            w.get()
+    finally:
+        o.close()
