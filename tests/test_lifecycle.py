@@ -258,7 +258,7 @@ def test_a_dead_owner_gives_peer_lost_on_every_path(rt):
 
 def test_readiness_writes_need_the_windows_published_access(rt):
     ref = rt.publish(np.zeros(4096, np.uint8), access="r", tiles=4)
-    forged = memsem.TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw"}), rt)
+    forged = memsem.TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw", "mint": None}), rt)
     with memsem.Runtime(timeout=5.0, engines=["host"]) as cons:
         f = forged.bind(cons)
         for call in (lambda: f.mark_ready(1), lambda: rt.core.clear_ready(forged.spec, 1),

@@ -1,5 +1,6 @@
 """Tests of the test infrastructure itself: namespaces + veth, a real Redis across the link,
-pyzmq zero-copy round trips across the link, clean teardown, and measured numbers.
+plain-socket round trips across the link (the tcp engine's baseline), clean teardown, and
+measured numbers.
 
 Run:  pytest -s tests/netns          (as root; -s shows the numbers)
 """
@@ -21,7 +22,6 @@ import netns
 from redis_server import redis_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "zmq_bench.py")
 PY = sys.executable
 MiB = 1 << 20
 
@@ -185,59 +185,20 @@ def test_cleanup_stale_ignores_live_and_foreign():
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
-# ---------------------------------------------------------------- pyzmq
+# ---------------------------------------------------------------- plain sockets
 
 
-def test_pyzmq_recv_into_and_zero_copy_send_semantics():
-    """In-process facts the TCP engine relies on (pyzmq >= 26.4 for recv_into)."""
-    import zmq
-
-    assert hasattr(zmq.Socket, "recv_into"), f"pyzmq {zmq.__version__} lacks recv_into (need >= 26.4)"
-    ctx = zmq.Context()
-    try:
-        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        a.bind("inproc://t")
-        b.connect("inproc://t")
-        src = np.arange(1 * MiB, dtype=np.uint8)
-        tracker = a.send(src, copy=False, track=True)       # shares src's memory with libzmq
-        dst = np.zeros(1 * MiB, dtype=np.uint8)
-        assert b.recv_into(dst) == src.nbytes
-        assert np.array_equal(src, dst)
-        tracker.wait(5)                                      # libzmq released src's memory
-        assert tracker.done
-        # A frame bigger than the buffer: the return value is the full size, data truncated.
-        a.send(src, copy=False)
-        small = np.zeros(1000, dtype=np.uint8)
-        assert b.recv_into(small) == src.nbytes
-        assert np.array_equal(small, src[:1000])
-        # Read-only destination is refused before anything is received.
-        ro = np.zeros(10, dtype=np.uint8)
-        ro.flags.writeable = False
-        a.send(b"x" * 10)
-        with pytest.raises((BufferError, ValueError)):
-            b.recv_into(ro)
-        b.recv()
-        # Multipart: recv_into takes one frame; RCVMORE says whether another follows.
-        a.send_multipart([b"hdr", src[:100]], copy=False)
-        hdr = bytearray(16)
-        assert b.recv_into(hdr) == 3 and b.getsockopt(zmq.RCVMORE) == 1
-        assert b.recv_into(dst) == 100 and b.getsockopt(zmq.RCVMORE) == 0
-        a.close(0)
-        b.close(0)
-    finally:
-        ctx.term()
-
-
-def _zmq_pair_run(server_ns, client_ns, bind_addr, client_args, port=5555):
-    """Start zmq_bench server (in server_ns or here), run clients, return their JSON results."""
-    srv_cmd = [PY, BENCH, "server", "--bind", f"tcp://{bind_addr}:{port}"]
+def _socket_pair_run(server_ns, client_ns, host, client_args):
+    """Start the plain-socket baseline server (memsem.cli._bench_tcp) in server_ns (or here), run
+    clients (in client_ns or here), return their JSON results."""
+    srv_cmd = [PY, "-m", "memsem.cli._bench_tcp", "--role", "socket-server", "--addr", f"{host}:0"]
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = server_ns.popen(srv_cmd, **kw) if server_ns else subprocess.Popen(srv_cmd, **kw)
     results = []
     try:
-        assert "ready" in _readline(server, 30)
+        port = json.loads(_readline(server, 30))["port"]
         for i, args in enumerate(client_args):
-            cmd = [PY, BENCH, "client", "--connect", f"tcp://{bind_addr}:{port}", *args]
+            cmd = [PY, "-m", "memsem.cli._bench_tcp", "--role", "socket-client", "--addr", f"{host}:{port}", *args]
             if i == len(client_args) - 1:
                 cmd.append("--quit")
             cp = (client_ns.run(cmd, timeout=300) if client_ns
@@ -252,46 +213,36 @@ def _zmq_pair_run(server_ns, client_ns, bind_addr, client_args, port=5555):
 
 
 @pytest.mark.netns
-def test_zmq_zero_copy_roundtrip_across_veth(ns_pair):
+def test_socket_roundtrips_across_veth_are_intact(ns_pair):
     a, b = ns_pair
-    res = _zmq_pair_run(a, b, a.addr, [
-        ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "recv_into"],
-        ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "frame"],
-        ["--size", str(64 * MiB), "--iters", "2", "--warmup", "1", "--recv", "recv_into",
-         "--chunk", str(4 * MiB)],
-        ["--size", str(10 * MiB + 3), "--iters", "2", "--warmup", "1", "--recv", "frame",
-         "--chunk", str(1 * MiB)],
-        ["--size", "64", "--iters", "50", "--recv", "recv_into"],
+    res = _socket_pair_run(a, b, a.addr, [
+        ["--size", str(64 * MiB), "--iters", "2"],
+        ["--size", str(10 * MiB + 3), "--iters", "2"],
+        ["--size", "64", "--iters", "50"],
     ])
     assert all(r["intact"] for r in res), res
 
 
 def _fmt(r):
-    chunk = f"{r['chunk'] >> 20} MiB frames" if r.get("chunk") else "one frame"
-    return (f"{r['size']:>9} B  {r['recv']:<9} {chunk:<13} p50 {r['lat_us_p50']:>9.1f} us  "
-            f"p99 {r['lat_us_p99']:>9.1f} us  min {r['lat_us_min']:>8.1f} us  {r['gbps']:.3f} GB/s")
+    return (f"{r['size']:>9} B  p50 {r['lat_us_p50']:>9.1f} us  min {r['lat_us_min']:>8.1f} us  "
+            f"{r['gbps']:.3f} GB/s")
 
 
 @pytest.mark.netns
 @pytest.mark.bench
-def test_zmq_bench_veth_vs_loopback(ns_pair):
-    """64 B latency and 64 MiB throughput of a pyzmq REQ/REP 'get', veth vs loopback."""
+def test_socket_bench_veth_vs_loopback(ns_pair):
+    """64 B latency and 64 MiB throughput of a plain-socket request/response 'get' (the baseline
+    the tcp engine is measured against), veth vs loopback."""
     a, b = ns_pair
     lat_iters = os.environ.get("MEMSEM_BENCH_LAT_ITERS", "2000")
     big_iters = os.environ.get("MEMSEM_BENCH_BIG_ITERS", "10")
-    clients = [
-        ["--size", "64", "--iters", lat_iters, "--recv", "recv_into"],
-        ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "recv_into"],
-        ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "frame"],
-        ["--size", str(64 * MiB), "--iters", big_iters, "--warmup", "2", "--recv", "recv_into",
-         "--chunk", str(4 * MiB)],
-    ]
-    veth = _zmq_pair_run(a, b, a.addr, clients)
-    loop = _zmq_pair_run(None, None, "127.0.0.1", clients, port=_free_port())
-    print(f"\npyzmq get over veth ({a.name} -> {b.name}):")
+    clients = [["--size", "64", "--iters", lat_iters], ["--size", str(64 * MiB), "--iters", big_iters]]
+    veth = _socket_pair_run(a, b, a.addr, clients)
+    loop = _socket_pair_run(None, None, "127.0.0.1", clients)
+    print(f"\nplain-socket get over veth ({a.name} -> {b.name}):")
     for r in veth:
         print("  " + _fmt(r))
-    print("pyzmq get over loopback (root namespace):")
+    print("plain-socket get over loopback (root namespace):")
     for r in loop:
         print("  " + _fmt(r))
     out = os.environ.get("MEMSEM_BENCH_OUT")
@@ -299,12 +250,6 @@ def test_zmq_bench_veth_vs_loopback(ns_pair):
         with open(out, "w") as f:
             json.dump({"veth": veth, "loopback": loop}, f, indent=1)
     assert all(r["intact"] for r in veth + loop)
-
-
-def _free_port():
-    from redis_server import free_port
-
-    return free_port()
 
 
 @pytest.mark.netns

@@ -60,7 +60,7 @@ _QUIT = (1 << 64) - 1
 def socket_server(host: str, port: int, max_bytes: int, ready: Any = None) -> None:
     """Answer ``offset u64 | nbytes u64`` requests with ``nbytes`` bytes of a buffer: the least
     a request/response get can do on a socket (one thread per connection, ``sendall``)."""
-    src = bytearray(os.urandom(1 << 16)) * (max_bytes >> 16 or 1)
+    src = bytearray(range(256)) * (max(max_bytes, 256) >> 8)  # byte i is i % 256
     mv = memoryview(src)
     ls = socket.create_server((host, port))
     if ready is not None:
@@ -79,6 +79,8 @@ def socket_server(host: str, port: int, max_bytes: int, ready: Any = None) -> No
                     got += k
                 off, n = _HDR.unpack(hb)
                 if n == _QUIT:
+                    with contextlib.suppress(OSError):
+                        ls.shutdown(socket.SHUT_RDWR)  # wakes the accept below
                     ls.close()
                     return
                 c.sendall(mv[off:off + n])
@@ -144,6 +146,29 @@ def _producer() -> None:
         sys.stdin.readline()
 
 
+def socket_client_run(host: str, port: int, size: int, iters: int, quit: bool = False) -> dict[str, Any]:
+    """Measure ``iters`` requests of ``size`` bytes against ``socket_server`` (after 10% warm-up):
+    median latency, GB/s, and whether every byte arrived intact."""
+    c = SocketClient(host, port)
+    dst = bytearray(size)
+    mv = memoryview(dst)
+    for _ in range(max(1, iters // 10)):
+        c.get(mv)
+    lat = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        c.get(mv)
+        lat.append(time.perf_counter_ns() - t0)
+    intact = dst == bytearray(range(256)) * (size >> 8) + bytearray(range(size & 255))
+    if quit:
+        c.quit()
+    else:
+        c.s.close()
+    med = statistics.median(lat)
+    return {"size": size, "iters": iters, "lat_us_p50": med / 1e3, "lat_us_min": min(lat) / 1e3,
+            "gbps": size / med, "intact": bool(intact)}
+
+
 def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
@@ -192,13 +217,15 @@ def _consumer(quick: bool) -> None:
         big.get(out=dst)
         intact = bool((dst[:1 << 20] == (np.arange(1 << 20, dtype=np.uint32) % 251).astype(np.uint8)).all())
         tbuf = np.empty(TILE, np.uint8)
-        one = []
-        for _ in range(20 if quick else 50):
+        for _ in range(3):
+            tile.get(out=tbuf)
+        with rt.pipeline(pipe, tile_bytes=TILE, depth=2, wait_ready=True) as p:  # subscribes
+            next(iter(p)).release()
+        one, first = [], []
+        for _ in range(21 if quick else 51):  # interleaved: one tile get, one pipeline's first tile
             t0 = now()
             tile.get(out=tbuf)
             one.append(now() - t0)
-        first = []
-        for _ in range(5 if quick else 10):
             t0 = now()
             with rt.pipeline(pipe, tile_bytes=TILE, depth=2, wait_ready=True) as p:
                 for t in p:
@@ -261,10 +288,17 @@ def veth_pair() -> Iterator[tuple[list[str], list[str], str]]:
             subprocess.run([ip, "netns", "del", n], capture_output=True)
 
 
-def figures(quick: bool = True) -> tuple[dict[str, Any], str | None]:
+def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str | None]:
     """Run both nodes and return ``(figures, note)``; figures hold ``KEYS`` (None where not
-    measured) and the note says why when something was skipped."""
-    why = namespaces_possible()
+    measured) and the note says which link was measured, or why something was skipped.
+
+    ``link``: "auto" (veth where namespaces can be made, else loopback), "veth" or "loopback".
+    """
+    if link not in ("auto", "veth", "loopback"):
+        raise ValueError(f"link must be 'auto', 'veth' or 'loopback', got {link!r}")
+    why = namespaces_possible() if link != "loopback" else "loopback asked for"
+    if link == "veth" and why:
+        return {k: None for k in KEYS}, f"tcp figures over veth skipped: {why}"
     link = "loopback" if why else "veth"
     job = f"benchtcp{os.getpid()}{secrets.token_hex(2)}"
     me = [sys.executable, "-m", "memsem.cli._bench_tcp"]
@@ -311,6 +345,14 @@ def figures(quick: bool = True) -> tuple[dict[str, Any], str | None]:
     return fig, note
 
 
+def bench_figures(quick: bool, notes: list[str]) -> dict[str, Any]:
+    """``memsem bench``'s hook: the figures, with the note appended to ``notes``."""
+    fig, note = figures(quick)
+    if note:
+        notes.append(note)
+    return fig
+
+
 def goals_met(fig: dict[str, Any]) -> dict[str, bool | None]:
     def ratio(a: str, b: str) -> float | None:
         return None if fig.get(a) is None or not fig.get(b) else fig[a] / fig[b]
@@ -326,8 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--role", choices=("producer", "consumer"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("producer", "consumer", "socket-server", "socket-client"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--addr", default="127.0.0.1:0", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, default=SMALL, help=argparse.SUPPRESS)
+    ap.add_argument("--iters", type=int, default=1000, help=argparse.SUPPRESS)
+    ap.add_argument("--quit", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    host, _, port = args.addr.rpartition(":")
+    if args.role == "socket-server":
+        socket_server(host, int(port), max(args.size, BIG), lambda p: print(json.dumps({"port": p}), flush=True))
+        return 0
+    if args.role == "socket-client":
+        print(json.dumps(socket_client_run(host, int(port), args.size, args.iters, args.quit)))
+        return 0
     if args.role == "producer":
         _producer()
         return 0

@@ -176,7 +176,8 @@ class Resolution:
         """The remote region to move ``spec``'s bytes through: on owner-checked routes each mint
         has its own credential (the owner serves each only its minted range), so a ref of
         another mint than the one this resolution was made with gets a region of its own."""
-        if spec.mint == self.mint or self.engine.enforces_generation != "owner":
+        m = spec.mint
+        if m is self.mint or m == self.mint or self.engine.enforces_generation != "owner":
             return self.remote
         r = self._remotes.get(spec.mint)
         if r is None:

@@ -1,0 +1,25 @@
+"""The tcp benchmark's plumbing (``memsem bench`` keys of issue 14): every key is printed, with
+the link it was measured on; goal verdicts follow the figures. No timing is asserted."""
+from __future__ import annotations
+
+from memsem.cli import _bench_tcp as B
+
+
+def test_bench_tcp_prints_every_key_and_the_link():
+    fig, note = B.figures(quick=True)
+    assert set(B.KEYS) <= set(fig), fig
+    assert fig["tcp_link"] in ("veth", "loopback"), fig
+    assert fig["tcp_link"] in note
+    for k in ("tcp_get_64B_us", "socket_rtt_64B_us", "tcp_get_64MiB_GBps", "socket_64MiB_GBps",
+              "remote_first_tile_ratio"):
+        assert isinstance(fig[k], float) and fig[k] > 0, (k, fig, note)
+    verdicts = B.goals_met(fig)
+    assert set(verdicts) == set(B.GOALS) and all(isinstance(v, bool) for v in verdicts.values())
+
+
+def test_goal_verdicts():
+    fig = {"tcp_get_64B_us": 13.0, "socket_rtt_64B_us": 10.0, "tcp_get_64MiB_GBps": 0.95,
+           "socket_64MiB_GBps": 1.0, "remote_first_tile_ratio": 3.5}
+    assert B.goals_met(fig) == {"tcp_get_64B_us": True, "tcp_get_64MiB_GBps": True,
+                                "remote_first_tile_ratio": False}
+    assert B.goals_met({k: None for k in B.KEYS}) == {k: None for k in B.GOALS}
