@@ -116,6 +116,14 @@ class Owner:
         if op == "read_field":
             a = self.sets[cmd["set"]].local(cmd["field"])
             return {"sum": float(a.astype(np.float64).sum()), "head": a.ravel()[:8].tolist()}
+        if op == "ready_words":  # the window's ready words as the owner's control block holds them
+            spec = self.sets[cmd["set"]][cmd["field"]].spec if "set" in cmd else self.wins[cmd["name"]].spec
+            cb = rt.core.resolve(spec).cb
+            from memsem.gva._control import W_READY_SEQ
+
+            return {"words": [memsem.native.load_acquire(cb.ready_addr(t)) for t in range(cb.n_ready)],
+                    "seq": cb.word(W_READY_SEQ), "generation": cb.generation,
+                    "hub": rt.core.server.hub.count}
         if op == "rss":
             with open("/proc/self/status") as f:
                 for line in f:

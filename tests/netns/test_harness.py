@@ -15,7 +15,6 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 import netns

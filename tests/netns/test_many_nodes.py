@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
@@ -23,10 +22,13 @@ import numpy as np
 import pytest
 
 import memsem
+from lines import reader
+from owner_proc import Owner
 from redis_server import redis_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = os.path.join(HERE, "_node.py")
+TRAINER = os.path.join(HERE, "_trainer.py")
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
 PY = sys.executable
 TTL = 2.0
@@ -36,12 +38,10 @@ pytest.importorskip("redis", reason="the redis extra is not installed (pip insta
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _readline(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
+    line = reader(proc).readline(timeout)
+    if line is None:
         proc.kill()
         raise AssertionError(f"no output within {timeout}s; stderr: {proc.stderr.read()[-3000:]}")
-    line = proc.stdout.readline()
     if not line:
         raise AssertionError(f"process exited rc={proc.wait()}; stderr: {proc.stderr.read()[-3000:]}")
     return json.loads(line)
@@ -173,6 +173,102 @@ def test_wrong_secret_cannot_read_entries(cluster, producer):
     res = _readline(c)
     _finish(c)
     assert res["ok"] and res["error"] == "AccessDeniedError", res
+
+
+# -- the RL data plane and ready words across the link ----------------------------------------------
+@pytest.mark.netns
+def test_rl_data_plane_across_nodes(cluster):
+    """A producer node fills a FieldSet out of order; a trainer node consumes micro-batches through
+    pipelines (ready words pushed across the link) as their rows become ready in every field. The
+    next pair of micro-batches is produced only after the trainer consumed the previous pair, so
+    a trainer that waited for more than the rows it needs would never get there."""
+    a, b, url, job, secret = cluster
+    o = Owner(url, job, ns=a, node="node-a", secret=secret)
+    t = None
+    try:
+        fields = {"obs": [[64, 16], "float32"], "act": [[64], "int64"], "reward": [[64], "float32"]}
+        names = sorted(fields)
+        set_hex = o("fields", name="rollout", tile_rows=4, fields=fields)["set"]
+        t = b.popen([PY, TRAINER], env=_env("node-b", url, job, secret), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _send(t, {"set": set_hex, "micro_tiles": 2, "timeout": 60})  # micro-batch: 8 rows
+        order = [1, 0, 3, 2, 5, 4, 7, 6]
+        got = []
+        for pair in zip(order[::2], order[1::2]):
+            for mb in pair:
+                for field in reversed(names):  # each micro-batch out of order, field by field
+                    o("put_rows", set="rollout", field=field, start=8 * mb, stop=8 * mb + 8,
+                      value=10 * mb + names.index(field))
+            for expect in sorted(pair):
+                r = _readline(t, 60)
+                assert r.get("mb") == expect, r
+                assert r["rows"] == [8 * expect, 8 * expect + 8]
+                assert r["firsts"] == {n: float(10 * expect + names.index(n)) for n in names}, r
+                got.append(r["mb"])
+        done = _readline(t, 60)
+        assert done.get("done") and done["route"] == "tcp", done
+        assert got == list(range(8))
+        _finish(t)
+        assert t.returncode == 0
+    finally:
+        if t is not None and t.poll() is None:
+            t.kill()
+            t.wait(5)
+        o.close()
+
+
+_WAITER = r"""
+import json, sys, memsem
+rt = memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=10)
+ref = rt.ref(bytes.fromhex(sys.stdin.readline().strip()))
+assert rt.route(ref).kind == "tcp" and ref.ready_tiles() == []
+print(json.dumps({"waiting": True}), flush=True)
+try:
+    ref.wait_tile(1, timeout=120)
+    print(json.dumps({"error": None}), flush=True)
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "msg": str(exc)}), flush=True)
+rt.close()
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("how", ["killed", "partitioned"])
+def test_a_remote_wait_ends_peer_lost_when_the_owner_is_gone(netns_available, redis_binary, how):
+    """A consumer waits (timeout 120 s) for a tile of a window on another node; the owner is
+    SIGKILLed, or its link goes down. The wait ends with PeerLostError, bounded by the library
+    (a closed connection at once; a vanished node by TCP keepalive, about 4 s, or the heartbeat
+    TTL), never by the caller's timeout."""
+    import netns
+
+    with netns.veth_pair() as (a, b), redis_server(ns=b, binary=redis_binary) as srv:
+        job = f"w{os.getpid()}{secrets.token_hex(3)}"
+        secret = secrets.token_hex(8)
+        o = Owner(srv.url, job, ns=a, node="node-a", secret=secret)
+        w = None
+        try:
+            ref = o("publish", name="w", n=4096, tile_bytes=8192)["ref"]
+            w = b.popen([PY, "-c", _WAITER], env=_env("node-b", srv.url, job, secret), stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            w.stdin.write(ref + "\n")
+            w.stdin.flush()
+            assert _readline(w, 60)["waiting"]
+            t0 = time.monotonic()
+            if how == "killed":
+                os.kill(o.pid, signal.SIGKILL)
+            else:
+                a.run(["ip", "link", "set", "veth0", "down"])
+            r = _readline(w, 150)
+            print(f"\nremote wait, owner {how}: {r} after {time.monotonic() - t0:.2f} s")
+            assert r["error"] == "PeerLostError", r
+            _finish(w)
+        finally:
+            if w is not None and w.poll() is None:
+                w.kill()
+                w.wait(5)
+            if o.p.poll() is None:
+                o.p.kill()
+            o.close()
 
 
 # -- RedisDirectory on loopback ----------------------------------------------------------------------

@@ -12,15 +12,11 @@ add write access; and a recording proxy shows the access key never crosses the w
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
-import selectors
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,12 +26,9 @@ import pytest
 import memsem
 from memsem.engines import tcp as T
 from memsem.gva import RefSpec, credential_proof, credential_token
+from owner_proc import SECRET, Owner
 from redis_server import redis_server
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OWNER = os.path.join(HERE, "_owner.py")
-SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
-SECRET = "tcp-test-secret"
 ENGINES = ("loopback", "host", "tcp")
 MiB = 1 << 20
 
@@ -44,49 +37,6 @@ MiB = 1 << 20
 def redis_url(redis_binary):
     with redis_server(binary=redis_binary) as srv:
         yield srv.url
-
-
-class Owner:
-    """The owner process and its command channel."""
-
-    def __init__(self, url: str, job: str, ttl: float = 2.0) -> None:
-        env = dict(os.environ, MEMSEM_NODE_ID="own-a", MEMSEM_DIRECTORY=url, MEMSEM_JOB=job,
-                   MEMSEM_JOB_SECRET=SECRET, MEMSEM_HEARTBEAT_TTL=str(ttl), PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-        self.p = subprocess.Popen([sys.executable, OWNER], env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.info = self._line(60)
-        self.pid = self.p.pid
-
-    def _line(self, timeout: float) -> dict:
-        sel = selectors.DefaultSelector()
-        sel.register(self.p.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            self.p.kill()
-            raise AssertionError(f"owner silent for {timeout} s; stderr: {self.p.stderr.read()[-3000:]}")
-        line = self.p.stdout.readline()
-        if not line:
-            raise AssertionError(f"owner exited rc={self.p.wait()}: {self.p.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def __call__(self, op: str, timeout: float = 60.0, **kw) -> dict:
-        self.p.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self.p.stdin.flush()
-        r = self._line(timeout)
-        assert r.get("ok"), r
-        return r
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.write(json.dumps({"op": "exit"}) + "\n")
-                self.p.stdin.flush()
-                self.p.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait(5)
-        for f in (self.p.stdin, self.p.stdout, self.p.stderr):
-            f.close()
 
 
 @pytest.fixture

@@ -310,16 +310,15 @@ class _Conn:
             if got >= _REP.size:
                 status, _, _, r, _, nb = _REP.unpack_from(self._buf, 0)
                 if status != DATA or r != rid or nb != n:
+                    self._lo, self._hi = 0, got  # not data: the general reader takes it from here
                     break
                 if got == need:
                     status, flags, _, r, value, _ = _REP.unpack_from(self._buf, _REP.size + n)
                     if status == OK and r == rid:
                         memoryview(dst)[:] = buf[_REP.size:_REP.size + n]
                         return value
-                    self._lo, self._hi = _REP.size + n, need
+                    self._lo, self._hi = _REP.size + n, need  # the trailer says why not
                     break
-        if self._hi == 0:
-            self._lo, self._hi = 0, got
         ok = False
         try:
             status, flags, value, nbytes = self.reply(remote, deadline, rid)

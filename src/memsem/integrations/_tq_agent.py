@@ -53,6 +53,7 @@ import logging
 import os
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -603,6 +604,9 @@ def start_agent(*, job: str | None = None, directory: str | None = None, timeout
     job = job or default_job()  # fixed now: clients get it from the config, not their environment
     cmd = [sys.executable, "-m", "memsem.integrations._tq_agent", "--parent", f"{me.pid}:{me.start_time}",
            "--job", job]
+    # MEMSEM_TQ_AGENT_LAUNCHER: a command prefix that runs the agent elsewhere (e.g. "ip netns exec
+    # nodeA env MEMSEM_NODE_ID=node-a": the agent on another node, its clients reaching it over tcp)
+    cmd = shlex.split(os.environ.get("MEMSEM_TQ_AGENT_LAUNCHER", "")) + cmd
     if directory:
         cmd += ["--directory", directory]
     authkey = os.urandom(32)

@@ -104,8 +104,8 @@ class RuntimeCore:
 
     Args:
         directory: ``"local"`` (default; or ``MEMSEM_DIRECTORY``) or ``"redis://host:port/db"``.
-        engines: engine names to enable; default loopback and host (others by name, e.g.
-            ``("loopback", "host", "mte")``). An engine named here that is unavailable raises
+        engines: engine names to enable; default ``MEMSEM_ENGINES`` (comma-separated) or
+            loopback and host (others by name, e.g. ``("loopback", "host", "mte")``). An engine named here that is unavailable raises
             NotSupportedError naming it (never a silent fallback).
         engine_objects: ready engine instances (e.g. a ScriptedEngine for tests), by name;
             they replace the named ones.
@@ -139,7 +139,7 @@ class RuntimeCore:
         self.children: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.engines: dict[str, Engine] = {}
         self.available: dict[str, Availability] = {}
-        names = list(engines) if engines is not None else ["loopback", "host"]
+        names = list(engines) if engines is not None else default_engines()
         objs = dict(engine_objects or {})
         for name in names + [n for n in objs if n not in names]:
             if name in objs:
@@ -353,6 +353,15 @@ class RuntimeCore:
         if pub is not None and pub.owned:
             warnings.warn(f"memsem runtime (rank {self.rank}) was not closed; call close() or use "
                           "'with'", ResourceWarning, stacklevel=2)
+
+
+def default_engines() -> list[str]:
+    """Engines a Runtime enables when none are named: ``MEMSEM_ENGINES`` (comma-separated, e.g.
+    ``loopback,host,tcp`` to reach other nodes from code that does not name engines), else
+    loopback and host."""
+    raw = os.environ.get("MEMSEM_ENGINES", "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    return names or ["loopback", "host"]
 
 
 def current_core() -> RuntimeCore | None:
