@@ -217,7 +217,7 @@ def test_failed_put_frees_its_region(agent, monkeypatch):
     def broken(spec, kind, offset, local, *, lease=None):
         raise OSError("injected failure")
 
-    monkeypatch.setattr(rt, "transfer", broken)
+    monkeypatch.setattr(rt.core, "transfer", broken)
     with pytest.raises(OSError, match="injected"):
         cl.put(["0@w"], [torch.ones(8)])
     monkeypatch.undo()
