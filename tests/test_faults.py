@@ -24,6 +24,7 @@ from memsem.runtime._liveness import LIVENESS_INTERVAL_S
 from memsem.gva import RefSpec
 from memsem.native import segment_dir, segment_prefix
 from memsem.runtime import collect
+from tests._proc import Gate
 from tests._agent import Agent, pattern
 from tests.conftest import SPAWN
 
@@ -85,16 +86,6 @@ def test_case3_owner_killed_during_256MiB_get(rt, shared):
         owner.kill()
 
 
-class _Gate:
-    """Holds a scripted engine's copy until the test opens it (the copy is provably in flight)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.open = threading.Event()
-
-    def __call__(self, kind: str, offset: int, nbytes: int) -> None:
-        self.entered.set()
-        self.open.wait(60)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["cma", "shm"])
@@ -103,7 +94,7 @@ def test_case3_owner_killed_during_slowed_get(rt, shared):
     the copy proceeds. CMA: the read fails (ESRCH); shm: the copy succeeds from the mapping and
     the post-copy liveness check catches the death. Either way PeerLostError, no bytes valid."""
     owner = Agent(SPAWN, timeout=5.0)
-    gate = _Gate()
+    gate = Gate()
     try:
         refbytes = owner.call("publish_big", 256 * MiB, shared)
         with memsem.Runtime(timeout=5, engines=["host"],
@@ -353,7 +344,7 @@ def test_blocking_calls_time_out(rt):
     duration is asserted (a loaded machine may stretch any of them)."""
     data = pattern(80, 4096)
     ref = rt.publish(data, tiles=4)
-    gate = _Gate()
+    gate = Gate()
     with memsem.Runtime(timeout=5, engines=["host"],
                         engine_objects={"host": ScriptedEngine(HostEngine(), before=gate)}) as cons:
         cref = cons.ref(ref.to_bytes())

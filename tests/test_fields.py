@@ -183,7 +183,12 @@ def _field_producer(conn, data, fields, delay, gated=False):
 def _field_consumer(conn, data):
     with memsem.Runtime() as rt:
         fs = FieldSet.from_bytes(data, rt)
-        order = [r.name for r in fs.as_ready(timeout=60)]
+        conn.send("waiting")
+        order = []
+        for r in fs.as_ready(timeout=120):
+            order.append(r.name)
+            if len(order) == 2:
+                conn.send(("half", list(order)))  # the test starts the second producer after this
         out = {name: fs[name].get() for name in fs}
         conn.send(("got", order, {k: v.tolist() for k, v in out.items()}))
 
@@ -199,11 +204,16 @@ def test_two_producers_different_speeds(n_consumers):
         fs = rt.publish_fields(SCHEMA, tile_rows=5, name="mp")
         data = fs.to_bytes()
         cons = [spawn(_field_consumer, data) for _ in range(n_consumers)]
+        for _, cc in cons:
+            assert recv(cc) == "waiting"
         fast, fc = spawn(_field_producer, data, ["prompts", "rewards"], 0.0)
         slow, sc = spawn(_field_producer, data, ["logprobs", "values"], 0.001, True)
         procs = [fast, slow] + [c for c, _ in cons]
         try:
             assert recv(fc)[0] == "done"
+            for _, cc in cons:  # every consumer saw the first two fields complete
+                kind, half = recv(cc)
+                assert kind == "half" and set(half) == {"prompts", "rewards"}
             sc.send("go")
             assert recv(sc)[0] == "done"
             for _, cc in cons:

@@ -23,6 +23,7 @@ from memsem import AccessDeniedError, PeerLostError, RuntimeClosedError, StaleRe
 from memsem.engines.host import HostEngine
 from memsem.engines.mock import ScriptedEngine
 from memsem.gva._control import identity_of
+from tests._proc import Gate
 from tests._agent import Agent, pattern
 from tests.conftest import SPAWN, run_children
 
@@ -96,17 +97,6 @@ def test_close_while_threads_copy(rt, shared, put):
     assert out["closed"] == 24 * 4  # every thread of every round saw the runtime closed
 
 
-class _Gate:
-    """Blocks an engine's copy until the test opens it: the copy is provably in flight."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.open = threading.Event()
-
-    def __call__(self, kind: str, offset: int, nbytes: int) -> None:
-        self.entered.set()
-        if not self.open.wait(60):
-            raise AssertionError("the test never opened the gate")
 
 
 @pytest.mark.parametrize("how", ["drop", "close"])
@@ -116,7 +106,7 @@ def test_a_copy_outlives_its_resolution_and_then_releases_it(rt, how):
     arr = rt.alloc(1 * MiB, np.uint8)
     arr[:] = 9
     ref = rt.publish(arr)
-    gate = _Gate()
+    gate = Gate()
     cons = memsem.Runtime(timeout=10.0, engines=["host"],
                           engine_objects={"host": ScriptedEngine(HostEngine(), before=gate)})
     try:

@@ -320,7 +320,10 @@ class RuntimeCore:
                 log.warning("closing %r failed", child, exc_info=True)
         with self._lock:
             self._closed = True
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)  # queued work ends CANCELLED
+            # Running tasks get the close deadline to finish; later, each holds what it uses
+            # (its resolution's mappings) and fails with RuntimeClosedError at its next step.
+            self.transfers.wait_idle(max(0.0, deadline - time.monotonic()))
             for lease in list(self.leases):
                 with lease._lock:
                     lease._views = 0
@@ -331,8 +334,6 @@ class RuntimeCore:
             if busy:
                 log.info("memsem runtime (rank %d) closed with %d resolution(s) still in use; each is "
                          "released by its last copy", self.rank, len(busy))
-            # Running tasks are not waited for beyond the deadline: each holds what it uses (its
-            # resolution's mappings) and fails with RuntimeClosedError at its next step.
             for eng in reversed(list(self.engines.values())):
                 try:
                     eng.close()

@@ -181,6 +181,9 @@ class Resolver:
         self.limit = limit
         #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
         self.cache: dict[int, Resolution] = {}
+        #: gva -> the owner found dead while this runtime used the window (bounded): once its
+        #: records are reaped, a re-resolve still says PeerLostError, not WindowNotFoundError
+        self._dead: dict[int, Peer] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec) -> Resolution:
@@ -238,6 +241,10 @@ class Resolver:
             if cur is None or (res is not None and cur is not res):
                 return
             del self.cache[gva]
+            if cur.peer.dead:
+                self._dead[gva] = cur.peer
+                while len(self._dead) > 4 * self.limit:
+                    del self._dead[next(iter(self._dead))]
         cur.close()
 
     def close(self, timeout: float) -> list[Resolution]:
@@ -265,6 +272,9 @@ class Resolver:
         else:
             rec = core.directory.get_window(spec.gva)
             if rec is None:
+                dead = self._dead.get(spec.gva)
+                if dead is not None and dead.dead:
+                    raise dead.lost(spec.label)
                 rank, _ = split_gva(spec.gva)
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
