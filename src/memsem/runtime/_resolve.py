@@ -302,8 +302,10 @@ class Resolver:
                                  core.available, nbytes=info.nbytes, prefer=core.prefer)
             eng = core.engines[route.engine]
             cred = spec.to_bytes() if eng.enforces_generation == "owner" else b""
+            # a double-buffered window's registration spans its slots (nbytes is one slot)
+            span = info.nbytes if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
             try:
-                remote = eng.attach(info.descriptors[route.engine], info.nbytes, cred)
+                remote = eng.attach(info.descriptors[route.engine], span, cred)
             except WindowNotFoundError:
                 raise tr.stale(spec, None) from None
             except EngineError as exc:
