@@ -19,7 +19,7 @@ from memsem._errors import (
     StaleReferenceError,
     WindowNotFoundError,
 )
-from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, TensorRef, default_runtime
+from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
 from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
@@ -28,6 +28,6 @@ __all__ = [
     "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
-    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StaleReferenceError", "State", "Stats", "TensorRef",
+    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",
     "WindowNotFoundError", "WriteSection", "default_runtime", "__version__",
 ]

@@ -332,6 +332,46 @@ class Runtime:
         return Pipeline(self._core, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
+    def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
+                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None):
+        """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
+        versioned window; returns its :class:`memsem.StateDictRef`.
+
+        Args:
+            state_dict: name -> C-contiguous CPU tensor/array of any dtype memsem supports
+                (bf16, fp8...), 0-d and empty ones included. Its values are copied into version
+                1 of the window (the owner publishes later values with ``ref.update(sd)`` or
+                ``ref.write_section()``).
+            name: window name, for ``lookup_state_dict`` in any process of the job.
+            slots: 2 (default): double-buffered, readers of version v are never blocked while
+                v+1 is written; 1: one slot in a shared segment (readers wait while a section
+                is open).
+            align: byte alignment of every tensor in the window (a power of two).
+            bucket_bytes: the layout's bucket size for ``stream`` (consecutive tensors).
+            write_guard: see ``publish`` (``"protect"`` works here: memsem owns the memory).
+
+        One window: one registration per engine, one small ref (``to_bytes``: tens of bytes),
+        the layout (names, shapes, dtypes, offsets, alignment, buckets) carried once, in the
+        window's header.
+
+        Raises:
+            ValueError / TypeError: an empty mapping, a non-str key, a tensor memsem cannot
+            publish (named), a bad align/bucket_bytes/slots.
+        """
+        from memsem.refs._state_dict import publish_state_dict
+
+        return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard)
+
+    def lookup_state_dict(self, name: str):
+        """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
+        (any process; see ``lookup``). Its layout is read and checked now."""
+        from memsem.refs._state_dict import lookup_state_dict
+
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        return lookup_state_dict(self._core, name)
+
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):
         """Publish a batch of named fields (an RL sample batch) as a FieldSet.
