@@ -437,14 +437,12 @@ class Publisher:
             writer_a = cb.addr(W_WRITER)
             native.store_release(writer_a, new)
             native.lib.memsem_fence_seq_cst()  # Dekker with pinning readers: intent, then scan
-            t0 = time.monotonic()
             try:
-                _wait_pins(cb, new, deadline, timeout, o.label)
+                blocked = _wait_pins(cb, new, deadline, timeout, o.label)
             except BaseException:
                 native.store_release(writer_a, 0)
                 native.futex_wake(cb.latest_addr)
                 raise
-            blocked = time.monotonic() - t0
             native.store_release(seq_a, (new << 1) | 1)
             native.lib.memsem_fence_seq_cst()
             return _Item(o, new, slot, prev, blocked)
@@ -764,14 +762,18 @@ def _protectable(slots: int, seg: Segment | None, info: BufferInfo) -> bool:
     return seg is not None and info.address == seg.address and info.address % PAGE == 0
 
 
-def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, label: str) -> None:
+def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, label: str) -> float:
     """Wait until no lease pins a version that version ``new`` overwrites; each sleep is a
     futex wait on the pinned lease's id word (woken by its release), bounded by the lease's
-    expiry and a liveness slice. Raises LeaseHeldError at the deadline."""
+    expiry and a liveness slice. Returns the seconds waited (0.0 when nothing was pinned).
+    Raises LeaseHeldError at the deadline."""
+    t0 = None
     while True:
         pins = _lease.blocking_pins(cb, new)
         if not pins:
-            return
+            return 0.0 if t0 is None else time.monotonic() - t0
+        if t0 is None:
+            t0 = time.monotonic()
         now = time.monotonic()
         if now >= deadline:
             holders = [(pid, max(0.0, (exp - native.monotonic_ns()) / 1e9)) for pid, _, exp, _ in pins]
