@@ -5,8 +5,21 @@ import argparse
 import sys
 
 
+def _version() -> str:
+    """The installed distribution's version (what pip sees), else the package's own."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("memsem")
+    except metadata.PackageNotFoundError:
+        import memsem
+
+        return memsem.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memsem", description="memory semantics for remote tensors")
+    p.add_argument("--version", action="version", version=f"memsem {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="versioned weight sync of a real checkpoint to N rollout processes")

@@ -61,7 +61,7 @@ from memsem.topology import Location, Route
 log = logging.getLogger(__name__)
 
 #: default bound in seconds of every blocking call of a runtime
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = _args.DEFAULT_TIMEOUT_S
 #: default bound of ``close()``: copies in flight and leases get this long to end
 CLOSE_TIMEOUT = 5.0
 
