@@ -111,11 +111,16 @@ def _rollout(idx: int, name: str, versions: int, verify: bool, results: Any, job
 
 def memsem_sync(sd: dict[str, np.ndarray], rollouts: int, versions: int, *, verify: bool = False,
                 timeout: float = 600.0, on_version: Callable[[dict], None] | None = None,
-                bucket_bytes: int = 64 << 20) -> list[dict]:
+                bucket_bytes: int = 64 << 20, lockstep: bool = False) -> list[dict]:
     """Run the trainer here and ``rollouts`` processes; ``versions`` versions in all (1 is the
     publish, 2.. are in-place update steps). Returns one record per version: ``seconds``
     (close -> all loaded), ``blocked_s``, ``caught`` (torn reads caught in the rollouts),
-    ``exact`` (every rollout's sha256 equal to the trainer's, when ``verify``)."""
+    ``exact`` (every rollout's sha256 equal to the trainer's, when ``verify``).
+
+    ``lockstep``: the trainer steps to version v+1 only once every rollout has loaded (and, with
+    ``verify``, hashed) version v, so ``seconds`` is the load alone, with every rollout loading
+    at once; otherwise the trainer commits as fast as it can and the rollouts follow (a version's
+    time then includes whatever the rollouts were still doing with the one before)."""
     import secrets
 
     import memsem
@@ -159,6 +164,8 @@ def memsem_sync(sd: dict[str, np.ndarray], rollouts: int, versions: int, *, veri
             while joined < rollouts:
                 pump(0.5)
             commits = {1: time.monotonic()}
+            while lockstep and len(loaded.get(1, {})) < rollouts:
+                pump(0.5)
             digests = {1: digest(sd, names) if verify else ""}
             blocked = {1: 0.0}
             for v in range(2, versions + 1):
@@ -173,6 +180,8 @@ def memsem_sync(sd: dict[str, np.ndarray], rollouts: int, versions: int, *, veri
                             memsem.native.memcpy(base + e.offset, sd[e.name].ctypes.data, e.nbytes)
                 commits[v] = time.monotonic()
                 blocked[v] = sec.blocked_s
+                while lockstep and len(loaded.get(v, {})) < rollouts:
+                    pump(0.5)
                 while True:  # drain what arrived meanwhile (never blocks the trainer)
                     try:
                         pump(0)

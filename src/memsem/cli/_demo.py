@@ -91,7 +91,7 @@ def run_demo(args: Any) -> int:
     rows: list[dict] = []
     try:
         recs = W.memsem_sync(sd, args.consumers, steps + 1, verify=True, timeout=args.timeout,
-                             on_version=rows.append)
+                             on_version=rows.append, lockstep=True)
     except (RuntimeError, TimeoutError) as exc:
         console.print(f"[red]demo FAILED: {exc}")
         return 1
@@ -116,7 +116,8 @@ def run_demo(args: Any) -> int:
         console.print(f"aggregate steady-state sync: {agg:.2f} GB/s across {args.consumers} rollouts; "
                       f"two-stream np.copyto on this machine, same run: {copy_gbps:.2f} GB/s "
                       f"({agg / copy_gbps:.2f}x)")
-    console.print(f"{args.consumers} rollouts on {os.cpu_count()} cores. closed->all loaded: from the "
+    console.print(f"{args.consumers} rollouts on {os.cpu_count()} cores, in lockstep (the trainer steps "
+                  "once every rollout has loaded and checked a version). closed->all loaded: from the "
                   "trainer's commit of a version to the last rollout holding all of it; trainer blocked: "
                   "its write section waiting for a rollout still reading the slot it overwrites; torn "
                   "caught: copies that raced a write section, retried by memsem (never returned).")
