@@ -622,3 +622,30 @@ def test_alloc_names_shape_and_dtype(rt, shape, dtype, exc, field):
         rt.alloc(shape, dtype)
     with pytest.raises(exc, match=field):
         rt.publish_fields({"f": (shape, dtype)}, name="a")
+
+
+# -- state-dict layouts read from a window -------------------------------------------------------
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_state_dict_layout_parse_refuses_mutations_with_valueerror(data):
+    from memsem.refs._state_dict import _HEAD, StateDictLayout
+
+    code = memsem._dtypes.code_of
+    lay = StateDictLayout.build([("a", code("float32"), (3, 4), 48), ("b", code("int64"), (), 8),
+                                 ("c", code("bfloat16"), (0,), 0)], align=64, bucket_bytes=64,
+                                framework="numpy")
+    head = bytearray(lay.header())
+    n = data.draw(st.integers(1, 8))
+    for _ in range(n):
+        i = data.draw(st.integers(0, len(head) - 1))
+        head[i] = data.draw(st.integers(0, 255))
+    magic, header_bytes, json_bytes = _HEAD.unpack_from(bytes(head))
+    body = bytes(head[_HEAD.size:_HEAD.size + min(json_bytes, len(head))])
+    window = lay.header_bytes + lay.data_bytes
+    try:
+        got = StateDictLayout.parse(bytes(head[:_HEAD.size]), body, window)
+    except ValueError:
+        return
+    # whatever parses stays inside the window and is self-consistent
+    for e in got.entries:
+        assert e.offset + e.nbytes <= got.data_bytes and got.header_bytes + got.data_bytes <= window

@@ -89,9 +89,9 @@ class Owner:
                 rt.core.clear_ready(self.wins[cmd["name"]].spec, t)
             return {}
         if op == "write":
-            with rt.write_section(self.wins[cmd["name"]]) as v:
+            with rt.write_section(self.wins[cmd["name"]]) as ws:
                 self.arrays[cmd["name"]][:] = cmd["value"]
-            return {"version": v}
+            return {"version": ws.version}
         if op == "writer":
             self.writer_stop.clear()
             self.writer = threading.Thread(target=self.write_loop, args=(cmd["name"], cmd["seconds"]), daemon=True)

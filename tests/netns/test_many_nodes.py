@@ -424,3 +424,51 @@ def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait(5)
+
+
+# -- versions followed by name over the redis directory ----------------------------------------------
+def _redis_follower(conn, url, job, secret, versions):
+    import os
+
+    import numpy as np
+
+    import memsem
+
+    os.environ["MEMSEM_JOB_SECRET"] = secret
+    with memsem.Runtime(directory=url, job=job, timeout=30.0) as rt:
+        sd = rt.lookup_state_dict("policy")  # found by name through redis (key sealed for the job)
+        local = sd.empty_like("numpy")
+        seen = []
+        v = sd.load(local)
+        seen.append((v, float(local["w"][0])))
+        conn.send("following")
+        while v < versions:
+            v = sd.wait_version(v + 1, timeout=60)
+            got = sd.load(local, version=v)
+            seen.append((got, float(local["w"][0])))
+            conn.send(("loaded", got))
+        conn.send(("done", seen))
+
+
+def test_versions_followed_by_name_over_redis(redis_url, monkeypatch):
+    """A rollout process finds the state dict by name in the redis directory and follows every
+    version the trainer commits (it is never sent a ref)."""
+    from tests._proc import recv, reap, spawn
+
+    job = f"v{secrets.token_hex(4)}"
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("MEMSEM_JOB_SECRET", secret)
+    with memsem.Runtime(directory=redis_url, job=job, timeout=30.0) as rt:
+        model = {"w": np.zeros(1024, np.float32), "b": np.zeros(3, np.float32)}
+        sd = rt.publish_state_dict(model, name="policy", slots=2)
+        p, conn = spawn(_redis_follower, redis_url, job, secret, 4)
+        try:
+            assert recv(conn, 60) == "following"
+            for v in range(2, 5):
+                model["w"][:] = v
+                assert sd.update(model) == v
+                assert recv(conn, 60) == ("loaded", v)  # lockstep: each version is seen
+            kind, seen = recv(conn, 60)
+            assert kind == "done" and seen == [(1, 0.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+        finally:
+            reap([p])

@@ -18,7 +18,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$HERE/requ
     # torch first, pinned, so no later resolution pulls another build (GBs of CUDA).
     "$V/bin/pip" install -q torch==2.13.0
     "$V/bin/pip" install -q -r "$HERE/requirements-tq.txt"
-    "$V/bin/pip" install -q -e "$ROOT[transferqueue]"
+    "$V/bin/pip" install -q -e "$ROOT[transferqueue,redis]"  # redis: the cross-node run (run_tq_nodes.py)
     touch "$STAMP"
 fi
 

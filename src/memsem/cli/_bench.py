@@ -24,7 +24,7 @@ import numpy as np
 from rich.console import Console  # the bench extra; the CLI reports it missing
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memsem.cli import _bench_measure as M, _bench_tcp
+from memsem.cli import _bench_measure as M
 from memsem.cli._bench_measure import MiB, Series, fmt_size
 
 #: key figures and their goals (issue 8; get_64B_us also has issue 2's absolute goal)
@@ -172,7 +172,8 @@ def run_bench(args: Any) -> int:
         "get_64MiB_GBps_cma": _r(by["memsem get host/cma"].gbps(64 * MiB)),
         "telemetry_ns_per_op": extra["telemetry_ns_per_op"],
     }
-    fig.update(_bench_tcp.bench_figures(quick, notes))  # across nodes (issue 14)
+    fig.update(importlib.import_module("memsem.cli._bench_weights").weight_sync_keys(quick, notes))  # issue 13
+    fig.update(importlib.import_module("memsem.cli._bench_tcp").bench_figures(quick, notes))  # issue 14
     elapsed = time.perf_counter() - t_start
     report = {
         "figures": fig,
