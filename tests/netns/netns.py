@@ -40,6 +40,7 @@ __all__ = [
     "Namespace",
     "probe",
     "veth_pair",
+    "star",
     "cleanup_stale",
     "PREFIX",
 ]
@@ -286,6 +287,51 @@ def veth_pair(prefix: str = PREFIX, subnet_octet: int | None = None,
             _ip("-n", ns.name, "link", "set", ns.ifname, "up")
         _wait_link_up(a, b)
         yield a, b
+    finally:
+        errors = []
+        for ns in reversed(created):
+            try:
+                ns.kill_all()
+            except Exception as e:  # keep tearing down the rest
+                errors.append(f"{ns.name}: kill: {e}")
+            cp = _ip("netns", "del", ns.name, check=False)
+            if cp.returncode != 0 and ns.name in _existing_netns():
+                errors.append(f"{ns.name}: del: {cp.stderr.strip()}")
+        if errors:
+            raise NetnsError("namespace teardown incomplete: " + "; ".join(errors))
+
+
+@contextlib.contextmanager
+def star(n: int, prefix: str = PREFIX) -> Iterator[list[Namespace]]:
+    """``n`` namespaces on one subnet, each joined by veth to a bridge in a hub namespace:
+    ``<prefix>-s<i>-<pid>-<k>`` get 10.202.x.(i + 1)/24 (``addr``); every one reaches every
+    other (``peer_addr`` is the first one's address). The hub (``<prefix>-h-<pid>-<k>``) holds
+    only the bridge. On exit every process left in them is killed and all are deleted.
+    """
+    if not 2 <= n <= 16:
+        raise ValueError(f"n must be in 2..16, got {n}")
+    k = next(_counter)
+    pid = os.getpid()
+    x = _pick_subnet_octet(pid, k)
+    hub = Namespace(f"{prefix}-h-{pid}-{k}", "", "")
+    leaves = [Namespace(f"{prefix}-s{i}-{pid}-{k}", f"10.202.{x}.{i + 1}", f"10.202.{x}.1") for i in range(n)]
+    created: list[Namespace] = []
+    try:
+        for ns in [hub, *leaves]:
+            _ip("netns", "add", ns.name)
+            created.append(ns)
+        _ip("-n", hub.name, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub.name, "link", "set", "br0", "up")
+        for i, ns in enumerate(leaves):
+            _ip("link", "add", f"p{i}", "netns", hub.name, "type", "veth", "peer", "name", ns.ifname,
+                "netns", ns.name)
+            _ip("-n", hub.name, "link", "set", f"p{i}", "master", "br0")
+            _ip("-n", hub.name, "link", "set", f"p{i}", "up")
+            _ip("-n", ns.name, "link", "set", "lo", "up")
+            _ip("-n", ns.name, "addr", "add", f"{ns.addr}/{ns.prefixlen}", "dev", ns.ifname)
+            _ip("-n", ns.name, "link", "set", ns.ifname, "up")
+        _wait_link_up(*leaves)
+        yield leaves
     finally:
         errors = []
         for ns in reversed(created):

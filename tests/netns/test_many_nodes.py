@@ -29,6 +29,7 @@ from redis_server import redis_server
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = os.path.join(HERE, "_node.py")
 TRAINER = os.path.join(HERE, "_trainer.py")
+WEIGHTS = os.path.join(HERE, "_weights.py")
 SRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "src")
 PY = sys.executable
 TTL = 2.0
@@ -215,6 +216,53 @@ def test_rl_data_plane_across_nodes(cluster):
             t.kill()
             t.wait(5)
         o.close()
+
+
+@pytest.mark.netns
+def test_versioned_weight_sync_from_a_trainer_node_to_two_rollout_nodes(netns_available, redis_binary):
+    """Three nodes on one subnet (a bridge): the trainer publishes a state dict (double-buffered,
+    a 0-d tensor included) and writes K versions; two rollouts on two other nodes look it up by
+    name, follow every version (version waits across the link) and load each bit-exact (sha256
+    against the trainer's). Lockstep: version k + 1 is written once both loaded version k."""
+    import netns
+
+    last = 5
+    with netns.star(3) as (tn, r1, r2), redis_server(ns=tn, binary=redis_binary) as srv:
+        job = f"v{os.getpid()}{secrets.token_hex(3)}"
+        secret = secrets.token_hex(8)
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        trainer = tn.popen([PY, WEIGHTS, "trainer"], env=_env("node-t", srv.url, job, secret), **pipes)
+        procs = [trainer]
+        try:
+            first = _readline(trainer, 60)
+            assert first["ready"] and first["version"] == 1, first
+            assert first["endpoint"].startswith(f"tcp://{tn.addr}:"), first
+            shas = {1: first["sha"]}
+            rollouts = [r.popen([PY, WEIGHTS, "rollout", str(last)], env=_env(f"node-r{i}", srv.url, job, secret),
+                                **pipes) for i, r in enumerate((r1, r2), 1)]
+            procs += rollouts
+            for step in range(1, last):
+                _send(trainer, {"step": step})
+                w = _readline(trainer, 60)
+                assert w["version"] == step + 1, w
+                shas[w["version"]] = w["sha"]
+                for r in rollouts:
+                    got = _readline(r, 90)
+                    assert got.get("version") == w["version"], got
+                    assert got["sha"] == shas[w["version"]], (got, shas)  # bit-exact, that version
+            assert len(set(shas.values())) == last  # every version changed every byte's hash
+            for r in rollouts:
+                done = _readline(r, 60)
+                assert done.get("done") and done["route"] == "tcp", done
+                _finish(r)
+                assert r.returncode == 0
+            _send(trainer, {"exit": True})
+            _finish(trainer)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5)
 
 
 _WAITER = r"""

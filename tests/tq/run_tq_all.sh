@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything TransferQueue: build the TQ venv, run memsem's TQ backend tests, TQ's own two
-# backend-neutral e2e files (unmodified, from the installed wheel) against Memsem, and the
-# SimpleStorage vs Memsem comparison. Called by `make test-tq`.
+# backend-neutral e2e files (unmodified, from the installed wheel) against Memsem, on one node and
+# across two network-namespace nodes (tests/tq/run_tq_nodes.py; skipped, saying why, where
+# namespaces cannot be made), and the SimpleStorage vs Memsem comparison. Called by `make test-tq`.
 #
 # Env: TQ_VENV (default .venv-tq), PY (default python3.11), TQ_BENCH=0 skips the comparison,
 #      TQ_BENCH_ARGS (extra bench_tq.py args, e.g. "--seq-len 32768").
@@ -43,6 +44,9 @@ echo "== memsem TQ backend tests"
 
 echo "== TransferQueue e2e (unmodified) against Memsem"
 TQ_EXTRA_BACKEND_MODULES=memsem.integrations.transferqueue bash "$HERE/run_tq_e2e.sh" "$V" Memsem
+
+echo "== TransferQueue e2e (unmodified) across two namespace nodes: agent on one, clients on the other (tcp)"
+"$V/bin/python" "$HERE/run_tq_nodes.py" "$V"
 
 if [ "${TQ_BENCH:-1}" != 0 ]; then
     echo "== SimpleStorage vs Memsem, same workload"

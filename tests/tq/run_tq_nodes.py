@@ -29,6 +29,29 @@ import netns  # noqa: E402
 from redis_server import find_redis_server, redis_server  # noqa: E402
 
 
+_PROBE = r"""
+import os, numpy as np, memsem
+from memsem.integrations._tq_agent import AgentClient, start_agent
+from memsem.native import ProcessIdentity
+agent = start_agent(job="tq-nodes-probe")
+try:
+    me = ProcessIdentity.current()
+    grant = AgentClient(agent.address, agent.authkey, timeout=30).call("alloc", nbytes=4096, n_items=1, pid=me.pid,
+                                                                      start=me.start_time)
+    with memsem.Runtime(job="tq-nodes-probe") as rt:
+        ref = rt.ref(grant["ref"])
+        route = rt.route(ref).kind
+        ref.bytes(0, 8).put(np.arange(8, dtype=np.uint8))
+        assert (ref.bytes(0, 8).get() == np.arange(8)).all()
+    theirs, mine = os.readlink(f"/proc/{agent.pid}/ns/net"), os.readlink("/proc/self/ns/net")
+    print(f"run_tq_nodes: probe: route {route}; agent pid {agent.pid} in network namespace {theirs}, "
+          f"this client in {mine}")
+    raise SystemExit(0 if route == "tcp" and theirs != mine else 1)
+finally:
+    agent.stop()
+"""
+
+
 def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
@@ -49,6 +72,13 @@ def main() -> int:
                    TQ_EXTRA_BACKEND_MODULES="memsem.integrations.transferqueue")
         print(f"run_tq_nodes: agent in {a.name} ({a.addr}), clients in {b.name} ({b.addr}), directory {srv.url}",
               flush=True)
+        # First, what the e2e run relies on: an agent started by a client in B runs in A, and the
+        # client's route to its windows is tcp.
+        cp = subprocess.run(b.argv([os.path.join(venv, "bin", "python"), "-c", _PROBE]), env=env, timeout=300,
+                            capture_output=True, text=True)
+        print(cp.stdout.strip() or cp.stderr[-3000:], flush=True)
+        if cp.returncode != 0:
+            return cp.returncode
         cmd = ["bash", os.path.join(HERE, "run_tq_e2e.sh"), venv, "Memsem", *extra]
         cp = subprocess.run(b.argv(cmd), env=env, timeout=int(os.environ.get("TQ_E2E_TIMEOUT", "900")) + 120)
         return cp.returncode

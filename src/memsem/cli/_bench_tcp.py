@@ -261,8 +261,8 @@ def veth_pair() -> Iterator[tuple[list[str], list[str], str]]:
     """Two namespaces joined by veth: ``(argv prefix of A, of B, A's address)``; both removed on
     exit (with every process left in them)."""
     ip = _ip()
-    tag = f"memsem-bench-{os.getpid()}-{secrets.token_hex(2)}"
-    a, b = f"{tag}-a", f"{tag}-b"
+    tok = secrets.token_hex(2)  # "memsem-<x>-<pid>-<n>": the test harness reaps it if this process dies
+    a, b = f"memsem-bencha-{os.getpid()}-{tok}", f"memsem-benchb-{os.getpid()}-{tok}"
     x = os.getpid() % 250 + 2
     made = []
 
