@@ -102,6 +102,11 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_READONLY 10     /* put to a read-only window (or one whose owner writes) */
 #define MEMSEM_RC_ERRNO 11        /* the copy failed natively: errno in bits 16.. */
 #define MEMSEM_RC_CHECK_FIRST 12  /* a put while the owner's liveness is due: check, then retry */
+/* MEMSEM_RC_BUFFER: (memsem._hot.copy only) the local buffer needs the Python door first: not
+ * a plain contiguous buffer of the right size and dtype (nothing was done). */
+#define MEMSEM_RC_BUFFER 13
+/* memsem._hot.copy keeps the GIL for copies of fewer bytes than this (and releases it above). */
+#define MEMSEM_HOT_GIL_BYTES 65536
 /* Flags in bits 8-15. */
 #define MEMSEM_RC_LAST_OUT 256    /* this call left a closed plan last: the caller releases it */
 #define MEMSEM_RC_CHECK_PEER 512  /* the owner's liveness is due for a re-check */

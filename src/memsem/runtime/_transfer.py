@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memsem import _dtypes, native
+from memsem import _dtypes, _hot, native
 from memsem._buffers import address_view, array_address, as_byte_array
 from memsem._errors import (
     EngineError,
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from memsem.runtime._core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
+_hot_copy = _hot.copy
+_RC_BUFFER = _hot.RC_BUFFER
 _open = native.lib.memsem_bracket_open
 _close = native.lib.memsem_bracket_close
 _ffi = native.ffi
@@ -271,18 +273,34 @@ class Transfers:
         return rc >> _SHIFT
 
     # -- get / put --------------------------------------------------------------------------------
-    def get(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
+    # The common case is one C call (memsem._hot.copy): the buffer's door checks (plain dtype,
+    # C-contiguous, writable, exact size; for a put the ref's dtype or uint8) through the buffer
+    # protocol, then memsem_plan_copy with every window check. Whatever that call does not take
+    # (torch tensors, DLPack, a wrong size or dtype...) it hands back untouched (RC_BUFFER) and
+    # the Python door below accepts it or raises the error that names the argument.
+    def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0) -> Any:
         """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
         ref's dtype); returns it (``out``'s own object when given)."""
+        if out is not None and (lease is None or lease.spec.gva == spec.gva):
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version)
+                else:
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version,
+                                   *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return out
+                if rc != _RC_BUFFER:
+                    flat, info = as_byte_array(out, "out", writable=True)
+                    self._slow(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version, None)
+                    return out
+        return self._get(spec, out, lease, version)
+
+    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> Any:
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
             n = out.nbytes
-            self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
-            return out
-        if type(out) is np.ndarray and out.dtype in _PLAIN and (f := out.flags).c_contiguous and f.writeable:
-            n = out.nbytes
-            if n != spec.nbytes:
-                raise _size_mismatch("out", n, spec)
             self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
             return out
         flat, info = as_byte_array(out, "out", writable=True)
@@ -291,21 +309,33 @@ class Transfers:
         self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version)
         return out
 
-    def put(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
+    def put(self, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
         """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
         returns the version overwritten."""
-        if type(src) is np.ndarray and src.dtype in _PLAIN and src.flags.c_contiguous:
-            n, code = src.nbytes, _PLAIN[src.dtype]
-            addr, keep = (array_address(src) if n else 0), src
-        else:
-            flat, info = as_byte_array(src, "src", writable=False)
-            n, code, addr, keep = info.nbytes, info.dtype_code, info.address, flat
+        if spec.access == "rw" and (lease is None or lease.spec.gva == spec.gva):
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 1, spec.offset, src, spec.nbytes, spec.dtype_code)
+                else:
+                    rc = _hot_copy(res.addr, 1, spec.offset, src, spec.nbytes, spec.dtype_code, 0,
+                                   *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return rc >> _SHIFT
+                if rc != _RC_BUFFER:
+                    flat, info = as_byte_array(src, "src", writable=False)
+                    return self._slow(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0, None)
+        return self._put(spec, src, lease)
+
+    def _put(self, spec: RefSpec, src: Any, lease: Lease | None) -> int:
+        flat, info = as_byte_array(src, "src", writable=False)
+        n, code = info.nbytes, info.dtype_code
         if n != spec.nbytes:
             raise _size_mismatch("src", n, spec)
         if code != spec.dtype_code and spec.dtype_code != _UINT8 and code != _UINT8:
             raise TypeError(f"src dtype {_dtypes.name_of(code)} differs from the ref's "
                             f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
-        return self.transfer(spec, True, 0, addr, n, keep, lease)
+        return self.transfer(spec, True, 0, info.address, n, flat, lease)
 
     def transfer_array(self, spec: RefSpec, put: bool, offset: int, local: np.ndarray, *,
                        lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
