@@ -148,3 +148,49 @@ def test_shared_segment_outcomes_through_the_call():
                 small.get(buf)
     finally:
         reap([p])
+
+
+# -- xcopy: ranges done at once in the caller, the rest by workers ----------------------------------
+def test_xcopy_small_ranges_are_done_at_once(rt):
+    """Same-node ranges of a resolved window end DONE before xcopy returns (inline lane), each
+    counted in the xcopy latency histogram; a put range may carry any plain dtype's bytes."""
+    a = rt.alloc(64 * 64, np.uint8)
+    a[:] = np.arange(a.nbytes, dtype=np.uint64).astype(np.uint8)
+    ref = rt.publish(a, access="rw")
+    ref.get()  # resolved here
+    tiles = [ref.bytes(i * 64, 64) for i in range(64)]
+    outs = [np.zeros(64, np.uint8) for _ in range(64)]
+    before = rt.stats().latency_us.get("xcopy", {}).get("n", 0)
+    batch = rt.xcopy(list(zip(tiles, outs)))
+    assert batch.done() and all(r.state == memsem.State.DONE for r in batch.results)
+    assert rt.stats().latency_us["xcopy"]["n"] == before + 64
+    np.testing.assert_array_equal(np.concatenate(outs), a)
+    batch = rt.xcopy([(np.full(16, i, np.float32), tiles[i]) for i in range(4)])
+    assert batch.wait(10) and not batch.errors
+    assert a[:256].view(np.float32).tolist() == [float(i) for i in range(4) for _ in range(16)]
+
+
+def test_xcopy_inline_range_that_cannot_finish_goes_to_a_worker(rt):
+    """A write section is open: xcopy still returns at once (never waits in the caller); the
+    range ends DONE once the section closes, with the new bytes. A stale range ends FAILED."""
+    a = rt.alloc(4096, np.uint8)
+    ref = rt.publish(a, access="rw", name="hot/ws")
+    ref.get()
+    out = np.zeros(4096, np.uint8)
+    ws = rt.write_section(ref)
+    ws.__enter__()
+    try:
+        a[:] = 9
+        batch = rt.xcopy([(ref, out)])
+        assert not batch.done() and batch.results[0].state != memsem.State.DONE
+    finally:
+        ws.__exit__(None, None, None)
+    batch.wait(20)
+    assert batch.results[0].state == memsem.State.DONE and (out == 9).all()
+    old = rt.publish(np.zeros(64, np.uint8), name="hot/old")
+    old.get()
+    rt.unpublish(old, timeout=5)
+    batch = rt.xcopy([(old, np.zeros(64, np.uint8)), (ref, out)])
+    batch.wait(20)
+    assert isinstance(batch.errors[0], StaleReferenceError)
+    assert batch.results[1].state == memsem.State.DONE

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 _copy = native.lib.memsem_plan_copy
 _hot_copy = _hot.copy
 _RC_BUFFER = _hot.RC_BUFFER
+_DONE = State.DONE
 _open = native.lib.memsem_bracket_open
 _close = native.lib.memsem_bracket_close
 _ffi = native.ffi
@@ -49,6 +50,10 @@ _UINT8 = _dtypes.code_of("uint8")
 _PLAIN = _dtypes.NUMPY_CODES
 #: torn reads retried at once before waiting on the sequence word
 _TORN_SPINS = 3
+#: bytes of one xcopy batch copied at once in the calling thread (same-node ranges resolved here)
+XCOPY_INLINE_BYTES = 256 << 10
+#: below this many bytes in all, an xcopy batch's remaining ranges go to one worker task
+XCOPY_TASK_BYTES = 4 << 20
 
 
 class Transfers:
@@ -351,22 +356,56 @@ class Transfers:
     # -- xcopy ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
         """Start a batch of copies (see ``memsem.Runtime.xcopy``). Ranges fail independently;
-        the Batch gives every range a final state. Ranges to or from a window whose engine posts
-        batches to hardware (``Engine.batches``) go to it as one batch."""
+        the Batch gives every range a final state.
+
+        Same-node ranges between a local buffer and a window already resolved here are done at
+        once, in this thread, one native call each (``XCOPY_INLINE_BYTES`` per batch at most:
+        a copy that small costs less than handing it to a worker); a range whose native outcome
+        is anything but a plain success (a write section open, a stale ref, a closed
+        resolution...) and every other range goes to the runtime's workers, in at most one task
+        per worker. Ranges to or from a window whose engine posts batches to hardware
+        (``Engine.batches``) go to it as one batch."""
         core = self._core
         core.check_open()
         results = []
         jobs = []
+        lat: list[int] = []
+        inline_left = XCOPY_INLINE_BYTES
+        cache = self._cache
+        now = time.perf_counter_ns
         for i, pair in enumerate(pairs):
             try:
                 src, dst = pair
             except (TypeError, ValueError):
                 raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}") from None
-            if not isinstance(src, RefSpec) and not isinstance(dst, RefSpec):
+            if isinstance(src, RefSpec):
+                spec, buf, put = src, (None if isinstance(dst, RefSpec) else dst), 0
+            elif isinstance(dst, RefSpec):
+                spec, buf, put = dst, src, 1
+            else:
                 raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref")
-            r = RangeResult(i, src.nbytes if isinstance(src, RefSpec) else dst.nbytes)
+            r = RangeResult(i, spec.nbytes)
             results.append(r)
+            # The inline lane (see the docstring): settled before the Batch exists.
+            if buf is not None and spec.nbytes <= inline_left and (not put or spec.access == "rw"):
+                res = cache.get(spec.gva)
+                if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                    t0 = now()
+                    if lease is None:
+                        rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+                        out = True if not rc & _ATTN else self._inline_outcome(rc, res)
+                    else:
+                        out = self._inline(res, spec, put, buf, lease)
+                    if out is not None:
+                        inline_left -= spec.nbytes
+                        if out is True:
+                            r.state = _DONE
+                            lat.append(now() - t0)
+                        else:
+                            r.state, r.error = State.FAILED, out
+                        continue
             jobs.append((r, src, dst))
+        core.telemetry.record_latencies("xcopy", lat)
         batch = Batch(results, timeout=core.timeout)
         grouped: dict[int, list[tuple[RangeResult, Any, Any]]] = {}
         single = []
@@ -377,23 +416,58 @@ class Transfers:
             else:
                 single.append(job)
 
-        def run(r: RangeResult, src: Any, dst: Any) -> None:
-            r.state = State.RUNNING
-            try:
-                self._copy_one(src, dst, lease)
-            except BaseException as exc:
-                batch._settle(r, State.FAILED, exc)
-            else:
-                batch._settle(r, State.DONE)
+        def run(chunk: list[tuple[RangeResult, Any, Any]]) -> None:
+            for r, src, dst in chunk:
+                if not batch._start(r):
+                    continue  # cancelled before it started
+                if core.closed:  # closing: what has not started ends CANCELLED
+                    batch._settle(r, State.CANCELLED)
+                    continue
+                try:
+                    self._copy_one(src, dst, lease)
+                except BaseException as exc:
+                    batch._settle(r, State.FAILED, exc)
+                else:
+                    batch._settle(r, State.DONE)
 
         def run_group(group: list[tuple[RangeResult, Any, Any]]) -> None:
             self._copy_batch(group, batch, lease)
 
-        for r, src, dst in single:
-            self._queue(batch, [r], run, r, src, dst)
+        for chunk in _chunks(single, self._pool._max_workers):
+            self._queue(batch, [j[0] for j in chunk], run, chunk)
         for group in grouped.values():
             self._queue(batch, [g[0] for g in group], run_group, group)
         return batch
+
+    def _inline(self, res: Resolution, spec: RefSpec, put: int, buf: Any, lease: Lease) -> Any:
+        """One xcopy range under ``lease`` done now, natively (see ``_inline_outcome``)."""
+        if lease.spec.gva != spec.gva:
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+        else:
+            ls, lid = lease.native_args(spec)
+            if not ls:
+                return None
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1, 0, ls, lid)
+        return True if not rc & _ATTN else self._inline_outcome(rc, res)
+
+    @staticmethod
+    def _inline_outcome(rc: int, res: Resolution) -> Any:
+        """What an xcopy range done inline came to: True for a success, its error when the owner
+        was found dead after a read, None when it must go to a worker (the buffer needs the
+        Python door, or any other native outcome: the worker does it all again, with the waits
+        and errors of the general path)."""
+        if rc == _RC_BUFFER:
+            return None
+        if rc & tr.RC_LAST_OUT:
+            res.release()
+        if rc & tr.RC_STATUS:
+            return None
+        if rc & tr.RC_CHECK_PEER:
+            try:
+                res.peer_checked()
+            except MemsemError as exc:
+                return exc
+        return True
 
     def _queue(self, batch: Batch, ranges: list[RangeResult], fn: Any, *args: Any) -> None:
         fut = self._pool.submit(fn, *args)
@@ -423,7 +497,8 @@ class Transfers:
         own bracket."""
         ops: list[tuple[RangeResult, RefSpec, Op, Any]] = []
         for r, src, dst in group:
-            r.state = State.RUNNING
+            if not batch._start(r):
+                continue
             try:
                 spec, local, put = (src, dst, False) if isinstance(src, RefSpec) else (dst, src, True)
                 flat, info = as_byte_array(local, "dst" if not put else "src", writable=not put)
@@ -539,6 +614,27 @@ class Transfers:
                 rs.release()
         if rc & tr.RC_STATUS:
             raise self._failure(rc & tr.RC_STATUS, rc, rs, src, False, src_lease, 0)
+
+
+def _chunks(jobs: list[tuple[RangeResult, Any, Any]], workers: int) -> list[list[tuple[RangeResult, Any, Any]]]:
+    """Split xcopy ranges into at most ``workers`` tasks of about equal bytes (one task when
+    they hold less than ``XCOPY_TASK_BYTES`` in all): a task per range would cost a hand-off
+    to a worker thread per range."""
+    if not jobs:
+        return []
+    total = sum(j[0].nbytes for j in jobs)
+    n = 1 if total < XCOPY_TASK_BYTES else max(1, min(workers, len(jobs)))
+    if n == 1:
+        return [jobs]
+    out: list[list[tuple[RangeResult, Any, Any]]] = [[]]
+    share = total / n
+    acc = 0
+    for j in jobs:
+        if out[-1] and acc >= share * len(out) and len(out) < n:
+            out.append([])
+        out[-1].append(j)
+        acc += j[0].nbytes
+    return out
 
 
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
