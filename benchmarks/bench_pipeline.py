@@ -33,6 +33,8 @@ import memsem
 from memsem.pipeline import Pipeline
 
 MiB = 1 << 20
+#: sizes of ``pipeline_vs_get_min``: 256 KiB .. 256 MiB, powers of 4
+VS_GET_SIZES = [256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -177,6 +179,86 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
             "overlap_ratio": stats.overlap_ratio, "route": stats.route}
 
 
+# -- 1b: never slower than get-then-compute -----------------------------------------------------
+class _ByteCompute:
+    """Work proportional to the bytes it is given: one read of them (a float32 sum), then
+    ``k x nbytes`` passes of a GIL-releasing kernel over a cache-resident 32 KiB block. The same
+    total whether called once on the whole ref or once per tile (what get-then-compute and a
+    pipeline each do); calibrated so computing the whole ref takes about as long as moving it."""
+
+    def __init__(self) -> None:
+        self.a = np.ones(8192, np.float32)
+        self.b = np.empty_like(self.a)
+        self.k = 0.0
+
+    def __call__(self, x: np.ndarray) -> float:
+        acc = float(x.view(np.float32).sum(dtype=np.float32)) if x.nbytes % 4 == 0 else float(x.sum())
+        for _ in range(int(x.nbytes * self.k + 0.5)):
+            np.multiply(self.a, np.float32(1.0001), out=self.b)
+        return acc + float(self.b[0])
+
+    def calibrate(self, x: np.ndarray, target_s: float) -> None:
+        self.k = 0.0
+        base = _median_time(lambda: self(x), 9)
+        per = _median_time(lambda: [np.multiply(self.a, np.float32(1.0001), out=self.b) for _ in range(100)], 9) / 100
+        self.k = max(0.0, (target_s - base) / per) / x.nbytes
+
+
+def vs_get_bench(rt: memsem.Runtime, full: memsem.TensorRef, sizes: list[int], quick: bool) -> dict[str, Any]:
+    """For each size: get-then-compute (one ``get`` into a preallocated, touched array, then the
+    compute over it) against a pipeline with the automatic tile choice (compute per tile), rounds
+    interleaved (each round runs both, in alternating order), medians. ``ratio`` = get-then-compute
+    time / pipeline time (>= 1: the pipeline does not lose). ``alloc_ratio`` uses ``ref.get()``
+    (a new array each time, as get-then-compute code usually reads) as the baseline instead."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        ref = full.bytes(0, n)
+        whole = np.empty(n, np.uint8)
+        whole[:] = 0
+        ref.get(whole)
+        move = _median_time(lambda: ref.get(whole), 7)
+        comp = _ByteCompute()
+        comp.calibrate(whole, move)
+        reps = (200 if n <= MiB else 40 if n <= 16 * MiB else 9 if n <= 64 * MiB else 3) * (1 if quick else 3)
+        bulk, alloc, pipe = [], [], []
+        tiles, mover, why = 1, "", ""
+
+        def run_bulk() -> None:
+            t = time.perf_counter()
+            ref.get(whole)
+            comp(whole)
+            bulk.append(time.perf_counter() - t)
+
+        def run_alloc() -> None:
+            t = time.perf_counter()
+            comp(ref.get())
+            alloc.append(time.perf_counter() - t)
+
+        def run_pipe() -> None:
+            nonlocal tiles, mover, why
+            t = time.perf_counter()
+            with rt.pipeline(ref) as p:
+                for tile in p:
+                    with tile:
+                        comp(tile.raw)
+            pipe.append(time.perf_counter() - t)
+            tiles, mover = p.n_tiles, p.stats.mover
+
+        run_pipe()
+        why = rt.pipeline(ref).explanation
+        for r in range(reps):
+            order = (run_bulk, run_pipe, run_alloc) if r % 2 else (run_pipe, run_alloc, run_bulk)
+            for fn in order:
+                fn()
+        b, a, q = statistics.median(bulk), statistics.median(alloc), statistics.median(pipe)
+        out[str(n)] = {"bytes": n, "move_s": move, "get_then_compute_s": b, "alloc_get_then_compute_s": a,
+                       "pipeline_s": q, "ratio": b / q, "alloc_ratio": a / q, "tiles": tiles, "mover": mover,
+                       "explanation": why, "rounds": reps}
+    ratios = [v["ratio"] for v in out.values()]
+    return {"sizes": out, "pipeline_vs_get_min": min(ratios),
+            "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
+
+
 # -- 2: first tile -------------------------------------------------------------------------------
 def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
                      repeats: int = 9) -> dict[str, Any]:
@@ -252,12 +334,14 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
             full = rt.ref(src.data)
             ref = full.bytes(0, ref_bytes)
             ov = overlap_bench(rt, ref, overlap_tile_bytes, depth, repeats=3 if quick else 5)
+            vg = vs_get_bench(rt, full, VS_GET_SIZES, quick)
             ft = first_tile_bench(rt, ref, tile_bytes, depth)
             rss_src = full.bytes(0, stream_bytes).to_bytes()
         rs = rss_bench(rss_src, tile_bytes, depth)
     finally:
         src.close()
-    out.update(overlap=ov, first_tile=ft, rss=rs,
+    out.update(overlap=ov, vs_get=vg, pipeline_vs_get_min=vg["pipeline_vs_get_min"],
+               pipeline_vs_get_alloc_min=vg["pipeline_vs_get_alloc_min"], first_tile=ft, rss=rs,
                pipeline_vs_ideal=ov["pipeline_vs_ideal"], pipeline_speedup_vs_bulk=ov["pipeline_speedup_vs_bulk"],
                first_tile_ratio=ft["first_tile_ratio"], rss_overhead_MiB=rs["rss_overhead_MiB"],
                rss_growth_vs_budget=rs["rss_growth_vs_budget"])

@@ -270,7 +270,7 @@ class Runtime:
         return self._core.route_of(check_ref(ref, "ref").spec)
 
     # -- pipeline & fields -----------------------------------------------------------------------
-    def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int = 2,
+    def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int | None = None,
                  wait_ready: bool | None = None, timeout: float | None = None, out: Any = None,
                  zero_copy: bool | None = None, lease: Lease | None = None):
         """Iterate tiles of ``ref`` with a double (``depth``-slot) buffer: tile i+1 moves while the
@@ -285,7 +285,8 @@ class Runtime:
             print(p.stats)                     # first-tile latency, overlap, bytes moved
 
         See :class:`memsem.pipeline.Pipeline` for the arguments (``tile_bytes`` defaults to the
-        window's tile size; ``out`` receives the whole ref; ``zero_copy`` forces or forbids views).
+        window's tile size, else an automatic choice; ``out`` receives the whole ref;
+        ``zero_copy`` forces or forbids views).
         """
         from memsem.pipeline import Pipeline
 

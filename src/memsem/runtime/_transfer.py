@@ -342,6 +342,25 @@ class Transfers:
                             f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
         return self.transfer(spec, True, 0, info.address, n, flat, lease)
 
+    def get_range(self, spec: RefSpec, offset: int, buf: np.ndarray, lease: Lease | None = None) -> int:
+        """Blocking get of ``buf.nbytes`` bytes from ``offset`` bytes into the ref into the flat
+        uint8 array ``buf`` (pipeline tiles); the hot path's one C call when it can. Returns the
+        version read."""
+        n = buf.nbytes
+        if (lease is None or lease.spec.gva == spec.gva) and 0 <= offset and offset + n <= spec.nbytes:
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 0, spec.offset + offset, buf, n, -1)
+                else:
+                    rc = _hot_copy(res.addr, 0, spec.offset + offset, buf, n, -1, 0, *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return rc >> _SHIFT
+                if rc != _RC_BUFFER:
+                    return self._slow(rc, res, spec, False, offset, array_address(buf) if n else 0, n, buf,
+                                      lease, 0, None)
+        return self.transfer_array(spec, False, offset, buf, lease=lease)
+
     def transfer_array(self, spec: RefSpec, put: bool, offset: int, local: np.ndarray, *,
                        lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
         """``transfer`` with a flat uint8 numpy array as the local side (pipelines, tiles)."""
