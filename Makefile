@@ -6,7 +6,7 @@ PIP := $(VPY) -m pip
 STAMP := $(VENV)/.memsem-installed
 TEST_STAMP := $(VENV)/.memsem-test-installed
 
-.PHONY: demo test test-core test-rdma test-netns test-tq bench clean
+.PHONY: demo test test-core test-rdma test-netns test-tq test-verl bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,7 +28,7 @@ demo: $(STAMP)
 # Every suite runs (a failing one does not stop the others), then one summary table and a check
 # that the run left nothing behind (segments, job folders, mounts, namespaces): tests/run_all.sh.
 # A new suite is a test-NAME target below plus NAME in SUITES.
-SUITES ?= core rdma tq
+SUITES ?= core rdma tq verl
 
 test: $(TEST_STAMP)
 	PY=$(PY) MAKE="$(MAKE)" bash tests/run_all.sh $(SUITES)
@@ -45,8 +45,12 @@ test-rdma: $(TEST_STAMP)
 test-tq:
 	PY=$(PY) bash tests/tq/run_tq_all.sh
 
+# verl's checkpoint-engine test shape on the memsem backend, in its own venv (.venv-verl)
+test-verl:
+	PY=$(PY) bash tests/verl/run_verl_tests.sh
+
 bench: $(TEST_STAMP)
 	$(VPY) -m memsem.cli bench --quick
 
 clean:
-	rm -rf $(VENV) .venv-tq build bench-out src/memsem/_native*.so src/*.egg-info
+	rm -rf $(VENV) .venv-tq .venv-verl build bench-out src/memsem/_native*.so src/*.egg-info

@@ -1,57 +1,85 @@
-"""Generate docs/api.md from the public docstrings: `python docs/gen_api.py > docs/api.md`."""
+"""Generate docs/api.md from the code: `python docs/gen_api.py > docs/api.md`.
+
+Only public names are documented: the ``__all__`` of each public module below (never a private
+module path such as ``memsem.refs._fields``). ``tests/test_docs.py`` checks that docs/api.md is
+what this script prints.
+"""
 from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
-SECTIONS = [
-    ("memsem", ["Runtime", "TensorRef", "Lease", "Completion", "Batch", "RangeResult", "State", "Stats",
-                "default_runtime"]),
-    ("memsem.refs._fields", ["FieldSet", "FieldRef"]),
-    ("memsem.pipeline", ["Pipeline", "Tile"]),
-    ("memsem.engines", ["Engine", "Descriptor", "LocalRegion", "RemoteRegion", "DirectAccess", "Availability",
-                        "Op", "OpKind", "OpState", "Request", "LoopbackEngine", "HostEngine"]),
+#: public modules, in the order the reference shows them; each documents its ``__all__`` (or
+#: the names given)
+MODULES: list[tuple[str, list[str] | None]] = [
+    ("memsem", None),
+    ("memsem.pipeline", None),
+    ("memsem.engines", None),
     ("memsem.engines.mock", ["ScriptedEngine"]),
-    ("memsem.topology", ["Location", "Route", "choose_route"]),
-    ("memsem", ["MemsemError", "StaleReferenceError", "WindowNotFoundError", "LeaseExpiredError",
-                "LeaseHeldError", "PeerLostError", "AccessDeniedError", "NotSupportedError", "EngineError",
-                "MemsemTimeoutError", "OutOfMemoryError"]),
+    ("memsem.topology", None),
+    ("memsem.metrics", None),
 ]
+#: names not worth a section of their own (constants, re-exports documented elsewhere)
+SKIP = {"__version__", "MemsemError"}
 
 
-def _sig(obj) -> str:
+def _sig(obj: object) -> str:
     try:
-        return str(inspect.signature(obj))
+        sig = str(inspect.signature(obj))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return "(...)"
+    return re.sub(r"<([\w.]+) object at 0x[0-9a-f]+>", r"<\1>", sig)  # stable across runs
+
+
+def _doc(obj: object) -> str:
+    return inspect.cleandoc(obj.__doc__ or "(no docstring)")
 
 
 def main() -> None:
-    print("# API reference\n\nGenerated from the docstrings by `docs/gen_api.py`.\n")
-    for modname, names in SECTIONS:
+    print("# API reference\n")
+    print("Generated from the code by `docs/gen_api.py` (public names only: each public module's\n"
+          "`__all__`). Errors are listed last.\n")
+    seen: set[int] = set()
+    errors = []
+    for modname, names in MODULES:
         try:
             mod = importlib.import_module(modname)
-        except ImportError:
+        except ImportError as exc:  # an optional extra is missing: say so, do not hide it
+            print(f"## `{modname}`\n\n(not importable here: {exc})\n")
             continue
-        for name in names:
+        for name in names if names is not None else list(getattr(mod, "__all__", [])):
             obj = getattr(mod, name, None)
-            if obj is None:
+            if obj is None or name in SKIP or id(obj) in seen:
                 continue
+            if inspect.isclass(obj) and issubclass(obj, BaseException):
+                errors.append((modname, name, obj))
+                continue
+            if not (inspect.isclass(obj) or callable(obj)):
+                continue
+            seen.add(id(obj))
             print(f"## `{modname}.{name}`\n")
+            kind = "class" if inspect.isclass(obj) else "def"
+            print(f"```python\n{kind} {name}{_sig(obj)}\n```\n")
+            print(_doc(obj) + "\n")
             if inspect.isclass(obj):
-                print(f"```python\nclass {name}{_sig(obj)}\n```\n")
-            elif callable(obj):
-                print(f"```python\ndef {name}{_sig(obj)}\n```\n")
-            print(inspect.cleandoc(obj.__doc__ or "(no docstring)") + "\n")
-            if inspect.isclass(obj) and not issubclass(obj, BaseException):
                 for mname, m in sorted(vars(obj).items()):
-                    if mname.startswith("_") or not (callable(m) or isinstance(m, property)):
+                    if mname.startswith("_") and mname not in ("__enter__", "__await__", "__aiter__"):
                         continue
-                    doc = inspect.getdoc(m)
+                    if not (callable(m) or isinstance(m, (property, classmethod, staticmethod))):
+                        continue
+                    doc = inspect.getdoc(m.__func__ if isinstance(m, (classmethod, staticmethod)) else m)
                     if not doc:
                         continue
                     sig = _sig(m) if callable(m) else ""
                     print(f"### `{name}.{mname}{sig}`\n\n{doc}\n")
+    print("## Errors\n")
+    for modname, name, obj in [("memsem", "MemsemError", importlib.import_module("memsem").MemsemError)] + errors:
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        bases = ", ".join(b.__name__ for b in obj.__bases__)
+        print(f"### `{modname}.{name}({bases})`\n\n{_doc(obj)}\n")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,23 @@ import traceback
 CTX = mp.get_context("spawn")
 
 
+class Gate:
+    """Holds a scripted engine's copy until the test opens it: pass it as
+    ``ScriptedEngine(..., before=gate)``; ``entered`` is set once a copy is provably in flight.
+    Forces an order instead of hoping for one with sleeps."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.open = threading.Event()
+
+    def __call__(self, kind: str, offset: int, nbytes: int) -> None:
+        self.entered.set()
+        if not self.open.wait(120):
+            raise AssertionError("the test never opened the gate")
+
+
 def _child(fn, conn, *args):
     try:
         fn(conn, *args)

@@ -166,9 +166,11 @@ def test_field_pipeline_gives_typed_rows():
 
 
 # -- multi process: producers at different speeds --------------------------------------------------
-def _field_producer(conn, data, fields, delay):
+def _field_producer(conn, data, fields, delay, gated=False):
     with memsem.Runtime() as rt:
         fs = FieldSet.from_bytes(data, rt)
+        if gated:
+            assert conn.recv() == "go"  # the test orders the producers; no timing is hoped for
         for name in fields:
             ref = fs[name]
             for t in range(ref.n_tiles):
@@ -181,7 +183,12 @@ def _field_producer(conn, data, fields, delay):
 def _field_consumer(conn, data):
     with memsem.Runtime() as rt:
         fs = FieldSet.from_bytes(data, rt)
-        order = [r.name for r in fs.as_ready(timeout=60)]
+        conn.send("waiting")
+        order = []
+        for r in fs.as_ready(timeout=120):
+            order.append(r.name)
+            if len(order) == 2:
+                conn.send(("half", list(order)))  # the test starts the second producer after this
         out = {name: fs[name].get() for name in fs}
         conn.send(("got", order, {k: v.tolist() for k, v in out.items()}))
 
@@ -189,17 +196,26 @@ def _field_consumer(conn, data):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("n_consumers", [1, 2, 4])
 def test_two_producers_different_speeds(n_consumers):
-    """The owner publishes the schema; a fast and a slow producer process fill different fields
-    one-sidedly; consumer processes see fields complete in readiness order with exact data."""
+    """The owner publishes the schema; two producer processes fill different fields one-sidedly,
+    the second only after the first finished (the test forces that order); consumer processes,
+    waiting on every field from the start, see fields complete in readiness order with exact
+    data."""
     with memsem.Runtime() as rt:
         fs = rt.publish_fields(SCHEMA, tile_rows=5, name="mp")
         data = fs.to_bytes()
-        fast, fc = spawn(_field_producer, data, ["prompts", "rewards"], 0.005)
-        slow, sc = spawn(_field_producer, data, ["logprobs", "values"], 0.08)
         cons = [spawn(_field_consumer, data) for _ in range(n_consumers)]
+        for _, cc in cons:
+            assert recv(cc) == "waiting"
+        fast, fc = spawn(_field_producer, data, ["prompts", "rewards"], 0.0)
+        slow, sc = spawn(_field_producer, data, ["logprobs", "values"], 0.001, True)
         procs = [fast, slow] + [c for c, _ in cons]
         try:
-            assert recv(fc)[0] == "done" and recv(sc)[0] == "done"
+            assert recv(fc)[0] == "done"
+            for _, cc in cons:  # every consumer saw the first two fields complete
+                kind, half = recv(cc)
+                assert kind == "half" and set(half) == {"prompts", "rewards"}
+            sc.send("go")
+            assert recv(sc)[0] == "done"
             for _, cc in cons:
                 kind, order, got = recv(cc)
                 assert set(order[:2]) == {"prompts", "rewards"} and set(order[2:]) == {"logprobs", "values"}

@@ -109,7 +109,8 @@ def test_dataloader_style_fork_workers_read_refs(rt):
 
     weights = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
     ref = rt.publish(weights, name="w", access="r")
-    seg_names = set(os.listdir(segment_dir()))
+    mine = f".{os.getpid()}-"  # this process's segments (other tests' come and go meanwhile)
+    seg_names = {n for n in os.listdir(segment_dir()) if mine in n}
 
     class Rows(Dataset):
         def __len__(self) -> int:

@@ -51,7 +51,7 @@ def test_engines_know_nothing_of_generations_or_leases():
 
 #: modules of the runtime layer, each importing only the ones before it (docs/architecture.md)
 RUNTIME_ORDER = ["_telemetry", "_completion", "_async", "_staging", "_gc", "_liveness", "_translate", "_resolve",
-                 "_lease", "_transfer", "_view", "_readiness", "_publish", "_serve", "_core"]
+                 "_lease", "_transfer", "_view", "_readiness", "_versions", "_publish", "_serve", "_core"]
 
 
 def _runtime_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:

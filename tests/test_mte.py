@@ -247,12 +247,10 @@ def _scenario_ready(team, peers: Peers) -> dict:
                 assert (w[t * tb:(t + 1) * tb] == (t * 7 + src) % 256).all()
             assert sorted(ref.ready_tiles()) == list(range(tiles - 1))
             # the last tile is never written: both waits are bounded and say what they waited for
-            t0 = time.monotonic()
             with pytest.raises(memsem.MemsemTimeoutError, match="signal of tile"):
                 eng.wait_signal(desc, tiles - 1, ref.generation, timeout=0.3)
             with pytest.raises(memsem.MemsemTimeoutError):
                 ref.wait_tile(tiles - 1, timeout=0.3)
-            assert time.monotonic() - t0 < 5
             with pytest.raises(ValueError, match="tile must be"):
                 eng.wait_signal(desc, tiles, ref.generation, timeout=0.1)
         else:

@@ -52,7 +52,7 @@ def test_futex_times_out_and_wakes():
     addr = a.__array_interface__["data"][0]
     t0 = time.monotonic()
     assert native.futex_wait(addr, 0, 0.05) is False
-    assert 0.04 <= time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 >= 0.04  # it waited (no upper bound: load stretches waits)
     assert native.futex_wait(addr, 5, 1.0) is True  # value differs: returns at once
 
     def waker():
@@ -63,8 +63,7 @@ def test_futex_times_out_and_wakes():
     th = threading.Thread(target=waker)
     th.start()
     t0 = time.monotonic()
-    assert native.futex_wait(addr, 0, 5.0) is True
-    assert time.monotonic() - t0 < 2.0
+    assert native.futex_wait(addr, 0, 5.0) is True and a[0] == 1  # woken by the store, not timed out
     th.join(timeout=5)
     with pytest.raises(ValueError, match="timeout"):
         native.futex_wait(addr, 0, -1)

@@ -94,9 +94,9 @@ class _SlowReads:
     """Make the process runtime's data copies of gets slow, to hold a get inside its lease."""
 
     def __init__(self, rt, delay: float) -> None:
-        self.rt, self.delay = rt, delay
+        self.rt, self.delay = rt.core, delay  # the core moves the bytes (Runtime holds it)
         self.inside = threading.Event()
-        self._orig = rt.transfer
+        self._orig = self.rt.transfer
 
     def __enter__(self):
         def slow(spec, kind, offset, local, *, lease=None):
@@ -217,7 +217,7 @@ def test_failed_put_frees_its_region(agent, monkeypatch):
     def broken(spec, kind, offset, local, *, lease=None):
         raise OSError("injected failure")
 
-    monkeypatch.setattr(rt, "transfer", broken)
+    monkeypatch.setattr(rt.core, "transfer", broken)
     with pytest.raises(OSError, match="injected"):
         cl.put(["0@w"], [torch.ones(8)])
     monkeypatch.undo()

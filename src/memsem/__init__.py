@@ -13,13 +13,14 @@ from memsem._errors import (
     MemsemTimeoutError,
     NotSupportedError,
     OutOfMemoryError,
+    OwnerWriteError,
     PeerLostError,
     RuntimeClosedError,
     StaleReferenceError,
     WindowNotFoundError,
 )
-from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, TensorRef, default_runtime
-from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats
+from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
+from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,6 @@ __all__ = [
     "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
-    "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StaleReferenceError", "State", "Stats", "TensorRef",
-    "WindowNotFoundError", "default_runtime", "__version__",
+    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",
+    "WindowNotFoundError", "WriteSection", "default_runtime", "__version__",
 ]

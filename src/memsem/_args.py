@@ -24,13 +24,16 @@ from typing import Any
 MAX_WAIT_S = 30 * 86400.0
 #: the longest finite lease ttl (seconds): expiries are 64-bit nanosecond clock values.
 MAX_TTL_S = 1e9
+#: the default bound of every blocking call of a runtime, its engines and its handles (seconds);
+#: a Runtime's ``timeout=`` replaces it for everything that runtime does
+DEFAULT_TIMEOUT_S = 30.0
 
 #: the largest byte count memsem accepts for one window or allocation (64-bit offsets, signed)
 MAX_BYTES = (1 << 63) - 1
 #: the most dimensions a shape may have (numpy's own limit, and the wire format's u8 ndim)
 MAX_NDIM = 64
 
-__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "MAX_BYTES", "MAX_NDIM", "timeout", "timeout_or", "ttl", "count",
+__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "DEFAULT_TIMEOUT_S", "MAX_BYTES", "MAX_NDIM", "timeout", "timeout_or", "ttl", "count",
            "index", "shape"]
 
 

@@ -117,3 +117,12 @@ class RuntimeClosedError(MemsemError):
 
 
 __all__ += ["RuntimeClosedError"]
+
+
+class OwnerWriteError(MemsemError):
+    """The owner changed a window's published bytes outside a write section, found by the
+    window's write guard (``write_guard="checksum"``: the next write section found the bytes of
+    the latest version changed). Readers may have read a mixture of versions with no error."""
+
+
+__all__ += ["OwnerWriteError"]

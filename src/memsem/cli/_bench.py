@@ -172,6 +172,7 @@ def run_bench(args: Any) -> int:
         "get_64MiB_GBps_cma": _r(by["memsem get host/cma"].gbps(64 * MiB)),
         "telemetry_ns_per_op": extra["telemetry_ns_per_op"],
     }
+    fig.update(importlib.import_module("memsem.cli._bench_weights").weight_sync_keys(quick, notes))  # issue 13
     elapsed = time.perf_counter() - t_start
     report = {
         "figures": fig,

@@ -6,7 +6,10 @@ data. It knows nothing about what a record means: the GVA layer above parses the
 from __future__ import annotations
 
 import abc
+import hashlib
+import hmac
 import re
+import secrets
 from typing import Any
 
 from memsem._errors import NotSupportedError
@@ -19,6 +22,35 @@ def check_entry_key(key: str) -> str:
     if not isinstance(key, str) or not _ENTRY_KEY.fullmatch(key):
         raise ValueError(f"entry key must be 1..200 characters of [A-Za-z0-9._/-], got {key!r}")
     return key
+
+
+def seal_key(seal_key: bytes, context: str, access_key: bytes) -> str:
+    """An access key sealed for holders of the job secret (``seal_key`` is derived from it):
+    hex of ``nonce | key XOR HMAC-SHA256(seal_key, context | 0 | nonce)``. ``context`` binds it
+    to where it is stored (a record name), so it cannot be moved to another record."""
+    nonce = secrets.token_bytes(16)
+    pad = hmac.new(seal_key, context.encode() + b"\0" + nonce, hashlib.sha256).digest()
+    return (nonce + bytes(a ^ b for a, b in zip(access_key, pad))).hex()
+
+
+def unseal_key(seal_key: bytes, context: str, sealed: str) -> bytes:
+    """The access key of ``seal_key(...)``'s output; ValueError when malformed."""
+    raw = bytes.fromhex(sealed)
+    if len(raw) != 32:
+        raise ValueError(f"a sealed access key has 32 bytes, got {len(raw)}")
+    nonce, ct = raw[:16], raw[16:]
+    pad = hmac.new(seal_key, context.encode() + b"\0" + nonce, hashlib.sha256).digest()
+    return bytes(a ^ b for a, b in zip(ct, pad))
+
+
+def secret_keys(secret: bytes | str | None) -> tuple[bytes | None, bytes | None]:
+    """``(mac key, seal key)`` derived from a job secret (None, None without one)."""
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not secret:
+        return None, None
+    return (hmac.new(secret, b"memsem-mac", hashlib.sha256).digest(),
+            hmac.new(secret, b"memsem-seal", hashlib.sha256).digest())
 
 
 class Directory(abc.ABC):
@@ -87,8 +119,9 @@ class Directory(abc.ABC):
         """Refresh this rank's liveness (no-op where pid liveness is enough)."""
 
     # -- capabilities of directories that span nodes (defaults: one node, none of them) ----------
-    #: True when window records carry the access key sealed for the job's secret, so a process
-    #: of the job can look a window up by name on another node (redis with a job secret)
+    #: True when ``put_window(..., key=)`` keeps named windows' access keys for the job's
+    #: members, so a process of the job can look a window up by name (local: in the 0700 job
+    #: folder, sealed with the job secret when there is one; redis: only with a job secret)
     seals_keys: bool = False
     #: True when this directory holds leases of consumers on other nodes (redis)
     holds_leases: bool = False

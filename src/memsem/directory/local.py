@@ -4,6 +4,13 @@ Layout of ``<segment dir>/memsem.<uid>.dir.<job>/``: ``r.<rank>`` (rank records)
 (window records), ``n.<hex of name>`` (name -> gva), ``k.<hex of key>`` (engine entries). The job
 (``MEMSEM_JOB``, default ``default``) namespaces everything.
 
+Named windows' records also hold their access key (field ``access_key``), so any process of
+the job can look a window up by name (``Runtime.lookup``): the job's trust domain is this
+user's processes that name the job (the folder is 0700, its files 0600; docs/threat-model.md).
+With a job secret (``MEMSEM_JOB_SECRET``) the key is sealed for holders of the secret (XOR with
+an HMAC-derived pad bound to the record's name), so a process of this user that was not handed
+the secret cannot read it from the file. ``get_window`` and ``windows`` never return the field.
+
 Safety (the segment directory, ``/dev/shm``, is writable by every local user):
 
 * The job folder is opened once, with ``O_NOFOLLOW | O_DIRECTORY``, and checked through that
@@ -28,7 +35,7 @@ import stat
 from typing import Any, Callable
 
 from memsem._errors import AccessDeniedError
-from memsem.directory._base import Directory, check_entry_key
+from memsem.directory._base import Directory, check_entry_key, secret_keys, seal_key, unseal_key
 from memsem.native import process_start_time, segment_dir
 
 _MAX_RANKS = 1 << 16
@@ -207,7 +214,11 @@ class LocalDirectory(Directory):
         self.path = os.path.join(segment_dir(), job_folder_name(self.job))
         self.url = f"local://{self.path}"
         self._alive = alive
+        _, self._seal_key = secret_keys(os.environ.get("MEMSEM_JOB_SECRET") or None)
         self._fd: int | None = open_folder(self.path, create=True)
+
+    #: named windows' keys are kept for the job's members (see the module docstring)
+    seals_keys = True
 
     # -- files ----------------------------------------------------------------------------------
     @property
@@ -318,7 +329,11 @@ class LocalDirectory(Directory):
 
     # -- windows --------------------------------------------------------------------------------
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
-        self._write(f"w.{gva:016x}", record)
+        fname = f"w.{gva:016x}"
+        if key is not None:
+            sealed = seal_key(self._seal_key, fname, key) if self._seal_key is not None else None
+            record = dict(record, access_key={"sealed": sealed} if sealed else {"plain": key.hex()})
+        self._write(fname, record)
         if name:
             self._write(f"n.{name.encode().hex()}", f"{gva:016x}")
 
@@ -333,6 +348,12 @@ class LocalDirectory(Directory):
         Raises:
             ValueError: the record file exists but is not a valid record (names the file).
         """
+        rec = self._window_record(gva)
+        if rec is not None:
+            rec.pop("access_key", None)
+        return rec
+
+    def _window_record(self, gva: int) -> dict[str, Any] | None:
         name = f"w.{gva:016x}"
         text = self._read(name)
         if not text:
@@ -341,6 +362,27 @@ class LocalDirectory(Directory):
             return check_window_record(parse_json_record(text, name), name)
         except ValueError as exc:
             raise ValueError(f"directory {self.path}: {exc}") from None
+
+    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
+        """``(record, access key)`` of window ``gva`` from one read; the key is None for an
+        unnamed window, or one sealed with a job secret this process does not hold (or a
+        different one: the key then fails the record's digest check)."""
+        rec = self._window_record(gva)
+        if rec is None:
+            return None, None
+        held = rec.pop("access_key", None)
+        key = None
+        if isinstance(held, dict):
+            try:
+                if isinstance(held.get("plain"), str):
+                    key = bytes.fromhex(held["plain"])
+                elif isinstance(held.get("sealed"), str) and self._seal_key is not None:
+                    key = unseal_key(self._seal_key, f"w.{gva:016x}", held["sealed"])
+            except ValueError:
+                key = None
+            if key is not None and len(key) != 16:
+                key = None
+        return rec, key
 
     def lookup(self, name: str) -> int | None:
         fname = f"n.{name.encode().hex()}"

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from memsem import _args
 from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, check_entry_key
+from memsem.directory._base import Directory, check_entry_key, secret_keys, seal_key, unseal_key
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,7 @@ class RedisDirectory(Directory):
         self.prefix = f"memsem:{self.job}:"
         if secret is None:
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
-        if isinstance(secret, str):
-            secret = secret.encode()
-        self._mac_key = hmac.new(secret, b"memsem-mac", hashlib.sha256).digest() if secret else None
-        self._seal_key = hmac.new(secret, b"memsem-seal", hashlib.sha256).digest() if secret else None
+        self._mac_key, self._seal_key = secret_keys(secret)
         self._redis = redis
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=30)
@@ -197,9 +194,7 @@ class RedisDirectory(Directory):
         if self._mac_key is not None:
             sealed = ""
             if access_key is not None:
-                nonce = secrets.token_bytes(16)
-                pad = hmac.new(self._seal_key, key.encode() + b"\0" + nonce, hashlib.sha256).digest()
-                sealed = (nonce + bytes(a ^ b for a, b in zip(access_key, pad))).hex()
+                sealed = seal_key(self._seal_key, key, access_key)
                 out["k"] = sealed
             out["s"] = self._sign(key, payload, sealed)
         return json.dumps(out, separators=(",", ":"))
@@ -364,10 +359,10 @@ class RedisDirectory(Directory):
             return None, None
         if self._seal_key is None or not val.get("k"):
             return val["v"], None
-        raw = bytes.fromhex(val["k"])
-        nonce, ct = raw[:16], raw[16:]
-        pad = hmac.new(self._seal_key, wkey.encode() + b"\0" + nonce, hashlib.sha256).digest()
-        return val["v"], bytes(a ^ b for a, b in zip(ct, pad))
+        try:
+            return val["v"], unseal_key(self._seal_key, wkey, val["k"])
+        except ValueError:
+            return val["v"], None
 
     def lookup(self, name: str) -> int | None:
         val = self._get(self._k("n", name.encode().hex()))

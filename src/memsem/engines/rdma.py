@@ -91,7 +91,7 @@ QP_MIN_RNR_TIMER = 12
 RD_ATOMIC = 16
 #: slowest bandwidth assumed when sizing a completion deadline (bytes/second)
 MIN_BANDWIDTH = 10e6
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = _args.DEFAULT_TIMEOUT_S
 DEFAULT_CONNECT_TIMEOUT = 10.0
 #: after a peer was lost, reconnect attempts wait at most this long
 LOST_CONNECT_TIMEOUT = 2.0

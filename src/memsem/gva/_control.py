@@ -6,7 +6,7 @@ Layout, in 64-bit words (all accessed with native acquire/release atomics):
 word  meaning
 ====  ==============================================================================
 0     magic ``MEMSEMCB``
-1     layout version (2)
+1     layout version (3)
 2     owner pid
 3     owner start time (clock ticks since boot; pid + start time identify a process)
 4     generation (authoritative; bumped at unpublish, republish, resize, reuse)
@@ -24,7 +24,10 @@ word  meaning
 16    slot 0 sequence word: ``version << 1 | writing`` (odd while a write section is open)
 17    slot 1 sequence word (double-buffered windows)
 18    flags (bit 0: owner writes outside write sections are trapped, debug mode)
-19-23 reserved
+19    writer intent: the version a write section is being opened for (0: none). Set before
+      the writer waits for leases pinning the version its slot holds; a reader pinning a
+      version of that slot backs off while it is set (so pinned readers never starve it)
+20-23 reserved
 24..  lease slots, 6 words each: holder pid, holder start time, expiry (monotonic ns),
       lease id (0 = free slot), version the lease pins (0 = none), reserved
 then  in-flight slots, 2 words each: holder identity (``pid | start << 22``, 0 = free) and the
@@ -46,7 +49,7 @@ from memsem import native
 from memsem.native import Segment
 
 MAGIC = int.from_bytes(b"MEMSEMCB", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 HEADER_WORDS = 24
 LEASE_WORDS = 6
 INFLIGHT_WORDS = 2
@@ -56,7 +59,7 @@ MAX_READY_WORDS = 1 << 24
 
 (W_MAGIC, W_VERSION, W_OWNER_PID, W_OWNER_START, W_GENERATION, W_STATE, W_PERMS, W_NBYTES,
  W_LATEST, W_HEARTBEAT, W_NREADY, W_NLEASE, W_TILE_BYTES, W_NINFLIGHT, W_NSLOTS, W_SLOT_STRIDE,
- W_SEQ0, W_SEQ1, W_FLAGS) = range(19)
+ W_SEQ0, W_SEQ1, W_FLAGS, W_WRITER) = range(20)
 
 PERM_READ = 1
 PERM_WRITE = 2
@@ -138,8 +141,10 @@ class ControlBlock:
                      (W_NBYTES, nbytes), (W_NREADY, n_ready), (W_NLEASE, n_lease),
                      (W_NINFLIGHT, n_inflight), (W_NSLOTS, n_slots), (W_SLOT_STRIDE, slot_stride),
                      (W_TILE_BYTES, tile_bytes), (W_HEARTBEAT, native.monotonic_ns()),
-                     (W_LATEST, FIRST_VERSION), (W_SEQ0, FIRST_VERSION << 1),
-                     (W_SEQ1, 0)):
+                     (W_LATEST, FIRST_VERSION), (W_WRITER, 0),
+                     # version v lives in slot v % n_slots: with two slots version 1 is in slot 1
+                     (W_SEQ0, FIRST_VERSION << 1 if n_slots == 1 else 0),
+                     (W_SEQ1, FIRST_VERSION << 1 if n_slots == 2 else 0)):
             native.store_release(b + 8 * w, int(v))
         native.store_release(b + 8 * W_MAGIC, MAGIC)  # last: a reader seeing the magic sees the rest
         return cls(seg)
@@ -179,6 +184,19 @@ class ControlBlock:
     @property
     def latest_addr(self) -> int:
         return self.base + 8 * W_LATEST
+
+    @property
+    def latest(self) -> int:
+        """The latest committed version of the window's bytes."""
+        return native.load_acquire(self.base + 8 * W_LATEST)
+
+    def slot_of(self, version: int) -> int:
+        """The data slot that holds (or will hold) ``version``."""
+        return version % self.n_slots
+
+    def seq(self, slot: int) -> int:
+        """Sequence word of data slot ``slot``: ``version << 1 | writing``."""
+        return native.load_acquire(self.base + 8 * (W_SEQ0 + slot))
 
     @property
     def state(self) -> WindowState:

@@ -94,9 +94,12 @@ def renew(cb: ControlBlock, slot: int, lease_id: int, ttl_ns: int) -> int:
 
 
 def release(cb: ControlBlock, slot: int, lease_id: int) -> None:
-    """Free the slot if it still holds this lease (idempotent)."""
+    """Free the slot if it still holds this lease (idempotent). A writer waiting for a lease
+    that pins a version sleeps on the lease id word: it is woken here."""
     a = cb.lease_slot_addr(slot)
-    native.compare_exchange(a + 24, lease_id, 0)
+    ok, _ = native.compare_exchange(a + 24, lease_id, 0)
+    if ok and native.load_acquire(a + 32):
+        native.futex_wake(a + 24)
 
 
 #: expiries this far ahead (ns) belong to leases held until released (ttl=None)
@@ -129,6 +132,25 @@ def pinned_versions(cb: ControlBlock) -> dict[int, float]:
             _reap(cb, slot, pid, start)
             continue
         out[version] = max(out.get(version, 0.0), (expiry - now) / 1e9)
+    return out
+
+
+def blocking_pins(cb: ControlBlock, new: int) -> list[tuple[int, int, int, int]]:
+    """Leases a writer of version ``new`` must wait for: unexpired leases of live holders that
+    pin a version ``p < new`` living in the slot ``new`` is written to (``p % n_slots == new %
+    n_slots``). Returns ``(pid, version, expiry_ns, address of the lease id word)``; dead
+    holders' slots are reaped. Pins of ``new`` or later (a reader reserving a version not
+    written yet) never block it."""
+    now = native.monotonic_ns()
+    n = cb.n_slots
+    out = []
+    for slot, pid, start, expiry, version in cb.unexpired_leases(now):
+        if not version or version >= new or version % n != new % n:
+            continue
+        if not process_alive(pid, start):
+            _reap(cb, slot, pid, start)
+            continue
+        out.append((pid, version, expiry, cb.lease_slot_addr(slot) + 24))
     return out
 
 

@@ -120,8 +120,10 @@ class Runtime:
 
     # -- publish ---------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
-                tile_bytes: int | None = None, tiles: int | None = None) -> TensorRef:
-        """Publish ``obj`` in place (no staging copy) as a window and return its ref.
+                tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
+                write_guard: str | None = None) -> TensorRef:
+        """Publish ``obj`` as a window and return its ref: in place (no staging copy) by
+        default, or double-buffered (``slots=2``).
 
         Args:
             obj: C-contiguous CPU memory: a numpy array, a CPU torch tensor, an object with
@@ -131,22 +133,35 @@ class Runtime:
                 unpublished.
             name: optional name, unique in this runtime. Publishing an existing name again is a
                 republish: the old generation is retired (waiting for its leases) and old refs
-                become stale.
+                become stale. A named window can be looked up by name (``lookup``) by any
+                process of the job (docs/threat-model.md says who that is).
             access: "r" (read-only window: puts are refused) or "rw". Default "r" for read-only
-                sources (a read-only numpy array), else "rw".
+                sources (a read-only numpy array) and for ``slots=2``, else "rw".
             tile_bytes / tiles: give the window ready words, one per tile of ``tile_bytes``
                 bytes (or ``tiles`` equal tiles), for ``mark_ready``/``wait_tile`` and pipelines.
+            slots: 1 (default): the window is ``obj``'s memory; the owner changes it inside
+                ``write_section`` (readers wait while one is open). 2: memsem allocates two
+                page-aligned slots and copies ``obj``'s bytes into version 1; each write section
+                writes the next version into the other slot, so readers of the latest version
+                are never blocked by the writer (the window is read-only to consumers).
+            write_guard: debug/testing: ``"protect"`` keeps the published memory read-only
+                between write sections (mprotect; needs ``slots=2`` or a whole ``alloc``'d
+                array), so an owner write outside a section faults (SIGSEGV) instead of
+                tearing readers' bytes silently; ``"checksum"`` (any memory) makes the next
+                write section raise ``OwnerWriteError`` when the bytes changed outside one.
+                Default: ``MEMSEM_WRITE_GUARD`` (unset: none).
 
         Returns:
             A TensorRef with the window's generation and a fresh 128-bit access key.
 
         Raises:
             TypeError: unsupported object or dtype. ValueError: non-contiguous or non-CPU memory,
-            bad name/access/tiling. AccessDeniedError: ``access="rw"`` on read-only memory.
-            LeaseHeldError: republish while leases on the old generation outlast the timeout.
+            bad name/access/tiling/slots/write_guard. AccessDeniedError: ``access="rw"`` on
+            read-only memory. LeaseHeldError: republish while leases on the old generation
+            outlast the timeout.
         """
         return TensorRef(self._core.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
-                                                 tiles=tiles), self._core)
+                                                 tiles=tiles, slots=slots, write_guard=write_guard), self._core)
 
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
               engine: str | None = None) -> np.ndarray:
@@ -177,22 +192,40 @@ class Runtime:
         """
         self._core.unpublish_spec(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
 
-    def write_section(self, ref: TensorRef | str) -> Any:
-        """Owner: a context manager inside which the window's published bytes may change.
+    def write_section(self, ref: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
+        """Owner: open a write section on a window (a ref or a name) or a set of windows (a list
+        of them); a context manager giving a :class:`memsem.runtime.WriteSection`.
 
-        While it is open, readers never return bytes as valid: they wait (up to their timeout)
-        for it to close, or retry a copy it tore. Closing it publishes the next version of the
-        window's bytes (``with rt.write_section(ref) as version:`` gives its number). If the
-        body raises, the section stays open: no version is published over half-written bytes.
+        While it is open no reader returns bytes of the version being written as valid: on a
+        single-slot window readers wait (up to their timeout) for the close, or retry a copy it
+        tore; on a double-buffered window (``slots=2``) they keep reading the latest version,
+        untouched. Leaving the block publishes the next version of each window (release
+        store, readers and ``wait_version`` waiters woken). A body that raises publishes
+        nothing (see ``WriteSection``).
+
+        ``section.array()`` is the memory to write: the window's own memory (single slot; the
+        published object itself may be written as well) or the target slot (double-buffered;
+        filled with the latest version's bytes first when ``copy``, so in-place updates work;
+        ``copy=False`` when every byte is rewritten).
+
+        Blocking: opening waits (up to ``timeout`` s, default the runtime's) for leases that
+        pin a version the section overwrites (``TensorRef.pin``): never longer than they last.
 
         Writes by the owner outside a write section are invisible to readers' checks: a reader
-        may then get a mixture of old and new bytes with no error. Always write in a section.
+        may then get a mixture of old and new bytes with no error. The ``write_guard`` of
+        ``publish`` makes such writes loud in debug and tests.
 
         Raises:
-            WindowNotFoundError: this runtime owns no such window. StaleReferenceError: an old ref.
-            MemsemError: a section is already open on it.
+            LeaseHeldError: pinned leases outlasted ``timeout``. OwnerWriteError: the checksum
+            guard found the latest version changed outside a section. WindowNotFoundError: this
+            runtime owns no such window. StaleReferenceError: an old ref. MemsemError: a section
+            is already open on it.
         """
-        return self._core.write_section(ref if isinstance(ref, str) else check_ref(ref, "ref").spec)
+        if isinstance(ref, (list, tuple)):
+            specs = [r if isinstance(r, str) else check_ref(r, f"ref[{i}]").spec for i, r in enumerate(ref)]
+            return self._core.write_section(specs, copy=copy, timeout=timeout)
+        return self._core.write_section(ref if isinstance(ref, str) else check_ref(ref, "ref").spec,
+                                        copy=copy, timeout=timeout)
 
     def lease_holders(self, ref: TensorRef | str) -> list[tuple[int, float]]:
         """Owner: ``(pid, seconds left)`` of the unexpired leases live processes hold on a window
@@ -201,7 +234,17 @@ class Runtime:
         return self._core.lease_holders(spec)
 
     def lookup(self, name: str) -> TensorRef:
-        """Ref of a window this runtime published under ``name``."""
+        """Ref of the window published under ``name`` in this job: by this runtime, or by any
+        process of the job (local directory: this user's processes of the same ``job``; redis:
+        processes holding the job secret; docs/threat-model.md). The ref follows the window's
+        versions (``TensorRef.version``, ``wait_version``); a republish needs a new lookup.
+
+        Raises:
+            WindowNotFoundError: no window of that name. AccessDeniedError: the directory holds
+            no key for this process (redis without a job secret).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
         return TensorRef(self._core.lookup_spec(name), self._core)
 
     def ref(self, data: bytes | bytearray | memoryview) -> TensorRef:
@@ -252,14 +295,16 @@ class Runtime:
             specs.append((src, dst))
         return self._core.xcopy_specs(specs, lease=lease)
 
-    def lease(self, ref: TensorRef, ttl: float | None = 10.0) -> Lease:
+    def lease(self, ref: TensorRef, ttl: float | None = 10.0, *, version: int = 0) -> Lease:
         """A lease on ``ref``'s window, acquired on ``with`` entry or by ``acquire()``.
 
         Args:
             ttl: seconds until expiry unless renewed; None holds until release (reaped if this
                 process dies).
+            version: a version the lease pins (the owner's write sections do not overwrite it
+                while the lease lasts); 0 pins none. ``TensorRef.pin`` pins the latest one.
         """
-        return Lease(self._core, check_ref(ref, "ref").spec, ttl)
+        return Lease(self._core, check_ref(ref, "ref").spec, ttl, version=version)
 
     def explain(self, ref: TensorRef) -> str:
         """Which route reaches ``ref`` from here, why, its modeled cost, and why not the others."""
@@ -292,6 +337,46 @@ class Runtime:
 
         return Pipeline(self._core, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
+
+    def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
+                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None):
+        """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
+        versioned window; returns its :class:`memsem.StateDictRef`.
+
+        Args:
+            state_dict: name -> C-contiguous CPU tensor/array of any dtype memsem supports
+                (bf16, fp8...), 0-d and empty ones included. Its values are copied into version
+                1 of the window (the owner publishes later values with ``ref.update(sd)`` or
+                ``ref.write_section()``).
+            name: window name, for ``lookup_state_dict`` in any process of the job.
+            slots: 2 (default): double-buffered, readers of version v are never blocked while
+                v+1 is written; 1: one slot in a shared segment (readers wait while a section
+                is open).
+            align: byte alignment of every tensor in the window (a power of two).
+            bucket_bytes: the layout's bucket size for ``stream`` (consecutive tensors).
+            write_guard: see ``publish`` (``"protect"`` works here: memsem owns the memory).
+
+        One window: one registration per engine, one small ref (``to_bytes``: tens of bytes),
+        the layout (names, shapes, dtypes, offsets, alignment, buckets) carried once, in the
+        window's header.
+
+        Raises:
+            ValueError / TypeError: an empty mapping, a non-str key, a tensor memsem cannot
+            publish (named), a bad align/bucket_bytes/slots.
+        """
+        from memsem.refs._state_dict import publish_state_dict
+
+        return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard)
+
+    def lookup_state_dict(self, name: str):
+        """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
+        (any process; see ``lookup``). Its layout is read and checked now."""
+        from memsem.refs._state_dict import lookup_state_dict
+
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        return lookup_state_dict(self._core, name)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):

@@ -180,7 +180,8 @@ class TensorRef:
         return max(1, -(-self.spec.nbytes // tile_bytes))
 
     # -- data ------------------------------------------------------------------------------------
-    def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None) -> Any:
+    def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
+            version: int = 0) -> Any:
         """Copy the ref's bytes here. Blocking; returns when every byte is in the result.
 
         Args:
@@ -190,12 +191,16 @@ class TensorRef:
                 producer published a torch tensor and torch is importable) or "dlpack" (a
                 :class:`DLPackBuffer` re-exporting the producer's byte_offset). Ignored with out.
             lease: a held Lease on the window; checked before and after the copy.
+            version: 0 (default) reads the latest committed version; else exactly that version
+                (``StaleReferenceError`` naming both versions when it was overwritten; a pinned
+                lease keeps it readable); a version not committed yet is waited for.
 
         Returns:
             ``out``, or a new array / tensor of ``shape`` and the ref's dtype.
 
         Raises:
-            StaleReferenceError: the generation moved before or during the copy (no valid bytes).
+            StaleReferenceError: the generation moved before or during the copy (no valid bytes),
+                or ``version`` is gone.
             LeaseExpiredError: ``lease`` expired before or during the copy.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
             ValueError / TypeError: ``out`` has the wrong size or is read-only, or is not plain
@@ -207,22 +212,22 @@ class TensorRef:
         if rt is None or rt._closed:
             rt = usable_core(rt)
         if out is not None:
-            return rt.transfers.get(self.spec, out, lease)
+            return rt.transfers.get(self.spec, out, lease, version)
         fw = framework or self._default_framework()
         _check_before_alloc(rt, self.spec)
         if fw == "numpy":
-            return rt.get_spec(self.spec, None, lease=lease)
+            return rt.get_spec(self.spec, None, lease=lease, version=version)
         if fw == "torch":
             import torch
 
             t = torch.empty(self.shape, dtype=_dtypes.torch_dtype(self.spec.dtype_code))
-            rt.get_spec(self.spec, t, lease=lease)
+            rt.get_spec(self.spec, t, lease=lease, version=version)
             return t
         if fw == "dlpack":
             from memsem.refs._dlpack import DLPackBuffer
 
             buf = DLPackBuffer(self.spec.dtype_code, self.shape, self.spec.byte_offset)
-            rt.get_spec(self.spec, buf.array, lease=lease)
+            rt.get_spec(self.spec, buf.array, lease=lease, version=version)
             return buf
         raise ValueError(f"framework must be 'numpy', 'torch' or 'dlpack', got {framework!r}")
 
@@ -303,6 +308,43 @@ class TensorRef:
     def lease(self, ttl: float | None = 10.0) -> Lease:
         """A (not yet acquired) lease on this ref's window; use as ``with ref.lease(ttl) as l:``."""
         return Lease(self._core(), self.spec, ttl)
+
+    # -- versions ---------------------------------------------------------------------------------
+    def version(self) -> int:
+        """The latest committed version of the window's bytes (versions count the owner's write
+        sections; 1 right after publish). A snapshot: it may move right after.
+
+        Raises:
+            StaleReferenceError: the window was retired or republished (a new generation).
+        """
+        return self._core().latest_version(self.spec)
+
+    def wait_version(self, version: int, timeout: float | None = None) -> int:
+        """Block until the window's latest committed version is at least ``version`` (a newer
+        one than ``v``: ``wait_version(v + 1)``); returns it. A futex wait on the control
+        block's latest-version word, woken by the owner's commit: no polling.
+
+        Raises:
+            MemsemTimeoutError: not reached within ``timeout`` s (default the runtime's).
+            StaleReferenceError: the window was retired or republished. PeerLostError: the owner
+            died while waited for. NotSupportedError: a window on another node (no route yet).
+        """
+        return self._core().wait_version(self.spec, version, timeout)
+
+    async def wait_version_async(self, version: int, timeout: float | None = None) -> int:
+        """``wait_version`` for asyncio (the runtime's native word waiter; the loop never blocks)."""
+        return await self._core().wait_version_async(self.spec, version, timeout)
+
+    def pin(self, version: int = 0, *, ttl: float | None = 10.0, timeout: float | None = None) -> Lease:
+        """A held lease pinning ``version`` (0: the latest committed version) of the window: the
+        owner's write sections do not overwrite it while the lease lasts; read it with
+        ``get(lease=..., version=lease.version)``. Release it (``with`` or ``release()``).
+
+        Raises:
+            StaleReferenceError: that version is gone (names it and the one found).
+            MemsemTimeoutError: a write section kept overwriting it past ``timeout``.
+        """
+        return self._core().pin_version(self.spec, version=version, ttl=ttl, timeout=timeout)
 
     # -- tile-ready events -----------------------------------------------------------------------
     def mark_ready(self, index: int) -> None:

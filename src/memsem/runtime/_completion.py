@@ -41,7 +41,7 @@ State = OpState
 
 #: default bound (seconds) of ``wait``/``await`` for handles built directly; the runtime passes
 #: its own ``timeout`` to the handles it creates.
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = _args.DEFAULT_TIMEOUT_S
 
 
 def _wake(waiter: "asyncio.Future[None]") -> None:

@@ -54,13 +54,14 @@ from memsem.runtime._serve import Grant, Server
 from memsem.runtime._staging import StagingPool
 from memsem.runtime._telemetry import Stats, Telemetry
 from memsem.runtime._transfer import Transfers
+from memsem.runtime._versions import Versions
 from memsem.runtime._view import view as _view
 from memsem.topology import Location, Route
 
 log = logging.getLogger(__name__)
 
 #: default bound in seconds of every blocking call of a runtime
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = _args.DEFAULT_TIMEOUT_S
 #: default bound of ``close()``: copies in flight and leases get this long to end
 CLOSE_TIMEOUT = 5.0
 
@@ -166,6 +167,7 @@ class RuntimeCore:
         self.publisher = Publisher(self)
         self.server = Server(self)
         self.readiness = Readiness(self)
+        self.versions = Versions(self)
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
         self.transfers = Transfers(self, self.resolver, self._pool)
         self.staging = StagingPool()
@@ -228,8 +230,10 @@ class RuntimeCore:
         return self.publisher.alloc(shape, dtype, engine=engine)
 
     def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
-                     tile_bytes: int | None = None, tiles: int | None = None) -> RefSpec:
-        return self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles)
+                     tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
+                     write_guard: str | None = None) -> RefSpec:
+        return self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles,
+                                      slots=slots, write_guard=write_guard)
 
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         self.publisher.unpublish(spec_or_name, timeout=timeout)
@@ -237,9 +241,28 @@ class RuntimeCore:
     def lookup_spec(self, name: str) -> RefSpec:
         return self.publisher.lookup(name)
 
-    def write_section(self, spec_or_name: RefSpec | str) -> Any:
+    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
         self.check_open()
-        return self.publisher.write_section(spec_or_name)
+        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout)
+
+    # -- versions (consumer side: _versions) -------------------------------------------------------
+    def latest_version(self, spec: RefSpec) -> int:
+        return self.versions.latest(spec)
+
+    def wait_version(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
+        """The one consumer-side version wait (cross-node routes plug in behind it)."""
+        return self.versions.wait(spec, at_least, timeout)
+
+    async def wait_version_async(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
+        return await self.versions.wait_async(spec, at_least, timeout)
+
+    def pin_version(self, spec: RefSpec, *, version: int = 0, ttl: float | None = 10.0,
+                    timeout: float | None = None) -> Lease:
+        return self.versions.pin(spec, version=version, ttl=ttl, timeout=timeout)
+
+    def gather(self, spec: RefSpec, ranges: Any, *, version: int = 0, lease: Lease | None = None,
+               keep: Any = None) -> int:
+        return self.versions.gather(spec, ranges, version=version, lease=lease, keep=keep)
 
     def lease_holders(self, spec: RefSpec) -> list[tuple[int, float]]:
         self.check_open()
@@ -320,7 +343,10 @@ class RuntimeCore:
                 log.warning("closing %r failed", child, exc_info=True)
         with self._lock:
             self._closed = True
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)  # queued work ends CANCELLED
+            # Running tasks get the close deadline to finish; later, each holds what it uses
+            # (its resolution's mappings) and fails with RuntimeClosedError at its next step.
+            self.transfers.wait_idle(max(0.0, deadline - time.monotonic()))
             for lease in list(self.leases):
                 with lease._lock:
                     lease._views = 0
@@ -331,8 +357,6 @@ class RuntimeCore:
             if busy:
                 log.info("memsem runtime (rank %d) closed with %d resolution(s) still in use; each is "
                          "released by its last copy", self.rank, len(busy))
-            # Running tasks are not waited for beyond the deadline: each holds what it uses (its
-            # resolution's mappings) and fails with RuntimeClosedError at its next step.
             for eng in reversed(list(self.engines.values())):
                 try:
                     eng.close()

@@ -49,7 +49,7 @@ class Lease:
 
     def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None, *, version: int = 0) -> None:
         self.ttl = _args.ttl(ttl)
-        self.runtime = runtime
+        self.runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
         self.spec = spec
         self.version = _args.count(version, "version")
         self._slot = -1

@@ -13,31 +13,50 @@ close) runs one protocol:
    stays CLOSING at its new generation and a retry resumes here;
 5. DEAD, deregister from every engine, remove the directory record, release the memory's owner
    object and the control block (unmapped when its last holder lets go).
+
+Write sections (versions within one generation; docs/weight-sync.md):
+
+* open, for version ``new = latest + 1`` written into slot ``s = new % n_slots``: set the
+  writer intent word (``W_WRITER = new``, sequentially consistent), wait for leases pinning a
+  version ``p < new`` that lives in slot ``s`` (each sleep is a futex wait on the pinned
+  lease's id word, woken by its release, bounded by its expiry: never longer than the lease),
+  then make the slot's sequence word odd. With two slots the other slot keeps version
+  ``latest`` readable throughout; with one slot readers wait for the close.
+* close: release-store the even sequence word, the latest-version word, clear the intent,
+  futex-wake both words (version waiters and readers waiting on the sequence).
+* a body that raises leaves the slot's sequence odd (its bytes are garbage): with two slots
+  readers keep reading ``latest``; with one slot they wait for the next section.
+* write guard (debug/testing): ``"protect"`` keeps memsem-allocated, page-aligned slots
+  read-only (mprotect) between sections, so an owner store outside a section faults
+  (SIGSEGV); ``"checksum"`` records a crc32 of the committed slot and the next section verifies
+  it (``OwnerWriteError``).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
+import os
 import secrets
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from memsem import _args, _dtypes, native
-from memsem._buffers import BufferInfo, buffer_info, dtype_code
+from memsem._buffers import BufferInfo, address_view, buffer_info, dtype_code
 from memsem._errors import (
     AccessDeniedError,
     LeaseHeldError,
     MemsemError,
     MemsemTimeoutError,
     NotSupportedError,
+    OwnerWriteError,
     WindowNotFoundError,
 )
 from memsem.engines import Descriptor, Engine, LocalRegion
@@ -51,9 +70,18 @@ from memsem.gva import (
     WindowState,
     inflight,
     key_digest,
+    key_matches,
     lease as _lease,
 )
-from memsem.gva._control import FIRST_VERSION, W_LATEST, W_NBYTES, W_PERMS, W_SEQ0, W_STATE
+from memsem.gva._control import (
+    FIRST_VERSION,
+    W_LATEST,
+    W_NBYTES,
+    W_PERMS,
+    W_SEQ0,
+    W_STATE,
+    W_WRITER,
+)
 from memsem.native import Segment
 from memsem.runtime import _translate as tr
 from memsem.runtime._liveness import WAIT_SLICE_S
@@ -62,6 +90,21 @@ if TYPE_CHECKING:
     from memsem.runtime._core import RuntimeCore
 
 log = logging.getLogger(__name__)
+
+#: page size: double-buffered slots start on page boundaries (mprotect of a write guard)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: write guards: None (off), "protect" (mprotect between sections), "checksum" (crc32)
+WRITE_GUARDS = (None, "protect", "checksum")
+
+
+def _default_guard() -> str | None:
+    """``MEMSEM_WRITE_GUARD`` (``protect``, ``checksum``, or empty/``0``/``off``: none)."""
+    raw = os.environ.get("MEMSEM_WRITE_GUARD", "").strip().lower()
+    if raw in ("", "0", "off", "none"):
+        return None
+    if raw not in ("protect", "checksum"):
+        raise ValueError(f"MEMSEM_WRITE_GUARD must be 'protect', 'checksum' or empty, got {raw!r}")
+    return raw
 
 
 @dataclasses.dataclass
@@ -84,6 +127,23 @@ class Owned:
     regs: list[tuple[Engine, Descriptor]]
     generation: int
     retiring: bool = False
+    #: data slots (1: in place; 2: double-buffered versions in memory memsem allocated)
+    n_slots: int = 1
+    #: bytes from one slot to the next (0 with one slot)
+    stride: int = 0
+    #: the double-buffered windows' segment (memsem's own memory), unlinked at retire
+    slots_segment: Segment | None = None
+    #: write guard: None, "protect" or "checksum"
+    guard: str | None = None
+    #: crc32 of each slot's committed bytes (guard "checksum"), by slot
+    sums: dict = dataclasses.field(default_factory=dict)
+    #: held while a write section is open on the window (one writer at a time)
+    section_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: the last section's body raised: its slot's sequence word is left odd
+    aborted: bool = False
+    #: telemetry: sections committed and seconds writers waited for pinned leases
+    sections: int = 0
+    blocked_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -94,6 +154,27 @@ class Owned:
         i = self.info
         return RefSpec(i.gva, self.generation, self.key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
                        i.byte_offset, i.framework, i.name)
+
+    def slot_address(self, slot: int) -> int:
+        """Address here of data slot ``slot``'s first byte."""
+        return self.region.address + slot * self.stride
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """The window's bytes in data slot ``slot`` as an array of its dtype and shape (over the
+        memory itself: writing it changes the slot)."""
+        i = self.info
+        raw = address_view(self.slot_address(slot), i.nbytes, self.keepalive)
+        return raw.view(_dtypes.numpy_dtype(i.dtype_code)).reshape(i.shape)
+
+    def _guard_span(self) -> int:
+        return -(-max(self.info.nbytes, 1) // PAGE) * PAGE
+
+    def protect(self, slot: int, writable: bool) -> None:
+        if self.guard == "protect" and self.info.nbytes:
+            native.protect(self.slot_address(slot), self._guard_span(), writable)
+
+    def checksum(self, slot: int) -> int:
+        return zlib.crc32(address_view(self.slot_address(slot), self.info.nbytes, self.keepalive))
 
 
 class Publisher:
@@ -139,43 +220,88 @@ class Publisher:
 
     # -- publish ----------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
-                tile_bytes: int | None = None, tiles: int | None = None) -> RefSpec:
-        """Publish ``obj`` in place as a window (see ``memsem.Runtime.publish``)."""
+                tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
+                write_guard: str | None = None) -> RefSpec:
+        """Publish ``obj`` as a window (see ``memsem.Runtime.publish``): in place with
+        ``slots=1``; with ``slots=2`` its bytes are copied into version 1 of a double-buffered
+        window memsem allocates (the owner changes it through write sections only)."""
         core = self._core
         core.check_open()
         if name is not None and (not isinstance(name, str) or not name or len(name.encode()) > 255):
             raise ValueError(f"name must be a non-empty str of at most 255 bytes, got {name!r}")
+        if isinstance(slots, bool) or slots not in (1, 2):
+            raise ValueError(f"slots must be 1 (in place) or 2 (double-buffered versions), got {slots!r}")
+        if write_guard not in WRITE_GUARDS:
+            raise ValueError(f"write_guard must be None, 'protect' or 'checksum', got {write_guard!r}")
         info = buffer_info(obj, "obj")
         if access is None:
-            access = "r" if info.readonly else "rw"
+            access = "r" if (info.readonly or slots == 2) else "rw"
         if access not in ("r", "rw"):
             raise ValueError(f"access must be 'r' or 'rw', got {access!r}")
         if access == "rw" and info.readonly:
             raise AccessDeniedError(f"obj is read-only ({type(obj).__name__}); it can only be published access='r'")
+        if access == "rw" and slots == 2:
+            raise ValueError("a double-buffered window (slots=2) is published access='r': only its owner "
+                             "changes it, inside write sections")
         n_ready, tb = tiling(info.nbytes, tile_bytes, tiles)
         with self.lock:
             if name is not None and name in self.names:
                 old = self.owned[self.names[name]]
-                return self._republish(old, info, access, n_ready, tb)
+                return self._republish(old, info, access, n_ready, tb, slots, write_guard)
             gva = self._gva.allocate(info.nbytes)
-            return self._publish_at(gva, name or "", info, access, n_ready, tb, cb=None)
+            return self._publish_at(gva, name or "", info, access, n_ready, tb, cb=None, slots=slots,
+                                    write_guard=write_guard)
 
     def _publish_at(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int,
-                    tile_bytes: int, cb: ControlBlock | None) -> RefSpec:
+                    tile_bytes: int, cb: ControlBlock | None, slots: int = 1,
+                    write_guard: str | None = None) -> RefSpec:
         core = self._core
         me = core.identity
         perms = PERM_READ | (PERM_WRITE if access == "rw" else 0)
-        seg = self.segment_of(info.address, info.nbytes)
-        region = LocalRegion(info.address, info.nbytes, access == "rw",
-                             segment=seg.name if seg is not None else None,
-                             segment_offset=info.address - seg.address if seg is not None else 0,
-                             keepalive=info.keepalive)
+        slots_seg = None
+        stride = 0
+        if slots == 2:
+            # memsem's own memory: two page-aligned slots, version 1 (slot 1) = obj's bytes
+            stride = -(-max(info.nbytes, 1) // PAGE) * PAGE
+            slots_seg = Segment.create("data", 2 * stride)
+            if info.nbytes:
+                native.memcpy(slots_seg.address + stride, info.address, info.nbytes)
+            keep = slots_seg.export(0, 2 * stride)
+            region = LocalRegion(slots_seg.address, 2 * stride, False, segment=slots_seg.name,
+                                 segment_offset=0, keepalive=keep)
+            seg = slots_seg
+        else:
+            seg = self.segment_of(info.address, info.nbytes)
+            region = LocalRegion(info.address, info.nbytes, access == "rw",
+                                 segment=seg.name if seg is not None else None,
+                                 segment_offset=info.address - seg.address if seg is not None else 0,
+                                 keepalive=info.keepalive)
+        guard = write_guard
+        if guard is None:
+            guard = _default_guard()
+            if guard == "protect" and not _protectable(slots, seg, info):
+                guard = "checksum"  # the environment asks for a guard: the one this memory allows
+        elif guard == "protect" and not _protectable(slots, seg, info):
+            if slots_seg is not None:
+                slots_seg.unlink()
+                slots_seg.close()
+            raise ValueError("write_guard='protect' needs page-aligned memory memsem allocated: publish "
+                             "with slots=2, or publish a whole array from Runtime.alloc(); "
+                             "write_guard='checksum' works for any memory")
         if cb is None:
-            cb = ControlBlock.create(owner_pid=me.pid, owner_start=me.start_time, nbytes=info.nbytes,
-                                     perms=perms, n_ready=n_ready, tile_bytes=tile_bytes)
+            try:
+                cb = ControlBlock.create(owner_pid=me.pid, owner_start=me.start_time, nbytes=info.nbytes,
+                                         perms=perms, n_ready=n_ready, tile_bytes=tile_bytes,
+                                         n_slots=slots, slot_stride=stride)
+            except BaseException:
+                if slots_seg is not None:
+                    slots_seg.unlink()
+                    slots_seg.close()
+                raise
         else:
             cb.set_word(W_NBYTES, info.nbytes)
             cb.set_word(W_PERMS, perms)
+            cb.set_word(W_WRITER, 0)
             cb.set_word(W_LATEST, FIRST_VERSION)
             cb.set_word(W_SEQ0, FIRST_VERSION << 1)
         gen = cb.generation
@@ -194,6 +320,9 @@ class Publisher:
                 eng.deregister(d)
             cb.segment.unlink()
             cb.close()
+            if slots_seg is not None:
+                slots_seg.unlink()
+                slots_seg.close()
             raise
         key = secrets.token_bytes(16)
         winfo = WindowInfo(gva=gva, nbytes=info.nbytes, name=name, generation=gen, access=access,
@@ -203,53 +332,125 @@ class Publisher:
                            descriptors={e.name: d for e, d in regs},
                            dtype_code=info.dtype_code, shape=info.shape, byte_offset=info.byte_offset,
                            framework=info.framework)
-        owned = Owned(winfo, cb, key, info.keepalive, region, regs, gen)
+        owned = Owned(winfo, cb, key, region.keepalive, region, regs, gen, n_slots=slots, stride=stride,
+                      slots_segment=slots_seg, guard=guard)
+        first = cb.slot_of(FIRST_VERSION)
+        if guard == "checksum":
+            owned.sums[first] = owned.checksum(first)
+        for sl in range(slots):
+            owned.protect(sl, False)
         cb.set_word(W_STATE, WindowState.LIVE)
         self.owned[gva] = owned
         if name:
             self.names[name] = gva
-        d = core.directory
-        d.put_window(gva, name, winfo.to_json(), key=key if d.seals_keys else None)
+        # A named window's key goes to the directory for the job's members (sealed with the
+        # job secret where there is one; docs/threat-model.md): they look it up by name.
+        core.directory.put_window(gva, name, winfo.to_json(), key=key if name else None)
         return owned.spec()
 
-    def _republish(self, old: Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int) -> RefSpec:
+    def _republish(self, old: Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int,
+                   slots: int = 1, write_guard: str | None = None) -> RefSpec:
         self.retire(old, timeout=self._core.timeout, keep_name=True)
-        reuse = old.cb if old.cb.n_ready == n_ready and not old.cb.closed else None
+        reuse = old.cb if (old.cb.n_ready == n_ready and not old.cb.closed and slots == 1
+                           and old.n_slots == 1) else None
         span_ok = info.nbytes <= max(old.info.nbytes, 1)
         if reuse is not None and not span_ok:
             reuse = None
         if reuse is None:
             self._release_cb(old.cb)
         gva = old.info.gva if span_ok else self._gva.allocate(info.nbytes)
-        return self._publish_at(gva, old.info.name, info, access, n_ready, tile_bytes, cb=reuse)
+        return self._publish_at(gva, old.info.name, info, access, n_ready, tile_bytes, cb=reuse, slots=slots,
+                                write_guard=write_guard)
 
     # -- write sections ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def write_section(self, spec_or_name: RefSpec | str) -> Iterator[int]:
-        """Owner: change a window's published bytes; yields the version being written.
+    def open_section(self, specs_or_names: Sequence[RefSpec | str], *, copy: bool = True,
+                     timeout: float | None = None) -> "WriteSection":
+        """Open a write section on one or more windows this runtime owns (see
+        :class:`WriteSection` and the module docstring). Blocking: waits up to ``timeout`` s
+        (default the runtime's) for leases pinning versions the section overwrites.
 
-        While open, the window's sequence word is odd: a reader's seqlock bracket sees it and
-        waits (up to its timeout) or retries; no torn byte is returned as valid. Closing it
-        publishes version v + 1 (release store) and wakes waiting readers. If the body raises,
-        the section stays open (no version is published over half-written bytes) and readers
-        keep waiting until the next section completes.
+        Raises:
+            LeaseHeldError: a pinned lease outlasted ``timeout`` (nothing was opened).
+            OwnerWriteError: the checksum guard found the latest version's bytes changed.
+            MemsemError: a section is already open on one of the windows.
+            WindowNotFoundError / StaleReferenceError: not a window this runtime owns.
         """
-        owned = self.owned_for(spec_or_name)
-        cb = owned.cb
-        a = cb.addr(W_SEQ0)
-        seq = native.load_acquire(a)
-        if seq & 1:
-            raise MemsemError(f"{owned.label}: a write section is already open")
-        v = (seq >> 1) + 1
-        native.store_release(a, (v << 1) | 1)
-        native.lib.memsem_fence_seq_cst()
-        yield v
-        native.store_release(a, v << 1)
-        native.store_release(cb.addr(W_LATEST), v)
-        native.futex_wake(a)
-        native.futex_wake(cb.addr(W_LATEST))
+        core = self._core
+        core.check_open()
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be True or False, got {copy!r}")
+        t = _args.timeout_or(timeout, core.timeout)
+        owned = []
+        seen = set()
+        for i, x in enumerate(specs_or_names):
+            if not isinstance(x, (RefSpec, str)):
+                raise TypeError(f"windows[{i}] must be a ref or a window name, got {type(x).__name__}")
+            o = self.owned_for(x)
+            if o.info.gva in seen:
+                raise ValueError(f"windows[{i}]: {o.label} appears twice")
+            seen.add(o.info.gva)
+            owned.append(o)
+        if not owned:
+            raise ValueError("a write section needs at least one window")
+        owned.sort(key=lambda o: o.info.gva)  # one order: two sections never wait on each other
+        deadline = time.monotonic() + t
+        items: list[_Item] = []
+        try:
+            for o in owned:
+                items.append(self._open_one(o, deadline, t))
+        except BaseException:
+            for it in reversed(items):
+                it.rollback()
+            raise
+        for it in items:  # all open: now the bytes may change
+            it.prepare(copy)
+        return WriteSection(self, items)
 
-    # -- retire -----------------------------------------------------------------------------------
+    def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
+                      timeout: float | None = None) -> "WriteSection":
+        """A :class:`WriteSection` (context manager) on one window or a set of windows."""
+        if isinstance(spec_or_name, (RefSpec, str)):
+            return self.open_section([spec_or_name], copy=copy, timeout=timeout)
+        return self.open_section(list(spec_or_name), copy=copy, timeout=timeout)
+
+    def _open_one(self, o: Owned, deadline: float, timeout: float) -> "_Item":
+        if not o.section_lock.acquire(blocking=False):
+            raise MemsemError(f"{o.label}: a write section is already open")
+        cb = o.cb
+        try:
+            if o.guard == "checksum":
+                latest = cb.latest
+                sl = cb.slot_of(latest)
+                want = o.sums.get(sl)
+                if want is not None and o.checksum(sl) != want:
+                    o.sums[sl] = o.checksum(sl)  # reported once
+                    raise OwnerWriteError(
+                        f"{o.label}: the bytes of version {latest} changed since its write section "
+                        "closed: the owner wrote them outside a write section (readers may have read "
+                        "a mixture of versions); change published bytes only inside write_section()")
+            new = cb.latest + 1
+            slot = cb.slot_of(new)
+            seq_a = cb.addr(W_SEQ0 + slot)
+            prev = native.load_acquire(seq_a)
+            if prev & 1 and not o.aborted:
+                raise MemsemError(f"{o.label}: a write section is already open (sequence word {prev:#x})")
+            writer_a = cb.addr(W_WRITER)
+            native.store_release(writer_a, new)
+            native.lib.memsem_fence_seq_cst()  # Dekker with pinning readers: intent, then scan
+            try:
+                blocked = _wait_pins(cb, new, deadline, timeout, o.label)
+            except BaseException:
+                native.store_release(writer_a, 0)
+                native.futex_wake(cb.latest_addr)
+                raise
+            native.store_release(seq_a, (new << 1) | 1)
+            native.lib.memsem_fence_seq_cst()
+            return _Item(o, new, slot, prev, blocked)
+        except BaseException:
+            o.section_lock.release()
+            raise
+
+    # -- retire ---------------------------------------------------------------------------------
     def retire(self, owned: Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:
         """Run the retire protocol (module docstring). Raises LeaseHeldError (window left LIVE)
         or MemsemTimeoutError (left CLOSING, retry resumes) unless ``force``."""
@@ -282,6 +483,7 @@ class Publisher:
                                max(0.0, deadline - time.monotonic()) + 0.001))
             owned.generation = cb.bump_generation()
             owned.retiring = True
+            native.futex_wake(cb.latest_addr)  # version waiters see the generation move now
         # Drain copies that started under the old generation (they will see it moved). Dead
         # participants' marks are reclaimed by busy_holders.
         while True:
@@ -300,6 +502,12 @@ class Publisher:
                     what=f"in-flight copies on {label}", timeout=timeout)
             time.sleep(0.0005)
         cb.set_word(W_STATE, WindowState.DEAD)
+        if owned.guard == "protect":
+            for sl in range(owned.n_slots):
+                try:
+                    owned.protect(sl, True)  # the memory may outlive the window (alloc'd arrays)
+                except MemsemError:
+                    pass
         for eng, desc in owned.regs:
             try:
                 eng.deregister(desc)
@@ -316,6 +524,10 @@ class Publisher:
         core.resolver.drop(gva)
         core.server.evict(gva)
         owned.keepalive = None
+        if owned.slots_segment is not None:
+            owned.slots_segment.unlink()
+            owned.slots_segment.close()  # unmapped when the last export/holder lets go
+            owned.slots_segment = None
 
     def _release_cb(self, cb: ControlBlock) -> None:
         try:
@@ -367,15 +579,27 @@ class Publisher:
         if gva is not None:
             return self.owned[gva].spec()
         d = core.directory
-        if d.seals_keys:  # another node's window: its key is sealed for the job secret
+        # Another process's window: its key is in the directory for the job's members (the local
+        # directory's 0700 folder, or sealed with the job secret; docs/threat-model.md).
+        for _ in range(3):  # a republish between the two reads: read again
             gva = d.lookup(name)
-            rec, key = d.window_with_key(gva) if gva is not None else (None, None)
-            if rec is not None and key is not None:
-                i = WindowInfo.from_json(rec)
-                return RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
-                               i.byte_offset, i.framework, name)
-        raise WindowNotFoundError(f"no window named {name!r} is published by this runtime; pass the "
-                                  "serialized ref (to_bytes) to consumers instead")
+            if gva is None:
+                break
+            rec, key = d.window_with_key(gva)
+            if rec is None:
+                continue
+            i = WindowInfo.from_json(rec)
+            if key is None:
+                raise AccessDeniedError(
+                    f"window {name!r} is published in {d.url} but its access key is not there for this "
+                    "process (a redis directory seals keys only with a job secret: set "
+                    "MEMSEM_JOB_SECRET in every process of the job); pass the serialized ref instead")
+            if not key_matches(key, i.key_digest):
+                continue
+            return RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
+                           i.byte_offset, i.framework, name)
+        raise WindowNotFoundError(f"no window named {name!r} is published in job "
+                                  f"{getattr(d, 'job', '?')!r} ({d.url})", window=name)
 
     # -- close ------------------------------------------------------------------------------------
     def close(self, deadline: float) -> None:
@@ -392,6 +616,177 @@ class Publisher:
             for seg in list(self.segments.values()):
                 seg.unlink()
             self.segments.clear()
+
+
+class _Item:
+    """One window of an open write section."""
+
+    __slots__ = ("owned", "version", "slot", "prev_seq", "blocked_s", "copied")
+
+    def __init__(self, owned: Owned, version: int, slot: int, prev_seq: int, blocked_s: float) -> None:
+        self.owned, self.version, self.slot, self.prev_seq = owned, version, slot, prev_seq
+        self.blocked_s = blocked_s
+        self.copied = False
+
+    def rollback(self) -> None:
+        """Undo an open whose bytes were not touched yet (another window of the set failed)."""
+        o, cb = self.owned, self.owned.cb
+        a = cb.addr(W_SEQ0 + self.slot)
+        native.store_release(a, self.prev_seq)  # nothing was written while odd: readers are fine
+        native.store_release(cb.addr(W_WRITER), 0)
+        native.futex_wake(a)
+        native.futex_wake(cb.latest_addr)
+        o.section_lock.release()
+
+    def prepare(self, copy: bool) -> None:
+        o = self.owned
+        o.protect(self.slot, True)
+        if copy and o.n_slots > 1 and o.info.nbytes:
+            src = o.cb.slot_of(self.version - 1)
+            native.memcpy(o.slot_address(self.slot), o.slot_address(src), o.info.nbytes)
+            self.copied = True
+
+    def commit(self) -> None:
+        o, cb = self.owned, self.owned.cb
+        if o.guard == "checksum":
+            o.sums[self.slot] = o.checksum(self.slot)
+        o.protect(self.slot, False)
+        a = cb.addr(W_SEQ0 + self.slot)
+        native.store_release(a, self.version << 1)
+        native.store_release(cb.latest_addr, self.version)
+        native.store_release(cb.addr(W_WRITER), 0)
+        native.futex_wake(a)
+        native.futex_wake(cb.latest_addr)
+        o.aborted = False
+        o.sections += 1
+        o.blocked_s += self.blocked_s
+        o.section_lock.release()
+
+    def abort(self) -> None:
+        o, cb = self.owned, self.owned.cb
+        o.protect(self.slot, False)
+        o.sums.pop(self.slot, None)
+        o.aborted = True
+        native.store_release(cb.addr(W_WRITER), 0)
+        native.futex_wake(cb.latest_addr)
+        o.section_lock.release()
+
+
+class WriteSection:
+    """An open write section on one window or a set of windows (``Runtime.write_section``).
+
+    While it is open no reader returns the bytes being written as valid; ``commit`` (or leaving
+    the ``with`` block normally) publishes each window's next version. A body that raises
+    aborts it: no version is published over half-written bytes (a double-buffered window keeps
+    serving its latest version; a single-slot window stays unreadable until the next section).
+
+    Attributes:
+        version: the version being written (of the first window; ``versions`` for each).
+        blocked_s: seconds the open waited for leases pinning versions it overwrites.
+        copied: whether the target slots were filled with the latest version's bytes first.
+    """
+
+    def __init__(self, publisher: Publisher, items: list[_Item]) -> None:
+        self._pub = publisher
+        self._items = items
+        self._done = False
+
+    @property
+    def version(self) -> int:
+        return self._items[0].version
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """``{window label: version being written}``."""
+        return {it.owned.label: it.version for it in self._items}
+
+    @property
+    def blocked_s(self) -> float:
+        return sum(it.blocked_s for it in self._items)
+
+    @property
+    def copied(self) -> bool:
+        return all(it.copied for it in self._items)
+
+    @property
+    def open(self) -> bool:
+        return not self._done
+
+    def array(self, index: int = 0) -> np.ndarray:
+        """The bytes being written of window ``index`` (in the order given, sorted by GVA for
+        sets), as an array of its dtype and shape over the target slot itself."""
+        if self._done:
+            raise MemsemError("the write section is closed: its arrays are no longer writable")
+        it = self._items[_args.index(index, "index", len(self._items), of="windows of the section")]
+        return it.owned.slot_array(it.slot)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.array(i) for i in range(len(self._items))]
+
+    def commit(self) -> int:
+        """Publish the next version of every window; returns it (of the first window)."""
+        if self._done:
+            raise MemsemError("the write section is already closed")
+        self._done = True
+        for it in self._items:
+            it.commit()
+        return self.version
+
+    def abort(self) -> None:
+        """Close without publishing (the slots' bytes are dropped). Safe after close."""
+        if self._done:
+            return
+        self._done = True
+        for it in self._items:
+            it.abort()
+
+    def __enter__(self) -> "WriteSection":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "open" if not self._done else "closed"
+        return f"<WriteSection {state} {self.versions}>"
+
+
+def _protectable(slots: int, seg: Segment | None, info: BufferInfo) -> bool:
+    """mprotect needs whole pages no one else uses: memsem's own slots, or an alloc'd segment
+    published from its start."""
+    if slots == 2:
+        return True
+    return seg is not None and info.address == seg.address and info.address % PAGE == 0
+
+
+def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, label: str) -> float:
+    """Wait until no lease pins a version that version ``new`` overwrites; each sleep is a
+    futex wait on the pinned lease's id word (woken by its release), bounded by the lease's
+    expiry and a liveness slice. Returns the seconds waited (0.0 when nothing was pinned).
+    Raises LeaseHeldError at the deadline."""
+    t0 = None
+    while True:
+        pins = _lease.blocking_pins(cb, new)
+        if not pins:
+            return 0.0 if t0 is None else time.monotonic() - t0
+        if t0 is None:
+            t0 = time.monotonic()
+        now = time.monotonic()
+        if now >= deadline:
+            holders = [(pid, max(0.0, (exp - native.monotonic_ns()) / 1e9)) for pid, _, exp, _ in pins]
+            raise LeaseHeldError(
+                f"cannot write version {new} of {label}: leases pinning version(s) "
+                f"{sorted({v for _, v, _, _ in pins})} (in the slot it overwrites) outlasted {timeout} s, "
+                "held by " + ", ".join(f"pid {p} ({_left(left)})" for p, left in holders), holders=holders)
+        pid, version, exp, id_addr = pins[0]
+        left_lease = (exp - native.monotonic_ns()) / 1e9
+        slice_s = max(0.0, min(WAIT_SLICE_S, left_lease + 1e-4, deadline - now))
+        lid = native.load_acquire(id_addr)
+        if lid:
+            native.futex_wait(id_addr, lid & 0xFFFFFFFF, slice_s)
 
 
 def _left(seconds: float) -> str:

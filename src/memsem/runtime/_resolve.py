@@ -183,6 +183,10 @@ class Resolver:
         self.limit = limit
         #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
         self.cache: dict[int, Resolution] = {}
+        #: (gva, generation) -> the owner found dead while this runtime used that window
+        #: (bounded): once its records are reaped, a re-resolve still says PeerLostError, not
+        #: WindowNotFoundError. Keyed by generation too: a new owner may reuse the GVA.
+        self._dead: dict[tuple[int, int], Peer] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec) -> Resolution:
@@ -240,6 +244,10 @@ class Resolver:
             if cur is None or (res is not None and cur is not res):
                 return
             del self.cache[gva]
+            if cur.peer.dead:
+                self._dead[(gva, cur.generation)] = cur.peer
+                while len(self._dead) > 4 * self.limit:
+                    del self._dead[next(iter(self._dead))]
         cur.close()
 
     def close(self, timeout: float) -> list[Resolution]:
@@ -267,6 +275,9 @@ class Resolver:
         else:
             rec = core.directory.get_window(spec.gva)
             if rec is None:
+                dead = self._dead.get((spec.gva, spec.generation))
+                if dead is not None and dead.dead:
+                    raise dead.lost(spec.label)
                 rank, _ = split_gva(spec.gva)
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
@@ -304,8 +315,10 @@ class Resolver:
                                  core.available, nbytes=info.nbytes, prefer=core.prefer)
             eng = core.engines[route.engine]
             cred = spec.to_bytes() if eng.enforces_generation == "owner" else b""
+            # a double-buffered window's registration spans its slots (nbytes is one slot)
+            span = info.nbytes if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
             try:
-                remote = eng.attach(info.descriptors[route.engine], info.nbytes, cred)
+                remote = eng.attach(info.descriptors[route.engine], span, cred)
             except WindowNotFoundError:
                 raise tr.stale(spec, None) from None
             except EngineError as exc:

@@ -10,6 +10,7 @@ with the native bracket (``memsem_bracket_open`` / ``close``), so the rules are 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,28 @@ class Transfers:
         self._resolver = resolver
         self._cache = resolver.cache
         self._pool = pool
+        #: tasks of the pool running right now (close waits for them within its deadline)
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def _counted(self, fn: Any) -> Any:
+        """``fn`` wrapped so that the runtime's close can wait for it while it runs."""
+        def run(*args: Any) -> Any:
+            with self._idle:
+                self._running += 1
+            try:
+                return fn(*args)
+            finally:
+                with self._idle:
+                    self._running -= 1
+                    if not self._running:
+                        self._idle.notify_all()
+        return run
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no task of the pool runs; False when some still do."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._running == 0, timeout)
 
     # -- the one transfer -------------------------------------------------------------------------
     def transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, keep: Any,
@@ -370,7 +393,7 @@ class Transfers:
 
     def submit(self, what: str, fn: Any) -> Completion:
         self._core.check_open()
-        return Completion.run(self._pool, what, fn, timeout=self._core.timeout)
+        return Completion.run(self._pool, what, self._counted(fn), timeout=self._core.timeout)
 
     # -- xcopy ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
@@ -489,7 +512,7 @@ class Transfers:
         return True
 
     def _queue(self, batch: Batch, ranges: list[RangeResult], fn: Any, *args: Any) -> None:
-        fut = self._pool.submit(fn, *args)
+        fut = self._pool.submit(self._counted(fn), *args)
 
         def dropped(f: cf.Future, ranges: list[RangeResult] = ranges) -> None:
             if f.cancelled():  # dropped by the pool (runtime closing) before it ran

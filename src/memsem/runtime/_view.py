@@ -32,6 +32,9 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     if not res.route.zero_copy:
         raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
                                 f"({res.route.reason}); use get()")
+    if res.cb is not None and res.cb.n_slots > 1:
+        raise NotSupportedError(f"view() of {spec.label} is not possible: it is a double-buffered "
+                                "versioned window (its owner rewrites the slots); use get()")
     own_lease = lease is None
     if own_lease:
         lease = Lease(core, spec, None).acquire()

@@ -1,0 +1,323 @@
+"""memsem as a verl checkpoint engine (``verl.checkpoint_engine``, verl 0.9.1).
+
+Select it by config, no patch to verl::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=memsem
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=memsem.integrations.verl
+    # optional: ...checkpoint_engine.engine_kwargs.memsem.directory=redis://host:6379/0
+
+How it moves weights (bucketed, double-buffered, versions checked):
+
+* The trainer (rank 0) publishes one **double-buffered window** of ``bucket_size`` bytes plus
+  a metadata area: every bucket it fills is one *version* of that window, written inside a
+  write section (so a rollout never reads a half-filled bucket), in the slot the rollouts are
+  not reading. It also publishes a small window of **ready words**, one per rollout.
+* Each rollout pins the versions of the first two buckets (leases naming the version) and
+  marks its ready word; the trainer awaits the ready words (the runtime's native word waiter:
+  no polling) before the first bucket. A rollout reserves bucket k+2 before it lets go of bucket
+  k, so the trainer can be at most two buckets ahead of the slowest rollout, never overwrite a
+  bucket someone still needs, and is blocked only as long as a rollout holds it.
+* A rollout awaits each version on the window's latest-version word (native word waiter),
+  copies the bucket (metadata and bytes, both of exactly that version: a gone version raises
+  ``StaleReferenceError`` naming both) into one of two local buffers while the previous
+  bucket's tensors are being consumed, and checks the bucket's index and step.
+
+Errors are exceptions (``memsem.MemsemError`` subclasses, ``MemsemTimeoutError``), never an
+``exit``. Every wait is bounded by ``timeout``. Same node: route host/shm; across nodes the
+window is reached through memsem's remote routes and a ``redis://`` directory.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import struct
+from collections.abc import AsyncGenerator, Generator
+from typing import Any
+
+import numpy as np
+import torch
+from verl.checkpoint_engine.base import (
+    CheckpointEngine,
+    CheckpointEngineRegistry,
+    TensorMeta,
+    merge_weight_chunks,
+    split_weight_chunks,
+)
+
+import memsem
+from memsem.runtime._async import word_waiter
+
+#: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes
+_HEAD = struct.Struct("<8sQQqI")
+_MAGIC = b"MSVERLB1"
+#: first version a bucket gets (1 is the empty window right after publish)
+FIRST_BUCKET_VERSION = 2
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"bucket metadata names an unknown torch dtype {name!r}")
+    return dt
+
+
+@CheckpointEngineRegistry.register("memsem")
+class MemsemCheckpointEngine(CheckpointEngine):
+    """verl checkpoint engine over memsem windows (see the module docstring).
+
+    Args:
+        bucket_size: bytes of one bucket (verl's ``update_weights_bucket_megabytes``); the
+            trainer's window holds two (double buffering), each rollout two local buffers.
+        device: where received tensors live ("cpu"; a GPU rollout copies them on).
+        rollout_dtype: kept for verl's signature (tensors travel in their own dtype).
+        is_master: unused (the trainer is rank 0 of ``build_topology``).
+        directory: memsem directory URL (``local`` by default; ``redis://`` across nodes).
+        timeout: bound in seconds of every wait (joins, buckets, write sections).
+        meta_bytes: bytes reserved per slot for the bucket's metadata.
+    """
+
+    def __init__(self, bucket_size: int, device: str = "cpu", rollout_dtype: torch.dtype = torch.bfloat16,
+                 is_master: bool = False, directory: str | None = None, timeout: float = 300.0,
+                 meta_bytes: int = 1 << 20) -> None:
+        if not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"bucket_size must be an int > 0 (bytes), got {bucket_size!r}")
+        self.bucket_size = bucket_size
+        self.device = device
+        self.rollout_dtype = rollout_dtype
+        self.is_master = is_master
+        self.directory = directory
+        self.timeout = float(timeout)
+        self.meta_bytes = int(meta_bytes)
+        self._rt: memsem.Runtime | None = None
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self._window = None
+        self._acks = None
+        self._token = ""
+        self._pins: dict[int, Any] = {}
+        #: per-sync figures of the last send (verl merges the trainer's into its metrics)
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def runtime(self) -> memsem.Runtime:
+        if self._rt is None or self._rt.closed:
+            self._rt = memsem.Runtime(directory=self.directory, timeout=self.timeout)
+        return self._rt
+
+    # -- verl's setup calls -----------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """A fresh token per sync (the windows' names); the runtime is started here."""
+        self._token = secrets.token_hex(8)
+        _ = self.runtime
+        return {"token": self._token, "pid": os.getpid(), "node": memsem.native.node_id()}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
+                       metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """One trainer (rank 0: the first actor) to every rollout (ranks 1..N); other actors
+        are rank -1 and send nothing."""
+        world = rollout_world_size + 1
+        master = metadata[0]
+        actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "world_size": [world] * actor_wg_world_size,
+                 "master_metadata": [master] * actor_wg_world_size}
+        rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
+                   "master_metadata": [master] * rollout_world_size}
+        return actor, rollout
+
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
+        """Rank 0 publishes the bucket window and the ready words; the others remember where."""
+        if not isinstance(master_metadata, dict) or not isinstance(master_metadata.get("token"), str):
+            raise ValueError(f"master_metadata must be the trainer's prepare() result, got {master_metadata!r}")
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._name = f"verl-ckpt/{master_metadata['token']}"
+        if self.rank == 0:
+            rt = self.runtime
+            cap = self.meta_bytes + self.bucket_size
+            self._window = rt.publish(np.zeros(cap, np.uint8), name=self._name, slots=2)
+            n = max(1, self.world_size - 1)
+            self._acks = rt.publish(np.zeros(n, np.uint8), name=self._name + "/ready", tiles=n, access="rw")
+
+    def finalize(self) -> None:
+        """Rank 0 unpublishes (waiting, within ``timeout``, for rollouts still holding a bucket);
+        rollouts release what they hold."""
+        for lease in self._pins.values():
+            lease.release()
+        self._pins.clear()
+        if self._window is not None:
+            rt = self.runtime
+            for ref in (self._window, self._acks):
+                rt.unpublish(ref, timeout=self.timeout)
+            self._window = self._acks = None
+        self.rank = self.world_size = None
+
+    def close(self) -> None:
+        if self._rt is not None:
+            self._rt.close()
+            self._rt = None
+
+    # -- trainer ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                           global_steps: int | None = None) -> dict[str, float]:
+        """Send every (name, tensor) bucket by bucket; returns per-sync figures."""
+        if self.rank is None:
+            raise RuntimeError("init_process_group() must run before send_weights()")
+        if self.rank < 0:
+            async for _ in _aiter(weights):
+                pass
+            return {}
+        if self.rank != 0:
+            raise RuntimeError(f"only the trainer (rank 0) sends weights; this is rank {self.rank}")
+        rt = self.runtime
+        core = rt.core
+        loop = asyncio.get_running_loop()
+        await self._await_joins(loop)
+        step = -1 if global_steps is None else int(global_steps)
+        blocked = 0.0
+        buckets = 0
+        sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
+                                                                        timeout=self.timeout))
+        meta: list[list[Any]] = []
+        offset = 0
+        data = None
+        try:
+            async for tm, chunk in split_weight_chunks(weights, self.bucket_size):
+                entry = [tm.name, str(tm.dtype), list(tm.shape), tm.chunk_offset, tm.chunk_size, 0]
+                if meta and (offset + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
+                    self._seal(sec, buckets, False, step, meta)
+                    blocked += sec.blocked_s
+                    sec.commit()
+                    buckets += 1
+                    sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
+                                                                                    timeout=self.timeout))
+                    meta, offset = [], 0
+                data = torch.from_numpy(sec.array()[self.meta_bytes:])
+                entry[5] = offset
+                data[offset:offset + tm.chunk_size].copy_(chunk.reshape(-1).view(torch.uint8).cpu())
+                meta.append(entry)
+                offset += tm.chunk_size
+            self._seal(sec, buckets, True, step, meta)
+            blocked += sec.blocked_s
+            sec.commit()
+            buckets += 1
+        except BaseException:
+            sec.abort()
+            raise
+        self.metrics = {"memsem/buckets": float(buckets), "memsem/trainer_blocked_s": blocked}
+        return dict(self.metrics)
+
+    def _meta_len(self, meta: list) -> int:
+        return _HEAD.size + len(json.dumps(meta, separators=(",", ":")))
+
+    def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list) -> None:
+        body = json.dumps(meta, separators=(",", ":")).encode()
+        arr = sec.array()
+        head = _HEAD.pack(_MAGIC, index, 1 if last else 0, step, len(body))
+        arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
+        arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
+
+    async def _await_joins(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Every rollout marked its ready word (it holds its pins): awaited on the words."""
+        core = self.runtime.core
+        owned = core.publisher.owned[self._acks.spec.gva]
+        gen = self._acks.generation
+        waiter = word_waiter(core)
+        deadline = loop.time() + self.timeout
+        for i in range(owned.cb.n_ready):
+            a = owned.cb.ready_addr(i)
+            while memsem.native.load_acquire(a) != gen:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise memsem.MemsemTimeoutError(f"rollout rank {i + 1} did not join {self._name} in "
+                                                    f"{self.timeout} s", what=f"rollout {i + 1}", timeout=self.timeout)
+                await waiter.wait(a, memsem.native.load_acquire(a), left, loop, what=f"rollout {i + 1} joining",
+                                  keep=owned)
+
+    # -- rollout ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """Yield (name, tensor) of every weight; a tensor is valid until the bucket after the
+        next one arrives (copy it, as verl's loaders do)."""
+        async for name, weight in merge_weight_chunks(self._chunks(global_steps), self.bucket_size):
+            yield name, weight.to(self.device) if self.device != "cpu" else weight
+
+    async def _chunks(self, global_steps: int | None) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
+        if self.rank is None or self.rank < 1:
+            raise RuntimeError("receive_weights() runs on rollout ranks (>= 1) after init_process_group()")
+        rt = self.runtime
+        core = rt.core
+        win = rt.lookup(self._name)
+        acks = rt.lookup(self._name + "/ready")
+        v = FIRST_BUCKET_VERSION
+        for k in (v, v + 1):
+            self._pins[k] = win.pin(version=k, ttl=None, timeout=self.timeout)
+        acks.mark_ready(self.rank - 1)
+        cap = self.meta_bytes + self.bucket_size
+        bufs = [np.empty(cap, np.uint8) for _ in range(2)]
+        spec = win.spec
+
+        async def fetch(version: int, buf: np.ndarray) -> tuple[dict, int]:
+            await core.wait_version_async(spec, version, self.timeout)
+            lease = self._pins[version]
+
+            def copy() -> tuple[int, int, int, int]:
+                head = buf[:_HEAD.size]
+                core.transfer(spec, "get", 0, head, lease=lease, version=version)
+                magic, index, last, step, mlen = _HEAD.unpack(head.tobytes())
+                if magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
+                    raise memsem.MemsemError(f"{win.spec.label}: version {version} is not a memsem verl bucket")
+                core.transfer(spec, "get", _HEAD.size, buf[_HEAD.size:_HEAD.size + mlen], lease=lease, version=version)
+                return index, last, step, mlen
+
+            index, last, step, mlen = await core.submit(f"bucket header v{version}", copy)
+            meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
+            used = max((e[5] + e[4] for e in meta), default=0)
+            if used > self.bucket_size:
+                raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
+            if used:
+                await core.submit(f"bucket v{version}", lambda: core.transfer(
+                    spec, "get", self.meta_bytes, buf[self.meta_bytes:self.meta_bytes + used], lease=lease,
+                    version=version))
+            if index != version - FIRST_BUCKET_VERSION:
+                raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
+            if global_steps is not None and step != int(global_steps):
+                raise memsem.MemsemError(f"bucket {index} is of step {step}, this rollout expects {global_steps}")
+            return {"meta": meta, "last": bool(last)}, index
+
+        task = asyncio.ensure_future(fetch(v, bufs[v % 2]))
+        try:
+            while True:
+                got, _ = await task
+                buf = torch.from_numpy(bufs[v % 2])
+                if not got["last"]:
+                    self._pins[v + 2] = win.pin(version=v + 2, ttl=None, timeout=self.timeout)  # reserve first
+                self._pins.pop(v).release()
+                if not got["last"]:
+                    task = asyncio.ensure_future(fetch(v + 1, bufs[(v + 1) % 2]))
+                for name, dt, shape, chunk_offset, chunk_size, off in got["meta"]:
+                    at = self.meta_bytes + off
+                    yield (TensorMeta(name=name, shape=torch.Size(shape), dtype=_dtype(dt), chunk_offset=chunk_offset,
+                                      chunk_size=chunk_size, offset=off), buf[at:at + chunk_size])
+                if got["last"]:
+                    break
+                v += 1
+        finally:
+            if not task.done():
+                task.cancel()
+            for lease in self._pins.values():
+                lease.release()
+            self._pins.clear()
+
+
+async def _aiter(weights: Any) -> AsyncGenerator[Any, None]:
+    if hasattr(weights, "__aiter__"):
+        async for x in weights:
+            yield x
+    else:
+        for x in weights:
+            yield x
+
+
+__all__ = ["MemsemCheckpointEngine"]

@@ -1,0 +1,564 @@
+"""StateDictRef: a mapping of named tensors (a model's state dict) as one versioned window.
+
+Weight sync moves hundreds to thousands of tensors every training step. One window per tensor
+means one registration, one ref and one copy call per tensor, and no way to read all of them
+from one version. ``rt.publish_state_dict(model.state_dict())`` publishes them as **one
+window**: a *layout* header (names, dtypes, shapes, byte offsets, alignment, buckets) followed by
+every tensor's bytes, each at an ``align``-byte boundary. With ``slots=2`` (the default) the
+window is double-buffered: the trainer writes version v+1 (``update`` or ``write_section``)
+while rollouts read version v, never blocked by it.
+
+Consumers hold one small :class:`StateDictRef` (``to_bytes``: a RefSpec plus 4 bytes; or
+``rt.lookup_state_dict(name)`` in any process of the job) and read the layout once (two small
+gets, cached per window generation). Then:
+
+* ``load(into)`` copies every tensor of one version into existing tensors (a
+  ``model.state_dict()``-shaped mapping, torch or numpy) in **one** call: same node, all copies
+  run inside one native seqlock bracket (one version check, no round trip per tensor), and a
+  torn bracket is redone, so ``into`` holds exactly one version when it returns;
+* ``stream(into)`` yields bucket by bucket (bucket i+1 moves while the caller uses bucket i),
+  every bucket from one version pinned by a lease for the stream's duration;
+* ``get()`` returns a new dict.
+
+The layout is carried once and never changes within a generation (a different set of tensors
+is a republish). The framework (numpy or torch) of the published tensors is recorded; 0-d and
+empty tensors and every dtype memsem supports (bf16 and fp8 through ml_dtypes) are allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from memsem import _args, _dtypes, native
+from memsem._buffers import buffer_info
+from memsem._errors import MemsemError
+from memsem.gva import RefSpec
+from memsem.refs._tensorref import TensorRef, as_core
+from memsem.runtime import Lease, RuntimeCore
+
+#: first 8 bytes of a state-dict window (then u32 header bytes, u32 JSON bytes, the JSON)
+LAYOUT_MAGIC = b"MSSDLAY1"
+REF_MAGIC = b"MSSD"
+REF_VERSION = 1
+_HEAD = struct.Struct("<8sII")
+#: the largest layout a consumer reads (bytes of JSON)
+MAX_LAYOUT_BYTES = 64 << 20
+DEFAULT_ALIGN = 64
+DEFAULT_BUCKET_BYTES = 64 << 20
+_UINT8 = _dtypes.code_of("uint8")
+_layouts: dict[tuple[int, int, bytes], "StateDictLayout"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a state dict window.
+
+    Attributes:
+        name: the state-dict key. dtype_code: wire dtype code (``dtype``: numpy dtype).
+        shape: element shape (``()`` for a 0-d tensor). offset: bytes from the start of the
+        data (after the header). nbytes: bytes (``prod(shape) x itemsize``; 0 for an empty one).
+    """
+
+    name: str
+    dtype_code: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _dtypes.numpy_dtype(self.dtype_code)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDictLayout:
+    """Where every tensor of a state dict window lies.
+
+    Attributes:
+        entries: the tensors, in publish order (offsets ascending). align: byte alignment of
+        every tensor. header_bytes: bytes of the header before the data. data_bytes: bytes of
+        the data. buckets: ``(first entry, stop entry)`` index ranges of consecutive tensors of
+        at most ``bucket_bytes`` (a bigger tensor is a bucket alone). framework: "torch" or
+        "numpy" (what ``get`` returns by default).
+    """
+
+    entries: tuple[TensorEntry, ...]
+    align: int
+    header_bytes: int
+    data_bytes: int
+    buckets: tuple[tuple[int, int], ...]
+    framework: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the window (one slot): header and data."""
+        return self.header_bytes + self.data_bytes
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    def index(self) -> dict[str, TensorEntry]:
+        return {e.name: e for e in self.entries}
+
+    def bucket_bytes(self, b: int) -> int:
+        i, j = self.buckets[b]
+        return sum(e.nbytes for e in self.entries[i:j])
+
+    # -- build and (de)serialize ------------------------------------------------------------------
+    @classmethod
+    def build(cls, tensors: list[tuple[str, int, tuple[int, ...], int]], *, align: int, bucket_bytes: int,
+              framework: str) -> "StateDictLayout":
+        """From ``(name, dtype_code, shape, nbytes)`` in order."""
+        entries = []
+        off = 0
+        for name, code, shape, nbytes in tensors:
+            off = -(-off // align) * align
+            entries.append(TensorEntry(name, code, shape, off, nbytes))
+            off += nbytes
+        buckets = []
+        start, size = 0, 0
+        for i, e in enumerate(entries):
+            if i > start and size + e.nbytes > bucket_bytes:
+                buckets.append((start, i))
+                start, size = i, 0
+            size += e.nbytes
+        if entries:
+            buckets.append((start, len(entries)))
+        body = cls._json(entries, align, buckets, framework, off)
+        header = -(-(_HEAD.size + len(body)) // align) * align
+        return cls(tuple(entries), align, header, off, tuple(buckets), framework)
+
+    @staticmethod
+    def _json(entries: Any, align: int, buckets: Any, framework: str, data_bytes: int) -> bytes:
+        return json.dumps({"v": 1, "align": align, "framework": framework, "data_bytes": data_bytes,
+                           "tensors": [[e.name, _dtypes.name_of(e.dtype_code), list(e.shape), e.offset, e.nbytes]
+                                       for e in entries],
+                           "buckets": [list(b) for b in buckets]}, separators=(",", ":")).encode()
+
+    def header(self) -> bytes:
+        """The header bytes (``header_bytes`` long, zero-padded)."""
+        body = self._json(self.entries, self.align, self.buckets, self.framework, self.data_bytes)
+        raw = _HEAD.pack(LAYOUT_MAGIC, self.header_bytes, len(body)) + body
+        return raw + b"\0" * (self.header_bytes - len(raw))
+
+    @classmethod
+    def parse(cls, head: bytes, body: bytes, window_bytes: int) -> "StateDictLayout":
+        """Validate a header read from a window of ``window_bytes`` bytes.
+
+        Raises:
+            ValueError: anything malformed (names the field): the layout never points outside
+                the window, never overlaps two tensors, never disagrees with a shape.
+        """
+        magic, header_bytes, json_bytes = _HEAD.unpack(head)
+        if magic != LAYOUT_MAGIC:
+            raise ValueError(f"not a state-dict window (magic {magic!r})")
+        try:
+            d = json.loads(body)
+        except ValueError:
+            raise ValueError("state-dict layout is not valid JSON") from None
+        if not isinstance(d, dict) or d.get("v") != 1:
+            raise ValueError("state-dict layout: unknown layout version")
+        align, framework, data_bytes = d.get("align"), d.get("framework"), d.get("data_bytes")
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align > 1 << 20:
+            raise ValueError(f"state-dict layout: align must be an int in [1, 2**20], got {align!r}")
+        if framework not in ("numpy", "torch"):
+            raise ValueError(f"state-dict layout: framework must be 'numpy' or 'torch', got {framework!r}")
+        if not isinstance(data_bytes, int) or data_bytes < 0 or header_bytes + data_bytes > window_bytes:
+            raise ValueError(f"state-dict layout: {data_bytes!r} data bytes do not fit the window of "
+                             f"{window_bytes} bytes")
+        tensors, buckets = d.get("tensors"), d.get("buckets")
+        if not isinstance(tensors, list) or not isinstance(buckets, list):
+            raise ValueError("state-dict layout: tensors and buckets must be lists")
+        entries = []
+        seen = set()
+        end = 0
+        for i, t in enumerate(tensors):
+            if not (isinstance(t, list) and len(t) == 5):
+                raise ValueError(f"state-dict layout: tensors[{i}] must be [name, dtype, shape, offset, nbytes]")
+            name, dt, shape, off, nbytes = t
+            if not isinstance(name, str) or not name or name in seen:
+                raise ValueError(f"state-dict layout: tensors[{i}] name {name!r} is empty, not a str or repeated")
+            seen.add(name)
+            try:
+                code = _dtypes.code_of(dt)
+            except (TypeError, ValueError):
+                raise ValueError(f"state-dict layout: tensor {name!r} has unknown dtype {dt!r}") from None
+            if not isinstance(shape, list) or len(shape) > 64 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
+                raise ValueError(f"state-dict layout: tensor {name!r} shape {shape!r} is not a list of ints >= 0")
+            for v, what in ((off, "offset"), (nbytes, "nbytes")):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ValueError(f"state-dict layout: tensor {name!r} {what} {v!r} is not an int >= 0")
+            if math.prod(shape) * _dtypes.numpy_dtype(code).itemsize != nbytes:
+                raise ValueError(f"state-dict layout: tensor {name!r} nbytes {nbytes} disagrees with shape "
+                                 f"{shape} of {dt}")
+            if off < end or off + nbytes > data_bytes:
+                raise ValueError(f"state-dict layout: tensor {name!r} bytes [{off}, {off + nbytes}) overlap "
+                                 f"the one before or lie outside the {data_bytes} data bytes")
+            end = off + nbytes
+            entries.append(TensorEntry(name, code, tuple(shape), off, nbytes))
+        prev = 0
+        out_b = []
+        for i, b in enumerate(buckets):
+            if not (isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b)
+                    and b[0] == prev and b[0] < b[1] <= len(entries)):
+                raise ValueError(f"state-dict layout: buckets[{i}] {b!r} does not continue the buckets before")
+            prev = b[1]
+            out_b.append((b[0], b[1]))
+        if prev != len(entries):
+            raise ValueError("state-dict layout: buckets do not cover every tensor")
+        return cls(tuple(entries), align, header_bytes, data_bytes, tuple(out_b), framework)
+
+
+def _torch_view(arr: np.ndarray, code: int) -> Any:
+    import torch
+
+    t = torch.from_numpy(arr.reshape(-1).view(np.uint8))
+    return t.view(_dtypes.torch_dtype(code)).reshape(arr.shape)
+
+
+class StateDictSection:
+    """An open write section on a state-dict window (``StateDictRef.write_section``).
+
+    ``tensors`` maps every name to an array (numpy) or tensor (torch, for windows published
+    from torch) over the slot being written: change them in place; leaving the ``with`` block
+    publishes the next version (see :class:`memsem.runtime.WriteSection`).
+    """
+
+    def __init__(self, ref: "StateDictRef", section: Any) -> None:
+        self.ref = ref
+        self.section = section
+        layout = ref.layout
+        flat = section.array()
+        self.flat = flat
+        h = layout.header_bytes
+        out: dict[str, Any] = {}
+        torch_out = layout.framework == "torch" and "torch" in sys.modules
+        for e in layout.entries:
+            a = flat[h + e.offset:h + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+            out[e.name] = _torch_view(a, e.dtype_code) if torch_out else a
+        self.tensors = out
+
+    @property
+    def version(self) -> int:
+        return self.section.version
+
+    @property
+    def blocked_s(self) -> float:
+        return self.section.blocked_s
+
+    def commit(self) -> int:
+        return self.section.commit()
+
+    def abort(self) -> None:
+        self.section.abort()
+
+    def __enter__(self) -> "StateDictSection":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        self.section.__exit__(exc_type, *exc)
+
+
+class StateDictRef(TensorRef):
+    """A ref to a state-dict window: many named tensors, one window, one layout.
+
+    Build one with ``rt.publish_state_dict(...)`` (the owner), ``rt.lookup_state_dict(name)``
+    or ``StateDictRef.from_bytes`` / unpickling (anyone). As a TensorRef it covers the whole
+    window (uint8); the tensor-level calls are below. ``keys()``/``layout`` fetch the layout
+    once (two small gets; cached for the window's generation).
+    """
+
+    __slots__ = ()
+
+    # -- serialization ---------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Wire form: ``"MSSD" | version u8 | RefSpec bytes``. Carries the access key: treat it
+        like a capability."""
+        return REF_MAGIC + bytes([REF_VERSION]) + self.spec.to_bytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, runtime: Any = None) -> "StateDictRef":
+        """Rebuild a StateDictRef. Raises ValueError when ``data`` is not one."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if data[:4] != REF_MAGIC or len(data) < 5:
+            raise ValueError(f"data is not a serialized StateDictRef (got {len(data)} bytes starting {data[:4]!r})")
+        if data[4] != REF_VERSION:
+            raise ValueError(f"serialized StateDictRef version {data[4]}; this memsem reads {REF_VERSION}")
+        spec = RefSpec.from_bytes(data[5:])
+        if spec.dtype_code != _UINT8 or spec.offset != 0:
+            raise ValueError("serialized StateDictRef: its ref must cover a whole uint8 window")
+        return cls(spec, as_core(runtime))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StateDictRef.from_bytes, (self.to_bytes(),))
+
+    def __repr__(self) -> str:
+        lay = _layouts.get(_cache_key(self.spec))
+        what = f"{len(lay.entries)} tensors, " if lay is not None else ""
+        return f"StateDictRef({self.spec.label}, gen={self.spec.generation}, {what}{self.spec.nbytes} bytes)"
+
+    # -- layout ----------------------------------------------------------------------------------
+    @property
+    def layout(self) -> StateDictLayout:
+        """The window's layout, read once per generation (two small gets of the header)."""
+        k = _cache_key(self.spec)
+        lay = _layouts.get(k)
+        if lay is None:
+            lay = self._read_layout()
+            if len(_layouts) > 1024:
+                _layouts.clear()
+            _layouts[k] = lay
+        return lay
+
+    def _read_layout(self) -> StateDictLayout:
+        rt = self._core()
+        n = self.spec.nbytes
+        if n < _HEAD.size:
+            raise ValueError(f"{self.spec.label} ({n} bytes) is too small to be a state-dict window")
+        head = np.empty(_HEAD.size, np.uint8)
+        rt.transfer(self.spec, "get", 0, head)
+        magic, header_bytes, json_bytes = _HEAD.unpack(head.tobytes())
+        if magic != LAYOUT_MAGIC:
+            raise ValueError(f"{self.spec.label} is not a state-dict window (magic {magic!r})")
+        if json_bytes > MAX_LAYOUT_BYTES or _HEAD.size + json_bytes > header_bytes or header_bytes > n:
+            raise ValueError(f"{self.spec.label}: state-dict header of {header_bytes} bytes ({json_bytes} bytes of "
+                             f"layout) does not fit the window of {n} bytes")
+        body = np.empty(json_bytes, np.uint8)
+        rt.transfer(self.spec, "get", _HEAD.size, body)
+        return StateDictLayout.parse(head.tobytes(), body.tobytes(), n)
+
+    def keys(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    def __len__(self) -> int:
+        return len(self.layout.entries)
+
+    # -- consumers -------------------------------------------------------------------------------
+    def _ranges(self, into: Mapping[str, Any], entries: Any, argname: str) -> tuple[list[tuple[int, int, int]], list]:
+        h = self.layout.header_bytes
+        ranges, keep = [], []
+        for e in entries:
+            if e.name not in into:
+                raise KeyError(f"{argname} has no tensor {e.name!r} (the state dict has {len(self.layout.entries)})")
+            dst = into[e.name]
+            info = buffer_info(dst, f"{argname}[{e.name!r}]")
+            if info.readonly:
+                raise ValueError(f"{argname}[{e.name!r}] is read-only")
+            if info.dtype_code != e.dtype_code or tuple(info.shape) != e.shape:
+                raise ValueError(f"{argname}[{e.name!r}] is {tuple(info.shape)} {_dtypes.name_of(info.dtype_code)}; "
+                                 f"the state dict holds {e.shape} {_dtypes.name_of(e.dtype_code)}")
+            ranges.append((h + e.offset, e.nbytes, info.address))
+            keep.append(info.keepalive)
+        return ranges, keep
+
+    def load(self, into: Mapping[str, Any], *, version: int = 0, lease: Lease | None = None,
+             strict: bool = True) -> int:
+        """Copy every tensor of one version into the existing tensors of ``into``; returns the
+        version loaded. Blocking; bit-exact.
+
+        Args:
+            into: name -> destination (numpy array or CPU torch tensor of exactly the tensor's
+                dtype and shape, C-contiguous, writable), e.g. ``model.state_dict()``.
+            version: 0 (default) the latest committed version, else exactly that one (a pinned
+                lease keeps it readable: ``pin``).
+            strict: every tensor of the window must be in ``into`` (else KeyError); False loads
+                only the names ``into`` has.
+
+        Same node, one native bracket spans every copy (one version check, no per-tensor round
+        trip); a torn bracket is redone whole. On an error ``into``'s contents are unspecified.
+
+        Raises:
+            KeyError / ValueError / TypeError: a missing, mis-shaped, mis-typed or read-only
+                destination (named), before any byte moves. StaleReferenceError: the window was
+                republished, or ``version`` is gone. MemsemTimeoutError, PeerLostError: as for get.
+        """
+        if not isinstance(into, Mapping):
+            raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
+        entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
+        ranges, keep = self._ranges(into, entries, "into")
+        return self._core().gather(self.spec, ranges, version=version, lease=lease, keep=keep)
+
+    def empty_like(self, framework: str | None = None) -> dict[str, Any]:
+        """New uninitialized tensors of the state dict's names, dtypes and shapes."""
+        lay = self.layout
+        fw = framework or (lay.framework if lay.framework != "torch" or _torch_ok() else "numpy")
+        if fw not in ("numpy", "torch"):
+            raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+        if fw == "torch":
+            import torch
+
+            return {e.name: torch.empty(e.shape, dtype=_dtypes.torch_dtype(e.dtype_code)) for e in lay.entries}
+        return {e.name: np.empty(e.shape, e.dtype) for e in lay.entries}
+
+    def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
+            version: int = 0) -> Any:  # type: ignore[override]
+        """A new dict of every tensor of one version (``framework``: "numpy" or "torch"; default
+        what was published); with ``out`` (a mapping), the same as ``load(out)`` and returns it."""
+        dst = out if out is not None else self.empty_like(framework)
+        self.load(dst, version=version, lease=lease)
+        return dst
+
+    def stream(self, into: Mapping[str, Any] | None = None, *, depth: int = 2, ttl: float | None = 60.0,
+               timeout: float | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(bucket index, {name: tensor})`` bucket by bucket, every bucket of one
+        version (pinned by a lease while the stream runs), while up to ``depth - 1`` next
+        buckets move in the background: the caller uses bucket i while bucket i+1 moves.
+
+        ``into`` (default: new tensors) receives the bytes (the yielded dicts are its tensors).
+        The stream pins the latest committed version when it starts; the owner may write the
+        next version meanwhile (double-buffered windows), not the one after.
+
+        Raises:
+            As ``load``; the lease's expiry during the stream is a LeaseExpiredError.
+        """
+        depth = _args.count(depth, "depth", minimum=1, maximum=64)
+        dst = dict(into) if into is not None else self.empty_like()
+        lay = self.layout
+        per_bucket = []
+        for i, j in lay.buckets:
+            per_bucket.append(self._ranges(dst, lay.entries[i:j], "into"))
+        return self._stream(dst, per_bucket, depth, ttl, timeout)
+
+    def _stream(self, dst: dict[str, Any], per_bucket: list, depth: int, ttl: float | None,
+                timeout: float | None) -> Iterator[tuple[int, dict[str, Any]]]:
+        rt = self._core()
+        lay = self.layout
+        lease = rt.pin_version(self.spec, ttl=ttl, timeout=timeout)
+        v = lease.version
+        try:
+            futs: dict[int, Any] = {}
+
+            def start(b: int) -> None:
+                ranges, keep = per_bucket[b]
+                futs[b] = rt.submit(f"bucket {b} of {self.spec.label}",
+                                    lambda r=ranges, k=keep: rt.gather(self.spec, r, version=v, lease=lease, keep=k))
+
+            for b in range(min(depth, len(per_bucket))):
+                start(b)
+            for b in range(len(per_bucket)):
+                futs.pop(b).wait()
+                if b + depth < len(per_bucket):
+                    start(b + depth)
+                i, j = lay.buckets[b]
+                yield b, {e.name: dst[e.name] for e in lay.entries[i:j]}
+        finally:
+            for f in futs.values():
+                try:
+                    f.wait()
+                except MemsemError:
+                    pass
+            lease.release()
+
+    # -- owner -----------------------------------------------------------------------------------
+    def write_section(self, *, copy: bool = True, timeout: float | None = None) -> StateDictSection:
+        """Owner: open a write section (see ``Runtime.write_section``); ``section.tensors`` are
+        the tensors of the version being written (filled with the latest version when ``copy``)."""
+        rt = self._core()
+        sec = rt.write_section(self.spec, copy=copy, timeout=timeout)
+        try:
+            out = StateDictSection(self, sec)
+            if not copy:
+                out.flat[:self.layout.header_bytes] = np.frombuffer(self.layout.header(), np.uint8)
+        except BaseException:
+            sec.abort()
+            raise
+        return out
+
+    def update(self, state_dict: Mapping[str, Any], *, timeout: float | None = None) -> int:
+        """Owner: publish ``state_dict``'s current values as the next version (one write section,
+        every tensor copied into the slot being written); returns the version. Blocking only
+        while pinned leases of the version it overwrites last.
+
+        Raises:
+            KeyError / ValueError / TypeError: a tensor missing or of another dtype or shape
+                (before anything is opened). As ``Runtime.write_section``.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of name to tensor, got {type(state_dict).__name__}")
+        lay = self.layout
+        srcs = []
+        for e in lay.entries:
+            if e.name not in state_dict:
+                raise KeyError(f"state_dict has no tensor {e.name!r}")
+            info = buffer_info(state_dict[e.name], f"state_dict[{e.name!r}]")
+            if info.dtype_code != e.dtype_code or tuple(info.shape) != e.shape:
+                raise ValueError(f"state_dict[{e.name!r}] is {tuple(info.shape)} {_dtypes.name_of(info.dtype_code)}; "
+                                 f"the window holds {e.shape} {_dtypes.name_of(e.dtype_code)}")
+            srcs.append((e, info))
+        with self.write_section(copy=False, timeout=timeout) as sec:
+            base = sec.flat.ctypes.data + lay.header_bytes
+            for e, info in srcs:
+                if e.nbytes:
+                    native.memcpy(base + e.offset, info.address, e.nbytes)
+        return sec.version
+
+
+def _cache_key(spec: RefSpec) -> tuple[int, int, bytes]:
+    return (spec.gva, spec.generation, spec.key)
+
+
+def _torch_ok() -> bool:
+    if "torch" in sys.modules:
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name: str | None = None,
+                       slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                       write_guard: str | None = None) -> StateDictRef:
+    """See ``memsem.Runtime.publish_state_dict``."""
+    if not isinstance(state_dict, Mapping) or not state_dict:
+        raise ValueError("state_dict must be a non-empty mapping of name to tensor")
+    align = _args.count(align, "align", minimum=1, maximum=1 << 20, unit="bytes")
+    if align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    bucket_bytes = _args.count(bucket_bytes, "bucket_bytes", minimum=1, unit="bytes")
+    infos = []
+    frameworks = set()
+    for key, t in state_dict.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"state_dict keys must be non-empty str, got {key!r}")
+        info = buffer_info(t, f"state_dict[{key!r}]")
+        infos.append((key, info))
+        frameworks.add(info.framework)
+    fw = "torch" if "torch" in frameworks else "numpy"
+    lay = StateDictLayout.build([(k, i.dtype_code, tuple(i.shape), i.nbytes) for k, i in infos], align=align,
+                                bucket_bytes=bucket_bytes, framework=fw)
+    total = lay.nbytes
+    buf = core.alloc_array(total, np.uint8) if slots == 1 else np.empty(total, np.uint8)
+    buf[:lay.header_bytes] = np.frombuffer(lay.header(), np.uint8)
+    base = buf.ctypes.data + lay.header_bytes
+    for (k, info), e in zip(infos, lay.entries):
+        if e.nbytes:
+            native.memcpy(base + e.offset, info.address, e.nbytes)
+    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard)
+    ref = StateDictRef(spec, core)
+    _layouts[_cache_key(spec)] = lay
+    return ref
+
+
+def lookup_state_dict(core: RuntimeCore, name: str) -> StateDictRef:
+    """See ``memsem.Runtime.lookup_state_dict``."""
+    spec = core.lookup_spec(name)
+    if spec.dtype_code != _UINT8:
+        raise ValueError(f"window {name!r} is not a state-dict window (dtype {_dtypes.name_of(spec.dtype_code)})")
+    ref = StateDictRef(spec, core)
+    _ = ref.layout  # validates now: a wrong window is an error here, not at the first load
+    return ref
+
+
+__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "TensorEntry", "lookup_state_dict",
+           "publish_state_dict"]

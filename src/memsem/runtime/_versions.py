@@ -1,0 +1,321 @@
+"""The consumer side of versions: the latest version, waits for a newer one, pinned leases, and
+one bracketed read of many ranges of one version.
+
+A window's *version* counts its owner's write sections within one generation (the owner side
+is ``_publish``). A consumer
+
+* reads ``latest`` (one acquire load of the control block's latest-version word);
+* waits for a version (``wait``): a futex wait on that word, woken by the owner's commit,
+  sliced by ``WAIT_SLICE_S`` only to re-check the owner's liveness and the generation (no
+  polling with sleeps); ``wait_async`` awaits the same word through the runtime's native
+  word waiter, never blocking or polling the event loop;
+* pins a version (``pin``): a lease whose slot names the version, so the owner does not
+  overwrite it while the lease lasts. Pinning checks the writer-intent word after the lease is
+  visible (Dekker with the writer's intent store and lease scan): a writer about to overwrite
+  the version's slot wins, the reader backs off and waits for the commit, so pinned readers
+  never starve the writer and never hold a version that is being overwritten;
+* reads many ranges of one version at once (``gather``): one native seqlock bracket around all
+  the copies, so a state dict of hundreds of tensors is loaded with one version check, no
+  round trip per tensor, and never returned torn.
+
+Every version operation of a window on another node goes through ``_remote`` (one function):
+the cross-node implementation plugs in there.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from memsem import _args, native
+from memsem._errors import MemsemTimeoutError, NotSupportedError
+from memsem.gva import RefSpec
+from memsem.gva._control import W_WRITER
+from memsem.runtime import _translate as tr
+from memsem.runtime._async import word_waiter
+from memsem.runtime._lease import Lease
+from memsem.runtime._liveness import WAIT_SLICE_S
+from memsem.runtime._resolve import Resolution
+
+if TYPE_CHECKING:
+    from memsem.runtime._core import RuntimeCore
+
+_open = native.lib.memsem_bracket_open
+_close = native.lib.memsem_bracket_close
+_ffi = native.ffi
+_MASK32 = 0xFFFFFFFF
+#: gathers restarted after a torn or gone version before the error is raised
+GATHER_RETRIES = 64
+
+
+class Versions:
+    """Version reads, waits and pins of one runtime (see the module docstring)."""
+
+    def __init__(self, core: "RuntimeCore") -> None:
+        self._core = core
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _resolve(self, spec: RefSpec) -> Resolution:
+        return self._core.resolver.resolve(spec)
+
+    def _remote(self, res: Resolution, spec: RefSpec, what: str) -> Any:
+        """Versions of a window with no control block here (another node). The one place a
+        cross-node implementation plugs in."""
+        raise NotSupportedError(f"{what} of {spec.label} on route {res.route.kind}: versions of windows on "
+                                "other nodes are not available on this route yet")
+
+    def _check_gen(self, res: Resolution, spec: RefSpec) -> None:
+        g = res.cb.generation
+        if g != spec.generation:
+            self._core.resolver.drop(spec.gva, res)
+            raise tr.stale(spec, g)
+
+    # -- latest -----------------------------------------------------------------------------------
+    def latest(self, spec: RefSpec) -> int:
+        """The latest committed version of ``spec``'s window (a snapshot).
+
+        Raises:
+            StaleReferenceError: the generation moved. PeerLostError / AccessDeniedError: as
+            for any resolution. NotSupportedError: a window on another node (no route yet).
+        """
+        res = self._resolve(spec)
+        if res.cb is None:
+            return self._remote(res, spec, "the latest version")
+        self._check_gen(res, spec)
+        return res.cb.latest
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def wait(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
+        """Block until the latest committed version is ``>= at_least``; returns it.
+
+        A futex wait on the latest-version word, woken by the owner's commit; between slices of
+        at most ``WAIT_SLICE_S`` it re-checks the generation and the owner's liveness.
+
+        Raises:
+            MemsemTimeoutError: not reached within ``timeout`` s (default the runtime's).
+            StaleReferenceError: the window was retired or republished. PeerLostError: the
+            owner died while waited for.
+        """
+        core = self._core
+        at_least = _args.count(at_least, "version")
+        t = _args.timeout_or(timeout, core.timeout)
+        deadline = time.monotonic() + t
+        res = self._resolve(spec)
+        if res.cb is None:
+            return self._remote(res, spec, "waiting for a version")
+        if not res.enter():
+            return self.wait(spec, at_least, max(0.0, deadline - time.monotonic()))
+        try:
+            cb = res.cb
+            a = cb.latest_addr
+            while True:
+                self._check_gen(res, spec)
+                v = native.load_acquire(a)
+                if v >= at_least:
+                    return v
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    core.telemetry.count_error("timeout")
+                    raise MemsemTimeoutError(f"{spec.label}: version {at_least} not committed after {t} s "
+                                             f"(latest is {v})", what=f"version {at_least} of {spec.label}",
+                                             timeout=t)
+                native.futex_wait(a, v & _MASK32, min(WAIT_SLICE_S, left))
+                if not res.own_cb and not res.peer.alive():
+                    raise res.peer.lost(f"{spec.label}, while version {at_least} was awaited,")
+        finally:
+            res.leave()
+
+    async def wait_async(self, spec: RefSpec, at_least: int, timeout: float | None = None,
+                         loop: asyncio.AbstractEventLoop | None = None) -> int:
+        """``wait`` for asyncio: awaits the latest-version word through the runtime's native
+        word waiter (one background thread for all awaited words); the event loop is never
+        blocked and never polled. Liveness and generation are re-checked every second."""
+        core = self._core
+        at_least = _args.count(at_least, "version")
+        t = _args.timeout_or(timeout, core.timeout)
+        loop = loop or asyncio.get_running_loop()
+        deadline = time.monotonic() + t
+        res = self._resolve(spec)
+        if res.cb is None:
+            return self._remote(res, spec, "waiting for a version")
+        waiter = word_waiter(core)
+        cb = res.cb
+        while True:
+            self._check_gen(res, spec)
+            v = cb.latest
+            if v >= at_least:
+                return v
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MemsemTimeoutError(f"{spec.label}: version {at_least} not committed after {t} s "
+                                         f"(latest is {v})", what=f"version {at_least} of {spec.label}",
+                                         timeout=t)
+            try:
+                await waiter.wait(cb.latest_addr, v, min(1.0, left), loop, what=f"version {at_least} of "
+                                  f"{spec.label}", keep=res)
+            except MemsemTimeoutError:
+                pass
+            if not res.own_cb and not res.peer.alive():
+                raise res.peer.lost(f"{spec.label}, while version {at_least} was awaited,")
+
+    # -- pinning ----------------------------------------------------------------------------------
+    def pin(self, spec: RefSpec, *, version: int = 0, ttl: float | None = 10.0,
+            timeout: float | None = None) -> Lease:
+        """A held lease pinning ``version`` (0: the latest committed one) of ``spec``'s window:
+        the owner does not overwrite that version's slot while the lease lasts (it waits, at
+        most until the lease expires). ``lease.version`` tells which version is pinned. A
+        version not written yet may be pinned (a reservation: the owner may write it, and not
+        the one after it in the same slot).
+
+        Raises:
+            StaleReferenceError: ``version`` is gone (names it and the version found), or the
+                generation moved. MemsemTimeoutError: a write section kept the version being
+                overwritten for ``timeout`` s. NotSupportedError: another node's window.
+        """
+        core = self._core
+        version = _args.count(version, "version")
+        t = _args.timeout_or(timeout, core.timeout)
+        deadline = time.monotonic() + t
+        res = self._resolve(spec)
+        if res.cb is None:
+            return self._remote(res, spec, "pinning a version")
+        cb = res.cb
+        while True:
+            self._check_gen(res, spec)
+            v = version or cb.latest
+            lease = Lease(core, spec, ttl, version=v).acquire()  # ends with a seq_cst fence
+            intent = cb.word(W_WRITER)
+            seq = cb.seq(cb.slot_of(v))
+            overwriting = intent > v and cb.slot_of(intent) == cb.slot_of(v)
+            held = seq >> 1
+            if not overwriting and (seq == v << 1 or (version and held < v) or (version and seq == (v << 1 | 1))):
+                return lease
+            lease.release()
+            if version and (held > version or overwriting):
+                core.telemetry.count_error("stale")
+                raise tr.version_gone(spec, version, max(held, intent))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise tr.busy_timeout(spec, t)
+            # a writer is about to overwrite (or is writing) the version: wait for its commit
+            native.futex_wait(cb.latest_addr, cb.latest & _MASK32, min(WAIT_SLICE_S, left))
+            if not res.own_cb and not res.peer.alive():
+                raise res.peer.lost(spec.label)
+
+    # -- one bracket, many ranges -----------------------------------------------------------------
+    def gather(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], *, version: int = 0,
+               lease: Lease | None = None, keep: Any = None) -> int:
+        """Copy ranges of one version of ``spec``'s window here; returns the version read.
+
+        Args:
+            ranges: ``(offset, nbytes, address)``: ``nbytes`` bytes at ``offset`` bytes into the
+                ref go to ``address`` here (memory the caller keeps alive: ``keep``).
+            version: 0 reads the latest committed version, else exactly that one.
+            lease: a held lease (a pinned one keeps ``version`` readable).
+
+        Same node, every copy runs inside one native seqlock bracket (one generation and
+        version check before, one after); a torn bracket is redone whole, so the ranges hold
+        one version when this returns. Other routes copy range by range with the version of
+        the first fixed. On an error the destination bytes are unspecified.
+
+        Raises:
+            StaleReferenceError: the generation moved, or ``version`` is gone (both versions
+                named). MemsemTimeoutError: a write section stayed open past the timeout.
+            LeaseExpiredError, PeerLostError, AccessDeniedError: as for ``get``.
+        """
+        core = self._core
+        total = spec.nbytes
+        for i, (off, n, _addr) in enumerate(ranges):
+            if off < 0 or n < 0 or off + n > total:
+                raise ValueError(f"ranges[{i}]: bytes [{off}, {off + n}) lie outside {spec.label}'s "
+                                 f"{total} bytes")
+        res = self._resolve(spec)
+        if not res.direct:
+            return self._gather_ranges(spec, ranges, version, lease, keep)
+        deadline = None
+        retries = 0
+        while True:
+            ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
+            st = _ffi.new("uint64_t[5]")
+            rc = _open(res.plan, 0, spec.offset, total, version, ls, lid, st)
+            if rc != tr.OK:
+                if rc & tr.RC_LAST_OUT:
+                    res.release()
+                status = rc & tr.RC_STATUS
+                if status == tr.CLOSED:
+                    res = self._resolve(spec)
+                    if not res.direct:
+                        return self._gather_ranges(spec, ranges, version, lease, keep)
+                    continue
+                if status == tr.BUSY:
+                    core.telemetry.count_error("busy")
+                    if deadline is None:
+                        deadline = time.monotonic() + core.timeout
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise tr.busy_timeout(spec, core.timeout)
+                    core.transfers._wait_sequence(res, version, min(WAIT_SLICE_S, left))
+                    if not res.own_cb and not res.peer.alive():
+                        raise res.peer.lost(spec.label)
+                    continue
+                raise core.transfers._failure(status, rc, res, spec, False, lease, version)
+            failed = 0
+            base = int(st[4])
+            d = res.remote.direct
+            try:
+                if d.cma:
+                    for off, n, addr in ranges:
+                        if n:
+                            native.vm_read(d.pid, addr, base + off, n)
+                else:
+                    for off, n, addr in ranges:
+                        if n:
+                            native.memcpy(addr, base + off, n)
+            except BaseException:
+                failed = 1
+                rc = _close(res.plan, 0, total, ls, lid, st, failed)
+                if rc & tr.RC_LAST_OUT:
+                    res.release()
+                status = rc & tr.RC_STATUS
+                if status in (tr.GEN_AFTER, tr.GEN_BEFORE):
+                    raise core.transfers._failure(status, rc, res, spec, False, lease, version) from None
+                raise
+            rc = _close(res.plan, 0, total, ls, lid, st, 0)
+            if rc & tr.RC_LAST_OUT:
+                res.release()
+            status = rc & tr.RC_STATUS
+            if status == tr.OK:
+                if rc & tr.RC_CHECK_PEER:
+                    res.peer_checked()
+                return rc >> tr.RC_SHIFT
+            if status == tr.TORN:
+                core.telemetry.count_error("torn")
+                retries += 1
+                if retries > GATHER_RETRIES and version:
+                    raise tr.version_gone(spec, version, res.cb.latest if res.cb is not None else 0)
+                continue
+            raise core.transfers._failure(status, rc, res, spec, False, lease, version)
+
+    def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
+                       lease: Lease | None, keep: Any) -> int:
+        """Routes without a native bracket here: range by range, the first fixes the version."""
+        from memsem._errors import StaleReferenceError
+
+        tx = self._core.transfers
+        for _ in range(GATHER_RETRIES):
+            v = version
+            try:
+                for off, n, addr in ranges:
+                    got = tx.transfer(spec, False, off, addr, n, keep, lease, v)
+                    v = v or got
+                return v
+            except StaleReferenceError as exc:
+                # the latest version moved on between ranges (it names the version it wanted):
+                # start again from the new latest; anything else is the caller's error
+                if version or not v or exc.expected != v or exc.found is None:
+                    raise
+        raise tr.busy_timeout(spec, self._core.timeout)
+
+
+__all__ = ["GATHER_RETRIES", "Versions"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The verl suite: build .venv-verl (verl 0.9.1 on the local torch 2.13.0 CPU wheel, plus
+# uvicorn and fastapi, which verl's import chain needs), install memsem into it, run
+# tests/verl. Called by `make test-verl`.
+#
+# Env: VERL_VENV (default .venv-verl), PY (default python3.11).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+V=${VERL_VENV:-$ROOT/.venv-verl}
+PY=${PY:-python3.11}
+STAMP="$V/.verl-installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
+    [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
+    "$V/bin/pip" install -q --upgrade pip setuptools wheel cffi
+    # torch first, pinned, so no later resolution pulls another build (GBs of CUDA)
+    "$V/bin/pip" install -q torch==2.13.0
+    "$V/bin/pip" install -q verl==0.9.1 uvicorn fastapi pytest pytest-asyncio pytest-timeout
+    "$V/bin/pip" install -q -e "$ROOT"
+    touch "$STAMP"
+fi
+export RAY_USAGE_STATS_ENABLED=0
+export RAY_worker_niceness=${RAY_worker_niceness:-0}
+cd "$ROOT"
+exec "$V/bin/python" -m pytest -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function \
+    --timeout 900 tests/verl
