@@ -11,9 +11,14 @@ The data lives in a producer process's private memory (route host/cma: one kerne
 tile, nothing mapped into the consumer), so moves are real and the consumer's RSS only holds
 what the pipeline allocates. ``--quick`` shrinks the sizes (64 MiB refs, 256 MiB stream).
 
+1b. Never slower than get-then-compute (issue 15): for refs of 256 KiB .. 256 MiB, a pipeline with
+   the automatic tile choice against one get then the compute over the whole ref, the same
+   compute (proportional to the bytes, ~= the move) in both, rounds interleaved; the smallest
+   ratio is ``pipeline_vs_get_min`` (goal >= 1.0).
+
 ``run(quick=True)`` returns a dict with ``pipeline_vs_ideal``, ``pipeline_speedup_vs_bulk``,
-``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond ``depth x tile_bytes``; the goal
-is <= 64) plus the raw figures; ``memsem bench`` calls it.
+``pipeline_vs_get_min``, ``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond
+``depth x tile_bytes``; the goal is <= 64) plus the raw figures; ``memsem bench`` calls it.
 """
 from __future__ import annotations
 
@@ -124,12 +129,12 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
     slot = np.empty(tile_bytes, np.uint8)
     slot[:] = 0
     # per-tile move time (sequential, warm buffer)
-    rt.transfer(spec, "get", 0, slot)
+    rt.core.transfer(spec, "get", 0, slot)
     move_t = []
     for i in range(n):
         off = i * tile_bytes
         t = time.perf_counter()
-        rt.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
+        rt.core.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
         move_t.append(time.perf_counter() - t)
     comp = _Compute(tile_bytes)
     comp.calibrate(slot, statistics.median(move_t))
@@ -148,7 +153,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
         # The machine's ceiling: copies on one thread and compute on another with no hand-off
         # at all. No pipeline can beat it; on 2 shared vCPUs it is far from the ideal.
         t = time.perf_counter()
-        th = threading.Thread(target=lambda: [rt.transfer(spec, "get", i * tile_bytes,
+        th = threading.Thread(target=lambda: [rt.core.transfer(spec, "get", i * tile_bytes,
                                                            other[:min(tile_bytes, spec.nbytes - i * tile_bytes)])
                                               for i in range(n)])
         th.start()
@@ -157,7 +162,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
         th.join()
         free.append(time.perf_counter() - t)
         t = time.perf_counter()
-        rt.transfer(spec, "get", 0, whole)
+        rt.core.transfer(spec, "get", 0, whole)
         for i in range(n):
             comp(whole[i * tile_bytes:(i + 1) * tile_bytes])
         bulk.append(time.perf_counter() - t)
@@ -351,6 +356,10 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
 def report(r: dict[str, Any]) -> str:
     ov, ft, rs = r["overlap"], r["first_tile"], r["rss"]
     ms = 1e3
+
+    def fmt(n: int) -> str:
+        return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
     lines = [
         f"memsem pipeline benchmark ({'quick' if r['quick'] else 'full'}, {r['cpus']} CPUs, route {ov['route']}, "
         f"tile {ov['tile_bytes'] // MiB} MiB, depth {ov['depth']})",
@@ -361,6 +370,11 @@ def report(r: dict[str, Any]) -> str:
         f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7)",
         f"     machine ceiling: copy thread || compute, no hand-off = {ov['unsynchronized_s'] * ms:.1f} ms "
         f"({ov['ceiling_vs_ideal']:.2f}x ideal); pipeline / ceiling = {ov['pipeline_vs_ceiling']:.3f}x",
+        "     never slower than get-then-compute (automatic tiles, compute ~= move; ratio = get-then-compute / pipeline):",
+        *[f"       {fmt(v['bytes']):>8}: {v['tiles']:>3} tile(s), mover {v['mover'] or '-':<6} get-then-compute "
+          f"{v['get_then_compute_s'] * ms:8.3f} ms | pipeline {v['pipeline_s'] * ms:8.3f} ms | ratio {v['ratio']:.3f}"
+          f" (vs a get into a new array: {v['alloc_ratio']:.3f})" for v in r["vs_get"]["sizes"].values()],
+        f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x   (goal >= 1.0)",
         f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one {ft['tile_bytes'] // MiB} MiB get() "
         f"{ft['one_get_s'] * ms:.3f} ms",
         f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3)",

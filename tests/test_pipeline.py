@@ -604,3 +604,26 @@ def test_forked_child_has_no_engine():
         assert code == 0 and rest == 7 * 4096
     finally:
         reap([p])
+
+
+def test_one_engine_per_runtime_serves_concurrent_pipelines_and_is_joined_at_close():
+    """Two pipelines streaming at once share the runtime's copy engine (its workers are
+    started on demand, at most one per CPU); closing the runtime joins them."""
+    rt = memsem.Runtime()
+    a = rt.publish(pattern(32 * 4096, 1))
+    b = rt.publish(pattern(32 * 4096, 2))
+    pa = rt.pipeline(a, tile_bytes=4096, zero_copy=False, timeout=10)
+    pb = rt.pipeline(b, tile_bytes=4096, zero_copy=False, timeout=10)
+    got_a, got_b = [], []
+    for ta, tb in zip(pa, pb):  # interleaved: neither waits for the other's consumer
+        got_a.append(ta.raw.copy())
+        got_b.append(tb.raw.copy())
+    assert np.array_equal(np.concatenate(got_a), pattern(32 * 4096, 1))
+    assert np.array_equal(np.concatenate(got_b), pattern(32 * 4096, 2))
+    engine = pipeline_mod.copy_engine(rt.core)
+    assert pa._mover is None or pa._mover._engine is engine
+    assert 1 <= engine.workers <= min(pipeline_mod.MAX_WORKERS, os.cpu_count() or 1)
+    rt.close()
+    assert engine._shut  # every worker joined
+    with memsem.Runtime() as rt2:  # a new runtime gets a new engine
+        assert pipeline_mod.copy_engine(rt2.core) is not engine
