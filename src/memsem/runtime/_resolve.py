@@ -17,6 +17,7 @@ touching thousands of short-lived windows keeps a constant number of mappings.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING
 
@@ -226,7 +227,7 @@ class Resolver:
     def _sweep(self, n: int) -> None:
         """Drop up to ``n`` of the oldest cached resolutions whose window moved on (retired or
         republished): their mappings would only keep unlinked memory alive."""
-        for gva, r in list(self.cache.items())[:n]:
+        for gva, r in list(itertools.islice(self.cache.items(), n)):  # the oldest n, not a copy of all
             cb = r.cb
             if cb is None or not r.enter():
                 continue
