@@ -76,7 +76,7 @@ def run_bench(args: Any) -> int:
     as_json = bool(getattr(args, "json", False))
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=as_json, width=140)
+    console = Console(stderr=as_json, width=100)  # readable on a 100-column terminal
     sizes = list(getattr(args, "sizes", None) or (M.SIZES_QUICK if quick else M.SIZES_FULL))
     for need in (64, 64 * MiB):
         if need not in sizes:
