@@ -4,6 +4,10 @@ trainers and 2/4/6 rollout workers, 3 update rounds, every received weight equal
 trainer's. On CPU, with a small model built locally from a transformers config (no download);
 each round the trainer changes every weight, so each round is a new version.
 
+The cross-node variant gives every actor its own memsem node id (``MEMSEM_NODE_ID``) and the tcp
+engine: shared memory and cross-memory attach are then forbidden between them, so every bucket
+and every ready word travels over tcp (the owner pushes ready transitions), as between nodes.
+
 Runs in .venv-verl (tests/verl/run_verl_tests.sh, ``make test-verl``).
 """
 from __future__ import annotations
@@ -52,6 +56,10 @@ class Worker:
             self.received[name] = weight.clone()
         return len(self.received)
 
+    def bytes_by_route(self) -> dict:
+        rt = self.engine._rt
+        return {} if rt is None else dict(rt.stats().bytes_by_route)
+
     def check_weights(self):
         if self.role == "trainer":
             return 0
@@ -69,22 +77,44 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    job = f"verl{os.getpid()}-{secrets.token_hex(3)}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"MEMSEM_JOB": job, "RAY_worker_niceness": "0",
-                                       # the actors import this module (its Worker class)
-                                       "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__),
-                                                                      os.environ.get("PYTHONPATH", "")])}})
+    os.environ["MEMSEM_TEST_JOB"] = f"verl{os.getpid()}-{secrets.token_hex(3)}"
+    # the actors import this module (its Worker class): PYTHONPATH in _env
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=_env(None))
     yield
     ray.shutdown()
 
 
+def _env(node: str | None) -> dict:
+    env = {"MEMSEM_JOB": os.environ["MEMSEM_TEST_JOB"], "RAY_worker_niceness": "0",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    if node is not None:
+        env.update(MEMSEM_NODE_ID=node, MEMSEM_ENGINES="loopback,host,tcp")
+    return {"env_vars": env}
+
+
 @pytest.mark.parametrize("num_rollout", [2, 4, 6])
 def test_memsem_checkpoint_engine(ray_cluster, num_rollout):
+    _rounds(num_rollout, across_nodes=False)
+
+
+def test_memsem_checkpoint_engine_across_nodes(ray_cluster):
+    """Trainers and rollouts on four different memsem nodes: the same 3 rounds, every weight
+    equal, and every byte a rollout loaded came over the tcp route."""
+    routes = _rounds(2, across_nodes=True)
+    for r in routes[2:]:
+        assert set(r) == {"tcp"} and r["tcp"] > 0, routes
+
+
+def _rounds(num_rollout: int, across_nodes: bool) -> list[dict]:
     from memsem.integrations.verl import MemsemCheckpointEngine
 
-    trainer = [Worker.remote("trainer") for _ in range(2)]
-    rollout = [Worker.remote("rollout") for _ in range(num_rollout)]
+    def make(role: str, i: int):
+        if not across_nodes:
+            return Worker.remote(role)
+        return Worker.options(runtime_env=_env(f"verl-{role}-{i}")).remote(role)
+
+    trainer = [make("trainer", i) for i in range(2)]
+    rollout = [make("rollout", i) for i in range(num_rollout)]
     workers = trainer + rollout
     for step in range(1, 4):
         # 1. prepare all workers; 2. the engine's own topology; 3. init the process group
@@ -108,6 +138,8 @@ def test_memsem_checkpoint_engine(ray_cluster, num_rollout):
         ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
         counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
         assert all(c > 0 for c in counts[len(trainer):])
+    routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
     for w in workers:
         ray.get(w.execute_checkpoint_engine.remote("close"))
         ray.kill(w)
+    return routes

@@ -11,12 +11,16 @@ How it moves weights (bucketed, double-buffered, versions checked):
 * The trainer (rank 0) publishes one **double-buffered window** of ``bucket_size`` bytes plus
   a metadata area: every bucket it fills is one *version* of that window, written inside a
   write section (so a rollout never reads a half-filled bucket), in the slot the rollouts are
-  not reading. It also publishes a small window of **ready words**, one per rollout.
-* Each rollout pins the versions of the first two buckets (leases naming the version) and
-  marks its ready word; the trainer awaits the ready words (the runtime's native word waiter:
-  no polling) before the first bucket. A rollout reserves bucket k+2 before it lets go of bucket
-  k, so the trainer can be at most two buckets ahead of the slowest rollout, never overwrite a
-  bucket someone still needs, and is blocked only as long as a rollout holds it.
+  not reading. It also publishes a small window of **ready words**: two per rollout, one per
+  slot, each meaning "this rollout is done with what the slot holds".
+* Each rollout marks both its words when it joins. Before the trainer writes a bucket into a
+  slot it awaits that slot's word of every rollout (the runtime's native word waiter: no
+  polling), clears them, then writes; a rollout marks its word of the slot again once it has
+  copied the bucket out. So the trainer is at most two buckets ahead of the slowest rollout,
+  never overwrites a bucket someone still needs, and is blocked only as long as a rollout is
+  still copying it. The words are marked with one-sided ready marks, which work on every
+  route: on one node in the window's control block, across nodes (tcp) checked and written by
+  the trainer's runtime, which pushes the change to whoever waits.
 * A rollout awaits each version on the window's latest-version word (native word waiter),
   copies the bucket (metadata and bytes, both of exactly that version: a gone version raises
   ``StaleReferenceError`` naming both) into one of two local buffers while the previous
@@ -96,7 +100,6 @@ class MemsemCheckpointEngine(CheckpointEngine):
         self._window = None
         self._acks = None
         self._token = ""
-        self._pins: dict[int, Any] = {}
         #: per-sync figures of the last send (verl merges the trainer's into its metrics)
         self.metrics: dict[str, float] = {}
 
@@ -136,15 +139,11 @@ class MemsemCheckpointEngine(CheckpointEngine):
             rt = self.runtime
             cap = self.meta_bytes + self.bucket_size
             self._window = rt.publish(np.zeros(cap, np.uint8), name=self._name, slots=2)
-            n = max(1, self.world_size - 1)
+            n = 2 * max(1, self.world_size - 1)  # per rollout: slot 0 free, slot 1 free
             self._acks = rt.publish(np.zeros(n, np.uint8), name=self._name + "/ready", tiles=n, access="rw")
 
     def finalize(self) -> None:
-        """Rank 0 unpublishes (waiting, within ``timeout``, for rollouts still holding a bucket);
-        rollouts release what they hold."""
-        for lease in self._pins.values():
-            lease.release()
-        self._pins.clear()
+        """Rank 0 unpublishes (waiting, within ``timeout``, for copies still running)."""
         if self._window is not None:
             rt = self.runtime
             for ref in (self._window, self._acks):
@@ -173,10 +172,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
         rt = self.runtime
         core = rt.core
         loop = asyncio.get_running_loop()
-        await self._await_joins(loop)
         step = -1 if global_steps is None else int(global_steps)
-        blocked = 0.0
         buckets = 0
+        blocked = await self._await_slot(loop, 0)
         sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                         timeout=self.timeout))
         meta: list[list[Any]] = []
@@ -190,6 +188,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                     blocked += sec.blocked_s
                     sec.commit()
                     buckets += 1
+                    blocked += await self._await_slot(loop, buckets)
                     sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                                     timeout=self.timeout))
                     meta, offset = [], 0
@@ -218,22 +217,31 @@ class MemsemCheckpointEngine(CheckpointEngine):
         arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
         arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
 
-    async def _await_joins(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Every rollout marked its ready word (it holds its pins): awaited on the words."""
+    async def _await_slot(self, loop: asyncio.AbstractEventLoop, bucket: int) -> float:
+        """Before bucket ``bucket`` is written: every rollout is done with what its slot holds
+        (its word of that slot is marked), awaited on the words, which are then cleared.
+        Returns the seconds waited."""
         core = self.runtime.core
         owned = core.publisher.owned[self._acks.spec.gva]
         gen = self._acks.generation
+        slot = (FIRST_BUCKET_VERSION + bucket) % 2
         waiter = word_waiter(core)
-        deadline = loop.time() + self.timeout
-        for i in range(owned.cb.n_ready):
-            a = owned.cb.ready_addr(i)
+        t0 = loop.time()
+        deadline = t0 + self.timeout
+        n = owned.cb.n_ready // 2
+        for i in range(n):
+            a = owned.cb.ready_addr(2 * i + slot)
             while memsem.native.load_acquire(a) != gen:
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise memsem.MemsemTimeoutError(f"rollout rank {i + 1} did not join {self._name} in "
+                    what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
+                    raise memsem.MemsemTimeoutError(f"rollout rank {i + 1} did not {what} of {self._name} in "
                                                     f"{self.timeout} s", what=f"rollout {i + 1}", timeout=self.timeout)
-                await waiter.wait(a, memsem.native.load_acquire(a), left, loop, what=f"rollout {i + 1} joining",
+                await waiter.wait(a, memsem.native.load_acquire(a), left, loop, what=f"rollout {i + 1}",
                                   keep=owned)
+        for i in range(n):
+            core.clear_ready(self._acks.spec, 2 * i + slot)
+        return loop.time() - t0 if bucket >= 2 else 0.0  # joining is not blocking by readers
 
     # -- rollout ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,24 +259,23 @@ class MemsemCheckpointEngine(CheckpointEngine):
         win = rt.lookup(self._name)
         acks = rt.lookup(self._name + "/ready")
         v = FIRST_BUCKET_VERSION
-        for k in (v, v + 1):
-            self._pins[k] = win.pin(version=k, ttl=None, timeout=self.timeout)
-        acks.mark_ready(self.rank - 1)
+        me = 2 * (self.rank - 1)
+        acks.mark_ready(me)  # joined: both slots may be written
+        acks.mark_ready(me + 1)
         cap = self.meta_bytes + self.bucket_size
         bufs = [np.empty(cap, np.uint8) for _ in range(2)]
         spec = win.spec
 
         async def fetch(version: int, buf: np.ndarray) -> tuple[dict, int]:
             await core.wait_version_async(spec, version, self.timeout)
-            lease = self._pins[version]
 
             def copy() -> tuple[int, int, int, int]:
                 head = buf[:_HEAD.size]
-                core.transfer(spec, "get", 0, head, lease=lease, version=version)
+                core.transfer(spec, "get", 0, head, version=version)
                 magic, index, last, step, mlen = _HEAD.unpack(head.tobytes())
                 if magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
                     raise memsem.MemsemError(f"{win.spec.label}: version {version} is not a memsem verl bucket")
-                core.transfer(spec, "get", _HEAD.size, buf[_HEAD.size:_HEAD.size + mlen], lease=lease, version=version)
+                core.transfer(spec, "get", _HEAD.size, buf[_HEAD.size:_HEAD.size + mlen], version=version)
                 return index, last, step, mlen
 
             index, last, step, mlen = await core.submit(f"bucket header v{version}", copy)
@@ -278,7 +285,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
             if used:
                 await core.submit(f"bucket v{version}", lambda: core.transfer(
-                    spec, "get", self.meta_bytes, buf[self.meta_bytes:self.meta_bytes + used], lease=lease,
+                    spec, "get", self.meta_bytes, buf[self.meta_bytes:self.meta_bytes + used],
                     version=version))
             if index != version - FIRST_BUCKET_VERSION:
                 raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
@@ -291,9 +298,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
             while True:
                 got, _ = await task
                 buf = torch.from_numpy(bufs[v % 2])
-                if not got["last"]:
-                    self._pins[v + 2] = win.pin(version=v + 2, ttl=None, timeout=self.timeout)  # reserve first
-                self._pins.pop(v).release()
+                # copied out: the trainer may write this slot again (bucket v + 2)
+                await core.submit(f"done with v{v}", lambda v=v: acks.mark_ready(me + v % 2))
                 if not got["last"]:
                     task = asyncio.ensure_future(fetch(v + 1, bufs[(v + 1) % 2]))
                 for name, dt, shape, chunk_offset, chunk_size, off in got["meta"]:
@@ -306,9 +312,6 @@ class MemsemCheckpointEngine(CheckpointEngine):
         finally:
             if not task.done():
                 task.cancel()
-            for lease in self._pins.values():
-                lease.release()
-            self._pins.clear()
 
 
 async def _aiter(weights: Any) -> AsyncGenerator[Any, None]:
