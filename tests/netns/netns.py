@@ -288,17 +288,7 @@ def veth_pair(prefix: str = PREFIX, subnet_octet: int | None = None,
         _wait_link_up(a, b)
         yield a, b
     finally:
-        errors = []
-        for ns in reversed(created):
-            try:
-                ns.kill_all()
-            except Exception as e:  # keep tearing down the rest
-                errors.append(f"{ns.name}: kill: {e}")
-            cp = _ip("netns", "del", ns.name, check=False)
-            if cp.returncode != 0 and ns.name in _existing_netns():
-                errors.append(f"{ns.name}: del: {cp.stderr.strip()}")
-        if errors:
-            raise NetnsError("namespace teardown incomplete: " + "; ".join(errors))
+        _teardown(created)
 
 
 @contextlib.contextmanager
@@ -333,17 +323,23 @@ def star(n: int, prefix: str = PREFIX) -> Iterator[list[Namespace]]:
         _wait_link_up(*leaves)
         yield leaves
     finally:
-        errors = []
-        for ns in reversed(created):
-            try:
-                ns.kill_all()
-            except Exception as e:  # keep tearing down the rest
-                errors.append(f"{ns.name}: kill: {e}")
-            cp = _ip("netns", "del", ns.name, check=False)
-            if cp.returncode != 0 and ns.name in _existing_netns():
-                errors.append(f"{ns.name}: del: {cp.stderr.strip()}")
-        if errors:
-            raise NetnsError("namespace teardown incomplete: " + "; ".join(errors))
+        _teardown(created)
+
+
+def _teardown(created: list[Namespace]) -> None:
+    """Kill every process left in ``created`` and delete them (newest first); raises once,
+    naming every namespace that could not be removed."""
+    errors = []
+    for ns in reversed(created):
+        try:
+            ns.kill_all()
+        except Exception as e:  # keep tearing down the rest
+            errors.append(f"{ns.name}: kill: {e}")
+        cp = _ip("netns", "del", ns.name, check=False)
+        if cp.returncode != 0 and ns.name in _existing_netns():
+            errors.append(f"{ns.name}: del: {cp.stderr.strip()}")
+    if errors:
+        raise NetnsError("namespace teardown incomplete: " + "; ".join(errors))
 
 
 def _wait_link_up(*nss: Namespace, timeout: float = 5.0) -> None:

@@ -886,12 +886,16 @@ class Pipeline:
         self._moves.append(mover.interval(index))
 
     def _wait_native(self, index: int) -> int:
-        mover = self._mover
+        return self._wait_mover(index, lambda: self._mover.wait(index, POLL_S), _WAITING)
+
+    def _wait_mover(self, index: int, poll: Any, waiting: Any) -> Any:
+        """Poll the mover for tile ``index`` (``poll()`` blocks at most POLL_S) until it gives
+        something other than ``waiting``; bounded by the pipeline's timeout plus a grace."""
         deadline = time.monotonic() + self.timeout + CALLER_GRACE_S
         while True:
-            rc = mover.wait(index, POLL_S)
-            if rc != _WAITING:
-                return rc
+            got = poll()
+            if got != waiting:
+                return got
             if self._closed:
                 raise MemsemError(f"pipeline over {self.spec.label} was closed")
             if time.monotonic() >= deadline:
@@ -934,18 +938,7 @@ class Pipeline:
             self._restart(index + 1, self.runtime.resolve(self.spec))
 
     def _wait_thread(self, index: int) -> int:
-        deadline = time.monotonic() + self.timeout + CALLER_GRACE_S
-        while True:
-            got = self._mover.wait(index, POLL_S)
-            if got is not None:
-                return got
-            if self._closed:
-                raise MemsemError(f"pipeline over {self.spec.label} was closed")
-            if time.monotonic() >= deadline:
-                raise MemsemTimeoutError(
-                    f"pipeline over {self.spec.label}: tile {index} not delivered after "
-                    f"{self.timeout + CALLER_GRACE_S:.2f} s", what=f"tile {index} of {self.spec.label}",
-                    timeout=self.timeout)
+        return self._wait_mover(index, lambda: self._mover.wait(index, POLL_S), None)
 
     def _release(self, tile: Tile) -> None:
         t = _perf()
