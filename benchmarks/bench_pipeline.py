@@ -11,9 +11,14 @@ The data lives in a producer process's private memory (route host/cma: one kerne
 tile, nothing mapped into the consumer), so moves are real and the consumer's RSS only holds
 what the pipeline allocates. ``--quick`` shrinks the sizes (64 MiB refs, 256 MiB stream).
 
+1b. Never slower than get-then-compute (issue 15): for refs of 256 KiB .. 256 MiB, a pipeline with
+   the automatic tile choice against one get then the compute over the whole ref, the same
+   compute (proportional to the bytes, ~= the move) in both, rounds interleaved; the smallest
+   ratio is ``pipeline_vs_get_min`` (goal >= 1.0).
+
 ``run(quick=True)`` returns a dict with ``pipeline_vs_ideal``, ``pipeline_speedup_vs_bulk``,
-``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond ``depth x tile_bytes``; the goal
-is <= 64) plus the raw figures; ``memsem bench`` calls it.
+``pipeline_vs_get_min``, ``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond
+``depth x tile_bytes``; the goal is <= 64) plus the raw figures; ``memsem bench`` calls it.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ import memsem
 from memsem.pipeline import Pipeline
 
 MiB = 1 << 20
+#: sizes of ``pipeline_vs_get_min``: 256 KiB .. 256 MiB, powers of 4
+VS_GET_SIZES = [256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -122,12 +129,12 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
     slot = np.empty(tile_bytes, np.uint8)
     slot[:] = 0
     # per-tile move time (sequential, warm buffer)
-    rt.transfer(spec, "get", 0, slot)
+    rt.core.transfer(spec, "get", 0, slot)
     move_t = []
     for i in range(n):
         off = i * tile_bytes
         t = time.perf_counter()
-        rt.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
+        rt.core.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
         move_t.append(time.perf_counter() - t)
     comp = _Compute(tile_bytes)
     comp.calibrate(slot, statistics.median(move_t))
@@ -146,7 +153,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
         # The machine's ceiling: copies on one thread and compute on another with no hand-off
         # at all. No pipeline can beat it; on 2 shared vCPUs it is far from the ideal.
         t = time.perf_counter()
-        th = threading.Thread(target=lambda: [rt.transfer(spec, "get", i * tile_bytes,
+        th = threading.Thread(target=lambda: [rt.core.transfer(spec, "get", i * tile_bytes,
                                                            other[:min(tile_bytes, spec.nbytes - i * tile_bytes)])
                                               for i in range(n)])
         th.start()
@@ -155,7 +162,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
         th.join()
         free.append(time.perf_counter() - t)
         t = time.perf_counter()
-        rt.transfer(spec, "get", 0, whole)
+        rt.core.transfer(spec, "get", 0, whole)
         for i in range(n):
             comp(whole[i * tile_bytes:(i + 1) * tile_bytes])
         bulk.append(time.perf_counter() - t)
@@ -175,6 +182,86 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
             "unsynchronized_s": min(free), "ceiling_vs_ideal": min(free) / ideal,
             "pipeline_vs_ceiling": min(pipe) / min(free),
             "overlap_ratio": stats.overlap_ratio, "route": stats.route}
+
+
+# -- 1b: never slower than get-then-compute -----------------------------------------------------
+class _ByteCompute:
+    """Work proportional to the bytes it is given: one read of them (a float32 sum), then
+    ``k x nbytes`` passes of a GIL-releasing kernel over a cache-resident 32 KiB block. The same
+    total whether called once on the whole ref or once per tile (what get-then-compute and a
+    pipeline each do); calibrated so computing the whole ref takes about as long as moving it."""
+
+    def __init__(self) -> None:
+        self.a = np.ones(8192, np.float32)
+        self.b = np.empty_like(self.a)
+        self.k = 0.0
+
+    def __call__(self, x: np.ndarray) -> float:
+        acc = float(x.view(np.float32).sum(dtype=np.float32)) if x.nbytes % 4 == 0 else float(x.sum())
+        for _ in range(int(x.nbytes * self.k + 0.5)):
+            np.multiply(self.a, np.float32(1.0001), out=self.b)
+        return acc + float(self.b[0])
+
+    def calibrate(self, x: np.ndarray, target_s: float) -> None:
+        self.k = 0.0
+        base = _median_time(lambda: self(x), 9)
+        per = _median_time(lambda: [np.multiply(self.a, np.float32(1.0001), out=self.b) for _ in range(100)], 9) / 100
+        self.k = max(0.0, (target_s - base) / per) / x.nbytes
+
+
+def vs_get_bench(rt: memsem.Runtime, full: memsem.TensorRef, sizes: list[int], quick: bool) -> dict[str, Any]:
+    """For each size: get-then-compute (one ``get`` into a preallocated, touched array, then the
+    compute over it) against a pipeline with the automatic tile choice (compute per tile), rounds
+    interleaved (each round runs both, in alternating order), medians. ``ratio`` = get-then-compute
+    time / pipeline time (>= 1: the pipeline does not lose). ``alloc_ratio`` uses ``ref.get()``
+    (a new array each time, as get-then-compute code usually reads) as the baseline instead."""
+    out: dict[str, Any] = {}
+    for n in sizes:
+        ref = full.bytes(0, n)
+        whole = np.empty(n, np.uint8)
+        whole[:] = 0
+        ref.get(whole)
+        move = _median_time(lambda: ref.get(whole), 7)
+        comp = _ByteCompute()
+        comp.calibrate(whole, move)
+        reps = (200 if n <= MiB else 40 if n <= 16 * MiB else 9 if n <= 64 * MiB else 3) * (1 if quick else 3)
+        bulk, alloc, pipe = [], [], []
+        tiles, mover, why = 1, "", ""
+
+        def run_bulk() -> None:
+            t = time.perf_counter()
+            ref.get(whole)
+            comp(whole)
+            bulk.append(time.perf_counter() - t)
+
+        def run_alloc() -> None:
+            t = time.perf_counter()
+            comp(ref.get())
+            alloc.append(time.perf_counter() - t)
+
+        def run_pipe() -> None:
+            nonlocal tiles, mover, why
+            t = time.perf_counter()
+            with rt.pipeline(ref) as p:
+                for tile in p:
+                    with tile:
+                        comp(tile.raw)
+            pipe.append(time.perf_counter() - t)
+            tiles, mover = p.n_tiles, p.stats.mover
+
+        run_pipe()
+        why = rt.pipeline(ref).explanation
+        for r in range(reps):
+            order = (run_bulk, run_pipe, run_alloc) if r % 2 else (run_pipe, run_alloc, run_bulk)
+            for fn in order:
+                fn()
+        b, a, q = statistics.median(bulk), statistics.median(alloc), statistics.median(pipe)
+        out[str(n)] = {"bytes": n, "move_s": move, "get_then_compute_s": b, "alloc_get_then_compute_s": a,
+                       "pipeline_s": q, "ratio": b / q, "alloc_ratio": a / q, "tiles": tiles, "mover": mover,
+                       "explanation": why, "rounds": reps}
+    ratios = [v["ratio"] for v in out.values()]
+    return {"sizes": out, "pipeline_vs_get_min": min(ratios),
+            "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
 
 
 # -- 2: first tile -------------------------------------------------------------------------------
@@ -252,12 +339,14 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
             full = rt.ref(src.data)
             ref = full.bytes(0, ref_bytes)
             ov = overlap_bench(rt, ref, overlap_tile_bytes, depth, repeats=3 if quick else 5)
+            vg = vs_get_bench(rt, full, VS_GET_SIZES, quick)
             ft = first_tile_bench(rt, ref, tile_bytes, depth)
             rss_src = full.bytes(0, stream_bytes).to_bytes()
         rs = rss_bench(rss_src, tile_bytes, depth)
     finally:
         src.close()
-    out.update(overlap=ov, first_tile=ft, rss=rs,
+    out.update(overlap=ov, vs_get=vg, pipeline_vs_get_min=vg["pipeline_vs_get_min"],
+               pipeline_vs_get_alloc_min=vg["pipeline_vs_get_alloc_min"], first_tile=ft, rss=rs,
                pipeline_vs_ideal=ov["pipeline_vs_ideal"], pipeline_speedup_vs_bulk=ov["pipeline_speedup_vs_bulk"],
                first_tile_ratio=ft["first_tile_ratio"], rss_overhead_MiB=rs["rss_overhead_MiB"],
                rss_growth_vs_budget=rs["rss_growth_vs_budget"])
@@ -267,6 +356,10 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
 def report(r: dict[str, Any]) -> str:
     ov, ft, rs = r["overlap"], r["first_tile"], r["rss"]
     ms = 1e3
+
+    def fmt(n: int) -> str:
+        return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
     lines = [
         f"memsem pipeline benchmark ({'quick' if r['quick'] else 'full'}, {r['cpus']} CPUs, route {ov['route']}, "
         f"tile {ov['tile_bytes'] // MiB} MiB, depth {ov['depth']})",
@@ -277,6 +370,11 @@ def report(r: dict[str, Any]) -> str:
         f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7)",
         f"     machine ceiling: copy thread || compute, no hand-off = {ov['unsynchronized_s'] * ms:.1f} ms "
         f"({ov['ceiling_vs_ideal']:.2f}x ideal); pipeline / ceiling = {ov['pipeline_vs_ceiling']:.3f}x",
+        "     never slower than get-then-compute (automatic tiles, compute ~= move; ratio = get-then-compute / pipeline):",
+        *[f"       {fmt(v['bytes']):>8}: {v['tiles']:>3} tile(s), mover {v['mover'] or '-':<6} get-then-compute "
+          f"{v['get_then_compute_s'] * ms:8.3f} ms | pipeline {v['pipeline_s'] * ms:8.3f} ms | ratio {v['ratio']:.3f}"
+          f" (vs a get into a new array: {v['alloc_ratio']:.3f})" for v in r["vs_get"]["sizes"].values()],
+        f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x   (goal >= 1.0)",
         f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one {ft['tile_bytes'] // MiB} MiB get() "
         f"{ft['one_get_s'] * ms:.3f} ms",
         f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3)",

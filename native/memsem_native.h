@@ -102,6 +102,11 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_READONLY 10     /* put to a read-only window (or one whose owner writes) */
 #define MEMSEM_RC_ERRNO 11        /* the copy failed natively: errno in bits 16.. */
 #define MEMSEM_RC_CHECK_FIRST 12  /* a put while the owner's liveness is due: check, then retry */
+/* MEMSEM_RC_BUFFER: (memsem._hot.copy only) the local buffer needs the Python door first: not
+ * a plain contiguous buffer of the right size and dtype (nothing was done). */
+#define MEMSEM_RC_BUFFER 13
+/* memsem._hot.copy keeps the GIL for copies of fewer bytes than this (and releases it above). */
+#define MEMSEM_HOT_GIL_BYTES 65536
 /* Flags in bits 8-15. */
 #define MEMSEM_RC_LAST_OUT 256    /* this call left a closed plan last: the caller releases it */
 #define MEMSEM_RC_CHECK_PEER 512  /* the owner's liveness is due for a re-check */
@@ -159,6 +164,115 @@ int memsem_protect(uint64_t addr, uint64_t nbytes, int writable);
 
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);
+
+/* ---- pipeline copy engine (native/memsem_pipe.c) --------------------------------------------
+ * Staging copies of pipelines' upcoming tiles on native threads that never need the GIL
+ * (memsem/pipeline/_pipeline.py). A memsem_engine is one runtime's pool of copy workers
+ * (created on demand, up to max_workers, parked on a futex between jobs, joined by
+ * memsem_engine_shutdown). A memsem_pipe is one pipeline's job: the caller fills it (zeroed, then
+ * the "set by the caller" fields), submits runs of it, and keeps everything it points at alive
+ * and mapped until memsem_pipe_join returned 0: the plan (its resolution), the destination, the
+ * rc/t_move arrays, the lease slot.
+ *
+ * Tile i (bytes [i * tile_bytes, ...) of the ref) goes to slot i % n_slots. A run copies tiles
+ * first..n_tiles-1 in order; tile i waits until the caller released tile i - n_slots
+ * (memsem_pipe_release, once per tile, in order: a slot is reused only after its tile was
+ * released), then claims it (claim: the next tile nobody started, taken by compare-and-swap; a
+ * caller that finds the tile it waits for unclaimed takes it and copies it itself, so a late or
+ * descheduled worker never makes the caller wait longer than copying the tile would), then,
+ * with ready_base set, waits until the window's ready words of every window tile the tile
+ * overlaps hold the plan's generation (at most timeout_ns per tile; holding the plan's use word,
+ * so the control block stays mapped; re-checking the generation, the stop bit and, with
+ * pidfd >= 0, the owner's liveness every MEMSEM_PIPE_SLICE_NS), then copies it with
+ * memsem_plan_copy (every check of a get) and hands it over: rc[slot] = the copy's result (or a
+ * MEMSEM_PIPE_* status), then done = i + 1. Any status but MEMSEM_OK, or MEMSEM_RC_LAST_OUT, ends
+ * the run after that tile is handed over: the caller handles it (in Python, with the general
+ * path's retries and errors) and may submit a new run at a later tile. */
+#define MEMSEM_PIPE_TIMEOUT 32    /* a ready word was not set in time (value: its window tile) */
+#define MEMSEM_PIPE_PEER_LOST 33  /* the owner's pidfd says it exited while the worker waited */
+#define MEMSEM_PIPE_STOPPED 34    /* (internal) stop was asked while the worker waited */
+#define MEMSEM_PIPE_WAITING 35    /* memsem_pipe_wait: the tile is not finished within its timeout */
+#define MEMSEM_PIPE_IDLE 36       /* memsem_pipe_wait: the run ended without finishing the tile */
+#define MEMSEM_PIPE_YOURS 37      /* memsem_pipe_wait: the tile was unclaimed; the caller claimed it */
+#define MEMSEM_PIPE_SLICE_NS 20000000   /* longest sleep of a worker between re-checks */
+#define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
+#define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the engine's stop this often */
+/* memsem_pipe.state */
+#define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
+#define MEMSEM_PIPE_QUEUED 1      /* submitted, no worker took it yet */
+#define MEMSEM_PIPE_RUNNING 2     /* a worker runs it */
+
+typedef struct memsem_engine memsem_engine;  /* opaque */
+
+typedef struct memsem_pipe {
+    /* set by the caller before memsem_engine_submit */
+    memsem_plan *plan;          /* the resolution's plan the tiles are copied through */
+    uint64_t ref_offset;        /* the ref's first byte in the window */
+    uint64_t ref_nbytes;        /* bytes of the ref */
+    uint64_t tile_bytes;        /* bytes per tile (the last may be shorter) */
+    uint64_t dst;               /* staging: slot 0's address; out mode: the address of ref byte 0 */
+    uint64_t slot_bytes;        /* bytes from one slot to the next; 0: out mode (tile i at dst + its offset) */
+    uint32_t n_tiles;           /* tiles of the ref */
+    uint32_t n_slots;           /* staging slots (the look-ahead) */
+    uint32_t first;             /* first tile of the run */
+    int32_t pidfd;              /* the owner's pidfd, checked while waiting; -1: none */
+    uint64_t lease_slot;        /* memsem_plan_copy's lease arguments (0, 0: no lease) */
+    uint64_t lease_id;
+    uint64_t ready_base;        /* address of the window's ready word 0; 0: no ready waits */
+    uint64_t window_tile_bytes; /* bytes per window tile (ready word) */
+    uint64_t n_ready;           /* ready words of the window */
+    uint64_t timeout_ns;        /* bound of one tile's wait for its ready words */
+    uint64_t *rc;               /* n_slots words: the result of the tile in each slot */
+    uint64_t *t_move;           /* 2 * n_slots words: CLOCK_MONOTONIC ns its copy started, ended */
+    /* shared by the caller and the worker */
+    uint32_t done;              /* tiles [0, done) are handed over (futex the caller sleeps on) */
+    uint32_t released;          /* tiles the caller released (futex the worker sleeps on); top bit: stop */
+    uint32_t sleeping;          /* the worker sleeps on released */
+    uint32_t caller_waiting;    /* the caller sleeps on done */
+    uint32_t state;             /* MEMSEM_PIPE_FREE / QUEUED / RUNNING (futex: join sleeps on it) */
+    uint32_t claim;             /* the next tile nobody started copying (compare-and-swap) */
+
+    uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
+    struct memsem_pipe *next;   /* the engine's queue (under its lock) */
+    /* counters, read by the caller at any time */
+    uint64_t move_ns;           /* time in memsem_plan_copy */
+    uint64_t ready_wait_ns;     /* time waiting for ready words */
+    uint64_t hold_ns;           /* time waiting for the caller to release a slot (ended waits) */
+    uint64_t hold_since;        /* CLOCK_MONOTONIC ns the wait in progress for a slot began, or 0 */
+    uint64_t bytes_moved;
+    uint64_t tiles_moved;
+} memsem_pipe;
+
+/* A new engine of at most max_workers workers (none started yet); NULL when out of memory. */
+memsem_engine *memsem_engine_new(uint32_t max_workers);
+/* Queue a run of p (tiles first..n_tiles-1) for a worker; wakes a parked one or starts one
+ * (signals blocked) when none is free. 0, -EBUSY (p has a run not yet joined), -EINVAL (bad
+ * geometry), -ESHUTDOWN (the engine is shut down) or -errno of pthread_create (then no worker
+ * exists at all: the caller moves the tiles itself). */
+int memsem_engine_submit(memsem_engine *e, memsem_pipe *p);
+/* Stop every worker (they end after the copy in progress: stop each pipe first) and join them,
+ * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the engine must then never
+ * be freed; memsem_engine_shutdown may be called again). Later submits fail. */
+int memsem_engine_shutdown(memsem_engine *e, double timeout_s);
+/* Free a shut-down engine (after memsem_engine_shutdown returned 0). */
+void memsem_engine_free(memsem_engine *e);
+/* Workers started so far (alive or joined). */
+uint32_t memsem_engine_workers(memsem_engine *e);
+/* Ask p's run to stop (sets the stop bit, wakes the worker); it ends after the copy in progress. */
+void memsem_pipe_stop(memsem_pipe *p);
+/* Wait at most timeout_s until no worker uses p: a queued run is taken off the queue at once;
+ * a running one is waited for. 0 (also when nothing was submitted), -ETIMEDOUT (keep everything
+ * alive and join later). */
+int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s);
+/* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
+ * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
+ * it: it copies the tile itself); MEMSEM_PIPE_WAITING when not finished in time;
+ * MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for tiles
+ * in order, each once all earlier ones were handed to it. */
+uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s);
+/* The caller released its oldest held tile (one call per tile, in tile order). */
+void memsem_pipe_release(memsem_pipe *p);
+/* ---- end of pipeline copy engine ------------------------------------------------------------- */
 
 /* ---- async word waiter (native/memsem_wait.c) ------------------------------------------------
  * Waits on many shared 32/64-bit words at once, for memsem.runtime._async.AsyncWordWaiter:

@@ -99,7 +99,7 @@ def count(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None
     Raises:
         TypeError: not an integer. ValueError: outside the bounds.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{name} must be an int{' (' + unit + ')' if unit else ''}, got {value!r} "
                         f"({type(value).__name__})")
     v = int(value)

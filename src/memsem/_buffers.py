@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import mmap
 import sys
 from weakref import ref as _weakref
 from typing import Any
@@ -417,3 +418,38 @@ def array_address(a: np.ndarray) -> int:
         _ADDR.clear()
     _ADDR[id(a)] = (_weakref(a), addr, a.nbytes)
     return addr
+
+
+#: alignment of arena tensors (bytes) and of the arena itself (a transparent huge page)
+ARENA_ALIGN = 64
+_HUGE = 2 << 20
+
+
+def empty_arena(layout: "list[tuple[np.dtype, tuple[int, ...]]]") -> "list[np.ndarray]":
+    """New uninitialized arrays of the given dtypes and shapes, carved out of one anonymous
+    mapping aligned to and advised for transparent huge pages (``MADV_HUGEPAGE``).
+
+    A first copy into fresh memory pays a page fault per page of the destination; with 2 MiB
+    pages instead of 4 KiB ones that costs several times less (numpy advises huge pages only for
+    arrays of 4 MiB or more on its own). The arrays share the mapping: it is unmapped when the
+    last of them is collected. Each array starts on an ``ARENA_ALIGN``-byte boundary.
+    """
+    sizes = [int(np.dtype(dt).itemsize * int(np.prod(shape, dtype=np.int64))) for dt, shape in layout]
+    total = sum(-(-n // ARENA_ALIGN) * ARENA_ALIGN for n in sizes)
+    if total == 0:
+        return [np.empty(shape, dt) for dt, shape in layout]
+    m = mmap.mmap(-1, total + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(m, np.uint8)
+    off = (-base.__array_interface__["data"][0]) % _HUGE
+    advise = getattr(m, "madvise", None)
+    huge = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is not None and huge is not None:
+        try:
+            advise(huge, off, total)
+        except OSError:  # no transparent huge pages here: plain pages, same arrays
+            pass
+    out = []
+    for (dt, shape), n in zip(layout, sizes):
+        out.append(base[off:off + n].view(np.dtype(dt)).reshape(shape))
+        off += -(-n // ARENA_ALIGN) * ARENA_ALIGN
+    return out

@@ -146,6 +146,81 @@ def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[
     }
 
 
+def raw_cma_reader(pid: int, remote: int, nbytes: int) -> tuple[Callable[[], Any], np.ndarray, str]:
+    """``process_vm_readv`` of ``nbytes`` at ``remote`` in ``pid`` through cffi's ABI mode on
+    libc: nothing of memsem around it. Returns the call, its destination and the binding."""
+    import cffi
+
+    out = np.empty(nbytes, np.uint8)
+    abi = cffi.FFI()
+    abi.cdef("struct iovec { void *iov_base; size_t iov_len; };"
+             "ssize_t process_vm_readv(int, const struct iovec *, unsigned long, const struct iovec *,"
+             " unsigned long, unsigned long);")
+    libc = abi.dlopen(None)
+    liov = abi.new("struct iovec *", (abi.cast("void *", out.__array_interface__["data"][0]), nbytes))
+    riov = abi.new("struct iovec *", (abi.cast("void *", remote), nbytes))
+
+    def call(fn: Any = libc.process_vm_readv, pid: int = pid, liov: Any = liov, riov: Any = riov,
+             _keep: Any = (abi, libc)) -> int:
+        return fn(pid, liov, 1, riov, 1, 0)
+
+    return call, out, "cffi (ABI mode, libc)"
+
+
+def ctypes_cma_reader(pid: int, remote: int, nbytes: int) -> tuple[Callable[[], Any], np.ndarray, str]:
+    """``process_vm_readv`` through ctypes (the binding most Python code would write)."""
+    import ctypes
+
+    out = np.empty(nbytes, np.uint8)
+
+    class _Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    loc = _Iovec(out.__array_interface__["data"][0], nbytes)
+    rem = _Iovec(remote, nbytes)
+    lp, rp = ctypes.byref(loc), ctypes.byref(rem)
+
+    def call(fn: Any = fn, pid: int = pid, lp: Any = lp, rp: Any = rp, _keep: Any = (loc, rem, libc)) -> int:
+        return fn(pid, lp, 1, rp, 1, 0)
+
+    return call, out, "ctypes"
+
+
+def cma_figures(get64_cma: Any, raw: tuple[int, int] | None, *, quick: bool) -> dict[str, Any]:
+    """Issue 15's cross-memory-attach figure: a memsem 64 B get over host/cma interleaved with
+    one bare ``process_vm_readv`` of the same 64 bytes from Python (no memsem around it: the
+    cheaper of cffi ABI mode and ctypes), medians in us."""
+    med = statistics.median
+    out = np.empty(64, np.uint8)
+    fns: dict[str, Callable[[], Any]] = {"get": lambda: get64_cma.get(out)}
+    bindings = {}
+    if raw is not None:
+        for name, make in (("cffi", raw_cma_reader), ("ctypes", ctypes_cma_reader)):
+            try:
+                fn, dst, what = make(raw[0], raw[1], 64)
+            except Exception:
+                continue
+            if fn() != 64:  # it must really read the 64 bytes
+                continue
+            fns[name] = fn
+            bindings[name] = (what, dst)
+    a = paired(fns, rounds=20 if quick else 100, per_round=200)
+    res: dict[str, Any] = {"get_64B_us_cma": med(a["get"]) / 1e3}
+    raws = {k: med(a[k]) / 1e3 for k in bindings}
+    if raws:
+        best = min(raws, key=raws.get)
+        res["cma_raw_64B_us"] = raws[best]
+        res["cma_raw_binding"] = bindings[best][0]
+        res["cma_raw_by_binding_us"] = {bindings[k][0]: v for k, v in raws.items()}
+    else:
+        res["cma_raw_64B_us"] = None
+    return res
+
+
 # ---------------------------------------------------------------------------------- producer --
 def _producer(conn: Any, sizes: list[int], fill: int) -> None:
     """A separate process owning windows: per size, one in a shared segment (``rt.alloc``,
@@ -155,7 +230,7 @@ def _producer(conn: Any, sizes: list[int], fill: int) -> None:
 
     try:
         with memsem.Runtime() as rt:
-            refs: dict[str, dict[int, bytes]] = {"host/shm": {}, "host/cma": {}}
+            refs: dict[str, Any] = {"host/shm": {}, "host/cma": {}}
             keep = []
             for n in sizes:
                 a = rt.alloc(n, np.uint8)
@@ -164,6 +239,8 @@ def _producer(conn: Any, sizes: list[int], fill: int) -> None:
                 keep += [a, b]
                 refs["host/shm"][n] = rt.publish(a, name=f"bench/shm/{n}", access="rw").to_bytes()
                 refs["host/cma"][n] = rt.publish(b, name=f"bench/cma/{n}", access="rw").to_bytes()
+                if n == 64:  # for the raw process_vm_readv peer: where those 64 bytes are
+                    refs["raw_cma_64"] = (os.getpid(), b.__array_interface__["data"][0])
             conn.send(("ok", refs))
             while True:
                 msg = conn.recv()
@@ -210,6 +287,8 @@ class Producer:
         tag, body = self.conn.recv()
         if tag != "ok":
             raise RuntimeError(f"bench producer failed: {body}")
+        #: route -> size -> ref bytes; "raw_cma_64": (pid, address) of the 64 B private array
+        self.raw_cma: tuple[int, int] | None = body.pop("raw_cma_64", None)
         self.refs: dict[str, dict[int, bytes]] = body
         self.stats: dict[str, Any] | None = None
 

@@ -277,15 +277,20 @@ class Runtime:
         for i, pair in enumerate(pairs):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}")
-            src, dst = (p.spec if isinstance(p, TensorRef) else p for p in pair)
-            if not isinstance(src, RefSpec) and not isinstance(dst, RefSpec):
-                raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref, got "
-                                f"{type(src).__name__} and {type(dst).__name__}")
+            src, dst = pair
+            s_ref, d_ref = isinstance(src, TensorRef), isinstance(dst, TensorRef)
+            if s_ref:
+                src = src.spec
+            if d_ref:
+                dst = dst.spec
             # Local buffers are checked here, before any range starts: a caller mistake is a
             # TypeError/ValueError now, not a FAILED range later.
-            if not isinstance(src, RefSpec):
+            if not s_ref and not isinstance(src, RefSpec):
+                if not d_ref and not isinstance(dst, RefSpec):
+                    raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref, got "
+                                    f"{type(src).__name__} and {type(dst).__name__}")
                 check_buffer(src, f"pairs[{i}] src", writable=False)
-            if not isinstance(dst, RefSpec):
+            elif not d_ref and not isinstance(dst, RefSpec):
                 check_buffer(dst, f"pairs[{i}] dst", writable=True)
             specs.append((src, dst))
         return self._core.xcopy_specs(specs, lease=lease)
@@ -310,7 +315,7 @@ class Runtime:
         return self._core.route_of(check_ref(ref, "ref").spec)
 
     # -- pipeline & fields -----------------------------------------------------------------------
-    def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int = 2,
+    def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int | None = None,
                  wait_ready: bool | None = None, timeout: float | None = None, out: Any = None,
                  zero_copy: bool | None = None, lease: Lease | None = None):
         """Iterate tiles of ``ref`` with a double (``depth``-slot) buffer: tile i+1 moves while the
@@ -325,7 +330,8 @@ class Runtime:
             print(p.stats)                     # first-tile latency, overlap, bytes moved
 
         See :class:`memsem.pipeline.Pipeline` for the arguments (``tile_bytes`` defaults to the
-        window's tile size; ``out`` receives the whole ref; ``zero_copy`` forces or forbids views).
+        window's tile size, else an automatic choice; ``out`` receives the whole ref;
+        ``zero_copy`` forces or forbids views).
         """
         from memsem.pipeline import Pipeline
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _args, _dtypes, native
-from memsem._buffers import buffer_info
+from memsem._buffers import buffer_info, empty_arena
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, as_core
@@ -395,11 +395,16 @@ class StateDictRef(TensorRef):
         fw = framework or (lay.framework if lay.framework != "torch" or _torch_ok() else "numpy")
         if fw not in ("numpy", "torch"):
             raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+        # One huge-page mapping for all of them: a first load into fresh tensors faults 2 MiB
+        # pages, not 4 KiB ones (issue 15: first sync).
+        arrs = empty_arena([(np.uint8 if fw == "torch" else e.dtype, (e.nbytes,) if fw == "torch" else e.shape)
+                            for e in lay.entries])
         if fw == "torch":
             import torch
 
-            return {e.name: torch.empty(e.shape, dtype=_dtypes.torch_dtype(e.dtype_code)) for e in lay.entries}
-        return {e.name: np.empty(e.shape, e.dtype) for e in lay.entries}
+            return {e.name: torch.from_numpy(a).view(_dtypes.torch_dtype(e.dtype_code)).reshape(e.shape)
+                    for e, a in zip(lay.entries, arrs)}
+        return {e.name: a for e, a in zip(lay.entries, arrs)}
 
     def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
             version: int = 0) -> Any:  # type: ignore[override]

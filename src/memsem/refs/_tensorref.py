@@ -216,7 +216,7 @@ class TensorRef:
         if rt is None or rt._closed:
             rt = usable_core(rt)
         if out is not None:
-            return rt.transfers.get(self.spec, out, lease=lease, version=version)
+            return rt.transfers.get(self.spec, out, lease, version)
         fw = framework or self._default_framework()
         _check_before_alloc(rt, self.spec)
         if fw == "numpy":
@@ -277,7 +277,7 @@ class TensorRef:
         rt = self._rt
         if rt is None or rt._closed:
             rt = usable_core(rt)
-        rt.transfers.put(self.spec, src, lease=lease)
+        rt.transfers.put(self.spec, src, lease)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final.

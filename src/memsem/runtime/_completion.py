@@ -240,12 +240,12 @@ class Batch:
     def __init__(self, results: list[RangeResult], *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.results = results
         self.timeout = _args.timeout(timeout, "timeout", positive=True)
-        self._left = len(results)
+        self._left = sum(1 for r in results if r.state < OpState.DONE)  # some may be final already
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._futures: list[cf.Future[Any]] = []
         self._callbacks: list[Callable[[Any], None]] = []
-        if not results:
+        if not self._left:
             self._event.set()
 
     def _settle(self, r: RangeResult, state: OpState, error: BaseException | None = None) -> None:
@@ -321,12 +321,25 @@ class Batch:
             raise MemsemError(f"xcopy: {len(errs)} of {len(self.results)} ranges failed; first, "
                               f"range {first}: {errs[first]}") from errs[first]
 
+    def _start(self, r: RangeResult) -> bool:
+        """Mark range ``r`` RUNNING, unless it was cancelled (or settled) first: False then, and
+        the worker skips it."""
+        with self._lock:
+            if r.state != OpState.PENDING:
+                return False
+            r.state = OpState.RUNNING
+            return True
+
     def _cancel_pending(self) -> None:
         """Cancel the ranges that have not started; they end CANCELLED."""
         for f in self._futures:
             f.cancel()
-        for r, f in zip(self.results, self._futures):
-            if f.cancelled() and not r.state.final:
+        for r in self.results:
+            if r.state == OpState.PENDING:
+                with self._lock:
+                    if r.state != OpState.PENDING:
+                        continue
+                    r.state = OpState.RUNNING  # claimed for settling, never run
                 self._settle(r, OpState.CANCELLED)
 
     def close(self, timeout: float | None = None) -> None:

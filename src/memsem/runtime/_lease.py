@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from memsem import _args, native
 from memsem._errors import (
@@ -189,6 +189,16 @@ class Lease:
         if not self._id:
             return _NEVER_ADDR, 1
         return self._slot_addr, self._id
+
+    def pin_slot(self) -> "Callable[[], None] | None":
+        """Keep the mapping of this lease's slot (``native_args``' address) mapped, also past a
+        ``release``, for a native thread that checks it; returns the unpin call (None for a
+        lease held in the directory or not held: nothing is mapped for it)."""
+        cb = self._cb
+        if cb is None:
+            return None
+        cb.pin()
+        return cb.unpin
 
     def release(self) -> None:
         """Give the lease back. Safe twice. Raises MemsemError while views taken under it live."""

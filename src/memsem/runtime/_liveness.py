@@ -64,6 +64,12 @@ class Peer:
                 weakref.finalize(self, os.close, fd)
 
     @property
+    def pidfd(self) -> int:
+        """The owner's pidfd (readable once it exited; open while this object lives), or -1
+        (another node, this process, or no pidfd here): native waiters poll it."""
+        return self._fd
+
+    @property
     def is_self(self) -> bool:
         return self.pid == os.getpid() and self.node == native.node_id()
 

@@ -17,6 +17,7 @@ touching thousands of short-lived windows keeps a constant number of mappings.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING
 
@@ -66,12 +67,13 @@ class Resolution:
         info: the window's directory record. generation, key: what it was verified with (a cached
             resolution serves only refs with exactly this key). route, engine, remote: how.
         cb: the window's control block mapped here, or None (another node). own_cb: it is this
-            runtime's own window. peer: the owner's liveness. plan: the native plan (cdata).
+            runtime's own window. peer: the owner's liveness. plan: the native plan (cdata);
+            addr: its address (for ``memsem._hot.copy``; valid while this object lives).
         direct: the hot path copies natively (same node). writable: published access "rw".
     """
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
-                 "peer", "plan", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
+                 "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
                  "_ident", "_core", "_released", "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
@@ -92,6 +94,7 @@ class Resolution:
         self._ident = core.identity
         self._released = False
         plan = self.plan = native.new_plan()
+        self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
         self.use = UseWord(_ffi.addressof(plan, "use"))
         self.use.enter()  # the cache's claim, dropped by close()
         plan.generation = info.generation
@@ -256,7 +259,7 @@ class Resolver:
     def _sweep(self, n: int) -> None:
         """Drop up to ``n`` of the oldest cached resolutions whose window moved on (retired or
         republished): their mappings would only keep unlinked memory alive."""
-        for gva, r in list(self.cache.items())[:n]:
+        for gva, r in list(itertools.islice(self.cache.items(), n)):  # the oldest n, not a copy of all
             cb = r.cb
             if cb is None or not r.enter():
                 continue

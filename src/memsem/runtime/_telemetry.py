@@ -139,6 +139,19 @@ class Telemetry:
             h[b] += 1
             self._sum[kind] = self._sum.get(kind, 0) + max(0, int(elapsed_ns))
 
+    def record_latencies(self, kind: str, samples_ns: list[int]) -> None:
+        """``record_latency`` of many samples under one lock (xcopy's ranges done inline)."""
+        if not samples_ns:
+            return
+        bucket = native.lib.memsem_lat_bucket
+        idx = [bucket(max(0, int(ns))) for ns in samples_ns]
+        with self._lock:
+            h = self._hist.get(kind)
+            if h is None:
+                h = self._hist[kind] = np.zeros(_NB, np.int64)
+            np.add.at(h, idx, 1)
+            self._sum[kind] = self._sum.get(kind, 0) + sum(max(0, int(ns)) for ns in samples_ns)
+
     def count_error(self, kind: str) -> None:
         """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
         with self._lock:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memsem import _dtypes, native
+from memsem import _dtypes, _hot, native
 from memsem._buffers import address_view, array_address, as_byte_array
 from memsem._errors import (
     EngineError,
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from memsem.runtime._core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
+_hot_copy = _hot.copy
+_RC_BUFFER = _hot.RC_BUFFER
+_DONE = State.DONE
 _open = native.lib.memsem_bracket_open
 _close = native.lib.memsem_bracket_close
 _ffi = native.ffi
@@ -51,6 +54,10 @@ _PLAIN = _dtypes.NUMPY_CODES
 _TORN_SPINS = 3
 #: back-off of one-sided version reads while a write section is open (seconds, doubling)
 _ONESIDED_BACKOFF_S = (20e-6, 1e-3)
+#: bytes of one xcopy batch copied at once in the calling thread (same-node ranges resolved here)
+XCOPY_INLINE_BYTES = 256 << 10
+#: below this many bytes in all, an xcopy batch's remaining ranges go to one worker task
+XCOPY_TASK_BYTES = 4 << 20
 
 
 def remote_slots(res: Resolution) -> int:
@@ -369,18 +376,34 @@ class Transfers:
                 raise tr.busy_timeout(spec, core.timeout)
 
     # -- get / put --------------------------------------------------------------------------------
-    def get(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
+    # The common case is one C call (memsem._hot.copy): the buffer's door checks (plain dtype,
+    # C-contiguous, writable, exact size; for a put the ref's dtype or uint8) through the buffer
+    # protocol, then memsem_plan_copy with every window check. Whatever that call does not take
+    # (torch tensors, DLPack, a wrong size or dtype...) it hands back untouched (RC_BUFFER) and
+    # the Python door below accepts it or raises the error that names the argument.
+    def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0) -> Any:
         """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
         ref's dtype); returns it (``out``'s own object when given)."""
+        if out is not None and (lease is None or lease.spec.gva == spec.gva):
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version)
+                else:
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version,
+                                   *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return out
+                if rc != _RC_BUFFER:
+                    flat, info = as_byte_array(out, "out", writable=True)
+                    self._slow(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version, None)
+                    return out
+        return self._get(spec, out, lease, version)
+
+    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> Any:
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
             n = out.nbytes
-            self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
-            return out
-        if type(out) is np.ndarray and out.dtype in _PLAIN and (f := out.flags).c_contiguous and f.writeable:
-            n = out.nbytes
-            if n != spec.nbytes:
-                raise _size_mismatch("out", n, spec)
             self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
             return out
         flat, info = as_byte_array(out, "out", writable=True)
@@ -389,21 +412,52 @@ class Transfers:
         self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version)
         return out
 
-    def put(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
+    def put(self, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
         """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
         returns the version overwritten."""
-        if type(src) is np.ndarray and src.dtype in _PLAIN and src.flags.c_contiguous:
-            n, code = src.nbytes, _PLAIN[src.dtype]
-            addr, keep = (array_address(src) if n else 0), src
-        else:
-            flat, info = as_byte_array(src, "src", writable=False)
-            n, code, addr, keep = info.nbytes, info.dtype_code, info.address, flat
+        if spec.access == "rw" and (lease is None or lease.spec.gva == spec.gva):
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 1, spec.offset, src, spec.nbytes, spec.dtype_code)
+                else:
+                    rc = _hot_copy(res.addr, 1, spec.offset, src, spec.nbytes, spec.dtype_code, 0,
+                                   *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return rc >> _SHIFT
+                if rc != _RC_BUFFER:
+                    flat, info = as_byte_array(src, "src", writable=False)
+                    return self._slow(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0, None)
+        return self._put(spec, src, lease)
+
+    def _put(self, spec: RefSpec, src: Any, lease: Lease | None) -> int:
+        flat, info = as_byte_array(src, "src", writable=False)
+        n, code = info.nbytes, info.dtype_code
         if n != spec.nbytes:
             raise _size_mismatch("src", n, spec)
         if code != spec.dtype_code and spec.dtype_code != _UINT8 and code != _UINT8:
             raise TypeError(f"src dtype {_dtypes.name_of(code)} differs from the ref's "
                             f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
-        return self.transfer(spec, True, 0, addr, n, keep, lease)
+        return self.transfer(spec, True, 0, info.address, n, flat, lease)
+
+    def get_range(self, spec: RefSpec, offset: int, buf: np.ndarray, lease: Lease | None = None) -> int:
+        """Blocking get of ``buf.nbytes`` bytes from ``offset`` bytes into the ref into the flat
+        uint8 array ``buf`` (pipeline tiles); the hot path's one C call when it can. Returns the
+        version read."""
+        n = buf.nbytes
+        if (lease is None or lease.spec.gva == spec.gva) and 0 <= offset and offset + n <= spec.nbytes:
+            res = self._cache.get(spec.gva)
+            if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                if lease is None:
+                    rc = _hot_copy(res.addr, 0, spec.offset + offset, buf, n, -1)
+                else:
+                    rc = _hot_copy(res.addr, 0, spec.offset + offset, buf, n, -1, 0, *lease.native_args(spec))
+                if not rc & _ATTN:
+                    return rc >> _SHIFT
+                if rc != _RC_BUFFER:
+                    return self._slow(rc, res, spec, False, offset, array_address(buf) if n else 0, n, buf,
+                                      lease, 0, None)
+        return self.transfer_array(spec, False, offset, buf, lease=lease)
 
     def transfer_array(self, spec: RefSpec, put: bool, offset: int, local: np.ndarray, *,
                        lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
@@ -419,22 +473,56 @@ class Transfers:
     # -- xcopy ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
         """Start a batch of copies (see ``memsem.Runtime.xcopy``). Ranges fail independently;
-        the Batch gives every range a final state. Ranges to or from a window whose engine posts
-        batches to hardware (``Engine.batches``) go to it as one batch."""
+        the Batch gives every range a final state.
+
+        Same-node ranges between a local buffer and a window already resolved here are done at
+        once, in this thread, one native call each (``XCOPY_INLINE_BYTES`` per batch at most:
+        a copy that small costs less than handing it to a worker); a range whose native outcome
+        is anything but a plain success (a write section open, a stale ref, a closed
+        resolution...) and every other range goes to the runtime's workers, in at most one task
+        per worker. Ranges to or from a window whose engine posts batches to hardware
+        (``Engine.batches``) go to it as one batch."""
         core = self._core
         core.check_open()
         results = []
         jobs = []
+        lat: list[int] = []
+        inline_left = XCOPY_INLINE_BYTES
+        cache = self._cache
+        now = time.perf_counter_ns
         for i, pair in enumerate(pairs):
             try:
                 src, dst = pair
             except (TypeError, ValueError):
                 raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}") from None
-            if not isinstance(src, RefSpec) and not isinstance(dst, RefSpec):
+            if isinstance(src, RefSpec):
+                spec, buf, put = src, (None if isinstance(dst, RefSpec) else dst), 0
+            elif isinstance(dst, RefSpec):
+                spec, buf, put = dst, src, 1
+            else:
                 raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref")
-            r = RangeResult(i, src.nbytes if isinstance(src, RefSpec) else dst.nbytes)
+            r = RangeResult(i, spec.nbytes)
             results.append(r)
+            # The inline lane (see the docstring): settled before the Batch exists.
+            if buf is not None and spec.nbytes <= inline_left and (not put or spec.access == "rw"):
+                res = cache.get(spec.gva)
+                if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                    t0 = now()
+                    if lease is None:
+                        rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+                        out = True if not rc & _ATTN else self._inline_outcome(rc, res)
+                    else:
+                        out = self._inline(res, spec, put, buf, lease)
+                    if out is not None:
+                        inline_left -= spec.nbytes
+                        if out is True:
+                            r.state = _DONE
+                            lat.append(now() - t0)
+                        else:
+                            r.state, r.error = State.FAILED, out
+                        continue
             jobs.append((r, src, dst))
+        core.telemetry.record_latencies("xcopy", lat)
         batch = Batch(results, timeout=core.timeout)
         grouped: dict[int, list[tuple[RangeResult, Any, Any]]] = {}
         single = []
@@ -445,23 +533,58 @@ class Transfers:
             else:
                 single.append(job)
 
-        def run(r: RangeResult, src: Any, dst: Any) -> None:
-            r.state = State.RUNNING
-            try:
-                self._copy_one(src, dst, lease)
-            except BaseException as exc:
-                batch._settle(r, State.FAILED, exc)
-            else:
-                batch._settle(r, State.DONE)
+        def run(chunk: list[tuple[RangeResult, Any, Any]]) -> None:
+            for r, src, dst in chunk:
+                if not batch._start(r):
+                    continue  # cancelled before it started
+                if core.closed:  # closing: what has not started ends CANCELLED
+                    batch._settle(r, State.CANCELLED)
+                    continue
+                try:
+                    self._copy_one(src, dst, lease)
+                except BaseException as exc:
+                    batch._settle(r, State.FAILED, exc)
+                else:
+                    batch._settle(r, State.DONE)
 
         def run_group(group: list[tuple[RangeResult, Any, Any]]) -> None:
             self._copy_batch(group, batch, lease)
 
-        for r, src, dst in single:
-            self._queue(batch, [r], run, r, src, dst)
+        for chunk in _chunks(single, self._pool._max_workers):
+            self._queue(batch, [j[0] for j in chunk], run, chunk)
         for group in grouped.values():
             self._queue(batch, [g[0] for g in group], run_group, group)
         return batch
+
+    def _inline(self, res: Resolution, spec: RefSpec, put: int, buf: Any, lease: Lease) -> Any:
+        """One xcopy range under ``lease`` done now, natively (see ``_inline_outcome``)."""
+        if lease.spec.gva != spec.gva:
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+        else:
+            ls, lid = lease.native_args(spec)
+            if not ls:
+                return None
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1, 0, ls, lid)
+        return True if not rc & _ATTN else self._inline_outcome(rc, res)
+
+    @staticmethod
+    def _inline_outcome(rc: int, res: Resolution) -> Any:
+        """What an xcopy range done inline came to: True for a success, its error when the owner
+        was found dead after a read, None when it must go to a worker (the buffer needs the
+        Python door, or any other native outcome: the worker does it all again, with the waits
+        and errors of the general path)."""
+        if rc == _RC_BUFFER:
+            return None
+        if rc & tr.RC_LAST_OUT:
+            res.release()
+        if rc & tr.RC_STATUS:
+            return None
+        if rc & tr.RC_CHECK_PEER:
+            try:
+                res.peer_checked()
+            except MemsemError as exc:
+                return exc
+        return True
 
     def _queue(self, batch: Batch, ranges: list[RangeResult], fn: Any, *args: Any) -> None:
         fut = self._pool.submit(self._counted(fn), *args)
@@ -493,7 +616,8 @@ class Transfers:
         own bracket."""
         ops: list[tuple[RangeResult, RefSpec, Op, Any]] = []
         for r, src, dst in group:
-            r.state = State.RUNNING
+            if not batch._start(r):
+                continue
             try:
                 spec, local, put = (src, dst, False) if isinstance(src, RefSpec) else (dst, src, True)
                 flat, info = as_byte_array(local, "dst" if not put else "src", writable=not put)
@@ -609,6 +733,27 @@ class Transfers:
                 rs.release()
         if rc & tr.RC_STATUS:
             raise self._failure(rc & tr.RC_STATUS, rc, rs, src, False, src_lease, 0)
+
+
+def _chunks(jobs: list[tuple[RangeResult, Any, Any]], workers: int) -> list[list[tuple[RangeResult, Any, Any]]]:
+    """Split xcopy ranges into at most ``workers`` tasks of about equal bytes (one task when
+    they hold less than ``XCOPY_TASK_BYTES`` in all): a task per range would cost a hand-off
+    to a worker thread per range."""
+    if not jobs:
+        return []
+    total = sum(j[0].nbytes for j in jobs)
+    n = 1 if total < XCOPY_TASK_BYTES else max(1, min(workers, len(jobs)))
+    if n == 1:
+        return [jobs]
+    out: list[list[tuple[RangeResult, Any, Any]]] = [[]]
+    share = total / n
+    acc = 0
+    for j in jobs:
+        if out[-1] and acc >= share * len(out) and len(out) < n:
+            out.append([])
+        out[-1].append(j)
+        acc += j[0].nbytes
+    return out
 
 
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:

@@ -1,0 +1,447 @@
+/* memsem pipeline copy engine: staging copies of pipelines' upcoming tiles on native threads
+ * that never need the GIL. See the "pipeline copy engine" block of memsem_native.h for the
+ * contract; memsem/pipeline/_pipeline.py is the only user.
+ *
+ * One engine per runtime: a pool of workers started on demand and parked on a futex between
+ * jobs. A job is one run of one pipeline: for each of its tiles, wait for the tile's staging slot
+ * (the caller released the tile that used it), claim the tile (unless the caller took it), wait
+ * for the window's ready words of the tile (when asked; holding the plan's use word, so the
+ * control block stays mapped), copy it with memsem_plan_copy (every check of a get: range,
+ * permission, lease, generation and sequence before and after, in-flight accounting, telemetry)
+ * and hand it over: the tile's result in its slot's word, then the count of finished tiles (a
+ * futex the caller sleeps on). Any outcome but a plain success ends the run at that tile: the
+ * caller handles it (retries, errors) and may submit a new run at the next tile. All waits are
+ * bounded slices that re-check the stop bit. The pipe's and engine's own words use private
+ * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
+ */
+#define _GNU_SOURCE
+#include "memsem_native.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define STOP_BIT 0x80000000u
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Ready words live in segments other processes map: shared futexes. */
+static void swait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void swake(uint32_t *addr) {
+    syscall(SYS_futex, addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* The pipe's and the engine's own words: private futexes. */
+static void pwait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, &ts, NULL, 0);
+}
+
+static void pwake(uint32_t *addr, int n) {
+    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int peer_dead(int pidfd) {
+    if (pidfd < 0) return 0;
+    struct pollfd pfd = {pidfd, POLLIN, 0};
+    return poll(&pfd, 1, 0) > 0;  /* a pidfd becomes readable when its process exits */
+}
+
+static inline int stopped(memsem_pipe *p) {
+    return (__atomic_load_n(&p->released, __ATOMIC_ACQUIRE) & STOP_BIT) != 0;
+}
+
+/* Wait until the caller released tile `need - 1` (released >= need). 1 when stopped. */
+static int wait_slot(memsem_pipe *p, uint32_t need) {
+    for (;;) {
+        uint32_t r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
+        if (r & STOP_BIT) return 1;
+        if (r >= need) return 0;
+        __atomic_store_n(&p->sleeping, 1, __ATOMIC_SEQ_CST);
+        r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
+        if (!(r & STOP_BIT) && r < need) pwait_ns(&p->released, r, MEMSEM_PIPE_SLICE_NS);
+        __atomic_store_n(&p->sleeping, 0, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* Wait for every ready word of window tiles [first, last] to hold the plan's generation, at most
+ * timeout_ns in all. Holds the plan's use word meanwhile (the control block stays mapped).
+ * Returns MEMSEM_OK, MEMSEM_RC_CLOSED, MEMSEM_RC_GEN_BEFORE | gen, MEMSEM_PIPE_TIMEOUT | word,
+ * MEMSEM_PIPE_PEER_LOST or MEMSEM_PIPE_STOPPED, with MEMSEM_RC_LAST_OUT when this worker left a
+ * closed plan last. */
+static uint64_t wait_ready(memsem_pipe *p, uint64_t first, uint64_t last) {
+    memsem_plan *plan = p->plan;
+    if (memsem_use_enter(&plan->use)) return MEMSEM_RC_CLOSED;
+    uint64_t rc = MEMSEM_OK;
+    uint64_t deadline = now_ns() + p->timeout_ns;
+    const uint64_t *gen = (const uint64_t *)(uintptr_t)plan->gen_addr;
+    for (uint64_t w = first; w <= last && rc == MEMSEM_OK; w++) {
+        uint64_t *word = (uint64_t *)(uintptr_t)(p->ready_base + 8 * w);
+        for (;;) {
+            uint64_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            if (v == plan->generation) break;
+            if (stopped(p)) { rc = MEMSEM_PIPE_STOPPED; break; }
+            uint64_t g = __atomic_load_n(gen, __ATOMIC_ACQUIRE);
+            if (g != plan->generation) { rc = MEMSEM_RC_GEN_BEFORE | (g << MEMSEM_RC_VERSION_SHIFT); break; }
+            if (__atomic_load_n(&plan->use, __ATOMIC_ACQUIRE) >> MEMSEM_USE_CLOSED_BIT) { rc = MEMSEM_RC_CLOSED; break; }
+            if (peer_dead(p->pidfd)) { rc = MEMSEM_PIPE_PEER_LOST; break; }
+            uint64_t t = now_ns();
+            if (t >= deadline) { rc = MEMSEM_PIPE_TIMEOUT | (w << MEMSEM_RC_VERSION_SHIFT); break; }
+            uint64_t left = deadline - t;
+            __atomic_store_n(&p->sleep_addr, (uint64_t)(uintptr_t)word, __ATOMIC_SEQ_CST);
+            if (!stopped(p))
+                swait_ns((uint32_t *)word, (uint32_t)v, left < MEMSEM_PIPE_SLICE_NS ? left : MEMSEM_PIPE_SLICE_NS);
+            __atomic_store_n(&p->sleep_addr, 0, __ATOMIC_SEQ_CST);
+        }
+    }
+    if (memsem_use_leave(&plan->use)) rc |= MEMSEM_RC_LAST_OUT;
+    return rc;
+}
+
+static void hand_over(memsem_pipe *p, uint32_t tile, uint64_t rc, uint64_t t0, uint64_t t1) {
+    uint32_t s = tile % p->n_slots;
+    p->rc[s] = rc;
+    p->t_move[2 * s] = t0;
+    p->t_move[2 * s + 1] = t1;
+    __atomic_store_n(&p->done, tile + 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&p->caller_waiting, __ATOMIC_SEQ_CST)) pwake(&p->done, INT32_MAX);
+}
+
+/* One run of one pipe (a worker's job). */
+static void run(memsem_pipe *p) {
+    for (uint32_t i = p->first; i < p->n_tiles; i++) {
+        uint64_t t = now_ns();
+        if (i >= p->n_slots) {
+            __atomic_store_n(&p->hold_since, t, __ATOMIC_RELAXED);
+            int stop = wait_slot(p, i - p->n_slots + 1);
+            __atomic_store_n(&p->hold_since, 0, __ATOMIC_RELAXED);
+            if (stop) break;
+        } else if (stopped(p)) {
+            break;
+        }
+        uint64_t t1 = now_ns();
+        __atomic_fetch_add(&p->hold_ns, t1 - t, __ATOMIC_RELAXED);
+        uint32_t want = i;
+        if (!__atomic_compare_exchange_n(&p->claim, &want, i + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            /* The caller took tile i (and maybe more) itself: go on after the last it took. */
+            if (want >= p->n_tiles) break;
+            i = want - 1;
+            continue;
+        }
+        uint64_t off = (uint64_t)i * p->tile_bytes;
+        uint64_t n = p->ref_nbytes - off < p->tile_bytes ? p->ref_nbytes - off : p->tile_bytes;
+        if (p->ready_base) {
+            uint64_t start = p->ref_offset + off;
+            uint64_t first = start / p->window_tile_bytes;
+            uint64_t last = (start + (n ? n : 1) - 1) / p->window_tile_bytes;
+            if (last > p->n_ready - 1) last = p->n_ready - 1;
+            uint64_t rc = wait_ready(p, first, last);
+            uint64_t t2 = now_ns();
+            __atomic_fetch_add(&p->ready_wait_ns, t2 - t1, __ATOMIC_RELAXED);
+            t1 = t2;
+            if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_PIPE_STOPPED) break;
+            if (rc != MEMSEM_OK) {
+                hand_over(p, i, rc, t1, t1);
+                break;
+            }
+        }
+        uint64_t dst = p->slot_bytes ? p->dst + (uint64_t)(i % p->n_slots) * p->slot_bytes : p->dst + off;
+        uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, 0, p->lease_slot,
+                                       p->lease_id);
+        uint64_t t2 = now_ns();
+        __atomic_fetch_add(&p->move_ns, t2 - t1, __ATOMIC_RELAXED);
+        if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_OK) {
+            __atomic_fetch_add(&p->bytes_moved, n, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&p->tiles_moved, 1, __ATOMIC_RELAXED);
+        }
+        hand_over(p, i, rc, t1, t2);
+        if (rc & (MEMSEM_RC_STATUS_MASK | MEMSEM_RC_LAST_OUT)) break;
+    }
+}
+
+/* ---- the engine: a pool of workers and a queue of runs ------------------------------------ */
+struct memsem_engine {
+    pthread_mutex_t lock;       /* the queue, the counts, the worker table */
+    memsem_pipe *head, *tail;   /* runs no worker took yet */
+    uint32_t jobs;              /* futex parked workers sleep on: bumped per submit and at stop */
+    uint32_t stop;
+    uint32_t queued, idle;      /* runs queued; workers parked */
+    uint32_t n_workers, max_workers;
+    pthread_t *threads;         /* max_workers */
+    uint8_t *joined;            /* max_workers */
+    memsem_pipe **current;      /* max_workers: the run each worker is in, or NULL */
+};
+
+struct worker_arg {
+    memsem_engine *e;
+    uint32_t index;
+};
+
+static void *worker(void *arg) {
+    struct worker_arg wa = *(struct worker_arg *)arg;
+    free(arg);
+    memsem_engine *e = wa.e;
+    pthread_mutex_lock(&e->lock);
+    for (;;) {
+        memsem_pipe *p = e->head;
+        if (p) {
+            e->head = p->next;
+            if (!e->head) e->tail = NULL;
+            p->next = NULL;
+            e->queued--;
+            __atomic_store_n(&p->state, MEMSEM_PIPE_RUNNING, __ATOMIC_SEQ_CST);
+            e->current[wa.index] = p;
+            pthread_mutex_unlock(&e->lock);
+            run(p);
+            pthread_mutex_lock(&e->lock);
+            e->current[wa.index] = NULL;
+            /* The last touch of p: its caller may free it once it reads FREE (the private wakes
+             * below need no memory of it). */
+            __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
+            pwake(&p->state, INT32_MAX);
+            pwake(&p->done, INT32_MAX);
+            continue;
+        }
+        if (e->stop) break;
+        uint32_t seq = __atomic_load_n(&e->jobs, __ATOMIC_SEQ_CST);
+        e->idle++;
+        pthread_mutex_unlock(&e->lock);
+        pwait_ns(&e->jobs, seq, MEMSEM_PIPE_PARK_NS);
+        pthread_mutex_lock(&e->lock);
+        e->idle--;
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+memsem_engine *memsem_engine_new(uint32_t max_workers) {
+    if (max_workers == 0) max_workers = 1;
+    memsem_engine *e = calloc(1, sizeof *e);
+    if (!e) return NULL;
+    e->threads = calloc(max_workers, sizeof *e->threads);
+    e->joined = calloc(max_workers, 1);
+    e->current = calloc(max_workers, sizeof *e->current);
+    if (!e->threads || !e->joined || !e->current) {
+        free(e->threads);
+        free(e->joined);
+        free(e->current);
+        free(e);
+        return NULL;
+    }
+    pthread_mutex_init(&e->lock, NULL);
+    e->max_workers = max_workers;
+    return e;
+}
+
+uint32_t memsem_engine_workers(memsem_engine *e) {
+    pthread_mutex_lock(&e->lock);
+    uint32_t n = e->n_workers;
+    pthread_mutex_unlock(&e->lock);
+    return n;
+}
+
+/* Under e->lock. 0 or -errno of pthread_create. */
+static int start_worker(memsem_engine *e) {
+    struct worker_arg *wa = malloc(sizeof *wa);
+    if (!wa) return -ENOMEM;
+    wa->e = e;
+    wa->index = e->n_workers;
+    /* Workers take no signals: they are the interpreter's, in its own threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int err = pthread_create(&e->threads[e->n_workers], NULL, worker, wa);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        free(wa);
+        return -err;
+    }
+    e->n_workers++;
+    return 0;
+}
+
+int memsem_engine_submit(memsem_engine *e, memsem_pipe *p) {
+    if (p->n_slots == 0 || p->tile_bytes == 0 || p->first >= p->n_tiles || p->plan == NULL ||
+        p->rc == NULL || p->t_move == NULL ||
+        (p->ready_base && (p->window_tile_bytes == 0 || p->n_ready == 0)))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    if (e->stop) {
+        pthread_mutex_unlock(&e->lock);
+        return -ESHUTDOWN;
+    }
+    if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) != MEMSEM_PIPE_FREE) {
+        pthread_mutex_unlock(&e->lock);
+        return -EBUSY;
+    }
+    __atomic_store_n(&p->done, p->first, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->claim, p->first, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->state, MEMSEM_PIPE_QUEUED, __ATOMIC_SEQ_CST);
+    p->next = NULL;
+    if (e->tail) e->tail->next = p;
+    else e->head = p;
+    e->tail = p;
+    e->queued++;
+    int rc = 0;
+    if (e->queued > e->idle && e->n_workers < e->max_workers) {
+        rc = start_worker(e);
+        if (rc && e->n_workers > 0) rc = 0;  /* the workers there are will take it */
+    }
+    if (rc) {  /* no worker at all (none could start): take the run back */
+        e->head = e->tail = NULL;
+        e->queued = 0;
+        __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
+    } else {
+        __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
+    }
+    pthread_mutex_unlock(&e->lock);
+    if (!rc) pwake(&e->jobs, 1);
+    return rc;
+}
+
+int memsem_engine_shutdown(memsem_engine *e, double timeout_s) {
+    pthread_mutex_lock(&e->lock);
+    e->stop = 1;
+    /* Runs nobody took are dropped; runs in progress are asked to stop. */
+    for (memsem_pipe *p = e->head; p;) {
+        memsem_pipe *n = p->next;
+        p->next = NULL;
+        __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
+        pwake(&p->state, INT32_MAX);
+        p = n;
+    }
+    e->head = e->tail = NULL;
+    e->queued = 0;
+    for (uint32_t i = 0; i < e->n_workers; i++)
+        if (e->current[i]) memsem_pipe_stop(e->current[i]);
+    __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
+    uint32_t n = e->n_workers;
+    pthread_mutex_unlock(&e->lock);
+    pwake(&e->jobs, INT32_MAX);
+    struct timespec abs;
+    clock_gettime(CLOCK_REALTIME, &abs);
+    uint64_t ns = (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    abs.tv_sec += (time_t)(ns / 1000000000ull);
+    abs.tv_nsec += (long)(ns % 1000000000ull);
+    if (abs.tv_nsec >= 1000000000L) {
+        abs.tv_sec += 1;
+        abs.tv_nsec -= 1000000000L;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (e->joined[i]) continue;
+        int err = pthread_timedjoin_np(e->threads[i], NULL, &abs);
+        if (err == ETIMEDOUT) return -ETIMEDOUT;
+        e->joined[i] = 1;
+    }
+    return 0;
+}
+
+void memsem_engine_free(memsem_engine *e) {
+    pthread_mutex_destroy(&e->lock);
+    free(e->threads);
+    free(e->joined);
+    free(e->current);
+    free(e);
+}
+
+/* ---- the pipe, caller side ------------------------------------------------------------------ */
+void memsem_pipe_stop(memsem_pipe *p) {
+    __atomic_fetch_or(&p->released, STOP_BIT, __ATOMIC_SEQ_CST);
+    pwake(&p->released, INT32_MAX);
+    uint64_t a = __atomic_load_n(&p->sleep_addr, __ATOMIC_SEQ_CST);
+    if (a) swake((uint32_t *)(uintptr_t)a);  /* a ready word: waking its other waiters is harmless */
+}
+
+int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s) {
+    pthread_mutex_lock(&e->lock);
+    if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) == MEMSEM_PIPE_QUEUED) {
+        memsem_pipe **at = &e->head, *prev = NULL;
+        while (*at && *at != p) {
+            prev = *at;
+            at = &(*at)->next;
+        }
+        if (*at) {
+            *at = p->next;
+            if (e->tail == p) e->tail = prev;
+            e->queued--;
+        }
+        p->next = NULL;
+        __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
+    }
+    pthread_mutex_unlock(&e->lock);
+    uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    for (;;) {
+        uint32_t st = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
+        if (st == MEMSEM_PIPE_FREE) return 0;
+        uint64_t t = now_ns();
+        if (t >= deadline) return -ETIMEDOUT;
+        pwait_ns(&p->state, st, deadline - t);
+    }
+}
+
+static int take(memsem_pipe *p, uint32_t tile) {
+    uint32_t want = tile;
+    return __atomic_load_n(&p->claim, __ATOMIC_SEQ_CST) == tile &&
+           __atomic_compare_exchange_n(&p->claim, &want, tile + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
+    uint32_t d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE);
+    if (d > tile) return p->rc[tile % p->n_slots];
+    if (take(p, tile)) return MEMSEM_PIPE_YOURS;
+    /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for. */
+    uint64_t t0 = now_ns();
+    while ((d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
+           __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
+        for (int k = 0; k < 64; k++) cpu_relax();
+    if (d <= tile) {
+        uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+        __atomic_store_n(&p->caller_waiting, 1, __ATOMIC_SEQ_CST);
+        for (;;) {
+            d = __atomic_load_n(&p->done, __ATOMIC_SEQ_CST);
+            if (d > tile) break;
+            if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) == MEMSEM_PIPE_FREE) {
+                d = __atomic_load_n(&p->done, __ATOMIC_SEQ_CST);
+                if (d > tile) break;
+                __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
+                return take(p, tile) ? MEMSEM_PIPE_YOURS : MEMSEM_PIPE_IDLE;
+            }
+            uint64_t t = now_ns();
+            if (t >= deadline) {
+                __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
+                return MEMSEM_PIPE_WAITING;
+            }
+            pwait_ns(&p->done, d, deadline - t);
+        }
+        __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
+    }
+    return p->rc[tile % p->n_slots];
+}
+
+void memsem_pipe_release(memsem_pipe *p) {
+    __atomic_fetch_add(&p->released, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) pwake(&p->released, INT32_MAX);
+}

@@ -1,0 +1,8 @@
+# Type stub of the CPython extension built from native/memsem_hot.c (the hot path's entry).
+from typing import Any
+
+RC_BUFFER: int
+GIL_BYTES: int
+
+def copy(plan: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: int,
+         version: int = 0, lease_slot: int = 0, lease_id: int = 0) -> int: ...

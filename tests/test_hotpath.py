@@ -1,0 +1,196 @@
+"""The hot path's entry (memsem._hot.copy): one C call for a plain buffer, the Python door for
+everything else, the same outcome either way.
+
+The C entry makes the door checks of the common case (plain dtype in native byte order,
+C-contiguous, writable for a get, exact size, a put's dtype) through the buffer protocol; a
+buffer it does not take comes back as RC_BUFFER with nothing done, and the door accepts or
+refuses it with the error naming the argument. These tests hold both halves to the same rules.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import memsem
+from memsem import AccessDeniedError, LeaseExpiredError, StaleReferenceError, _dtypes, _hot
+from memsem.runtime import _translate as tr
+
+from tests._proc import recv, reap, spawn
+
+PLAIN = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+         "float16", "float32", "float64", "complex64", "complex128"]
+
+
+def _shm_owner(conn, nbytes):
+    with memsem.Runtime() as rt:
+        a = rt.alloc(nbytes, np.uint8)
+        a[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+        ref = rt.publish(a, access="rw", name="hot/shm")
+        conn.send(ref.to_bytes())
+        recv(conn, 120)
+
+
+@pytest.fixture
+def rt():
+    with memsem.Runtime() as r:
+        yield r
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_every_plain_dtype_goes_through_one_call(rt, name):
+    dt = _dtypes.numpy_dtype(_dtypes.code_of(name))
+    src = (np.arange(32) % 2).astype(dt) if name == "bool" else np.arange(32).astype(dt)
+    ref = rt.publish(src.copy(), access="rw")
+    res = rt.core.resolve(ref.spec)
+    out = np.zeros_like(src)
+    rc = _hot.copy(res.addr, 0, ref.spec.offset, out, ref.nbytes, -1)
+    assert rc & tr.RC_STATUS == tr.OK
+    np.testing.assert_array_equal(out, src)
+    new = src[::-1].copy()
+    rc = _hot.copy(res.addr, 1, ref.spec.offset, new, ref.nbytes, ref.spec.dtype_code)
+    assert rc & tr.RC_STATUS == tr.OK
+    np.testing.assert_array_equal(ref.get(), new)
+
+
+def _refused_for_get():
+    a = np.zeros(64, np.uint8)
+    ro = a.copy()
+    ro.flags.writeable = False
+    return {
+        "read-only array": ro,
+        "bytes": bytes(64),
+        "strided": np.zeros(128, np.uint8)[::2],
+        "wrong size": np.zeros(63, np.uint8),
+        "object dtype": np.empty(8, object),
+        "datetime": np.zeros(8, "M8[s]"),
+        "structured": np.zeros(8, [("a", "<i4"), ("b", "<i4")]),
+        "big endian": np.zeros(16, ">i4"),
+        "list": [0] * 64,
+        "bfloat16": np.zeros(32, _dtypes.numpy_dtype(_dtypes.code_of("bfloat16"))),
+    }
+
+
+@pytest.mark.parametrize("what", list(_refused_for_get()))
+def test_buffers_the_call_does_not_take_come_back_untouched(rt, what):
+    """RC_BUFFER, nothing moved; the door then decides (and names the argument when it refuses)."""
+    buf = _refused_for_get()[what]
+    ref = rt.publish(np.arange(64, dtype=np.uint8), access="rw")
+    res = rt.core.resolve(ref.spec)
+    ops = rt.stats().ops_by_route
+    assert _hot.copy(res.addr, 0, ref.spec.offset, buf, ref.nbytes, -1) == _hot.RC_BUFFER
+    assert rt.stats().ops_by_route == ops  # nothing counted: nothing was done
+    if what == "bfloat16":  # a plain dtype numpy cannot export: the door takes it
+        ref.get(buf)
+        assert buf.view(np.uint8).tolist() == list(range(64))
+        return
+    with pytest.raises((TypeError, ValueError), match="out"):
+        ref.get(buf)
+    assert ref.get().tolist() == list(range(64))  # the window is untouched
+
+
+def test_torch_and_dlpack_buffers_take_the_door(rt):
+    torch = pytest.importorskip("torch")
+    ref = rt.publish(np.arange(16, dtype=np.float32), access="rw")
+    res = rt.core.resolve(ref.spec)
+    t = torch.zeros(16)
+    assert _hot.copy(res.addr, 0, ref.spec.offset, t, ref.nbytes, -1) == _hot.RC_BUFFER
+    ref.get(t)
+    assert t.tolist() == list(range(16))
+    ref.put(torch.full((16,), 2.0))
+    assert ref.get().tolist() == [2.0] * 16
+    with pytest.raises(ValueError, match="conjugate"):
+        ref.bytes(0, 16).bind(rt).get(torch.zeros(2, dtype=torch.complex64).conj())
+
+
+def test_put_dtype_rule_is_the_doors(rt):
+    ref = rt.publish(np.zeros(16, np.float32), access="rw")
+    ref.put(np.ones(16, np.float32))
+    ref.put(np.full(16, 2.0, np.float32).view(np.uint8))  # raw bytes of any ref: allowed
+    assert ref.get().tolist() == [2.0] * 16
+    with pytest.raises(TypeError, match="src dtype int32 differs"):
+        ref.put(np.ones(16, np.int32))
+    raw = rt.publish(np.zeros(64, np.uint8), access="rw")
+    raw.put(np.arange(16, dtype=np.int32))  # into a uint8 ref: any plain dtype's bytes
+    assert raw.get().view(np.int32).tolist() == list(range(16))
+    with pytest.raises(ValueError, match="src holds 32 bytes"):
+        ref.put(np.zeros(8, np.float32))
+    ro = rt.publish(np.zeros(16, np.float32), access="r")
+    with pytest.raises(AccessDeniedError):
+        ro.put(np.ones(16, np.float32))
+
+
+@pytest.mark.multiproc
+def test_shared_segment_outcomes_through_the_call():
+    """Across processes (host/shm): a copy above GIL_BYTES (the GIL released around it), a lease
+    checked natively (held, released, of another window), a stale ref after the owner left."""
+    n = 4 * _hot.GIL_BYTES
+    p, conn = spawn(_shm_owner, n)
+    try:
+        with memsem.Runtime() as rt:
+            ref = rt.ref(recv(conn))
+            assert ref.route().kind == "host/shm"
+            out = np.empty(n, np.uint8)
+            ref.get(out)
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.uint64).astype(np.uint8))
+            small = ref.bytes(0, 64)
+            buf = np.empty(64, np.uint8)
+            with small.lease(10) as ls:
+                small.get(buf, lease=ls)
+            with pytest.raises(LeaseExpiredError):
+                small.get(buf, lease=ls)  # released: fails natively after range and permission
+            other = rt.publish(np.zeros(8, np.uint8))
+            with other.lease(5) as lo:
+                with pytest.raises(ValueError, match="lease is for"):
+                    small.get(buf, lease=lo)
+            conn.send("exit")
+            p.join(30)
+            with pytest.raises((StaleReferenceError, memsem.PeerLostError)):
+                small.get(buf)
+    finally:
+        reap([p])
+
+
+# -- xcopy: ranges done at once in the caller, the rest by workers ----------------------------------
+def test_xcopy_small_ranges_are_done_at_once(rt):
+    """Same-node ranges of a resolved window end DONE before xcopy returns (inline lane), each
+    counted in the xcopy latency histogram; a put range may carry any plain dtype's bytes."""
+    a = rt.alloc(64 * 64, np.uint8)
+    a[:] = np.arange(a.nbytes, dtype=np.uint64).astype(np.uint8)
+    ref = rt.publish(a, access="rw")
+    ref.get()  # resolved here
+    tiles = [ref.bytes(i * 64, 64) for i in range(64)]
+    outs = [np.zeros(64, np.uint8) for _ in range(64)]
+    before = rt.stats().latency_us.get("xcopy", {}).get("n", 0)
+    batch = rt.xcopy(list(zip(tiles, outs)))
+    assert batch.done() and all(r.state == memsem.State.DONE for r in batch.results)
+    assert rt.stats().latency_us["xcopy"]["n"] == before + 64
+    np.testing.assert_array_equal(np.concatenate(outs), a)
+    batch = rt.xcopy([(np.full(16, i, np.float32), tiles[i]) for i in range(4)])
+    assert batch.wait(10) and not batch.errors
+    assert a[:256].view(np.float32).tolist() == [float(i) for i in range(4) for _ in range(16)]
+
+
+def test_xcopy_inline_range_that_cannot_finish_goes_to_a_worker(rt):
+    """A write section is open: xcopy still returns at once (never waits in the caller); the
+    range ends DONE once the section closes, with the new bytes. A stale range ends FAILED."""
+    a = rt.alloc(4096, np.uint8)
+    ref = rt.publish(a, access="rw", name="hot/ws")
+    ref.get()
+    out = np.zeros(4096, np.uint8)
+    ws = rt.write_section(ref)
+    ws.__enter__()
+    try:
+        a[:] = 9
+        batch = rt.xcopy([(ref, out)])
+        assert not batch.done() and batch.results[0].state != memsem.State.DONE
+    finally:
+        ws.__exit__(None, None, None)
+    batch.wait(20)
+    assert batch.results[0].state == memsem.State.DONE and (out == 9).all()
+    old = rt.publish(np.zeros(64, np.uint8), name="hot/old")
+    old.get()
+    rt.unpublish(old, timeout=5)
+    batch = rt.xcopy([(old, np.zeros(64, np.uint8)), (ref, out)])
+    batch.wait(20)
+    assert isinstance(batch.errors[0], StaleReferenceError)
+    assert batch.results[1].state == memsem.State.DONE
