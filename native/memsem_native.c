@@ -255,6 +255,8 @@ uint64_t memsem_plan_copy(memsem_plan *p, int put, uint64_t offset, uint64_t loc
                          uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
                          uint64_t lease_id) {
     uint64_t st[5];
+    /* A plan of an engine route has no mapping to copy through (base 0): refuse, never touch it. */
+    if (!p->base) return MEMSEM_RC_ERRNO | ((uint64_t)EFAULT << MEMSEM_RC_VERSION_SHIFT);
     uint64_t rc = bracket_open(p, put, offset, nbytes, want_version, lease_slot, lease_id, st);
     if (rc != MEMSEM_OK) return rc;
     uint64_t status = MEMSEM_OK;

@@ -159,3 +159,22 @@ def test_small_tmpfs_fails_at_create_not_sigbus(tmp_path, monkeypatch):
     assert not _mounted(mnt), f"{mnt} is still mounted"
     assert plain_umount is None or plain_umount.returncode == 0, \
         f"plain umount failed (a mapping outlived its array): {plain_umount.stderr}"
+
+
+def test_plan_copy_refuses_a_plan_that_maps_nothing():
+    """A plan of an engine route (no mapping: base 0) is refused with EFAULT before any check
+    or copy: a caller that picks the wrong plan gets an error, never a copy from address 0."""
+    from memsem.runtime import _translate as tr
+
+    plan = native.new_plan()
+    plan.nbytes = 64
+    plan.generation = plan.local_gen = 1
+    plan.gen_addr = int(native.ffi.cast("uintptr_t", native.ffi.addressof(plan, "local_gen")))
+    plan.seq_addr = int(native.ffi.cast("uintptr_t", native.ffi.addressof(plan, "local_seq")))
+    plan.nslots = 1
+    dst = np.zeros(64, np.uint8)
+    for put in (0, 1):
+        rc = native.lib.memsem_plan_copy(plan, put, 0, dst.ctypes.data, 64, 0, 0, 0)
+        assert rc & tr.RC_STATUS == tr.ERRNO and rc >> tr.RC_SHIFT == errno.EFAULT, hex(rc)
+    assert plan.use == 0  # nothing entered, nothing left counted
+    assert not dst.any()

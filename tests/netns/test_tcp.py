@@ -486,3 +486,61 @@ def test_owner_killed_during_a_wait_is_peer_lost(redis_url, job, rt):
             w.get()
     finally:
         o.close()
+
+
+# -- an owner whose runtime prefers tcp (its own windows route through tcp too) ------------------------
+_PREFER_OWNER = r"""
+import sys, numpy as np, memsem
+n = int(sys.argv[1])
+with memsem.Runtime(engines=("loopback", "host", "tcp"), prefer="tcp", timeout=10) as rt:
+    keep = [np.arange(n, dtype=np.uint8), rt.alloc(n, np.uint8)]
+    keep[1][:] = np.arange(n, dtype=np.uint8)[::-1]
+    print(" ".join(rt.publish(a, access="rw").to_bytes().hex() for a in keep), flush=True)
+    sys.stdin.readline()
+    print(int(keep[0][0]), int(keep[1][0]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [64, 3 * MiB + 5])
+def test_an_owner_preferring_tcp_serves_its_windows_from_its_own_memory(n, tmp_path):
+    """``prefer="tcp"`` on the owner makes its own resolution of its windows a tcp one; what
+    serves other processes must still copy through the owner's own memory (it once copied
+    through the route's plan, which maps nothing: the owner died of SIGSEGV on the first get)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _PREFER_OWNER, str(n)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line, f"the owner did not start (rc {p.poll()})"
+        hexes = line.split()
+        with memsem.Runtime(engines=ENGINES, prefer="tcp", timeout=10) as rt:
+            for k, h in enumerate(hexes):
+                ref = _ref(rt, h)
+                assert rt.route(ref).kind == "tcp"
+                want = np.arange(n, dtype=np.uint8) if k == 0 else np.arange(n, dtype=np.uint8)[::-1]
+                out = np.empty(n, np.uint8)
+                for _ in range(3):
+                    ref.get(out=out)
+                    assert np.array_equal(out, want)
+                ref.bytes(0, 1).put(np.array([200 + k], np.uint8))
+                assert int(ref.bytes(0, 1).get()[0]) == 200 + k
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["200", "201"]  # the puts landed in the owner's memory
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def test_a_process_reads_its_own_window_through_tcp_when_it_prefers_tcp():
+    with memsem.Runtime(engines=ENGINES, prefer="tcp", timeout=10) as rt:
+        a = np.arange(2 * MiB, dtype=np.uint8)
+        ref = rt.publish(a, access="rw")
+        assert rt.route(ref).kind == "tcp"
+        assert np.array_equal(ref.get(), a)
+        ref.bytes(5, 3).put(np.array([9, 9, 9], np.uint8))
+        assert a[5:8].tolist() == [9, 9, 9]

@@ -76,7 +76,7 @@ def run_bench(args: Any) -> int:
     as_json = bool(getattr(args, "json", False))
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=as_json, width=140)
+    console = Console(stderr=as_json, width=100)  # readable on a 100-column terminal
     sizes = list(getattr(args, "sizes", None) or (M.SIZES_QUICK if quick else M.SIZES_FULL))
     for need in (64, 64 * MiB):
         if need not in sizes:
@@ -293,7 +293,7 @@ def _plots(series: list[Series], sizes: list[int], out_dir: pathlib.Path, consol
     paths = []
     colors = {s.system: plt.cm.tab20(i % 20) for i, s in enumerate(series)}
     for what, fname in (("latency", "latency.png"), ("bandwidth", "bandwidth.png")):
-        fig, ax = plt.subplots(figsize=(10, 6.5))
+        fig, ax = plt.subplots(figsize=(12, 6.5))
         for s in series:
             if not s.samples or (what == "bandwidth" and s.op == "view"):
                 continue
@@ -313,12 +313,17 @@ def _plots(series: list[Series], sizes: list[int], out_dir: pathlib.Path, consol
             ax.set_yscale("log")
             ax.set_ylabel("bandwidth (GB/s = bytes / median time, log)")
         ax.set_xlabel("payload")
-        ax.set_title(f"memsem bench: {what} vs payload (same run; view: latency only)")
+        question = ("How long does one operation take, by payload?" if what == "latency"
+                    else "How many bytes per second does one stream move, by payload?")
+        ax.set_title(f"{question}\n(memsem bench, one run; lower is better)" if what == "latency"
+                     else f"{question}\n(memsem bench, one run; higher is better; view has no bandwidth)",
+                     fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper left" if what == "latency" else "lower right")
-        fig.tight_layout()
+        # outside the axes, so no line is hidden behind it
+        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  title="system / route", title_fontsize=8)
         p = out_dir / fname
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(str(p))
     return paths

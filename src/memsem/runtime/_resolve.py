@@ -220,6 +220,9 @@ class Resolver:
         #: (bounded): once its records are reaped, a re-resolve still says PeerLostError, not
         #: WindowNotFoundError. Keyed by generation too: a new owner may reuse the GVA.
         self._dead: dict[tuple[int, int], Peer] = {}
+        #: gva -> a direct resolution of a window this runtime owns, for serving it to other
+        #: nodes (``resolve_direct``) when the cached one takes another route (``prefer``)
+        self._direct: dict[int, Resolution] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec) -> Resolution:
@@ -256,6 +259,34 @@ class Resolver:
                 self.drop(oldest)
             return res
 
+    def resolve_direct(self, spec: RefSpec) -> Resolution:
+        """A resolution of ``spec`` whose plan reaches the window's memory from this process
+        (``direct``): what the owner's side of an owner-checked engine (tcp) copies through.
+        The cached resolution when it is direct, else one made without the runtime's
+        ``prefer`` (which may force this process's own window onto the tcp route), kept until
+        the window is dropped.
+
+        Raises:
+            As ``resolve``; MemsemError when the window cannot be reached directly from here.
+        """
+        res = self.resolve(spec)
+        if res.direct:
+            return res
+        with self._lock:
+            d = self._direct.get(spec.gva)
+            if d is not None and not d.closed and d.generation == spec.generation and d.key == spec.key:
+                return d
+            if d is not None:
+                del self._direct[spec.gva]
+                d.close()
+            d = self._make(spec, prefer=None)
+            if not d.direct:
+                d.close()
+                raise MemsemError(f"{spec.label}: no direct route from its owner's own process "
+                                  f"(route {d.route.kind}); cannot serve it")
+            self._direct[spec.gva] = d
+            return d
+
     def _sweep(self, n: int) -> None:
         """Drop up to ``n`` of the oldest cached resolutions whose window moved on (retired or
         republished): their mappings would only keep unlinked memory alive."""
@@ -273,6 +304,12 @@ class Resolver:
     def drop(self, gva: int, res: Resolution | None = None) -> None:
         """Forget the resolution of ``gva`` (only ``res`` if given); it is released when idle."""
         with self._lock:
+            d = self._direct.get(gva)
+            if d is not None and (res is None or d is res):
+                del self._direct[gva]
+                d.close()
+                if res is not None:
+                    return
             cur = self.cache.get(gva)
             if cur is None or (res is not None and cur is not res):
                 return
@@ -287,8 +324,9 @@ class Resolver:
         """Drop every resolution and wait up to ``timeout`` s for copies running through them;
         returns the ones still busy (they release themselves when their last copy ends)."""
         with self._lock:
-            all_ = list(self.cache.values())
+            all_ = list(self.cache.values()) + list(self._direct.values())
             self.cache.clear()
+            self._direct.clear()
         for r in all_:
             r.close()
         deadline = native.monotonic_ns() + int(timeout * 1e9)
@@ -300,7 +338,8 @@ class Resolver:
         return busy
 
     # -- making one -------------------------------------------------------------------------------
-    def _make(self, spec: RefSpec) -> Resolution:
+    def _make(self, spec: RefSpec, prefer: str | None | bool = True) -> Resolution:
+        """A new resolution; ``prefer`` True takes the runtime's preference, else that one."""
         core = self._core
         owned = core.publisher.owned.get(spec.gva)
         if owned is not None:
@@ -345,7 +384,7 @@ class Resolver:
                 raise tr.stale(spec, found)
         try:
             route = choose_route(core.location, Location(info.node, info.owner_pid), info.descriptors,
-                                 core.available, nbytes=info.nbytes, prefer=core.prefer)
+                                 core.available, nbytes=info.nbytes, prefer=core.prefer if prefer is True else prefer)
             eng = core.engines[route.engine]
             cred = owner_credential(spec) if eng.enforces_generation == "owner" else b""
             # a double-buffered window's registration spans its slots (nbytes is one slot)

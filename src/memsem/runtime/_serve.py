@@ -590,7 +590,7 @@ class Server:
             if g is not None:
                 del self._grants[token]
                 g.close()
-            res = core.resolver.resolve(spec)
+            res = core.resolver.resolve_direct(spec)  # the owner's own memory, whatever the route preference
             if not res.enter():  # the grant's claim
                 raise tr.stale(spec, cb.generation)
             g = Grant(self, res, owned, mint)
