@@ -12,6 +12,7 @@ from memsem.engines._base import (
     WATCH_HEADER,
     WATCH_READY,
     Availability,
+    ControlWords,
     Credential,
     Descriptor,
     DirectAccess,
@@ -72,7 +73,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 __all__ = [
-    "WATCH_HEADER", "WATCH_READY", "Availability", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
+    "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
     "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

@@ -11,7 +11,9 @@ attachments, ``close()`` releases children first):
 wiring:         ``bind(context)``: the runtime hands over what an engine may ask of it
                 (:class:`EngineContext`: directory, timeout, identity, owner-side checks)
 owner side:     ``register(region) -> Descriptor`` ... ``deregister(descriptor)``;
-                ``on_publish(descriptor, n_tiles)`` once the window's tiling is known
+                ``on_publish(descriptor, n_tiles, gva, words)`` once the window's tiling is known
+                (``words``: the window's control words as :class:`ControlWords`, which engines
+                that read them one-sidedly register; they move words, never interpret them)
 consumer side:  ``attach(descriptor) -> RemoteRegion`` ... ``detach(remote)``
 data:           ``get(remote, offset, dst)`` / ``put(remote, offset, src)`` (blocking, remote
                 completion) and ``submit(ops) -> Request`` (a batch; engines with real
@@ -131,6 +133,22 @@ class LocalRegion:
     segment: str | None = None
     segment_offset: int = 0
     keepalive: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlWords:
+    """Owner memory holding a window's control words (64-bit words), handed to ``on_publish``.
+
+    An engine that lets consumers on other nodes read these words one-sidedly (``can_watch``
+    "read") makes them reachable read-only; it never writes or interprets them.
+
+    Attributes:
+        header: the header words (``header.nbytes // 8`` words, word 0 first).
+        ready: the tile-ready words, one per tile (None when the window has no tiles).
+    """
+
+    header: LocalRegion
+    ready: LocalRegion | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,10 +370,13 @@ class Engine(abc.ABC):
         """Undo ``register``. Safe for descriptors this engine made; others raise ValueError."""
         self._check_descriptor(descriptor)
 
-    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int) -> None:
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int,
+                   words: ControlWords | None = None) -> None:
         """Called after ``register`` once the window's tiling is known (``n_tiles`` ready
-        words; 0 when untiled). An engine may add fields to ``descriptor`` here (mte gives each
-        tile a SHMEM signal slot). Default: nothing."""
+        words; 0 when untiled). ``words`` is the window's control words (owner memory that
+        lives until ``deregister``). An engine may add fields to ``descriptor`` here (mte gives
+        each tile a SHMEM signal slot; rdma registers ``words`` read-only and names them).
+        Whatever it sets up here ``deregister`` releases. Default: nothing."""
 
     # -- consumer side --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -412,7 +433,8 @@ class Engine(abc.ABC):
 
     def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
         """One-sided read of ``count`` control words of ``remote``'s window (``kind`` as in
-        ``watch``). Blocking."""
+        ``watch``: header words from word ``index``, or ready words from tile ``index``).
+        Blocking; returns the words' values (64-bit unsigned ints) when they are here."""
         raise NotSupportedError(f"engine {self.name!r} cannot read control words of a remote window")
 
     def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
@@ -511,7 +533,7 @@ class EngineContext(abc.ABC):
 
 
 __all__ = [
-    "Availability", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
+    "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
     "WATCH_HEADER", "WATCH_READY",
     "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError",
 ]

@@ -9,11 +9,12 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from memsem._errors import EngineError
-from memsem.engines._base import Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request
+from memsem.engines._base import ControlWords, Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request
 
 
 class ScriptedEngine(Engine):
@@ -54,6 +55,25 @@ class ScriptedEngine(Engine):
 
     def deregister(self, descriptor: Descriptor) -> None:
         self.inner.deregister(descriptor)
+
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int,
+                   words: ControlWords | None = None) -> None:
+        self.inner.on_publish(descriptor, n_tiles, gva, words)
+
+    def can_watch(self, remote: RemoteRegion) -> str:
+        return self.inner.can_watch(remote._real)  # type: ignore[attr-defined]
+
+    def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
+        self._step("read_words", index, count)
+        return self.inner.read_words(remote._real, kind, index, count)  # type: ignore[attr-defined]
+
+    def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
+              on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
+              timeout: float) -> Any:
+        return self.inner.watch(remote._real, targets, on_update, on_lost, timeout)  # type: ignore[attr-defined]
+
+    def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
+        self.inner.set_ready(remote._real, tile, ready)  # type: ignore[attr-defined]
 
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         # No DirectAccess: the runtime must come through get/put so the script applies.

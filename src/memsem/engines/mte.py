@@ -52,6 +52,7 @@ from memsem._buffers import address_view, dtype_code
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, OutOfMemoryError
 from memsem.engines._base import (
     Availability,
+    ControlWords,
     Descriptor,
     Engine,
     LocalRegion,
@@ -578,7 +579,8 @@ class MteEngine(Engine):
                                       "nbytes": region.nbytes, "mapped": t.host_mapped,
                                       "writable": region.writable, "sig_slot": -1, "n_sig": 0})
 
-    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int) -> None:
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int,
+                   words: ControlWords | None = None) -> None:
         """Give a tiled window one SHMEM signal slot per tile (``put_tile`` then sends the data
         and the tile's signal in one ``aclshmemx_putmem_signal``)."""
         desc, n = descriptor, int(n_tiles)

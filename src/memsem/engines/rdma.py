@@ -61,7 +61,10 @@ import numpy as np
 from memsem import _args
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
 from memsem.engines._base import (
+    WATCH_HEADER,
+    WATCH_READY,
     Availability,
+    ControlWords,
     Descriptor,
     Engine,
     LocalRegion,
@@ -99,6 +102,10 @@ LOST_CONNECT_TIMEOUT = 2.0
 #: far, 50 us .. 1 ms). Longer spinning hurts where the device is emulated in the kernel on the
 #: same CPUs (rxe: a spinning poller delays the softirq that would complete the request).
 SPIN_SECONDS = 20e-6
+#: most control words one descriptor may name (header words; ready words follow the window's
+#: tiles, bounded like control blocks' ready words)
+MAX_HEADER_WORDS = 4096
+MAX_READY_WORDS = 1 << 24
 #: owner listener: directory poll interval within 1 s of the last request, within 10 s, after
 LISTEN_ACTIVE = 0.003
 LISTEN_IDLE = 0.02
@@ -211,12 +218,15 @@ class _Device:
 
 @dataclasses.dataclass
 class _Registration:
-    """One window's MRs (one per device); ``region`` keeps its memory alive."""
+    """One window's MRs (one per device); ``region`` keeps its memory alive. ``ctl_mrs``: the
+    MRs of its control words (remote read only), ``words`` keeps them alive."""
 
     reg_id: int
     region: LocalRegion
     access: int
     mrs: dict[str, Any]
+    ctl_mrs: list[Any] = dataclasses.field(default_factory=list)
+    words: ControlWords | None = None
 
 
 class _Conn:
@@ -260,6 +270,10 @@ class _RdmaRemote(RemoteRegion):
         self.address = address
         self.rkey = rkey
         self.writable = writable
+        #: the window's control words on the same connection (header words, ready words), when
+        #: its owner registered them; never written
+        self.ctl_header: _RdmaRemote | None = None
+        self.ctl_ready: _RdmaRemote | None = None
 
 
 @dataclasses.dataclass
@@ -466,11 +480,66 @@ class RdmaEngine(Engine):
             if reg is None:
                 return
             self._counts["deregistrations"] += 1
-        for mr in reg.mrs.values():
+        failed: BaseException | None = None
+        for mr in [*reg.ctl_mrs, *reg.mrs.values()]:  # every MR, even when one fails
             try:
                 mr.close()
             except self._v.PyverbsError as exc:
-                raise _pyverbs_error(exc, "ibv_dereg_mr") from exc
+                failed = failed or exc
+        reg.ctl_mrs.clear()
+        reg.words = None
+        if failed is not None:
+            raise _pyverbs_error(failed, "ibv_dereg_mr") from failed
+
+    def on_publish(self, descriptor: Descriptor, n_tiles: int, gva: int,
+                   words: ControlWords | None = None) -> None:
+        """Register the window's control words (header and ready words) read-only
+        (``IBV_ACCESS_REMOTE_READ``, never remote write) on every device and name them in the
+        descriptor's ``ctl`` field, so consumers on other nodes read them one-sidedly
+        (``read_words``). ``deregister`` closes these MRs with the window's."""
+        self._check_descriptor(descriptor)
+        if words is None or descriptor.field("ep", str) != self.ep:
+            return
+        with self._lock:
+            reg = self._regs.get(descriptor.field("reg", int))
+        if reg is None:
+            raise ValueError("rdma descriptor has no live registration in this engine")
+        v = self._v
+        access = v.e.IBV_ACCESS_REMOTE_READ
+        hdr, ready = words.header, words.ready
+        made: list[Any] = []
+        entries = []
+        try:
+            for dev in self._devices:
+                entry: dict[str, Any] = {"device": dev.name}
+                for what, region in (("hdr", hdr), ("ready", ready)):
+                    if region is None or region.nbytes == 0:
+                        continue
+                    try:
+                        mr = v.MR(dev.pd, region.nbytes, access, address=region.address)
+                    except v.PyverbsError as exc:
+                        raise _pyverbs_error(exc, f"ibv_reg_mr of {region.nbytes} bytes of control words "
+                                                  f"on {dev.name}") from exc
+                    made.append(mr)
+                    entry[f"{what}_rkey"] = int(mr.rkey)
+                entries.append(entry)
+        except BaseException:
+            for mr in made:
+                mr.close()
+            raise
+        with self._lock:
+            if self._regs.get(reg.reg_id) is not reg:  # deregistered meanwhile
+                for mr in made:
+                    mr.close()
+                return
+            reg.ctl_mrs.extend(made)
+            reg.words = words
+        descriptor.fields["ctl"] = {
+            "hdr": hdr.address, "hdr_words": hdr.nbytes // 8,
+            "ready": ready.address if ready is not None else 0,
+            "ready_words": ready.nbytes // 8 if ready is not None else 0,
+            "mrs": entries,
+        }
 
     def registration_access(self, descriptor: Descriptor) -> int:
         """The ibv access flags of the live registration behind ``descriptor`` (owner side)."""
@@ -599,11 +668,92 @@ class RdmaEngine(Engine):
         entries = {m["device"]: m for m in mrs}
         dev, m = next(((dv, entries[dv.name]) for dv in self._devices if dv.name in entries),
                       (self._devices[0], mrs[0]))
+        ctl = self._control_fields(d, dev.name)
         conn = self._conn(ep, dev, dict(m, ep=ep, node=d.field("node", str, None), pid=d.field("pid", int, None)))
         with conn.lock:
             if conn.broken:
                 self._reconnect(conn)
-        return _RdmaRemote(self, nbytes, conn, addr, m["rkey"], access == "rw")
+        remote = _RdmaRemote(self, nbytes, conn, addr, m["rkey"], access == "rw")
+        if ctl is not None:
+            hdr, hdr_words, hdr_rkey, ready, ready_words, ready_rkey = ctl
+            remote.ctl_header = _RdmaRemote(self, 8 * hdr_words, conn, hdr, hdr_rkey, False)
+            if ready_words:
+                remote.ctl_ready = _RdmaRemote(self, 8 * ready_words, conn, ready, ready_rkey, False)
+        return remote
+
+    @staticmethod
+    def _control_fields(d: Descriptor, device: str) -> tuple[int, int, int, int, int, int] | None:
+        """The descriptor's control-word MRs as seen from ``device`` (None when it names none).
+
+        Raises:
+            ValueError: a malformed ``ctl`` field (names the field).
+        """
+        ctl = d.field("ctl", dict, None)
+        if ctl is None:
+            return None
+        what = "rdma descriptor ctl"
+        hdr, hdr_words = typed_field(ctl, "hdr", int, what), typed_field(ctl, "hdr_words", int, what)
+        ready, ready_words = typed_field(ctl, "ready", int, what), typed_field(ctl, "ready_words", int, what)
+        if not 0 < hdr_words <= MAX_HEADER_WORDS:
+            raise ValueError(f"{what} field 'hdr_words' must be in [1, {MAX_HEADER_WORDS}], got {hdr_words}")
+        if not 0 <= ready_words <= MAX_READY_WORDS:
+            raise ValueError(f"{what} field 'ready_words' must be in [0, {MAX_READY_WORDS}], got {ready_words}")
+        mrs = typed_field(ctl, "mrs", list, what)
+        for i, m in enumerate(mrs):
+            typed_field(m, "device", str, f"{what} mrs[{i}]")
+        m = next((m for m in mrs if m["device"] == device), mrs[0] if mrs else None)
+        if m is None:
+            raise ValueError(f"{what} field 'mrs' is empty")
+        hdr_rkey = typed_field(m, "hdr_rkey", int, f"{what} mrs entry of {m['device']}")
+        ready_rkey = typed_field(m, "ready_rkey", int, f"{what} mrs entry of {m['device']}") if ready_words else 0
+        return hdr, hdr_words, hdr_rkey, ready, ready_words, ready_rkey
+
+    # -- consumer side: control words ------------------------------------------------------------
+    def can_watch(self, remote: RemoteRegion) -> str:
+        """"read" for a window whose owner registered its control words (``read_words``)."""
+        return "read" if isinstance(remote, _RdmaRemote) and remote.ctl_header is not None else ""
+
+    def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
+        """RDMA READ of ``count`` 64-bit control words of ``remote``'s window: header words
+        from word ``index`` (``kind`` WATCH_HEADER) or ready words from tile ``index``
+        (WATCH_READY), through the connection's registered bounce buffer. Blocks until the
+        words are here (one work completion, bounded by the engine's completion deadline).
+
+        Returns:
+            the words' values, ``count`` unsigned ints.
+
+        Raises:
+            TypeError / ValueError: ``kind``, ``index`` or ``count`` is not an int, or names
+                words the descriptor does not (the message names the argument).
+            NotSupportedError: the owner registered no control words for this window.
+            EngineError / PeerLostError / MemsemTimeoutError: as for ``get`` (a window
+                deregistered at its owner, i.e. retired, fails with ``IBV_WC_REM_ACCESS_ERR``).
+        """
+        for arg, val in (("kind", kind), ("index", index), ("count", count)):
+            if type(val) is not int:
+                raise TypeError(f"{arg} must be an int, got {type(val).__name__} {val!r:.40}")
+        if not isinstance(remote, _RdmaRemote) or remote.engine is not self:
+            raise ValueError("remote region was not attached by this rdma engine")
+        if kind == WATCH_HEADER:
+            sub = remote.ctl_header
+        elif kind == WATCH_READY:
+            sub = remote.ctl_ready
+        else:
+            raise ValueError(f"kind must be WATCH_HEADER ({WATCH_HEADER}) or WATCH_READY ({WATCH_READY}), "
+                             f"got {kind}")
+        if remote.ctl_header is None:
+            raise NotSupportedError("the window's owner registered no control words for rdma reads")
+        have = 0 if sub is None else sub.nbytes // 8
+        if have == 0:
+            raise ValueError(f"kind {kind}: the window has no ready words (published without tiles)")
+        if not 0 <= index < have:
+            raise ValueError(f"index {index} is outside the window's {have} "
+                             f"{'header' if kind == WATCH_HEADER else 'ready'} words")
+        if not 1 <= count <= have - index:
+            raise ValueError(f"count {count} must be in [1, {have - index}] (words from index {index} of {have})")
+        out = np.empty(count, np.uint64)
+        self._one(Op(OpKind.GET, sub, 8 * index, out.view(np.uint8)))
+        return out.tolist()
 
     def _conn(self, owner_ep: str, dev: _Device, owner: dict[str, Any]) -> _Conn:
         key = (owner_ep, dev.name)

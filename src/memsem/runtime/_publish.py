@@ -59,7 +59,7 @@ from memsem._errors import (
     OwnerWriteError,
     WindowNotFoundError,
 )
-from memsem.engines import Descriptor, Engine, LocalRegion
+from memsem.engines import ControlWords, Descriptor, Engine, LocalRegion
 from memsem.gva import (
     PERM_READ,
     PERM_WRITE,
@@ -77,6 +77,7 @@ from memsem.gva import (
 )
 from memsem.gva._control import (
     FIRST_VERSION,
+    HEADER_WORDS,
     W_LATEST,
     W_NBYTES,
     W_PERMS,
@@ -319,8 +320,9 @@ class Publisher:
                     continue  # this engine cannot reach such memory: no route through it
                 regs.append((eng, desc))
                 core.telemetry.registrations[ename] += 1
+            words = control_words(cb)
             for eng, desc in regs:
-                eng.on_publish(desc, n_ready, gva)
+                eng.on_publish(desc, n_ready, gva, words)
         except BaseException:
             for eng, d in regs:
                 eng.deregister(d)
@@ -338,7 +340,8 @@ class Publisher:
                            n_ready=cb.n_ready, tile_bytes=tile_bytes,
                            descriptors={e.name: d for e, d in regs},
                            dtype_code=info.dtype_code, shape=info.shape, byte_offset=info.byte_offset,
-                           framework=info.framework)
+                           framework=info.framework,
+                           extra={"slots": slots, "slot_stride": stride} if slots > 1 else {})
         owned = Owned(winfo, cb, key, region.keepalive, region, regs, gen, n_slots=slots, stride=stride,
                       slots_segment=slots_seg, guard=guard, mint=mint)
         first = cb.slot_of(FIRST_VERSION)
@@ -764,6 +767,15 @@ class WriteSection:
     def __repr__(self) -> str:
         state = "open" if not self._done else "closed"
         return f"<WriteSection {state} {self.versions}>"
+
+
+def control_words(cb: ControlBlock) -> ControlWords:
+    """The control words of ``cb`` an engine may make remotely readable (``Engine.on_publish``):
+    its header words and its ready words, never lease or in-flight slots. The regions keep the
+    block's mapping alive; the runtime deregisters every engine before it releases the block."""
+    header = LocalRegion(cb.base, 8 * HEADER_WORDS, False, keepalive=cb)
+    ready = LocalRegion(cb.ready_addr(0), 8 * cb.n_ready, False, keepalive=cb) if cb.n_ready else None
+    return ControlWords(header, ready)
 
 
 def _protectable(slots: int, seg: Segment | None, info: BufferInfo) -> bool:

@@ -9,8 +9,14 @@ futex-wait on it exactly as on one node. The route's engine keeps it current:
 * ``push`` (tcp): the owner's runtime watches the words (its watch hub) and sends every change;
   the engine's reader thread stores each value (release) and wakes the mirror word's futex. A
   wait here is a futex wait on local memory: no polling, no sleeps.
-* ``read`` (rdma): the words are read one-sidedly from the owner's registered control block
-  when asked (``sync``, and while waiting: a read, then a bounded back-off of ``READ_BACKOFF_S``).
+* ``read`` (rdma): the words are read one-sidedly from the owner's registered control words
+  (header and ready words, registered remote-read only) when asked (``sync``, and while
+  waiting: a read of the awaited word, then a back-off doubling from ``READ_BACKOFF_S[0]`` to
+  ``READ_BACKOFF_S[1]``; the generation word is read again with every change of a ready word
+  and at the end of every wait slice). A read that fails decides at once: ``PeerLostError``
+  when the owner's queue pair is gone (the engine's retries exhausted, about 0.5 s after the
+  owner died), ``StaleReferenceError`` when the owner deregistered the words (it retired the
+  window: republish, unpublish, close).
 
 Every guarantee of ready words on one node holds: the mirror's ready words carry the generation
 they were marked for; the mirror's generation word is the owner's (a retire pushes the new one
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import native
-from memsem._errors import EngineError, MemsemError, NotSupportedError, PeerLostError
+from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
 from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva import RefSpec
 from memsem.gva._control import HEADER_WORDS, W_GENERATION, W_LATEST, W_SEQ0, W_SEQ1, W_STATE
@@ -59,7 +65,8 @@ class RemoteControl:
 
     n_slots = 1
 
-    def __init__(self, res: Resolution, mode: str) -> None:
+    def __init__(self, res: Resolution, mode: str, spec: RefSpec | None = None,
+                 core: "RuntimeCore | None" = None) -> None:
         self.n_ready = res.info.n_ready
         self.mode = mode
         self._words = np.zeros(HEADER_WORDS + max(self.n_ready, 0), np.uint64)
@@ -70,6 +77,8 @@ class RemoteControl:
         self.checked = time.monotonic()
         native.store_release(self.addr(W_GENERATION), res.generation)
         self._res = weakref.ref(res)
+        self._spec = spec
+        self._core = core
 
     # -- the ControlBlock reading interface ---------------------------------------------------------
     def addr(self, word: int) -> int:
@@ -127,6 +136,46 @@ class RemoteControl:
         for t in range(self.n_ready):
             native.futex_wake(self._ready0 + 8 * t)
 
+    # -- one-sided reads (mode "read") -----------------------------------------------------------
+    def _read(self, res: Resolution, kind: int, index: int, count: int) -> list[int]:
+        """``count`` words read from the owner; engine failures become the window's errors."""
+        try:
+            return res.engine.read_words(res.remote, kind, index, count)
+        except (MemsemTimeoutError, NotSupportedError):
+            raise
+        except MemsemError as exc:
+            raise tr.chain(self._failure(res, exc), exc) from exc
+
+    def _failure(self, res: Resolution, exc: MemsemError) -> MemsemError:
+        spec = self._spec
+        label = spec.label if spec is not None else f"window gva {res.info.gva:#x}"
+        if isinstance(exc, PeerLostError):
+            if self._core is not None:
+                self._core.telemetry.count_error("peer_lost")
+            return res.peer.lost(f"{label} (a one-sided read of its control words failed: {exc})")
+        if isinstance(exc, EngineError) and exc.name == "IBV_WC_REM_ACCESS_ERR" and spec is not None:
+            # the owner deregisters a window's control words only when it retires the window
+            core = self._core
+            rec = core.directory.get_window(spec.gva) if core is not None else None
+            found = None if rec is None else int(rec.get("generation", -1))
+            if core is not None:
+                core.resolver.drop(spec.gva, res)
+                core.telemetry.count_error("stale")
+            return tr.stale(spec, None if found == spec.generation else found)
+        if spec is not None:
+            return tr.engine_failure(exc, spec, res.peer, "control word read")
+        return exc
+
+    def _read_generation(self, res: Resolution) -> None:
+        """Read the owner's generation word into the mirror (twice when it moved, so a word
+        torn by the transport never passes for a new generation)."""
+        g = self._read(res, WATCH_HEADER, W_GENERATION, 1)[0]
+        if g != self.generation:
+            g2 = self._read(res, WATCH_HEADER, W_GENERATION, 1)[0]
+            if g2 != g:
+                return  # moving now: the next read decides
+        self.apply([(WATCH_HEADER, W_GENERATION, g)])
+
     def sync(self) -> None:
         """Bring the words up to date now (one-sided reads; pushed mirrors are current)."""
         if self.mode != "read":
@@ -134,12 +183,13 @@ class RemoteControl:
         res = self._res()
         if res is None:
             return
-        eng = res.engine
-        vals = eng.read_words(res.remote, WATCH_HEADER, 0, HEADER_WORDS)
-        self.apply([(WATCH_HEADER, i, vals[i]) for i in HEADER_TARGETS])
+        vals = self._read(res, WATCH_HEADER, 0, HEADER_WORDS)
         if self.n_ready:
-            rv = eng.read_words(res.remote, WATCH_READY, 0, self.n_ready)
+            rv = self._read(res, WATCH_READY, 0, self.n_ready)
             self.apply([(WATCH_READY, t, v) for t, v in enumerate(rv)])
+        self.apply([(WATCH_HEADER, i, vals[i]) for i in HEADER_TARGETS if i != W_GENERATION])
+        if vals[W_GENERATION] != self.generation:
+            self._read_generation(res)  # confirmed by reading it again
 
     def wait_word(self, addr: int, expected: int, slice_s: float) -> None:
         """Block at most ``slice_s`` while the word at ``addr`` (of this mirror) holds
@@ -158,15 +208,15 @@ class RemoteControl:
         else:
             kind, index = WATCH_HEADER, (addr - self.base) // 8
         while True:
-            v = res.engine.read_words(res.remote, kind, index, 1)[0]
+            v = self._read(res, kind, index, 1)[0]
             if v != expected:
                 self.apply([(kind, index, v)])
-                if kind == WATCH_READY:  # a tile's mark: its generation matters too
-                    g = res.engine.read_words(res.remote, WATCH_HEADER, W_GENERATION, 1)[0]
-                    self.apply([(WATCH_HEADER, W_GENERATION, g)])
+                if not (kind == WATCH_HEADER and index == W_GENERATION):
+                    self._read_generation(res)  # read after the word: its generation matters too
                 return
             left = end - time.monotonic()
             if left <= 0:
+                self._read_generation(res)  # a retired window is seen within one slice
                 return
             time.sleep(min(pause, left))
             pause = min(pause * 2, READ_BACKOFF_S[1])
@@ -206,7 +256,7 @@ class RemoteWords:
                     raise NotSupportedError(
                         f"ready words of {spec.label} live in its control block on node {res.info.node!r}; "
                         f"route {res.route.kind} (engine {res.engine.name!r}) cannot watch them from here")
-                m = RemoteControl(res, mode)
+                m = RemoteControl(res, mode, spec, self._core)
                 self._subscribe(res, spec, m)
                 self._mirrors[res] = m
             elif m.lost is not None:

@@ -388,7 +388,7 @@ class Resolver:
             eng = core.engines[route.engine]
             cred = owner_credential(spec) if eng.enforces_generation == "owner" else b""
             # a double-buffered window's registration spans its slots (nbytes is one slot)
-            span = info.nbytes if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
+            span = remote_span(info) if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
             try:
                 remote = eng.attach(info.descriptors[route.engine], span, cred)
             except WindowNotFoundError:
@@ -404,6 +404,24 @@ class Resolver:
             if cb is not None and not own_cb:
                 cb.close()
             raise
+
+
+def remote_span(info: WindowInfo) -> int:
+    """Bytes a route to ``info``'s window on another node reaches: one data slot, or both slots
+    of a double-buffered window (its record says ``slots`` and ``slot_stride``).
+
+    Raises:
+        ValueError: the record's slot fields are malformed (a corrupted directory record).
+    """
+    slots = info.extra.get("slots", 1)
+    if slots == 1:
+        return info.nbytes
+    stride = info.extra.get("slot_stride", 0)
+    if (type(slots) is not int or type(stride) is not int or slots != 2
+            or not info.nbytes <= stride <= info.nbytes + (1 << 16)):
+        raise ValueError(f"window record of gva {info.gva:#x}: malformed slots {slots!r} / slot_stride "
+                         f"{stride!r} for a window of {info.nbytes} bytes")
+    return 2 * stride
 
 
 def owner_credential(spec: RefSpec) -> Credential:

@@ -26,8 +26,9 @@ from memsem._errors import (
     NotSupportedError,
     StaleReferenceError,
 )
-from memsem.engines import Op, OpKind, OpState
+from memsem.engines import WATCH_HEADER, Op, OpKind, OpState
 from memsem.gva import RefSpec
+from memsem.gva._control import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, W_SEQ1, W_SLOT_STRIDE
 from memsem.runtime import _translate as tr
 from memsem.runtime._completion import Batch, Completion, RangeResult, State
 from memsem.runtime._lease import Lease
@@ -51,10 +52,17 @@ _UINT8 = _dtypes.code_of("uint8")
 _PLAIN = _dtypes.NUMPY_CODES
 #: torn reads retried at once before waiting on the sequence word
 _TORN_SPINS = 3
+#: back-off of one-sided version reads while a write section is open (seconds, doubling)
+_ONESIDED_BACKOFF_S = (20e-6, 1e-3)
 #: bytes of one xcopy batch copied at once in the calling thread (same-node ranges resolved here)
 XCOPY_INLINE_BYTES = 256 << 10
 #: below this many bytes in all, an xcopy batch's remaining ranges go to one worker task
 XCOPY_TASK_BYTES = 4 << 20
+
+
+def remote_slots(res: Resolution) -> int:
+    """Data slots of ``res``'s window as its directory record says (1, or 2 double-buffered)."""
+    return 2 if res.info.extra.get("slots", 1) == 2 else 1
 
 
 class Transfers:
@@ -222,9 +230,13 @@ class Transfers:
         deadline = None
         # Engines whose owner checks versions get the version asked for and say which they moved.
         owner_versions = eng.versions and res.cb is None
+        # Engines that read the owner's control words one-sidedly: versioned reads check the
+        # slot's sequence word around the copy here (a seqlock over the wire).
+        onesided = (not put and res.cb is None and not eng.versions and (version or remote_slots(res) > 1)
+                    and eng.can_watch(res.remote) == "read")
         while True:
             st = _ffi.new("uint64_t[5]")
-            rc = _open(res.plan, put, at, n, 0 if owner_versions else version, ls, lid, st)
+            rc = _open(res.plan, put, at, n, 0 if (owner_versions or onesided) else version, ls, lid, st)
             if rc == tr.OK:
                 if lease is not None and not ls:  # held in the directory: checked here, in turn
                     try:
@@ -260,6 +272,8 @@ class Transfers:
             remote = res.remote_for(spec)
             if owner_versions:
                 moved = eng.put(remote, at, flat) if put else eng.get(remote, at, flat, version=version)
+            elif onesided:
+                moved = self._onesided_get(res, spec, remote, at, flat, version)
             elif not put:
                 eng.get(remote, at, flat)
             elif signal_tile is not None and eng.can_signal(remote):
@@ -304,7 +318,62 @@ class Transfers:
                 res.peer_checked()
         if lease is not None and not ls:
             lease.check("during the transfer; the bytes moved are not valid")
-        return moved if owner_versions else rc >> _SHIFT
+        return moved if (owner_versions or onesided) else rc >> _SHIFT
+
+    def _onesided_get(self, res: Resolution, spec: RefSpec, remote: Any, at: int, flat: np.ndarray,
+                      version: int) -> int:
+        """Read ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the latest) of a window
+        whose owner is on another node, through an engine that reads its control words
+        one-sidedly (rdma): read the header words (generation, latest version, slot sequence
+        words), copy from the version's slot, read the header again; the copy counts only if
+        the slot's sequence word did not move (a write section overlapped: copy again).
+        Returns the version read. Bounded by the runtime's timeout.
+
+        Raises:
+            StaleReferenceError: the generation moved, or ``version`` is gone (overwritten).
+            MemsemTimeoutError: a write section stayed open, or ``version`` was not committed,
+                for the runtime's timeout.
+        """
+        core = self._core
+        eng = res.engine
+        deadline = time.monotonic() + core.timeout
+        pause = _ONESIDED_BACKOFF_S[0]
+
+        def header(during: bool) -> list[int]:
+            h = eng.read_words(remote, WATCH_HEADER, 0, W_SEQ1 + 1)
+            if h[W_GENERATION] != spec.generation:
+                g = eng.read_words(remote, WATCH_HEADER, W_GENERATION, 1)[0]  # confirm: never a torn word
+                if g != spec.generation:
+                    core.telemetry.count_error("stale")
+                    raise tr.stale(spec, g, during=during)
+                h[W_GENERATION] = g
+            return h
+
+        while True:
+            h = header(False)
+            nslots = 2 if h[W_NSLOTS] == 2 else 1
+            v = version or h[W_LATEST]
+            slot = v % nslots if nslots > 1 else 0
+            seq = h[W_SEQ0 + slot]
+            if seq == v << 1:
+                eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
+                after = header(True)[W_SEQ0 + slot]
+                if after == seq:
+                    return v
+                core.telemetry.count_error("torn")
+                if version and after >> 1 > version:
+                    raise tr.version_gone(spec, version, after >> 1)
+            elif version and seq >> 1 > version:
+                raise tr.version_gone(spec, version, seq >> 1)
+            else:  # a write section is open on the slot, or the version is not committed yet
+                now = time.monotonic()
+                if now >= deadline:
+                    raise tr.busy_timeout(spec, core.timeout)
+                time.sleep(min(pause, deadline - now))
+                pause = min(2 * pause, _ONESIDED_BACKOFF_S[1])
+                continue
+            if time.monotonic() >= deadline:
+                raise tr.busy_timeout(spec, core.timeout)
 
     # -- get / put --------------------------------------------------------------------------------
     # The common case is one C call (memsem._hot.copy): the buffer's door checks (plain dtype,
@@ -538,6 +607,8 @@ class Transfers:
             res = self._resolver.resolve(spec)
         except (MemsemError, ValueError, TypeError):
             return None  # reported by the range itself
+        if res.cb is None and not res.engine.versions and remote_slots(res) > 1:
+            return None  # a double-buffered window on another node: each range picks its slot
         return res if res.engine.batches and not res.direct else None
 
     def _copy_batch(self, group: list[tuple[RangeResult, Any, Any]], batch: Batch, lease: Lease | None) -> None:
