@@ -311,7 +311,8 @@ int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *ou
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (uint32_t i = 0; i < n && found < max; i++) {
         const uint64_t *s = &w[6 * i];
-        if (!__atomic_load_n(&s[3], __ATOMIC_ACQUIRE)) continue;  /* free slot */
+        /* 0: free; even: being claimed (its other words may be the previous holder's) */
+        if (!(__atomic_load_n(&s[3], __ATOMIC_ACQUIRE) & 1)) continue;
         uint64_t exp = __atomic_load_n(&s[2], __ATOMIC_ACQUIRE);
         if (exp <= now_ns) continue;
         uint64_t *o = &out[5 * found];

@@ -148,8 +148,8 @@ uint64_t memsem_lat_bucket_floor(int bucket);
  * Both start with a sequentially consistent fence (the Dekker side of the owner: its state or
  * generation store comes before). memsem_scan_inflight writes (identity, count) of every
  * in-flight slot whose count is not 0; memsem_scan_leases writes (slot, pid, start, expiry,
- * version) of every occupied lease slot whose expiry is after now_ns. Both return how many
- * they found (at most max). Layouts: gva/_control.py. */
+ * version) of every slot holding a lease (an odd id: even is a claim in progress) whose expiry
+ * is after now_ns. Both return how many they found (at most max). Layouts: gva/_control.py. */
 int memsem_scan_inflight(uint64_t slots, uint32_t n, uint64_t *out, uint32_t max);
 int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *out, uint32_t max);
 

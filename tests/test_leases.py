@@ -312,3 +312,96 @@ def test_case2_lease_expires_during_slow_get(rt, reclaim):
         assert reclaimed >= 0.09
         with pytest.raises(memsem.LeaseExpiredError):
             lease.renew()
+
+
+# -- claiming a slot: the claim mark -----------------------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_slot_being_claimed_is_neither_stolen_nor_reaped_nor_counted(rt):
+    """The moment between a claimer's CAS and its stores: the slot still holds the previous
+    holder's words (a dead pid, an expired expiry). A second claimer, the owner's scan and the
+    reaper must all leave it alone while its claimer lives; a dead claimer's mark is reclaimed.
+    (Before the claim mark, a second claimer took such a slot and the first one's fresh lease
+    read as expired: LeaseExpiredError at view() under load.)"""
+    import os
+
+    from memsem import native
+    from memsem.gva import _lease as L
+
+    ref = rt.publish(np.zeros(64, np.uint8))
+    cb = rt.core.publisher.owned[ref.gva].cb
+    a = cb.lease_slot_addr(0)
+    dead = _dead_pid()
+    # the previous holder of slot 0: dead, expired, released-but-not-cleared words
+    native.store_release(a, dead)
+    native.store_release(a + 8, 12345)
+    native.store_release(a + 16, 1)
+    native.store_release(a + 32, 0)
+    # a live claimer (this process) is between its CAS and its stores
+    native.store_release(a + 24, L.claim_mark(os.getpid()))
+    slot, lid = L.acquire(cb, os.getpid(), native.ProcessIdentity.current().start_time, 10**9)
+    assert slot != 0, "a slot being claimed was taken by a second claimer"
+    assert native.load_acquire(a + 24) == L.claim_mark(os.getpid())
+    assert all(s != 0 for s, *_ in cb.unexpired_leases(0)), "the scan counted a claim as a lease"
+    assert all(s != 0 for s, *_ in cb.lease_slots())
+    L._reap(cb, 0, dead, 12345)
+    assert native.load_acquire(a + 24) == L.claim_mark(os.getpid()), "the reaper freed a slot being claimed"
+    L.release(cb, slot, lid)
+    # the claimer died between its CAS and its stores: its mark is reclaimed
+    native.store_release(a + 24, L.claim_mark(dead))
+    slot2, lid2 = L.acquire(cb, os.getpid(), native.ProcessIdentity.current().start_time, 10**9)
+    assert slot2 == 0 and native.load_acquire(a + 24) == lid2 and lid2 & 1
+    L.release(cb, slot2, lid2)
+
+
+def _lease_hammer(ref_bytes: bytes, rounds: int, out) -> None:
+    import memsem as m
+
+    lost: list[str] = []
+    try:
+        with m.Runtime(timeout=30) as r:
+            ref = r.ref(ref_bytes)
+            for _ in range(rounds):
+                lease = ref.lease(ttl=None).acquire()
+                try:
+                    lease.check("right after acquire")
+                    v = ref.view(lease=lease)
+                    lease.check("after view")
+                    del v
+                except m.MemsemError as exc:
+                    lost.append(f"{type(exc).__name__}: {exc}")
+                finally:
+                    lease.release()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the test
+        lost.append(f"{type(exc).__name__}: {exc}")
+    out.put(lost[:3] + ([f"... {len(lost)} in all"] if len(lost) > 3 else []))
+
+
+@pytest.mark.multiproc
+def test_concurrent_claimers_never_lose_a_fresh_lease(rt):
+    """Four processes take, check and release leases on one window as fast as they can (the
+    4-PE MTE scenario views every window from every PE at once): no lease is ever found
+    expired while its holder holds it."""
+    import multiprocessing as mp
+
+    ref = rt.publish(rt.alloc(4096, np.uint8))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_lease_hammer, args=(ref.to_bytes(), 1500, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        lost = [q.get(timeout=240) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert lost == [[], [], [], []], f"leases lost by their holders: {lost}"

@@ -215,12 +215,12 @@ class ControlBlock:
         return self._lease0 + 8 * LEASE_WORDS * slot
 
     def lease_slots(self) -> list[tuple[int, int, int, int, int, int]]:
-        """Snapshot ``(slot, pid, start, expiry_ns, lease_id, version)`` of every occupied slot."""
+        """Snapshot ``(slot, pid, start, expiry_ns, lease_id, version)`` of every slot holding a lease."""
         out = []
         for s in range(self.n_lease):
             a = self._lease0 + 8 * LEASE_WORDS * s
             lid = native.load_acquire(a + 24)
-            if lid:
+            if lid & 1:  # a lease (even: a slot being claimed, see _lease)
                 out.append((s, native.load_acquire(a), native.load_acquire(a + 8),
                             native.load_acquire(a + 16), lid, native.load_acquire(a + 32)))
         return out

@@ -4,8 +4,14 @@ A lease is a slot in the window's control block: holder pid + start time, expiry
 ns) and a random lease id. The owner cannot unpublish or reuse a window while an unexpired lease
 of a live holder exists. Protocol (Dekker-style, with sequentially consistent fences):
 
-* consumer: claim a free or reclaimable slot with CAS on its lease id, write pid/start/expiry,
-  fence, then read the window state; if it is not LIVE, free the slot and fail.
+* consumer: claim a free or reclaimable slot with CAS of its lease id word to a *claim mark*
+  (even, naming the claimer's pid; lease ids are odd), write pid/start/version/expiry, publish
+  the lease id (release), fence, then read the window state; if it is not LIVE, free the slot
+  and fail. While a slot holds a claim mark its other words may still be the previous
+  holder's: every reader treats it as taken (scans skip it, reclaim and reap leave it alone),
+  except that the mark of a claimer that died is reclaimed. Without the mark, a second claimer
+  that read the slot between the first one's CAS and its stores saw the previous holder's
+  expired expiry and stole the slot, and the first one's fresh lease read as expired.
 * owner: set state CLOSING, fence, then scan the slots; it proceeds only when no slot holds an
   unexpired lease of a live process (dead holders are reaped on the way).
 
@@ -34,22 +40,28 @@ def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int, version: int = 
     the window's bytes the lease pins (double-buffered windows keep it readable)."""
     now = native.monotonic_ns()
     lease_id = secrets.randbits(63) | 1
+    mark = claim_mark(pid)
     for slot in range(cb.n_lease):
         a = cb.lease_slot_addr(slot)
         cur = native.load_acquire(a + 24)
-        if cur != 0:
+        if cur & 1:
             # Reclaim a slot whose lease expired or whose holder died.
             expiry = native.load_acquire(a + 16)
             holder, hstart = native.load_acquire(a), native.load_acquire(a + 8)
             if expiry > now and process_alive(holder, hstart):
                 continue
-        ok, _ = native.compare_exchange(a + 24, cur, lease_id)
+        elif cur:
+            # Being claimed: taken, unless its claimer died between its CAS and its stores.
+            if process_alive(cur >> 2, 0):
+                continue
+        ok, _ = native.compare_exchange(a + 24, cur, mark)
         if not ok:
             continue
         native.store_release(a, pid)
         native.store_release(a + 8, start)
         native.store_release(a + 32, version)
         native.store_release(a + 16, now + ttl_ns)
+        native.store_release(a + 24, lease_id)  # the lease exists from here on
         native.lib.memsem_fence_seq_cst()
         if cb.word(W_STATE) != WindowState.LIVE:
             release(cb, slot, lease_id)
@@ -155,11 +167,17 @@ def blocking_pins(cb: ControlBlock, new: int) -> list[tuple[int, int, int, int]]
 
 
 def _reap(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
-    """Free a dead holder's slot (only if it still holds that holder's lease)."""
+    """Free a dead holder's slot (only if it still holds that holder's lease: never a slot
+    being claimed, whose words may still name the dead holder)."""
     a = cb.lease_slot_addr(slot)
     lid = native.load_acquire(a + 24)
-    if lid and native.load_acquire(a) == pid and native.load_acquire(a + 8) == start:
+    if lid & 1 and native.load_acquire(a) == pid and native.load_acquire(a + 8) == start:
         native.compare_exchange(a + 24, lid, 0)
+
+
+def claim_mark(pid: int) -> int:
+    """The value a lease id word holds while ``pid`` claims the slot (even, never a lease id)."""
+    return (pid << 2) | 2
 
 
 def lease_words() -> int:
