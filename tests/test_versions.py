@@ -144,10 +144,12 @@ def test_pinned_version_holds_the_writer_until_released(rt):
         with pytest.raises(memsem.LeaseHeldError, match="version"):
             rt.write_section(ref, timeout=0.05)  # version 3 overwrites the pinned version 1
         done = {}
+        released = threading.Event()
 
         def write():
             with rt.write_section(ref, timeout=20.0) as s:
                 s.array()[:] = 3
+            done["after_release"] = released.is_set()  # it could not open before the pin went
             done["blocked"] = s.blocked_s
 
         t = threading.Thread(target=write)
@@ -155,9 +157,10 @@ def test_pinned_version_holds_the_writer_until_released(rt):
         # the writer announced its intent: a new pin of version 1 backs off now
         _until(lambda: ref.version() == 2 and _writer_intent(rt, ref) == 3, what="the writer's intent")
         assert (r.get(version=1, lease=lease) == 0).all()  # the pinned reader is never blocked
+        released.set()  # set first: a writer that finished before this point broke the pin
         lease.release()
         t.join(20)
-        assert not t.is_alive() and done["blocked"] > 0
+        assert not t.is_alive() and done["after_release"], done
         assert r.version() == 3 and (r.get() == 3).all()
 
 
