@@ -90,22 +90,22 @@ class Readiness:
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
-        self._writer(spec, tile, "mark_ready")
-        with self._held(spec, words=False) as (res, cb):
-            t = self._check_writer(spec, res, tile, "mark_ready")
-            if cb is None:
-                self._remote_set(spec, res, t, True)
-            else:
-                _ready.mark(cb, t, spec.generation)
+        self._set(spec, tile, True)
 
     def clear(self, spec: RefSpec, tile: int) -> None:
         """Clear tile ``tile``'s ready word, only if it holds this ref's generation (a stale ref
         never clears a mark of the new generation)."""
-        self._writer(spec, tile, "clear_ready")
+        self._set(spec, tile, False)
+
+    def _set(self, spec: RefSpec, tile: int, ready: bool) -> None:
+        what = "mark_ready" if ready else "clear_ready"
+        self._writer(spec, tile, what)
         with self._held(spec, words=False) as (res, cb):
-            t = self._check_writer(spec, res, tile, "clear_ready")
+            t = self._check_writer(spec, res, tile, what)
             if cb is None:
-                self._remote_set(spec, res, t, False)
+                self._remote_set(spec, res, t, ready)
+            elif ready:
+                _ready.mark(cb, t, spec.generation)
             else:
                 _ready.clear(cb, t, spec.generation)
 

@@ -139,6 +139,22 @@ class Resolution:
         """Count a copy made outside ``memsem_plan_copy`` (engine routes). False when closed."""
         return self.use.enter()
 
+    def wait_sequence(self, version: int, slice_s: float) -> bool:
+        """Sleep at most ``slice_s`` s on the slot sequence word a write section will move
+        (futex; woken when the section closes): the slot of ``version`` (0: slot 0). Held
+        while waiting, so nothing unmaps the word. False when there is no word to wait on
+        (no control block here, or the resolution is closed): nothing was waited."""
+        cb = self.cb
+        if cb is None or not self.enter():
+            return False
+        try:
+            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
+            a = cb.seq_addr + 8 * slot
+            native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
+        finally:
+            self.leave()
+        return True
+
     def leave(self) -> None:
         if self.use.leave():
             self.release()

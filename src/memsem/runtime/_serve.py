@@ -167,19 +167,7 @@ class Grant:
                 deadline = now + wait_s
             if now >= deadline:
                 raise tr.busy_timeout(self.spec, wait_s)
-            self._wait_sequence(version, min(BUSY_SLICE_S, deadline - now))
-
-    def _wait_sequence(self, version: int, slice_s: float) -> None:
-        res = self._res
-        cb = res.cb
-        if cb is None or not res.enter():
-            return
-        try:
-            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
-            a = cb.seq_addr + 8 * slot
-            native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
-        finally:
-            res.leave()
+            self._res.wait_sequence(version, min(BUSY_SLICE_S, deadline - now))
 
     def leave(self, token: Token, failed: bool = False) -> bool:
         """Close the bracket. True when the bytes moved are valid; False when a write section

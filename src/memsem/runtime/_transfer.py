@@ -205,17 +205,10 @@ class Transfers:
         return MemsemError(f"{spec.label}: unexpected native status {status}")  # pragma: no cover
 
     def _wait_sequence(self, res: Resolution, version: int, slice_s: float) -> None:
-        """Sleep on the slot sequence word a write section will move (futex; woken at close)."""
-        cb = res.cb
-        if cb is None or not res.enter():  # held while waiting: nothing unmaps the word under us
-            time.sleep(slice_s if cb is None else 0)
-            return
-        try:
-            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
-            a = cb.seq_addr + 8 * slot
-            native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
-        finally:
-            res.leave()
+        """Sleep on the slot sequence word a write section will move (``Resolution.wait_sequence``);
+        with no word to wait on, sleep the slice (no control block) or not at all (closed)."""
+        if not res.wait_sequence(version, slice_s):
+            time.sleep(slice_s if res.cb is None else 0)
 
     def _via_engine(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
                     keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
