@@ -16,7 +16,7 @@ MODULES: list[tuple[str, list[str] | None]] = [
     ("memsem", None),
     ("memsem.pipeline", None),
     ("memsem.engines", None),
-    ("memsem.engines.mock", ["ScriptedEngine"]),
+    ("memsem.testing", ["ScriptedEngine"]),
     ("memsem.topology", None),
     ("memsem.metrics", None),
 ]

@@ -114,7 +114,7 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_ATTENTION 1023  /* any status or flag: the slow path */
 #define MEMSEM_RC_VERSION_SHIFT 16
 
-/* A lease slot of a control block (gva/_control.py) is read here as: word 2 = expiry
+/* A lease slot of a control block (gva/_control_block.py) is read here as: word 2 = expiry
  * (CLOCK_MONOTONIC ns), word 3 = lease id. */
 /* Copy nbytes between local (an address here) and the window at offset (bytes from window byte
  * 0, within one slot); put=0 reads the window, put=1 writes it. want_version: 0 reads the latest
@@ -149,7 +149,7 @@ uint64_t memsem_lat_bucket_floor(int bucket);
  * generation store comes before). memsem_scan_inflight writes (identity, count) of every
  * in-flight slot whose count is not 0; memsem_scan_leases writes (slot, pid, start, expiry,
  * version) of every slot holding a lease (an odd id: even is a claim in progress) whose expiry
- * is after now_ns. Both return how many they found (at most max). Layouts: gva/_control.py. */
+ * is after now_ns. Both return how many they found (at most max). Layouts: gva/_control_block.py. */
 int memsem_scan_inflight(uint64_t slots, uint32_t n, uint64_t *out, uint32_t max);
 int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *out, uint32_t max);
 
@@ -275,7 +275,7 @@ void memsem_pipe_release(memsem_pipe *p);
 /* ---- end of pipeline copy engine ------------------------------------------------------------- */
 
 /* ---- async word waiter (native/memsem_wait.c) ------------------------------------------------
- * Waits on many shared 32/64-bit words at once, for memsem.runtime._async.AsyncWordWaiter:
+ * Waits on many shared 32/64-bit words at once, for memsem.core._async.AsyncWordWaiter:
  * one background thread blocks here (the GIL is released) until a word leaves its expected
  * value, the waiter's own wake word moves (a waiter was added or removed), or a deadline.
  *

@@ -53,7 +53,7 @@ def _op_runtime(st: _State, job: str, timeout: float, engines: Any = None, delay
     kw: dict[str, Any] = {}
     if delay:
         from memsem.engines.host import HostEngine
-        from memsem.engines.mock import ScriptedEngine
+        from memsem.testing import ScriptedEngine
 
         kw["engine_objects"] = {"host": ScriptedEngine(HostEngine(), delay=delay)}
     st.rt = memsem.Runtime(timeout=timeout, engines=engines, **kw)
@@ -253,8 +253,8 @@ def apply_plant(name: str) -> None:
     import threading
 
     from memsem import native
-    from memsem.gva import _control, _lease
-    from memsem.runtime import _publish
+    from memsem.gva import _control_block as _control, _lease_slots as _lease
+    from memsem.core import _publish
 
     if name == "no-bump-on-republish":
         flag = threading.local()

@@ -1,5 +1,5 @@
 """asyncio: ``await completion`` / ``await batch``, cancellation, default timeouts, and the
-native word waiter (``memsem.runtime._async.AsyncWordWaiter``).
+native word waiter (``memsem.core._async.AsyncWordWaiter``).
 
 Orders are forced by the tests (a gated engine holds a copy until the test opens the gate);
 nothing here depends on scheduling luck or asserts a wall-clock bound.
@@ -18,7 +18,7 @@ import pytest
 
 import memsem
 from memsem.engines.host import HostEngine
-from memsem.engines.mock import ScriptedEngine
+from memsem.testing import ScriptedEngine
 
 GATE_TIMEOUT = 30.0
 
@@ -323,7 +323,7 @@ def test_handle_timeouts_are_validated(owner, bad, exc):
 # -- the native word waiter ---------------------------------------------------------------------
 from memsem import native  # noqa: E402
 from memsem.native import Segment  # noqa: E402
-from memsem.runtime._async import AsyncWordWaiter, probe, word_waiter  # noqa: E402
+from memsem.core._async import AsyncWordWaiter, probe, word_waiter  # noqa: E402
 from tests._proc import reap, recv, spawn  # noqa: E402
 
 MODES = ["waitv", "slices"]
@@ -560,7 +560,7 @@ def test_wait_arguments_are_checked(segment, kwargs, exc, match):
 def test_a_kernel_without_futex_waitv_gets_slices(monkeypatch):
     import errno
 
-    import memsem.runtime._async as am
+    import memsem.core._async as am
 
     real = probe()
     monkeypatch.setattr(am, "_probe", -errno.ENOSYS)

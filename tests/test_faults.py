@@ -19,11 +19,11 @@ import pytest
 
 import memsem
 from memsem.engines.host import HostEngine
-from memsem.engines.mock import ScriptedEngine
-from memsem.runtime._liveness import LIVENESS_INTERVAL_S
+from memsem.testing import ScriptedEngine
+from memsem.core._liveness import LIVENESS_INTERVAL_S
 from memsem.gva import RefSpec
 from memsem.native import segment_dir, segment_prefix
-from memsem.runtime import collect
+from memsem.core import collect
 from tests._proc import Gate
 from tests._agent import Agent, pattern
 from tests.conftest import SPAWN
@@ -57,7 +57,7 @@ def test_case3_owner_killed_during_256MiB_get(rt, shared):
     the copy may finish from the still-mapped pages. Either way the get returns intact bytes or
     raises PeerLostError, and once the owner is gone every later get raises PeerLostError (a
     copy of 256 KiB or more re-checks the owner's liveness every time)."""
-    from memsem.gva._control import identity_of
+    from memsem.gva._control_block import identity_of
 
     owner = Agent(SPAWN, timeout=5.0)
     try:
@@ -333,7 +333,7 @@ def test_blocking_calls_take_a_timeout():
     from memsem.pipeline import Pipeline
 
     for fn in (memsem.Completion.wait, memsem.Batch.wait, memsem.Batch.close, memsem.Runtime.unpublish,
-               memsem.runtime.RuntimeCore.wait_tile, memsem.Runtime.close, memsem.TensorRef.wait_tile, Pipeline.__init__):
+               memsem.core.RuntimeCore.wait_tile, memsem.Runtime.close, memsem.TensorRef.wait_tile, Pipeline.__init__):
         assert "timeout" in inspect.signature(fn).parameters, fn.__qualname__
     assert issubclass(memsem.MemsemTimeoutError, TimeoutError)
 

@@ -24,7 +24,7 @@ import pytest
 import memsem
 from memsem.directory.local import LocalDirectory, tmp_name
 from memsem.native import node_id, process_start_time
-from memsem.runtime import collect
+from memsem.core import collect
 from tests._agent import Agent
 from tests.conftest import SPAWN
 

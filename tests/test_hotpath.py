@@ -13,7 +13,7 @@ import pytest
 
 import memsem
 from memsem import AccessDeniedError, LeaseExpiredError, StaleReferenceError, _dtypes, _hot
-from memsem.runtime import _translate as tr
+from memsem.core import _translate as tr
 
 from tests._proc import recv, reap, spawn
 

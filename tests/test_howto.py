@@ -6,7 +6,7 @@ import pytest
 
 import memsem
 from memsem.engines.host import HostEngine
-from memsem.engines.mock import ScriptedEngine
+from memsem.testing import ScriptedEngine
 
 
 def test_share_and_follow_versions_of_a_state_dict(memsem_runtime):

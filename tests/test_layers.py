@@ -5,7 +5,7 @@ import ast
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "memsem"
-ORDER = ["native", "engines", "topology", "directory", "gva", "runtime", "pipeline", "refs"]
+ORDER = ["native", "engines", "topology", "directory", "gva", "core", "pipeline", "refs"]
 LEAVES = {"_errors", "_dtypes", "_buffers", "_args", "_native"}
 
 
@@ -44,15 +44,15 @@ def test_engines_know_nothing_of_generations_or_leases():
     bad = []
     for path in (SRC / "engines").rglob("*.py"):
         for mod in _imports(path):
-            if mod.startswith(("memsem.gva", "memsem.runtime")):
+            if mod.startswith(("memsem.gva", "memsem.core")):
                 bad.append(f"{path.name} imports {mod}")
     assert not bad, bad
 
 
 #: modules of the runtime layer, each importing only the ones before it (docs/architecture.md)
 RUNTIME_ORDER = ["_telemetry", "_completion", "_async", "_staging", "_gc", "_liveness", "_translate", "_resolve",
-                 "_lease", "_transfer", "_view", "_remote", "_readiness", "_versions", "_publish", "_serve",
-                 "_core"]
+                 "_lease", "_xcopy", "_transfer", "_view", "_remote", "_readiness", "_versions", "_sections", "_publish", "_serve",
+                 "_runtime_core"]
 
 
 def _runtime_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
@@ -75,19 +75,19 @@ def _runtime_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
 
 def test_runtime_modules_import_in_order():
     bad = []
-    files = {p.stem: p for p in (SRC / "runtime").glob("_*.py") if p.stem != "__init__"}
-    assert set(files) == set(RUNTIME_ORDER), f"runtime modules changed: {sorted(files)}; update RUNTIME_ORDER"
+    files = {p.stem: p for p in (SRC / "core").glob("_*.py") if p.stem != "__init__"}
+    assert set(files) == set(RUNTIME_ORDER), f"core modules changed: {sorted(files)}; update RUNTIME_ORDER"
     for name in RUNTIME_ORDER:
         for mod, names in _runtime_imports(files[name]):
             parts = mod.split(".")
-            if parts[:2] != ["memsem", "runtime"]:
+            if parts[:2] != ["memsem", "core"]:
                 continue
-            # ``from memsem.runtime import _translate as tr`` names the module among the names
+            # ``from memsem.core import _translate as tr`` names the module among the names
             deps = [parts[2]] if len(parts) >= 3 else [n for n in names if n.startswith("_")]
             for dep in deps:
                 if dep not in RUNTIME_ORDER or RUNTIME_ORDER.index(dep) >= RUNTIME_ORDER.index(name):
-                    bad.append(f"runtime/{name}.py imports memsem.runtime.{dep}")
-    assert not bad, "out-of-order imports inside runtime/:\n" + "\n".join(bad)
+                    bad.append(f"core/{name}.py imports memsem.core.{dep}")
+    assert not bad, "out-of-order imports inside core/:\n" + "\n".join(bad)
 
 
 def test_public_runtime_shows_no_internal_names():
@@ -98,4 +98,4 @@ def test_public_runtime_shows_no_internal_names():
                 "lookup_spec", "directory", "telemetry", "staging", "identity"}
     shown = {n for n in dir(memsem.Runtime) if not n.startswith("_")}
     assert not shown & internal, sorted(shown & internal)
-    assert issubclass(memsem.Runtime, object) and not issubclass(memsem.Runtime, memsem.runtime.RuntimeCore)
+    assert issubclass(memsem.Runtime, object) and not issubclass(memsem.Runtime, memsem.core.RuntimeCore)

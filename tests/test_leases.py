@@ -14,7 +14,7 @@ import pytest
 
 import memsem
 from memsem.engines.host import HostEngine
-from memsem.engines.mock import ScriptedEngine
+from memsem.testing import ScriptedEngine
 from tests._agent import Agent, pattern
 from tests.conftest import SPAWN, run_children
 
@@ -333,7 +333,7 @@ def test_a_slot_being_claimed_is_neither_stolen_nor_reaped_nor_counted(rt):
     import os
 
     from memsem import native
-    from memsem.gva import _lease as L
+    from memsem.gva import _lease_slots as L
 
     ref = rt.publish(np.zeros(64, np.uint8))
     cb = rt.core.publisher.owned[ref.gva].cb

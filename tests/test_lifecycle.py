@@ -21,8 +21,8 @@ import pytest
 import memsem
 from memsem import AccessDeniedError, PeerLostError, RuntimeClosedError, StaleReferenceError
 from memsem.engines.host import HostEngine
-from memsem.engines.mock import ScriptedEngine
-from memsem.gva._control import identity_of
+from memsem.testing import ScriptedEngine
+from memsem.gva._control_block import identity_of
 from tests._proc import Gate
 from tests._agent import Agent, pattern
 from tests.conftest import SPAWN, run_children

@@ -294,7 +294,7 @@ def _scenario_pipeline(team, peers: Peers) -> dict:
 def _scenario_bad_input(team, peers: Peers) -> dict:
     import memsem
     from memsem.engines import Descriptor
-    from memsem.engines.mte import _MteRemote
+    from memsem.engines.mte._engine import _MteRemote
 
     pe, n = team.my_pe, team.n_pes
     with _runtime() as rt:
@@ -395,7 +395,7 @@ def _stub_lib(tmp_path: pathlib.Path, names: list[str]) -> str:
 def test_library_missing_a_symbol_is_named(emu_lib: str, tmp_path: pathlib.Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import memsem
-    from memsem.engines import _aclshmem
+    from memsem.engines.mte import _binding as _aclshmem
     from memsem.engines.mte import MteEngine
 
     names = [nm for nm in _aclshmem.required_symbols() if nm != "aclshmemx_putmem_signal"]

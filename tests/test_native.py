@@ -164,7 +164,7 @@ def test_small_tmpfs_fails_at_create_not_sigbus(tmp_path, monkeypatch):
 def test_plan_copy_refuses_a_plan_that_maps_nothing():
     """A plan of an engine route (no mapping: base 0) is refused with EFAULT before any check
     or copy: a caller that picks the wrong plan gets an error, never a copy from address 0."""
-    from memsem.runtime import _translate as tr
+    from memsem.core import _translate as tr
 
     plan = native.new_plan()
     plan.nbytes = 64

@@ -302,7 +302,7 @@ def _c_unpublish(rt, st, name):
 def _c_raw_ctl_write(rt, st, data):
     """Bypass the runtime: post an RDMA WRITE to the window's generation word with the rkey
     of its control words. Returns the work completion's status name and code."""
-    from memsem.gva._control import W_GENERATION
+    from memsem.gva._control_block import W_GENERATION
 
     res = rt.core.resolve(rt.ref(data).spec)
     eng = rt.engine("rdma")

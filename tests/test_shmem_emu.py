@@ -1,7 +1,7 @@
 """The shmem host emulator (a test double of Ascend SHMEM) and the cffi ABI binding to it.
 
 Every PE is a separate process (multiprocessing spawn) that loads the emulator through
-``memsem.engines._aclshmem.load_aclshmem``, the same path a real libshmem.so takes. Every wait
+``memsem.engines.mte._binding.load_aclshmem``, the same path a real libshmem.so takes. Every wait
 is bounded: process joins and result queues have timeouts, the emulator's barriers use the
 attr's control_operation_timeout, and signal waits use the emulator-only wait bound.
 """
@@ -22,13 +22,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
-    import memsem.engines._aclshmem  # noqa: F401
+    import memsem.engines.mte._binding  # noqa: F401
 except ImportError:  # not installed: use the source tree (spawned children inherit sys.path)
     sys.path.insert(0, str(ROOT / "src"))
 
 from memsem._errors import EngineError, NotSupportedError  # noqa: E402
-from memsem.engines import _aclshmem  # noqa: E402
-from memsem.engines._aclshmem import emu_last_error, load_aclshmem  # noqa: E402
+from memsem.engines.mte import _binding as _aclshmem  # noqa: E402
+from memsem.engines.mte._binding import emu_last_error, load_aclshmem  # noqa: E402
 
 pytestmark = pytest.mark.npu   # needs the Ascend SHMEM library: here its host emulator
 

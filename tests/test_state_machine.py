@@ -30,7 +30,7 @@ from memsem import AccessDeniedError, LeaseExpiredError, LeaseHeldError, MemsemE
     PeerLostError, StaleReferenceError
 from memsem.gva import RefSpec
 from memsem.native import segment_dir, segment_prefix
-from memsem.runtime._liveness import LIVENESS_INTERVAL_S as LIVENESS_INTERVAL
+from memsem.core._liveness import LIVENESS_INTERVAL_S as LIVENESS_INTERVAL
 from tests import _agent
 from tests._agent import Agent, pattern
 

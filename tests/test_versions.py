@@ -165,7 +165,7 @@ def test_pinned_version_holds_the_writer_until_released(rt):
 
 
 def _writer_intent(rt, ref):
-    from memsem.gva._control import W_WRITER
+    from memsem.gva._control_block import W_WRITER
 
     return rt.core.publisher.owned[ref.spec.gva].cb.word(W_WRITER)
 

@@ -9,7 +9,7 @@
  * C++ enums of the real headers are written as int (data_op_engine_type_t, int-sized) and
  * unsigned int (aclshmemx_bootstrap_t, declared ": unsigned int"). aclrtStream is void *.
  *
- * The memsem engine binds the same functions through src/memsem/engines/_aclshmem_cdef.h;
+ * The memsem engine binds the same functions through src/memsem/engines/mte/_aclshmem_cdef.h;
  * tests/test_shmem_emu.py checks that both files declare the same types and layouts.
  */
 

@@ -20,7 +20,7 @@ from memsem._errors import (
     WindowNotFoundError,
 )
 from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
-from memsem.runtime import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
+from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
 

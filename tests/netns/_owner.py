@@ -119,7 +119,7 @@ class Owner:
         if op == "ready_words":  # the window's ready words as the owner's control block holds them
             spec = self.sets[cmd["set"]][cmd["field"]].spec if "set" in cmd else self.wins[cmd["name"]].spec
             cb = rt.core.resolve(spec).cb
-            from memsem.gva._control import W_READY_SEQ
+            from memsem.gva._control_block import W_READY_SEQ
 
             return {"words": [memsem.native.load_acquire(cb.ready_addr(t)) for t in range(cb.n_ready)],
                     "seq": cb.word(W_READY_SEQ), "generation": cb.generation,

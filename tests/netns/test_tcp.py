@@ -146,7 +146,7 @@ def test_versions_across_nodes_never_torn(owner, rt):
     for v, value in versions:  # section k writes value k and commits version k + 1
         assert value == v - 1, versions
     # a version wait through the one runtime function, across nodes
-    from memsem.gva._control import W_LATEST
+    from memsem.gva._control_block import W_LATEST
 
     latest = owner("write", name="w", value=-5)["version"]
     got = rt.core.readiness.wait_word(w.spec, W_LATEST, lambda x: x >= latest, timeout=20)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_topo(args)
     if args.cmd == "gc":
-        from memsem.runtime import collect
+        from memsem.core import collect
 
         items = collect(dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"

@@ -519,7 +519,7 @@ class EngineContext(abc.ABC):
         """Owner side of engines whose ``enforces_generation`` is "owner": a remote consumer
         shows ``token`` (a :class:`Credential`'s) and ``proof`` (its ``prove(challenge)``) for
         the ``challenge`` this engine issued on that connection. Returns a grant (see
-        ``memsem.runtime._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
+        ``memsem.core._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
         ``set_ready``, ``watch``) or raises the memsem error saying why not (AccessDeniedError,
         StaleReferenceError, WindowNotFoundError)."""
 

@@ -2,9 +2,9 @@
 
 Pure data plus atomics; no transport.
 """
-from memsem.gva import _inflight as inflight
-from memsem.gva import _lease as lease
-from memsem.gva import _ready as ready
+from memsem.gva import _inflight_slots as inflight_slots
+from memsem.gva import _lease_slots as lease_slots
+from memsem.gva import _ready_words as ready_words
 from memsem.gva._address import (
     GVA_ALIGN,
     RANK_SHIFT,
@@ -24,7 +24,7 @@ from memsem.gva._refspec import (
     mint_valid,
     parse_token,
 )
-from memsem.gva._control import (
+from memsem.gva._control_block import (
     PERM_READ,
     PERM_WRITE,
     ControlBlock,
@@ -36,6 +36,6 @@ from memsem.gva._control import (
 __all__ = [
     "GVA_ALIGN", "RANK_SHIFT", "SliceAllocator", "WindowInfo", "key_digest", "key_matches",
     "make_gva", "split_gva", "PERM_READ", "PERM_WRITE", "ControlBlock", "WindowState",
-    "control_block_bytes", "new_generation", "inflight", "lease", "ready", "RefSpec", "Mint",
+    "control_block_bytes", "new_generation", "inflight_slots", "lease_slots", "ready_words", "RefSpec", "Mint",
     "mint_mac", "mint_valid", "credential_token", "credential_proof", "parse_token",
 ]

@@ -457,7 +457,7 @@ class MemsemStorageClient(StorageKVClient):
         """Lease the window that holds region ``rid`` now: the one in its meta, else (restored
         from a checkpoint, possibly by another agent) the one the agent names."""
         from memsem.refs import TensorRef
-        from memsem.runtime import Lease
+        from memsem.core import Lease
 
         with self._where_lock:
             ref_bytes = self._where.get(rid, meta_ref)
@@ -639,7 +639,7 @@ def _job_folder(job: str) -> str:
 def _reap_job(job: str, timeout: float) -> bool:
     """Garbage-collect dead processes' leftovers (``memsem gc``) until ``job``'s folder is gone
     or ``timeout`` s passed (clients in live processes still use it). True when it is gone."""
-    from memsem.runtime import collect
+    from memsem.core import collect
 
     deadline = time.monotonic() + timeout
     folder = _job_folder(job)

@@ -51,7 +51,7 @@ from verl.checkpoint_engine.base import (
 )
 
 import memsem
-from memsem.runtime._async import word_waiter
+from memsem.core._async import word_waiter
 
 #: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes
 _HEAD = struct.Struct("<8sQQqI")

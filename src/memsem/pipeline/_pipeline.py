@@ -32,7 +32,7 @@ get) when the ref is too small for overlap to pay, else as many tiles as keep th
 within ``AUTO_LOSS`` of the move time (so a consumer that computes nothing loses at most that
 against one get), up to ``AUTO_MAX_TILES``.
 
-This layer works on :class:`memsem.gva.RefSpec` through :class:`memsem.runtime.RuntimeCore`;
+This layer works on :class:`memsem.gva.RefSpec` through :class:`memsem.core.RuntimeCore`;
 ``memsem.Runtime.pipeline(ref, ...)`` is the user-facing entry point.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import array_address, as_byte_array
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
 from memsem.gva import RefSpec
-from memsem.runtime import Lease, RuntimeCore
-from memsem.runtime import _translate as tr
+from memsem.core import Lease, RuntimeCore
+from memsem.core import _translate as tr
 
 log = logging.getLogger(__name__)
 

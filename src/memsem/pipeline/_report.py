@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from memsem.pipeline._pipeline import Pipeline
-from memsem.runtime import RuntimeCore
+from memsem.core import RuntimeCore
 
 
 def _checksum(raw: np.ndarray) -> int:

@@ -25,7 +25,7 @@ from memsem._buffers import as_array, buffer_info, dtype_code
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, as_core, narrowed
-from memsem.runtime import RuntimeCore
+from memsem.core import RuntimeCore
 
 FIELD_MAGIC = b"MSFR"
 SET_MAGIC = b"MSFS"

@@ -13,7 +13,7 @@ import numpy as np
 from memsem._buffers import check_buffer
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
-from memsem.runtime import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
+from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
 from memsem.topology import Route
 
 
@@ -25,7 +25,7 @@ class Runtime:
             each other's windows with no server; ``"redis://host:port/db"`` for many nodes.
         engines: engines to enable (default ``("loopback", "host")``); a requested engine that
             is unavailable raises NotSupportedError naming it.
-        engine_objects: engine instances by name (e.g. ``memsem.engines.mock.ScriptedEngine``).
+        engine_objects: engine instances by name (e.g. ``memsem.testing.ScriptedEngine``).
         job: directory namespace (``MEMSEM_JOB``, default "default").
         timeout: default bound in seconds of every blocking call (default 30).
         prefer: force an engine for every route (``explain`` shows alternatives).
@@ -77,7 +77,7 @@ class Runtime:
         self._core.__exit__(*exc)
 
     def close(self, timeout: float | None = None) -> None:
-        """Close the runtime (see :meth:`memsem.runtime.RuntimeCore.close`). Safe twice."""
+        """Close the runtime (see :meth:`memsem.core.RuntimeCore.close`). Safe twice."""
         self._core.close(timeout)
 
     @property
@@ -194,7 +194,7 @@ class Runtime:
 
     def write_section(self, ref: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
         """Owner: open a write section on a window (a ref or a name) or a set of windows (a list
-        of them); a context manager giving a :class:`memsem.runtime.WriteSection`.
+        of them); a context manager giving a :class:`memsem.core.WriteSection`.
 
         While it is open no reader returns bytes of the version being written as valid: on a
         single-slot window readers wait (up to their timeout) for the close, or retry a copy it

@@ -41,7 +41,7 @@ from memsem._buffers import buffer_info, empty_arena
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, as_core
-from memsem.runtime import Lease, RuntimeCore
+from memsem.core import Lease, RuntimeCore
 
 #: first 8 bytes of a state-dict window (then u32 header bytes, u32 JSON bytes, the JSON)
 LAYOUT_MAGIC = b"MSSDLAY1"
@@ -230,7 +230,7 @@ class StateDictSection:
 
     ``tensors`` maps every name to an array (numpy) or tensor (torch, for windows published
     from torch) over the slot being written: change them in place; leaving the ``with`` block
-    publishes the next version (see :class:`memsem.runtime.WriteSection`).
+    publishes the next version (see :class:`memsem.core.WriteSection`).
     """
 
     def __init__(self, ref: "StateDictRef", section: Any) -> None:

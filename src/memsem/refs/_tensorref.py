@@ -10,7 +10,7 @@ from memsem import _args, _dtypes
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError, RuntimeClosedError
 from memsem.gva import RefSpec
-from memsem.runtime import Completion, Lease, RuntimeCore, current_core
+from memsem.core import Completion, Lease, RuntimeCore, current_core
 
 
 _UINT8 = _dtypes.code_of("uint8")

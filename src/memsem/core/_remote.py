@@ -38,12 +38,12 @@ from memsem import native
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
 from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva import RefSpec
-from memsem.gva._control import HEADER_WORDS, W_GENERATION, W_LATEST, W_SEQ0, W_SEQ1, W_STATE
-from memsem.runtime import _translate as tr
-from memsem.runtime._resolve import Resolution
+from memsem.gva._control_block import HEADER_WORDS, W_GENERATION, W_LATEST, W_SEQ0, W_SEQ1, W_STATE
+from memsem.core import _translate as tr
+from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 #: header words every mirror carries
 HEADER_TARGETS = (W_GENERATION, W_STATE, W_LATEST, W_SEQ0, W_SEQ1)

@@ -22,21 +22,21 @@ from memsem._buffers import address_view, array_address, as_byte_array
 from memsem._errors import (
     EngineError,
     MemsemError,
-    MemsemTimeoutError,
     NotSupportedError,
     StaleReferenceError,
 )
-from memsem.engines import WATCH_HEADER, Op, OpKind, OpState
+from memsem.engines import WATCH_HEADER
 from memsem.gva import RefSpec
-from memsem.gva._control import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, W_SEQ1, W_SLOT_STRIDE
-from memsem.runtime import _translate as tr
-from memsem.runtime._completion import Batch, Completion, RangeResult, State
-from memsem.runtime._lease import Lease
-from memsem.runtime._liveness import WAIT_SLICE_S
-from memsem.runtime._resolve import Resolution, Resolver
+from memsem.gva._control_block import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, W_SEQ1, W_SLOT_STRIDE
+from memsem.core import _translate as tr
+from memsem.core._completion import Batch, Completion, State
+from memsem.core._lease import Lease
+from memsem.core._liveness import WAIT_SLICE_S
+from memsem.core._resolve import Resolution, Resolver, remote_slots
+from memsem.core._xcopy import XCopier
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
 _hot_copy = _hot.copy
@@ -54,15 +54,6 @@ _PLAIN = _dtypes.NUMPY_CODES
 _TORN_SPINS = 3
 #: back-off of one-sided version reads while a write section is open (seconds, doubling)
 _ONESIDED_BACKOFF_S = (20e-6, 1e-3)
-#: bytes of one xcopy batch copied at once in the calling thread (same-node ranges resolved here)
-XCOPY_INLINE_BYTES = 256 << 10
-#: below this many bytes in all, an xcopy batch's remaining ranges go to one worker task
-XCOPY_TASK_BYTES = 4 << 20
-
-
-def remote_slots(res: Resolution) -> int:
-    """Data slots of ``res``'s window as its directory record says (1, or 2 double-buffered)."""
-    return 2 if res.info.extra.get("slots", 1) == 2 else 1
 
 
 class Transfers:
@@ -76,8 +67,9 @@ class Transfers:
         #: tasks of the pool running right now (close waits for them within its deadline)
         self._running = 0
         self._idle = threading.Condition()
+        self._xcopier = XCopier(self, resolver, pool)
 
-    def _counted(self, fn: Any) -> Any:
+    def counted(self, fn: Any) -> Any:
         """``fn`` wrapped so that the runtime's close can wait for it while it runs."""
         def run(*args: Any) -> Any:
             with self._idle:
@@ -161,7 +153,7 @@ class Transfers:
                     if not res.own_cb and not res.peer.alive():
                         raise res.peer.lost(spec.label)
             else:
-                raise self._failure(status, rc, res, spec, put, lease, version)
+                raise self.failure(status, rc, res, spec, put, lease, version)
             if not res.direct:
                 return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
             if lease is None:
@@ -170,7 +162,7 @@ class Transfers:
                 ls, lid = lease.native_args(spec)
             rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
 
-    def _failure(self, status: int, rc: int, res: Resolution, spec: RefSpec, put: bool,
+    def failure(self, status: int, rc: int, res: Resolution, spec: RefSpec, put: bool,
                  lease: Lease | None, version: int) -> BaseException:
         """The error for a native status. Never touches the control block: the resolution may be
         released by now; what the native side saw comes back in ``rc``'s value bits."""
@@ -259,7 +251,7 @@ class Transfers:
                     raise tr.busy_timeout(spec, self._core.timeout)
                 self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
                 continue
-            raise self._failure(status, rc, res, spec, put, lease, version)
+            raise self.failure(status, rc, res, spec, put, lease, version)
         moved = 0
         try:
             remote = res.remote_for(spec)
@@ -306,7 +298,7 @@ class Transfers:
                 if status == tr.TORN:
                     # The owner opened a write section during the copy: do it again.
                     return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
-                raise self._failure(status, rc, res, spec, put, lease, version)
+                raise self.failure(status, rc, res, spec, put, lease, version)
             if rc & tr.RC_CHECK_PEER:
                 res.peer_checked()
         if lease is not None and not ls:
@@ -461,311 +453,17 @@ class Transfers:
 
     def submit(self, what: str, fn: Any) -> Completion:
         self._core.check_open()
-        return Completion.run(self._pool, what, self._counted(fn), timeout=self._core.timeout)
+        return Completion.run(self._pool, what, self.counted(fn), timeout=self._core.timeout)
 
-    # -- xcopy ------------------------------------------------------------------------------------
+    # -- xcopy (memsem.core._xcopy) -----------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
-        """Start a batch of copies (see ``memsem.Runtime.xcopy``). Ranges fail independently;
-        the Batch gives every range a final state.
-
-        Same-node ranges between a local buffer and a window already resolved here are done at
-        once, in this thread, one native call each (``XCOPY_INLINE_BYTES`` per batch at most:
-        a copy that small costs less than handing it to a worker); a range whose native outcome
-        is anything but a plain success (a write section open, a stale ref, a closed
-        resolution...) and every other range goes to the runtime's workers, in at most one task
-        per worker. Ranges to or from a window whose engine posts batches to hardware
-        (``Engine.batches``) go to it as one batch."""
-        core = self._core
-        core.check_open()
-        results = []
-        jobs = []
-        lat: list[int] = []
-        inline_left = XCOPY_INLINE_BYTES
-        cache = self._cache
-        now = time.perf_counter_ns
-        for i, pair in enumerate(pairs):
-            try:
-                src, dst = pair
-            except (TypeError, ValueError):
-                raise TypeError(f"pairs[{i}] must be a (src, dst) pair, got {pair!r}") from None
-            if isinstance(src, RefSpec):
-                spec, buf, put = src, (None if isinstance(dst, RefSpec) else dst), 0
-            elif isinstance(dst, RefSpec):
-                spec, buf, put = dst, src, 1
-            else:
-                raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref")
-            r = RangeResult(i, spec.nbytes)
-            results.append(r)
-            # The inline lane (see the docstring): settled before the Batch exists.
-            if buf is not None and spec.nbytes <= inline_left and (not put or spec.access == "rw"):
-                res = cache.get(spec.gva)
-                if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
-                    t0 = now()
-                    if lease is None:
-                        rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
-                        out = True if not rc & _ATTN else self._inline_outcome(rc, res)
-                    else:
-                        out = self._inline(res, spec, put, buf, lease)
-                    if out is not None:
-                        inline_left -= spec.nbytes
-                        if out is True:
-                            r.state = _DONE
-                            lat.append(now() - t0)
-                        else:
-                            r.state, r.error = State.FAILED, out
-                        continue
-            jobs.append((r, src, dst))
-        core.telemetry.record_latencies("xcopy", lat)
-        batch = Batch(results, timeout=core.timeout)
-        grouped: dict[int, list[tuple[RangeResult, Any, Any]]] = {}
-        single = []
-        for job in jobs:
-            eng_res = self._batchable(job[1], job[2])
-            if eng_res is not None:
-                grouped.setdefault(id(eng_res), []).append(job)
-            else:
-                single.append(job)
-
-        def run(chunk: list[tuple[RangeResult, Any, Any]]) -> None:
-            for r, src, dst in chunk:
-                if not batch._start(r):
-                    continue  # cancelled before it started
-                if core.closed:  # closing: what has not started ends CANCELLED
-                    batch._settle(r, State.CANCELLED)
-                    continue
-                try:
-                    self._copy_one(src, dst, lease)
-                except BaseException as exc:
-                    batch._settle(r, State.FAILED, exc)
-                else:
-                    batch._settle(r, State.DONE)
-
-        def run_group(group: list[tuple[RangeResult, Any, Any]]) -> None:
-            self._copy_batch(group, batch, lease)
-
-        for chunk in _chunks(single, self._pool._max_workers):
-            self._queue(batch, [j[0] for j in chunk], run, chunk)
-        for group in grouped.values():
-            self._queue(batch, [g[0] for g in group], run_group, group)
-        return batch
-
-    def _inline(self, res: Resolution, spec: RefSpec, put: int, buf: Any, lease: Lease) -> Any:
-        """One xcopy range under ``lease`` done now, natively (see ``_inline_outcome``)."""
-        if lease.spec.gva != spec.gva:
-            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
-        else:
-            ls, lid = lease.native_args(spec)
-            if not ls:
-                return None
-            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1, 0, ls, lid)
-        return True if not rc & _ATTN else self._inline_outcome(rc, res)
-
-    @staticmethod
-    def _inline_outcome(rc: int, res: Resolution) -> Any:
-        """What an xcopy range done inline came to: True for a success, its error when the owner
-        was found dead after a read, None when it must go to a worker (the buffer needs the
-        Python door, or any other native outcome: the worker does it all again, with the waits
-        and errors of the general path)."""
-        if rc == _RC_BUFFER:
-            return None
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if rc & tr.RC_STATUS:
-            return None
-        if rc & tr.RC_CHECK_PEER:
-            try:
-                res.peer_checked()
-            except MemsemError as exc:
-                return exc
-        return True
-
-    def _queue(self, batch: Batch, ranges: list[RangeResult], fn: Any, *args: Any) -> None:
-        fut = self._pool.submit(self._counted(fn), *args)
-
-        def dropped(f: cf.Future, ranges: list[RangeResult] = ranges) -> None:
-            if f.cancelled():  # dropped by the pool (runtime closing) before it ran
-                for r in ranges:
-                    batch._settle(r, State.CANCELLED)
-
-        fut.add_done_callback(dropped)
-        batch._futures.append(fut)
-
-    def _batchable(self, src: Any, dst: Any) -> Resolution | None:
-        """The resolution when one side is a ref reached through a batching engine (not a
-        direct route) and the other a local buffer."""
-        if isinstance(src, RefSpec) == isinstance(dst, RefSpec):
-            return None
-        spec = src if isinstance(src, RefSpec) else dst
-        try:
-            res = self._resolver.resolve(spec)
-        except (MemsemError, ValueError, TypeError):
-            return None  # reported by the range itself
-        if res.cb is None and not res.engine.versions and remote_slots(res) > 1:
-            return None  # a double-buffered window on another node: each range picks its slot
-        return res if res.engine.batches and not res.direct else None
-
-    def _copy_batch(self, group: list[tuple[RangeResult, Any, Any]], batch: Batch, lease: Lease | None) -> None:
-        """Hand ranges of one window to its engine's ``submit`` as one batch, each range in its
-        own bracket."""
-        ops: list[tuple[RangeResult, RefSpec, Op, Any]] = []
-        for r, src, dst in group:
-            if not batch._start(r):
-                continue
-            try:
-                spec, local, put = (src, dst, False) if isinstance(src, RefSpec) else (dst, src, True)
-                flat, info = as_byte_array(local, "dst" if not put else "src", writable=not put)
-                if info.nbytes != spec.nbytes:
-                    raise ValueError(f"xcopy sizes differ: ref {spec.nbytes} bytes, buffer {info.nbytes} bytes")
-                if put and not spec.writable:
-                    raise tr.read_only_ref(spec)
-                res = self._resolver.resolve(spec)
-                if lease is not None and lease.spec.gva == spec.gva:
-                    lease.check("before the transfer")
-                st = _ffi.new("uint64_t[5]")
-                rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
-                if (rc & tr.RC_STATUS) == tr.CHECK_FIRST:
-                    res.peer_checked()  # PeerLostError when the owner died
-                    rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
-                if rc != tr.OK:
-                    if rc & tr.RC_LAST_OUT:
-                        res.release()
-                    raise self._failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0)
-                op = Op(OpKind.PUT if put else OpKind.GET, res.remote, spec.offset, flat)
-                ops.append((r, spec, op, (res, st, put)))
-            except BaseException as exc:
-                batch._settle(r, State.FAILED, exc)
-        if not ops:
-            return
-        eng = ops[0][3][0].engine
-        req = eng.submit([o[2] for o in ops])
-        try:
-            req.wait(self._core.timeout)
-        except MemsemTimeoutError as exc:
-            for r, spec, op, (res, st, put) in ops:
-                batch._settle(r, State.FAILED, exc)
-            # The hardware still owns the buffers: close the brackets when the ops end.
-            self._pool.submit(_close_late, req, [o[3] for o in ops], self._core.timeout)
-            return
-        for r, spec, op, (res, st, put) in ops:
-            rc = _close(res.plan, put, spec.nbytes, 0, 0, st, 0 if op.state == OpState.DONE else 1)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            if op.state == OpState.DONE and not (rc & tr.RC_STATUS):
-                if lease is not None and lease.spec.gva == spec.gva and lease.expired():
-                    batch._settle(r, State.FAILED, tr.lease_expired(spec, "during the transfer"))
-                else:
-                    batch._settle(r, State.DONE)
-            elif op.state == OpState.DONE:
-                batch._settle(r, State.FAILED, self._failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0))
-            else:
-                err = op.error or MemsemError(f"xcopy range {r.index}: engine op ended {op.state.name}")
-                if isinstance(err, MemsemError) and not isinstance(err, EngineError):
-                    batch._settle(r, State.FAILED, err)
-                else:
-                    batch._settle(r, State.FAILED, tr.chain(tr.engine_failure(err, spec, res.peer, "xcopy"), err))
-
-    def _copy_one(self, src: Any, dst: Any, lease: Lease | None) -> None:
-        t0 = time.perf_counter_ns()
-
-        def lease_for(spec: RefSpec) -> Lease | None:
-            # The lease is checked for the ranges of its own window only.
-            return lease if lease is not None and lease.spec.gva == spec.gva else None
-
-        if isinstance(src, RefSpec) and isinstance(dst, RefSpec):
-            if src.nbytes != dst.nbytes:
-                raise ValueError(f"xcopy sizes differ: src {src.nbytes} bytes, dst {dst.nbytes} bytes")
-            if not dst.writable:
-                raise tr.read_only_ref(dst, "xcopy")
-            rs = self._resolver.resolve(src)
-            if rs.route.zero_copy and rs.direct and not rs.remote.direct.cma:
-                self._copy_mapped(rs, src, dst, lease_for(src), lease_for(dst))
-            else:
-                bounce = np.empty(src.nbytes, np.uint8)
-                self.transfer_array(src, False, 0, bounce, lease=lease_for(src))
-                self.transfer_array(dst, True, 0, bounce, lease=lease_for(dst))
-                self._core.telemetry.bounce_bytes += src.nbytes
-        elif isinstance(src, RefSpec):
-            flat, info = as_byte_array(dst, "dst", writable=True)
-            if info.nbytes != src.nbytes:
-                raise ValueError(f"xcopy sizes differ: src ref {src.nbytes} bytes, dst {info.nbytes} bytes")
-            self.transfer(src, False, 0, info.address, info.nbytes, flat, lease_for(src))
-        else:
-            flat, info = as_byte_array(src, "src", writable=False)
-            if info.nbytes != dst.nbytes:
-                raise ValueError(f"xcopy sizes differ: src {info.nbytes} bytes, dst ref {dst.nbytes} bytes")
-            self.transfer(dst, True, 0, info.address, info.nbytes, flat, lease_for(dst))
-        self._core.telemetry.record_latency("xcopy", time.perf_counter_ns() - t0)
-
-    def _copy_mapped(self, rs: Resolution, src: RefSpec, dst: RefSpec, src_lease: Lease | None,
-                     dst_lease: Lease | None) -> None:
-        """Ref to ref with the source mapped here: one copy straight from its memory, inside the
-        source's bracket (the bytes put count only if the source did not move meanwhile)."""
-        if src_lease is not None:
-            src_lease.check("before the transfer")
-        ls, lid = src_lease.native_args(src) if src_lease is not None else (0, 0)
-        st = _ffi.new("uint64_t[5]")
-        rc = _open(rs.plan, 0, src.offset, src.nbytes, 0, ls, lid, st)
-        if rc != tr.OK:
-            if rc & tr.RC_LAST_OUT:
-                rs.release()
-            status = rc & tr.RC_STATUS
-            if status in (tr.BUSY, tr.CLOSED):  # take the general path (waits, re-resolves)
-                bounce = np.empty(src.nbytes, np.uint8)
-                self.transfer_array(src, False, 0, bounce, lease=src_lease)
-                self.transfer_array(dst, True, 0, bounce, lease=dst_lease)
-                self._core.telemetry.bounce_bytes += src.nbytes
-                return
-            raise self._failure(status, rc, rs, src, False, src_lease, 0)
-        failed = True
-        try:
-            self.transfer(dst, True, 0, int(st[4]), src.nbytes, rs.remote, dst_lease)
-            failed = False
-        finally:
-            rc = _close(rs.plan, 0, src.nbytes, ls, lid, st, 1 if failed else 0)
-            if rc & tr.RC_LAST_OUT:
-                rs.release()
-        if rc & tr.RC_STATUS:
-            raise self._failure(rc & tr.RC_STATUS, rc, rs, src, False, src_lease, 0)
-
-
-def _chunks(jobs: list[tuple[RangeResult, Any, Any]], workers: int) -> list[list[tuple[RangeResult, Any, Any]]]:
-    """Split xcopy ranges into at most ``workers`` tasks of about equal bytes (one task when
-    they hold less than ``XCOPY_TASK_BYTES`` in all): a task per range would cost a hand-off
-    to a worker thread per range."""
-    if not jobs:
-        return []
-    total = sum(j[0].nbytes for j in jobs)
-    n = 1 if total < XCOPY_TASK_BYTES else max(1, min(workers, len(jobs)))
-    if n == 1:
-        return [jobs]
-    out: list[list[tuple[RangeResult, Any, Any]]] = [[]]
-    share = total / n
-    acc = 0
-    for j in jobs:
-        if out[-1] and acc >= share * len(out) and len(out) < n:
-            out.append([])
-        out[-1].append(j)
-        acc += j[0].nbytes
-    return out
+        """Start a batch of copies (see ``memsem.core._xcopy.XCopier.xcopy``)."""
+        return self._xcopier.xcopy(pairs, lease=lease)
 
 
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
     return ValueError(f"{arg} holds {n} bytes; the ref is {spec.nbytes} bytes "
                       f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
-
-
-def _close_late(req: Any, brackets: list[tuple[Resolution, Any, bool]], timeout: float) -> None:
-    """Close the brackets of a batch that timed out once its ops end (bounded waits)."""
-    for _ in range(100):
-        try:
-            req.wait(timeout)
-            break
-        except MemsemTimeoutError:
-            continue
-    for res, st, put in brackets:
-        rc = _close(res.plan, put, 0, 0, 0, st, 1)
-        if rc & tr.RC_LAST_OUT:
-            res.release()
 
 
 __all__ = ["Transfers"]

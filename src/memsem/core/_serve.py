@@ -53,13 +53,13 @@ from memsem.gva import (
     mint_valid,
     parse_token,
 )
-from memsem.gva._control import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
-from memsem.runtime import _translate as tr
-from memsem.runtime._resolve import Resolution
+from memsem.gva._control_block import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
+from memsem.core import _translate as tr
+from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
-    from memsem.runtime._publish import Owned
+    from memsem.core._runtime_core import RuntimeCore
+    from memsem.core._publish import Owned
 
 #: grants cached per runtime; past this the cache is emptied (grants are cheap to remake)
 GRANT_LIMIT = 4096

@@ -10,11 +10,11 @@ import numpy as np
 from memsem import _dtypes
 from memsem._errors import MemsemError, NotSupportedError
 from memsem.gva import RefSpec
-from memsem.runtime import _translate as tr
-from memsem.runtime._lease import Lease
+from memsem.core import _translate as tr
+from memsem.core._lease import Lease
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 
 def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> np.ndarray:

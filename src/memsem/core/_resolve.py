@@ -36,18 +36,18 @@ from memsem.gva import (
     WindowInfo,
     credential_proof,
     credential_token,
-    inflight,
+    inflight_slots,
     key_matches,
     split_gva,
 )
-from memsem.gva._control import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
+from memsem.gva._control_block import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
 from memsem.native import UseWord
-from memsem.runtime import _translate as tr
-from memsem.runtime._liveness import LIVENESS_CHECK_BYTES, LIVENESS_INTERVAL_S, Peer, record_alive
+from memsem.core import _translate as tr
+from memsem.core._liveness import LIVENESS_CHECK_BYTES, LIVENESS_INTERVAL_S, Peer, record_alive
 from memsem.topology import Location, Route, choose_route
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 #: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
 RESOLUTION_LIMIT = 128
@@ -108,12 +108,12 @@ class Resolution:
             plan.latest_addr = cb.latest_addr
             plan.nslots = cb.word(W_NSLOTS)
             try:
-                self.slot = inflight.claim(cb, self._ident.pid, self._ident.start_time)
-            except inflight.InflightSlotsFull as exc:
+                self.slot = inflight_slots.claim(cb, self._ident.pid, self._ident.start_time)
+            except inflight_slots.InflightSlotsFull as exc:
                 raise MemsemError(f"window gva {info.gva:#x}: all {cb.n_inflight} in-flight slots are "
                                   f"held by live processes (pids {exc.holders}); a window serves at most "
                                   f"{cb.n_inflight} same-node participants at once") from None
-            plan.inflight_addr = inflight.count_addr(cb, self.slot)
+            plan.inflight_addr = inflight_slots.count_addr(cb, self.slot)
             plan.slot_stride = cb.word(W_SLOT_STRIDE)
         else:
             plan.gen_addr = int(_ffi.cast("uintptr_t", _ffi.addressof(plan, "local_gen")))
@@ -185,7 +185,7 @@ class Resolution:
         self._remotes.clear()
         if cb is not None:
             if self.slot >= 0:
-                inflight.release(cb, self.slot, self._ident.pid, self._ident.start_time)
+                inflight_slots.release(cb, self.slot, self._ident.pid, self._ident.start_time)
             if self.own_cb:
                 cb.unpin()
             else:
@@ -420,6 +420,11 @@ class Resolver:
             if cb is not None and not own_cb:
                 cb.close()
             raise
+
+
+def remote_slots(res: Resolution) -> int:
+    """Data slots of ``res``'s window as its directory record says (1, or 2 double-buffered)."""
+    return 2 if res.info.extra.get("slots", 1) == 2 else 1
 
 
 def remote_span(info: WindowInfo) -> int:

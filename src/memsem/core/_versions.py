@@ -19,7 +19,7 @@ is ``_publish``). A consumer
   round trip per tensor, and never returned torn.
 
 Every version operation of a window on another node goes through ``_remote`` (one function):
-its latest-version word is mirrored here by the route's engine (``memsem.runtime._remote``).
+its latest-version word is mirrored here by the route's engine (``memsem.core._remote``).
 """
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 from memsem import _args, native
 from memsem._errors import MemsemTimeoutError, NotSupportedError
 from memsem.gva import RefSpec
-from memsem.gva._control import W_LATEST, W_WRITER
-from memsem.runtime import _translate as tr
-from memsem.runtime._async import word_waiter
-from memsem.runtime._lease import Lease
-from memsem.runtime._liveness import WAIT_SLICE_S
-from memsem.runtime._resolve import Resolution
+from memsem.gva._control_block import W_LATEST, W_WRITER
+from memsem.core import _translate as tr
+from memsem.core._async import word_waiter
+from memsem.core._lease import Lease
+from memsem.core._liveness import WAIT_SLICE_S
+from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 _open = native.lib.memsem_bracket_open
 _close = native.lib.memsem_bracket_close
@@ -63,7 +63,7 @@ class Versions:
                 loop: asyncio.AbstractEventLoop | None = None) -> Any:
         """Versions of a window with no control block here (another node). The one place the
         cross-node implementation plugs in: the window's latest-version word is read from its
-        mirror here (``memsem.runtime._remote``: pushed by the owner over tcp, read one-sidedly
+        mirror here (``memsem.core._remote``: pushed by the owner over tcp, read one-sidedly
         over rdma) and waited for like any control word (``Readiness.wait_word``). Returns the
         version, or (``loop`` given) a coroutine giving it. Pins are leases in the owner's
         control block: not across nodes."""
@@ -280,7 +280,7 @@ class Versions:
                     if not res.own_cb and not res.peer.alive():
                         raise res.peer.lost(spec.label)
                     continue
-                raise core.transfers._failure(status, rc, res, spec, False, lease, version)
+                raise core.transfers.failure(status, rc, res, spec, False, lease, version)
             failed = 0
             base = int(st[4])
             d = res.remote.direct
@@ -300,7 +300,7 @@ class Versions:
                     res.release()
                 status = rc & tr.RC_STATUS
                 if status in (tr.GEN_AFTER, tr.GEN_BEFORE):
-                    raise core.transfers._failure(status, rc, res, spec, False, lease, version) from None
+                    raise core.transfers.failure(status, rc, res, spec, False, lease, version) from None
                 raise
             rc = _close(res.plan, 0, total, ls, lid, st, 0)
             if rc & tr.RC_LAST_OUT:
@@ -316,7 +316,7 @@ class Versions:
                 if retries > GATHER_RETRIES and version:
                     raise tr.version_gone(spec, version, res.cb.latest if res.cb is not None else 0)
                 continue
-            raise core.transfers._failure(status, rc, res, spec, False, lease, version)
+            raise core.transfers.failure(status, rc, res, spec, False, lease, version)
 
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
                        lease: Lease | None, keep: Any) -> int:

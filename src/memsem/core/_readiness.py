@@ -1,4 +1,4 @@
-"""Tile-ready words: the producer's marks and the consumers' waits (see ``memsem.gva.ready``).
+"""Tile-ready words: the producer's marks and the consumers' waits (see ``memsem.gva.ready_words``).
 
 Readiness writes (``mark_ready``, ``clear_ready``) are writes to the window: they need a
 read-write ref *and* a window published read-write, like puts, and the ref's generation.
@@ -7,7 +7,7 @@ Waits are bounded, sliced (``WAIT_SLICE_S``) and between slices re-check the gen
 (``PeerLostError``).
 
 A window owned on another node has no control block here: its words are read from a mirror
-(``memsem.runtime._remote.RemoteControl``) that the route's engine keeps current (the owner
+(``memsem.core._remote.RemoteControl``) that the route's engine keeps current (the owner
 pushes changes over tcp, rdma reads them one-sidedly), and the same code waits on it. Marks of
 such a window go to its owner (``Engine.set_ready``), which checks the ref like a put.
 """
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
 from memsem._errors import AccessDeniedError, EngineError, MemsemTimeoutError, StaleReferenceError
-from memsem.gva import ControlBlock, RefSpec, ready as _ready
-from memsem.runtime import _translate as tr
-from memsem.runtime._liveness import WAIT_SLICE_S
-from memsem.runtime._remote import RemoteControl, RemoteWords
-from memsem.runtime._resolve import Resolution
+from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
+from memsem.core import _translate as tr
+from memsem.core._liveness import WAIT_SLICE_S
+from memsem.core._remote import RemoteControl, RemoteWords
+from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 
 class Readiness:
@@ -181,7 +181,7 @@ class Readiness:
     def wait_word(self, spec: RefSpec, word: int, until: Callable[[int], bool], timeout: float | None = None,
                   *, what: str | None = None) -> int:
         """Block until ``until(value)`` holds for header word ``word`` of the window's control
-        block (``memsem.gva._control.W_LATEST``: the latest committed version; ``W_SEQ0``...),
+        block (``memsem.gva._control_block.W_LATEST``: the latest committed version; ``W_SEQ0``...),
         on this node or, through its mirror, on another; returns that value.
 
         This is the one function version waits go through, wherever the owner is. Bounded by

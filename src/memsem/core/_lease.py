@@ -13,12 +13,12 @@ from memsem._errors import (
     RuntimeClosedError,
     StaleReferenceError,
 )
-from memsem.gva import ControlBlock, RefSpec, lease as _lease
-from memsem.runtime import _translate as tr
-from memsem.runtime._resolve import Resolution
+from memsem.gva import ControlBlock, RefSpec, lease_slots as _lease
+from memsem.core import _translate as tr
+from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 #: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
 MAX_TTL = _args.MAX_TTL_S

@@ -44,18 +44,18 @@ from memsem.directory import Directory, open_directory
 from memsem.engines import Availability, Engine, EngineContext, engine_class
 from memsem.gva import RefSpec
 from memsem.native import ProcessIdentity
-from memsem.runtime._completion import Batch, Completion
-from memsem.runtime._lease import Lease
-from memsem.runtime._liveness import Peers, record_alive
-from memsem.runtime._publish import Publisher
-from memsem.runtime._readiness import Readiness
-from memsem.runtime._resolve import Resolution, Resolver
-from memsem.runtime._serve import Grant, Server
-from memsem.runtime._staging import StagingPool
-from memsem.runtime._telemetry import Stats, Telemetry
-from memsem.runtime._transfer import Transfers
-from memsem.runtime._versions import Versions
-from memsem.runtime._view import view as _view
+from memsem.core._completion import Batch, Completion
+from memsem.core._lease import Lease
+from memsem.core._liveness import Peers, record_alive
+from memsem.core._publish import Publisher
+from memsem.core._readiness import Readiness
+from memsem.core._resolve import Resolution, Resolver
+from memsem.core._serve import Grant, Server
+from memsem.core._staging import StagingPool
+from memsem.core._telemetry import Stats, Telemetry
+from memsem.core._transfer import Transfers
+from memsem.core._versions import Versions
+from memsem.core._view import view as _view
 from memsem.topology import Location, Route
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class RuntimeCore:
         self.location_attrs: dict[str, Any] = {}
         for eng in self.engines.values():
             self.location_attrs.update(eng.location_attrs)
-        from memsem.runtime._gc import collect
+        from memsem.core._gc import collect
 
         collect(dry_run=False)  # reap segments of dead processes of this user (cheap: one listdir)
         self.directory: Directory = open_directory(directory, job=job, alive=record_alive)

@@ -13,7 +13,7 @@ copy never wedges the window, and a live one is waited for (bounded by the calle
 from __future__ import annotations
 
 from memsem import native
-from memsem.gva._control import ControlBlock, identity_of, identity_word
+from memsem.gva._control_block import ControlBlock, identity_of, identity_word
 from memsem.native import process_alive
 
 

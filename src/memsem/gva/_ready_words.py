@@ -9,7 +9,7 @@ never equals the current generation, so it never satisfies a wait on the new one
 from __future__ import annotations
 
 from memsem import native
-from memsem.gva._control import W_READY_SEQ, ControlBlock
+from memsem.gva._control_block import W_READY_SEQ, ControlBlock
 
 
 def _bump(cb: ControlBlock) -> None:

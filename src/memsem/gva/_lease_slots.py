@@ -23,7 +23,7 @@ import math
 import secrets
 
 from memsem import native
-from memsem.gva._control import LEASE_WORDS, W_STATE, ControlBlock, WindowState
+from memsem.gva._control_block import LEASE_WORDS, W_STATE, ControlBlock, WindowState
 from memsem.native import process_alive
 
 

@@ -1,4 +1,4 @@
-"""The owner side: publish, republish, write sections, retire, unpublish, alloc, lookup.
+"""The owner side: publish, republish, retire, unpublish, alloc, lookup.
 
 A window's owner is the runtime that published it. Retiring a window (unpublish, republish,
 close) runs one protocol:
@@ -14,22 +14,8 @@ close) runs one protocol:
 5. DEAD, deregister from every engine, remove the directory record, release the memory's owner
    object and the control block (unmapped when its last holder lets go).
 
-Write sections (versions within one generation; docs/weight-sync.md):
-
-* open, for version ``new = latest + 1`` written into slot ``s = new % n_slots``: set the
-  writer intent word (``W_WRITER = new``, sequentially consistent), wait for leases pinning a
-  version ``p < new`` that lives in slot ``s`` (each sleep is a futex wait on the pinned
-  lease's id word, woken by its release, bounded by its expiry: never longer than the lease),
-  then make the slot's sequence word odd. With two slots the other slot keeps version
-  ``latest`` readable throughout; with one slot readers wait for the close.
-* close: release-store the even sequence word, the latest-version word, clear the intent,
-  futex-wake both words (version waiters and readers waiting on the sequence).
-* a body that raises leaves the slot's sequence odd (its bytes are garbage): with two slots
-  readers keep reading ``latest``; with one slot they wait for the next section.
-* write guard (debug/testing): ``"protect"`` keeps memsem-allocated, page-aligned slots
-  read-only (mprotect) between sections, so an owner store outside a section faults
-  (SIGSEGV); ``"checksum"`` records a crc32 of the committed slot and the next section verifies
-  it (``OwnerWriteError``).
+Write sections (versions within one generation) live in ``_sections``; this module holds the
+owner's windows (``Owned``) they write.
 """
 from __future__ import annotations
 
@@ -55,8 +41,6 @@ from memsem._errors import (
     LeaseHeldError,
     MemsemError,
     MemsemTimeoutError,
-    NotSupportedError,
-    OwnerWriteError,
     WindowNotFoundError,
 )
 from memsem.engines import ControlWords, Descriptor, Engine, LocalRegion
@@ -69,13 +53,13 @@ from memsem.gva import (
     SliceAllocator,
     WindowInfo,
     WindowState,
-    inflight,
+    inflight_slots,
     key_digest,
     key_matches,
-    lease as _lease,
+    lease_slots as _lease,
     mint_mac,
 )
-from memsem.gva._control import (
+from memsem.gva._control_block import (
     FIRST_VERSION,
     HEADER_WORDS,
     W_LATEST,
@@ -86,11 +70,12 @@ from memsem.gva._control import (
     W_WRITER,
 )
 from memsem.native import Segment
-from memsem.runtime import _translate as tr
-from memsem.runtime._liveness import WAIT_SLICE_S
+from memsem.core import _translate as tr
+from memsem.core._liveness import WAIT_SLICE_S
+from memsem.core._sections import WriteSection, format_left, open_sections
 
 if TYPE_CHECKING:
-    from memsem.runtime._core import RuntimeCore
+    from memsem.core._runtime_core import RuntimeCore
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +110,14 @@ class Owned:
 
     info: WindowInfo
     cb: ControlBlock
-    key: bytes
-    keepalive: Any
+    #: never in repr (a capability; logs and tracebacks must not show it)
+    key: bytes = dataclasses.field(repr=False)
+    keepalive: Any = dataclasses.field(repr=False)
     region: LocalRegion
     regs: list[tuple[Engine, Descriptor]]
     generation: int
     retiring: bool = False
-    mint: Mint | None = None
+    mint: Mint | None = dataclasses.field(default=None, repr=False)
     #: data slots (1: in place; 2: double-buffered versions in memory memsem allocated)
     n_slots: int = 1
     #: bytes from one slot to the next (0 with one slot)
@@ -373,11 +359,11 @@ class Publisher:
         return self._publish_at(gva, old.info.name, info, access, n_ready, tile_bytes, cb=reuse, slots=slots,
                                 write_guard=write_guard)
 
-    # -- write sections ---------------------------------------------------------------------------
+    # -- write sections (memsem.core._sections) ----------------------------------------------
     def open_section(self, specs_or_names: Sequence[RefSpec | str], *, copy: bool = True,
-                     timeout: float | None = None) -> "WriteSection":
+                     timeout: float | None = None) -> WriteSection:
         """Open a write section on one or more windows this runtime owns (see
-        :class:`WriteSection` and the module docstring). Blocking: waits up to ``timeout`` s
+        :class:`memsem.core._sections.WriteSection`). Blocking: waits up to ``timeout`` s
         (default the runtime's) for leases pinning versions the section overwrites.
 
         Raises:
@@ -401,65 +387,14 @@ class Publisher:
                 raise ValueError(f"windows[{i}]: {o.label} appears twice")
             seen.add(o.info.gva)
             owned.append(o)
-        if not owned:
-            raise ValueError("a write section needs at least one window")
-        owned.sort(key=lambda o: o.info.gva)  # one order: two sections never wait on each other
-        deadline = time.monotonic() + t
-        items: list[_Item] = []
-        try:
-            for o in owned:
-                items.append(self._open_one(o, deadline, t))
-        except BaseException:
-            for it in reversed(items):
-                it.rollback()
-            raise
-        for it in items:  # all open: now the bytes may change
-            it.prepare(copy)
-        return WriteSection(self, items)
+        return open_sections(owned, copy=copy, timeout=t)
 
     def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
-                      timeout: float | None = None) -> "WriteSection":
+                      timeout: float | None = None) -> WriteSection:
         """A :class:`WriteSection` (context manager) on one window or a set of windows."""
         if isinstance(spec_or_name, (RefSpec, str)):
             return self.open_section([spec_or_name], copy=copy, timeout=timeout)
         return self.open_section(list(spec_or_name), copy=copy, timeout=timeout)
-
-    def _open_one(self, o: Owned, deadline: float, timeout: float) -> "_Item":
-        if not o.section_lock.acquire(blocking=False):
-            raise MemsemError(f"{o.label}: a write section is already open")
-        cb = o.cb
-        try:
-            if o.guard == "checksum":
-                latest = cb.latest
-                sl = cb.slot_of(latest)
-                want = o.sums.get(sl)
-                if want is not None and o.checksum(sl) != want:
-                    o.sums[sl] = o.checksum(sl)  # reported once
-                    raise OwnerWriteError(
-                        f"{o.label}: the bytes of version {latest} changed since its write section "
-                        "closed: the owner wrote them outside a write section (readers may have read "
-                        "a mixture of versions); change published bytes only inside write_section()")
-            new = cb.latest + 1
-            slot = cb.slot_of(new)
-            seq_a = cb.addr(W_SEQ0 + slot)
-            prev = native.load_acquire(seq_a)
-            if prev & 1 and not o.aborted:
-                raise MemsemError(f"{o.label}: a write section is already open (sequence word {prev:#x})")
-            writer_a = cb.addr(W_WRITER)
-            native.store_release(writer_a, new)
-            native.lib.memsem_fence_seq_cst()  # Dekker with pinning readers: intent, then scan
-            try:
-                blocked = _wait_pins(cb, new, deadline, timeout, o.label)
-            except BaseException:
-                native.store_release(writer_a, 0)
-                native.futex_wake(cb.latest_addr)
-                raise
-            native.store_release(seq_a, (new << 1) | 1)
-            native.lib.memsem_fence_seq_cst()
-            return _Item(o, new, slot, prev, blocked)
-        except BaseException:
-            o.section_lock.release()
-            raise
 
     # -- retire ---------------------------------------------------------------------------------
     def retire(self, owned: Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:
@@ -488,7 +423,7 @@ class Publisher:
                         d.reopen_window(owned.info.gva)
                     raise LeaseHeldError(
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
-                        "held by " + ", ".join(f"pid {p} ({_left(left)})" for p, left in holders),
+                        "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
                 time.sleep(min(WAIT_SLICE_S, max(0.0, min(h[1] for h in holders)) + 0.001,
                                max(0.0, deadline - time.monotonic()) + 0.001))
@@ -498,7 +433,7 @@ class Publisher:
         # Drain copies that started under the old generation (they will see it moved). Dead
         # participants' marks are reclaimed by busy_holders.
         while True:
-            busy = inflight.busy_holders(cb)
+            busy = inflight_slots.busy_holders(cb)
             if not busy:
                 break
             if time.monotonic() >= deadline:
@@ -633,142 +568,6 @@ class Publisher:
             self.segments.clear()
 
 
-class _Item:
-    """One window of an open write section."""
-
-    __slots__ = ("owned", "version", "slot", "prev_seq", "blocked_s", "copied")
-
-    def __init__(self, owned: Owned, version: int, slot: int, prev_seq: int, blocked_s: float) -> None:
-        self.owned, self.version, self.slot, self.prev_seq = owned, version, slot, prev_seq
-        self.blocked_s = blocked_s
-        self.copied = False
-
-    def rollback(self) -> None:
-        """Undo an open whose bytes were not touched yet (another window of the set failed)."""
-        o, cb = self.owned, self.owned.cb
-        a = cb.addr(W_SEQ0 + self.slot)
-        native.store_release(a, self.prev_seq)  # nothing was written while odd: readers are fine
-        native.store_release(cb.addr(W_WRITER), 0)
-        native.futex_wake(a)
-        native.futex_wake(cb.latest_addr)
-        o.section_lock.release()
-
-    def prepare(self, copy: bool) -> None:
-        o = self.owned
-        o.protect(self.slot, True)
-        if copy and o.n_slots > 1 and o.info.nbytes:
-            src = o.cb.slot_of(self.version - 1)
-            native.memcpy(o.slot_address(self.slot), o.slot_address(src), o.info.nbytes)
-            self.copied = True
-
-    def commit(self) -> None:
-        o, cb = self.owned, self.owned.cb
-        if o.guard == "checksum":
-            o.sums[self.slot] = o.checksum(self.slot)
-        o.protect(self.slot, False)
-        a = cb.addr(W_SEQ0 + self.slot)
-        native.store_release(a, self.version << 1)
-        native.store_release(cb.latest_addr, self.version)
-        native.store_release(cb.addr(W_WRITER), 0)
-        native.futex_wake(a)
-        native.futex_wake(cb.latest_addr)
-        o.aborted = False
-        o.sections += 1
-        o.blocked_s += self.blocked_s
-        o.section_lock.release()
-
-    def abort(self) -> None:
-        o, cb = self.owned, self.owned.cb
-        o.protect(self.slot, False)
-        o.sums.pop(self.slot, None)
-        o.aborted = True
-        native.store_release(cb.addr(W_WRITER), 0)
-        native.futex_wake(cb.latest_addr)
-        o.section_lock.release()
-
-
-class WriteSection:
-    """An open write section on one window or a set of windows (``Runtime.write_section``).
-
-    While it is open no reader returns the bytes being written as valid; ``commit`` (or leaving
-    the ``with`` block normally) publishes each window's next version. A body that raises
-    aborts it: no version is published over half-written bytes (a double-buffered window keeps
-    serving its latest version; a single-slot window stays unreadable until the next section).
-
-    Attributes:
-        version: the version being written (of the first window; ``versions`` for each).
-        blocked_s: seconds the open waited for leases pinning versions it overwrites.
-        copied: whether the target slots were filled with the latest version's bytes first.
-    """
-
-    def __init__(self, publisher: Publisher, items: list[_Item]) -> None:
-        self._pub = publisher
-        self._items = items
-        self._done = False
-
-    @property
-    def version(self) -> int:
-        return self._items[0].version
-
-    @property
-    def versions(self) -> dict[str, int]:
-        """``{window label: version being written}``."""
-        return {it.owned.label: it.version for it in self._items}
-
-    @property
-    def blocked_s(self) -> float:
-        return sum(it.blocked_s for it in self._items)
-
-    @property
-    def copied(self) -> bool:
-        return all(it.copied for it in self._items)
-
-    @property
-    def open(self) -> bool:
-        return not self._done
-
-    def array(self, index: int = 0) -> np.ndarray:
-        """The bytes being written of window ``index`` (in the order given, sorted by GVA for
-        sets), as an array of its dtype and shape over the target slot itself."""
-        if self._done:
-            raise MemsemError("the write section is closed: its arrays are no longer writable")
-        it = self._items[_args.index(index, "index", len(self._items), of="windows of the section")]
-        return it.owned.slot_array(it.slot)
-
-    def arrays(self) -> list[np.ndarray]:
-        return [self.array(i) for i in range(len(self._items))]
-
-    def commit(self) -> int:
-        """Publish the next version of every window; returns it (of the first window)."""
-        if self._done:
-            raise MemsemError("the write section is already closed")
-        self._done = True
-        for it in self._items:
-            it.commit()
-        return self.version
-
-    def abort(self) -> None:
-        """Close without publishing (the slots' bytes are dropped). Safe after close."""
-        if self._done:
-            return
-        self._done = True
-        for it in self._items:
-            it.abort()
-
-    def __enter__(self) -> "WriteSection":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
-
-    def __repr__(self) -> str:
-        state = "open" if not self._done else "closed"
-        return f"<WriteSection {state} {self.versions}>"
-
-
 def control_words(cb: ControlBlock) -> ControlWords:
     """The control words of ``cb`` an engine may make remotely readable (``Engine.on_publish``):
     its header words and its ready words, never lease or in-flight slots. The regions keep the
@@ -784,37 +583,6 @@ def _protectable(slots: int, seg: Segment | None, info: BufferInfo) -> bool:
     if slots == 2:
         return True
     return seg is not None and info.address == seg.address and info.address % PAGE == 0
-
-
-def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, label: str) -> float:
-    """Wait until no lease pins a version that version ``new`` overwrites; each sleep is a
-    futex wait on the pinned lease's id word (woken by its release), bounded by the lease's
-    expiry and a liveness slice. Returns the seconds waited (0.0 when nothing was pinned).
-    Raises LeaseHeldError at the deadline."""
-    t0 = None
-    while True:
-        pins = _lease.blocking_pins(cb, new)
-        if not pins:
-            return 0.0 if t0 is None else time.monotonic() - t0
-        if t0 is None:
-            t0 = time.monotonic()
-        now = time.monotonic()
-        if now >= deadline:
-            holders = [(pid, max(0.0, (exp - native.monotonic_ns()) / 1e9)) for pid, _, exp, _ in pins]
-            raise LeaseHeldError(
-                f"cannot write version {new} of {label}: leases pinning version(s) "
-                f"{sorted({v for _, v, _, _ in pins})} (in the slot it overwrites) outlasted {timeout} s, "
-                "held by " + ", ".join(f"pid {p} ({_left(left)})" for p, left in holders), holders=holders)
-        pid, version, exp, id_addr = pins[0]
-        left_lease = (exp - native.monotonic_ns()) / 1e9
-        slice_s = max(0.0, min(WAIT_SLICE_S, left_lease + 1e-4, deadline - now))
-        lid = native.load_acquire(id_addr)
-        if lid:
-            native.futex_wait(id_addr, lid & 0xFFFFFFFF, slice_s)
-
-
-def _left(seconds: float) -> str:
-    return "held until released" if seconds == float("inf") else f"{seconds:.2f} s left"
 
 
 def tiling(nbytes: int, tile_bytes: int | None, tiles: int | None) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 /* cffi cdef (ABI mode: ffi.cdef + ffi.dlopen) for the Ascend SHMEM host API subset that the
- * memsem MTE engine uses. Read by memsem.engines._aclshmem; not compiled.
+ * memsem MTE engine uses. Read by memsem.engines.mte._binding; not compiled.
  *
  * Source of truth: Ascend SHMEM public headers, github hicann/shmem at 643bfb7:
  *   include/host/shmem_host_def.h            error codes, aclshmemx_bootstrap_t, init status,

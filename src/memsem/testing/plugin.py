@@ -1,4 +1,4 @@
-"""pytest plugin (entry point ``memsem``): fixtures for testing code that uses memsem.
+"""The pytest plugin (entry point ``memsem`` -> ``memsem.testing.plugin``): fixtures for code that uses memsem.
 
 Fixtures:
     memsem_runtime: a ``memsem.Runtime`` in an isolated job namespace, closed after the test.

@@ -20,7 +20,7 @@ import numpy as np
 from memsem import native
 
 if TYPE_CHECKING:
-    from memsem.runtime._resolve import Resolution
+    from memsem.core._resolve import Resolution
 
 _NB = native.LAT_BUCKETS
 #: lower bound in ns of every latency bucket (the last bucket is open-ended)

@@ -1,0 +1,15 @@
+"""The core layer: ``RuntimeCore`` and its parts (publish, resolve, lease, get/put/xcopy,
+readiness, versions, grants, telemetry), below the user-facing ``memsem.Runtime``.
+
+One concern per module (``tests/test_layers.py`` checks that each imports only those before it;
+the table is in docs/architecture.md).
+"""
+from memsem.core._completion import Batch, Completion, RangeResult, State
+from memsem.core._runtime_core import CLOSE_TIMEOUT, DEFAULT_TIMEOUT, RuntimeCore, current_core
+from memsem.core._gc import collect
+from memsem.core._lease import Lease
+from memsem.core._sections import WriteSection
+from memsem.core._telemetry import Stats
+
+__all__ = ["Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
+           "Lease", "RuntimeCore", "current_core", "Stats", "WriteSection"]
