@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,9 @@ class Transfers:
         self._running = 0
         self._idle = threading.Condition()
         self._xcopier = XCopier(self, resolver, pool)
+        #: per resolution, the header words read after its last one-sided checked copy
+        #: (``_onesided_get``); they go with the resolution
+        self._headers: "weakref.WeakKeyDictionary[Resolution, list[int]]" = weakref.WeakKeyDictionary()
 
     def counted(self, fn: Any) -> Any:
         """``fn`` wrapped so that the runtime's close can wait for it while it runs."""
@@ -309,10 +313,15 @@ class Transfers:
                       version: int) -> int:
         """Read ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the latest) of a window
         whose owner is on another node, through an engine that reads its control words
-        one-sidedly (rdma): read the header words (generation, latest version, slot sequence
-        words), copy from the version's slot, read the header again; the copy counts only if
-        the slot's sequence word did not move (a write section overlapped: copy again).
-        Returns the version read. Bounded by the runtime's timeout.
+        one-sidedly (rdma): a seqlock over the wire. The header words (generation, latest
+        version, slot sequence words) read *before* the copy are, when they can serve, the
+        ones read *after* the previous copy of this resolution (kept in ``_headers``): then a
+        read costs 2 round trips (copy, header), else 3 (header, copy, header). The copy counts
+        only if the slot's sequence word is the same after it as before it (a write section
+        overlapped: copy again); a read of the latest version from a kept header also needs the
+        latest-version word unchanged after the copy. Why a kept header is as good as a fresh
+        one: docs/rdma.md ("A checked read in 2 round trips"). Returns the version read.
+        Bounded by the runtime's timeout.
 
         Raises:
             StaleReferenceError: the generation moved, or ``version`` is gone (overwritten).
@@ -334,20 +343,33 @@ class Transfers:
                 h[W_GENERATION] = g
             return h
 
+        # ``h``: header words read before the copy; ``fresh``: read during this call. A kept
+        # header (read after an earlier copy) only ever leads to a copy; every other decision
+        # (wait, version gone) is taken on a fresh one.
+        h = self._headers.get(res)
+        fresh = h is None
         while True:
-            h = header(False)
+            if h is None:
+                h, fresh = header(False), True
             nslots = 2 if h[W_NSLOTS] == 2 else 1
             v = version or h[W_LATEST]
             slot = v % nslots if nslots > 1 else 0
             seq = h[W_SEQ0 + slot]
             if seq == v << 1:
                 eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
-                after = header(True)[W_SEQ0 + slot]
-                if after == seq:
+                after = header(True)
+                self._headers[res] = after
+                moved = after[W_SEQ0 + slot]
+                if moved == seq and (fresh or version or after[W_LATEST] == v):
                     return v
-                core.telemetry.count_error("torn")
-                if version and after >> 1 > version:
-                    raise tr.version_gone(spec, version, after >> 1)
+                if moved != seq:
+                    core.telemetry.count_error("torn")
+                    if version and moved >> 1 > version:
+                        raise tr.version_gone(spec, version, moved >> 1)
+                h, fresh = after, True  # read after the copy, during this call: the next "before"
+            elif not fresh:
+                h = None  # the kept header cannot serve this read: read the words now
+                continue
             elif version and seq >> 1 > version:
                 raise tr.version_gone(spec, version, seq >> 1)
             else:  # a write section is open on the slot, or the version is not committed yet
@@ -356,6 +378,7 @@ class Transfers:
                     raise tr.busy_timeout(spec, core.timeout)
                 time.sleep(min(pause, deadline - now))
                 pause = min(2 * pause, _ONESIDED_BACKOFF_S[1])
+                h = None
                 continue
             if time.monotonic() >= deadline:
                 raise tr.busy_timeout(spec, core.timeout)
