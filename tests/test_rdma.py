@@ -47,6 +47,7 @@ def need_rdma() -> None:
 
 #: tests that run without a device too (the rest skip or fail through ``need_rdma``)
 NO_DEVICE = {"test_probe_names_a_reason", "test_directory_entries", "test_directory_watch_wakes_on_put",
+             "test_listener_is_woken_not_polling",
              "test_checked_read_round_trips_cma", "test_checked_read_kept_header_never_returns_torn_bytes"}
 
 
@@ -666,6 +667,47 @@ def test_directory_watch_wakes_on_put(tmp_path, monkeypatch, kind):
         d.close()
         if srv is not None:
             srv.__exit__(None, None, None)
+
+
+def test_listener_is_woken_not_polling(tmp_path, monkeypatch):
+    """The owner's listener waits on the directory: with its longest wait made far longer than
+    the test's own timeouts, each goodbye entry is still handled (removed) after one more scan,
+    and ``close`` joins the listener at once (it is woken, not left to time out)."""
+    from memsem.directory import LocalDirectory
+    from memsem.engines.rdma import _connect
+    from memsem.engines.rdma._verbs import Counters
+
+    monkeypatch.setenv("MEMSEM_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(_connect, "LISTEN_WAIT", 3600.0)
+    d = LocalDirectory("listen", alive=lambda rec: True)
+    scans = []
+
+    class Counting:
+        """The directory, counting the listener's scans."""
+
+        def __getattr__(self, name):
+            return getattr(d, name)
+
+        def entries(self, prefix):
+            scans.append(prefix)
+            return d.entries(prefix)
+
+    conns = _connect.Connections(None, [], "ep1", Counters(), 5.0)
+    conns.bind(Counting(), "node")
+    try:
+        conns.start_listener()
+        for i in range(3):
+            d.put_entry(f"rdma/ep1/bye/c{i}", {"seq": 1})
+            deadline = time.monotonic() + 30
+            while d.get_entry(f"rdma/ep1/bye/c{i}") is not None:
+                assert time.monotonic() < deadline, f"bye {i} not handled (scans {len(scans)})"
+                time.sleep(0.01)
+        assert 3 <= len(scans) <= 3 + 2  # the first scan, one per put (two may fold into one), no polls
+        assert conns._listener.is_alive()
+    finally:
+        conns.close()
+        d.close()
+    assert not conns._listener.is_alive()  # close woke it (its own wait was an hour)
 
 
 def _round_trip_sequence(owner, read, name):
