@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem import AccessDeniedError, PeerLostError, StaleReferenceError
-from memsem.engines import Descriptor, Op, OpKind
+from memsem import AccessDeniedError, PeerLostError, StaleReferenceError, native
+from memsem.engines import WATCH_HEADER, Descriptor, Engine, Op, OpKind, RemoteRegion
 from memsem.engines.rdma import BOUNCE_BYTES, RdmaEngine
 
 pytestmark = [pytest.mark.rdma, pytest.mark.multiproc]
@@ -46,7 +46,9 @@ def need_rdma() -> None:
 
 
 #: tests that run without a device too (the rest skip or fail through ``need_rdma``)
-NO_DEVICE = {"test_probe_names_a_reason", "test_directory_entries"}
+NO_DEVICE = {"test_probe_names_a_reason", "test_directory_entries", "test_directory_watch_wakes_on_put",
+             "test_listener_is_woken_not_polling",
+             "test_checked_read_round_trips_cma", "test_checked_read_kept_header_never_returns_torn_bytes"}
 
 
 @pytest.fixture(autouse=True)
@@ -346,6 +348,108 @@ def _c_wait_tile_outcome(rt, st, data, tile, timeout):
     return None
 
 
+def _c_publish_versioned(rt, st, name, nbytes, seed):
+    """A double-buffered window (``slots=2``) holding ``pattern(nbytes, seed)`` as version 1."""
+    ref = rt.publish(pattern(nbytes, seed), name=name, slots=2)
+    st["ref:" + name] = ref
+    return ref.to_bytes(), digest(pattern(nbytes, seed))
+
+
+def _c_commit(rt, st, name, seed):
+    """One write section writing ``pattern(.., seed)``; returns (version, digest)."""
+    ref = st["ref:" + name]
+    with rt.write_section(ref, copy=False) as sec:
+        sec.array().reshape(-1).view(np.uint8)[:] = pattern(ref.nbytes, seed)
+        v = sec.version
+    return v, digest(pattern(ref.nbytes, seed))
+
+
+def _c_open(rt, st, name, seed):
+    """Open a write section and write half of ``pattern(.., seed)`` (left open: torn bytes)."""
+    ref = st["ref:" + name]
+    sec = rt.write_section(ref, copy=False)
+    flat = sec.array().reshape(-1).view(np.uint8)
+    flat[:ref.nbytes // 2] = pattern(ref.nbytes, seed)[:ref.nbytes // 2]
+    st["sec:" + name] = sec
+    return sec.version
+
+
+def _c_close(rt, st, name):
+    ref, sec = st["ref:" + name], st.pop("sec:" + name)
+    sec.array().reshape(-1).view(np.uint8)[ref.nbytes // 2:] = 0
+    return sec.commit()
+
+
+def _c_read_counted(rt, st, data, version):
+    """A checked one-sided read of ``version`` (0: the latest): (version read, digest, round
+    trips the engine made for it, torn copies counted)."""
+    ref = rt.ref(data)
+    out = np.empty(ref.nbytes, np.uint8)
+    eng = rt.engine("rdma")
+    before, torn = eng.stats()["round_trips"], rt.stats().errors.get("torn", 0)
+    v = rt.core.transfer(ref.spec, "get", 0, out, version=version)
+    return v, digest(out), eng.stats()["round_trips"] - before, rt.stats().errors.get("torn", 0) - torn
+
+
+class CmaOnesided(Engine):
+    """A stand-in for the rdma engine where there is no RDMA device (the core suite): a window
+    of another process is read one-sidedly with process_vm_readv, its header words too
+    (``can_watch`` "read"), so the runtime takes the very path it takes over RDMA (the checked
+    one-sided read of ``_onesided_get``). Named "rdma" (``RdmaEngine.reach`` routes to it
+    between two node ids); every read is one round trip (``stats()["round_trips"]``);
+    ``before(kind)`` runs before each ("get" or "words"): a test acts there, at a known point
+    of the read. A test double: it enforces no generation in hardware and never writes."""
+
+    name = "rdma"
+    enforces_generation = "device"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.location_attrs = {"rdma_port": "cma/1"}
+        self.trips = 0
+        self.before = None
+
+    def stats(self) -> dict:
+        return {"round_trips": self.trips, "posted": self.trips}
+
+    def register(self, region):
+        return Descriptor(self.name, {"pid": os.getpid(), "addr": region.address, "nbytes": region.nbytes,
+                                      "port": "cma/1", "force": False})
+
+    def on_publish(self, descriptor, n_tiles, gva, words=None):
+        if words is not None:
+            descriptor.fields["ctl"] = {"hdr": words.header.address, "hdr_words": words.header.nbytes // 8}
+
+    def attach(self, descriptor, nbytes, credential=b""):
+        r = RemoteRegion(self, nbytes, None, writable=False)
+        r.pid, r.addr = descriptor.field("pid", int), descriptor.field("addr", int)
+        r.hdr = descriptor.field("ctl", dict, {}).get("hdr", 0)
+        return r
+
+    def can_watch(self, remote):
+        return "read" if remote.hdr else ""
+
+    def _trip(self, kind):
+        self.trips += 1
+        if self.before is not None:
+            self.before(kind)
+
+    def read_words(self, remote, kind, index, count):
+        if kind != WATCH_HEADER:
+            raise memsem.NotSupportedError("CmaOnesided reads header words only")
+        self._trip("words")
+        out = np.empty(count, np.uint64)
+        native.vm_read(remote.pid, out.ctypes.data, remote.hdr + 8 * index, 8 * count)
+        return out.tolist()
+
+    def get(self, remote, offset, dst):
+        self._trip("get")
+        native.vm_read(remote.pid, dst.ctypes.data, remote.addr + offset, dst.nbytes)
+
+    def put(self, remote, offset, src):
+        raise memsem.NotSupportedError("CmaOnesided never writes")
+
+
 def model(step: int) -> dict:
     rng = np.random.default_rng(7)
     base = {"embed": rng.standard_normal((64, 32)).astype(np.float32),
@@ -373,11 +477,15 @@ def _cause(exc: BaseException) -> dict | None:
     return {"type": type(c).__name__, "name": getattr(c, "name", None), "code": getattr(c, "code", None)}
 
 
-def _agent(conn, node: str, job: str) -> None:
+def _agent(conn, node: str, job: str, fake: bool) -> None:
     os.environ["MEMSEM_NODE_ID"] = node
     state: dict = {}
     try:
-        rt = memsem.Runtime(engines=("loopback", "host", "rdma"), job=job, timeout=20)
+        if fake:
+            rt = memsem.Runtime(engines=("loopback", "host"), engine_objects={"rdma": CmaOnesided()},
+                                job=job, timeout=20)
+        else:
+            rt = memsem.Runtime(engines=("loopback", "host", "rdma"), job=job, timeout=20)
     except BaseException as exc:
         conn.send((False, (exc, None, traceback.format_exc())))
         os._exit(1)
@@ -402,13 +510,14 @@ def _agent(conn, node: str, job: str) -> None:
 
 
 class Node:
-    """A forked process that acts as node ``node`` (its own MEMSEM_NODE_ID and Runtime)."""
+    """A forked process that acts as node ``node`` (its own MEMSEM_NODE_ID and Runtime; with
+    ``fake``, ``CmaOnesided`` stands in for the rdma engine)."""
 
-    def __init__(self, node: str, job: str) -> None:
+    def __init__(self, node: str, job: str, fake: bool = False) -> None:
         ctx = mp.get_context("fork")
         self.node = node
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent, args=(child, node, job), daemon=True)
+        self.proc = ctx.Process(target=_agent, args=(child, node, job, fake), daemon=True)
         self.proc.start()
         child.close()
         self._answer("startup", CALL_TIMEOUT)
@@ -500,6 +609,194 @@ def test_directory_entries(tmp_path, monkeypatch):
     d.close()
 
 
+@pytest.mark.parametrize("kind", ["local", "redis"])
+def test_directory_watch_wakes_on_put(tmp_path, monkeypatch, kind):
+    """The directory wait the rdma connection manager uses instead of polling: a watch made
+    before a put under its prefix wakes (also when the put came before the wait), ignores
+    other prefixes, ends at its timeout with False, wakes on ``wake()``; every wait has a
+    timeout here, and the order is forced by the test (put, then wait)."""
+    from memsem.directory import LocalDirectory
+    from memsem.directory._base import EntryWatch
+
+    monkeypatch.setenv("MEMSEM_SHM_DIR", str(tmp_path))
+    if kind == "local":
+        d = LocalDirectory("watch", alive=lambda rec: True)
+        srv = None
+    else:
+        from tests.netns.redis_server import find_redis_server, redis_server
+
+        if find_redis_server() is None:
+            pytest.skip("redis-server is not installed (make test-core installs it as root)")
+        if IN_VM:
+            pytest.skip("the VM's / is read-only: the redis watch runs in the core suite")
+        srv = redis_server()
+        url = srv.__enter__().url
+        from memsem.directory.redis import RedisDirectory
+
+        d = RedisDirectory(url, job="watch", ttl=10)
+    try:
+        w = d.watch_entries("rdma/ep1/")
+        assert type(w) is not EntryWatch, "this directory should notify, not poll"
+        assert w.wait(0.05) is False  # nothing put: the timeout ends it
+        d.put_entry("rdma/ep2/req/c.1", {"seq": 1})  # another prefix: not for this watch
+        assert w.wait(0.05) is False
+        d.put_entry("rdma/ep1/req/c.1", {"seq": 1})  # put before the wait: not lost
+        assert w.wait(30) is True
+        assert w.wait(0.05) is False  # consumed
+        done = threading.Event()
+
+        def put_later():
+            d.put_entry("rdma/ep1/bye/c", {"seq": 2})
+            done.set()
+
+        t = threading.Thread(target=put_later)
+        t.start()
+        assert done.wait(30)
+        assert w.wait(30) is True
+        t.join(30)
+        w.wake()
+        assert w.wait(30) is True
+        w.close()
+        w.close()
+        w.wake()  # after close: harmless
+        with pytest.raises(ValueError, match="entry key"):
+            d.watch_entries("no spaces")
+        for key in d.entries("rdma/"):
+            d.remove_entry(key)
+    finally:
+        d.close()
+        if srv is not None:
+            srv.__exit__(None, None, None)
+
+
+def test_listener_is_woken_not_polling(tmp_path, monkeypatch):
+    """The owner's listener waits on the directory: with its longest wait made far longer than
+    the test's own timeouts, each goodbye entry is still handled (removed) after one more scan,
+    and ``close`` joins the listener at once (it is woken, not left to time out)."""
+    from memsem.directory import LocalDirectory
+    from memsem.engines.rdma import _connect
+    from memsem.engines.rdma._verbs import Counters
+
+    monkeypatch.setenv("MEMSEM_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(_connect, "LISTEN_WAIT", 3600.0)
+    d = LocalDirectory("listen", alive=lambda rec: True)
+    scans = []
+
+    class Counting:
+        """The directory, counting the listener's scans."""
+
+        def __getattr__(self, name):
+            return getattr(d, name)
+
+        def entries(self, prefix):
+            scans.append(prefix)
+            return d.entries(prefix)
+
+    conns = _connect.Connections(None, [], "ep1", Counters(), 5.0)
+    conns.bind(Counting(), "node")
+    try:
+        conns.start_listener()
+        for i in range(3):
+            d.put_entry(f"rdma/ep1/bye/c{i}", {"seq": 1})
+            deadline = time.monotonic() + 30
+            while d.get_entry(f"rdma/ep1/bye/c{i}") is not None:
+                assert time.monotonic() < deadline, f"bye {i} not handled (scans {len(scans)})"
+                time.sleep(0.01)
+        assert 3 <= len(scans) <= 3 + 2  # the first scan, one per put (two may fold into one), no polls
+        assert conns._listener.is_alive()
+    finally:
+        conns.close()
+        d.close()
+    assert not conns._listener.is_alive()  # close woke it (its own wait was an hour)
+
+
+def _round_trip_sequence(owner, read, name):
+    """The counts of a checked one-sided read on a double-buffered window (version v lives in
+    slot v % 2): 3 round trips (header, copy, header) when no kept header can serve, 2 (copy,
+    header) in steady state, 4 when the latest version moved since the kept header (its copy is
+    valid but not the latest: done again from the header read after it). Every result bit-exact."""
+    data, sha1 = owner("publish_versioned", name, 4096, 1)
+    assert read(data, 0) == (1, sha1, 3, 0)  # first read of this resolution: nothing kept
+    for _ in range(3):
+        assert read(data, 0) == (1, sha1, 2, 0)  # steady state
+    assert read(data, 1) == (1, sha1, 2, 0)
+    v2, sha2 = owner("commit", name, 2)
+    assert v2 == 2
+    assert read(data, 2) == (2, sha2, 3, 0)  # kept sequence of slot 0 is not version 2's
+    assert read(data, 0) == (2, sha2, 2, 0)
+    v3, sha3 = owner("commit", name, 3)
+    assert read(data, 0) == (3, sha3, 4, 0)  # copied version 2 (intact), then the new latest
+    assert read(data, 0) == (3, sha3, 2, 0)
+    assert read(data, 2) == (2, sha2, 2, 0)  # version 2 still in slot 0
+    return data
+
+
+def test_checked_read_round_trips_cma(job, monkeypatch):
+    """The round trips of the checked one-sided read, counted on ``CmaOnesided`` (the same
+    runtime path as over RDMA, no device needed): see ``_round_trip_sequence``."""
+    if not memsem.engines.HostEngine.cma_availability():
+        pytest.skip(f"no cross-memory attach here: {memsem.engines.HostEngine.cma_availability().reason}")
+    owner = Node("node-cma-a", job, fake=True)
+    try:
+        monkeypatch.setenv("MEMSEM_NODE_ID", "node-cma-b")
+        with memsem.Runtime(engines=("loopback", "host"), engine_objects={"rdma": CmaOnesided()},
+                            job=job, timeout=20) as rt:
+            _round_trip_sequence(owner, lambda data, v: _c_read_counted(rt, {}, data, v), "cma")
+            assert rt.route(rt.ref(owner("publish_versioned", "cma2", 64, 1)[0])).kind == "rdma"
+    finally:
+        owner.close()
+
+
+def test_checked_read_kept_header_never_returns_torn_bytes(job, monkeypatch):
+    """A write section that opens on the slot being read after the kept header was read (the
+    2-round-trip path: the header the copy trusts is from the previous read) is caught by the
+    header read after the copy: a read of that version raises (version gone), a read of the
+    latest copies again from the other slot; never the torn bytes. The owner acts at a known
+    point: just before the consumer's copy."""
+    if not memsem.engines.HostEngine.cma_availability():
+        pytest.skip(f"no cross-memory attach here: {memsem.engines.HostEngine.cma_availability().reason}")
+    owner = Node("node-torn-a", job, fake=True)
+    try:
+        monkeypatch.setenv("MEMSEM_NODE_ID", "node-torn-b")
+        eng = CmaOnesided()
+        with memsem.Runtime(engines=("loopback", "host"), engine_objects={"rdma": eng},
+                            job=job, timeout=20) as rt:
+            def read(data, v):
+                return _c_read_counted(rt, {}, data, v)
+
+            def at_next_copy(action):
+                def hook(kind):
+                    if kind == "get":
+                        eng.before = None
+                        action()
+                eng.before = hook
+
+            data = _round_trip_sequence(owner, read, "torn")  # kept: latest 3, slots 0/1 at 2/3
+            assert owner("commit", "torn", 4)[0] == 4  # slot 0
+            # Version 3 (slot 1) from the kept header; just before the copy the owner opens
+            # version 5 on slot 1 and writes half of it: the header after the copy says so.
+            at_next_copy(lambda: owner("open", "torn", 5))
+            with pytest.raises(StaleReferenceError, match="version 3"):
+                read(data, 3)
+            assert eng.before is None  # the hook ran: the copy read the slot being written
+            assert owner("close", "torn") == 5
+            sha5 = digest(np.concatenate([pattern(4096, 5)[:2048], np.zeros(2048, np.uint8)]))
+            # "version gone" keeps the resolution (the window is intact) and the header read
+            # after the copy: it names version 4 (slot 0), copied intact, but 5 is the latest
+            # by the header read after it, so 5 is copied: 4 round trips
+            assert read(data, 0) == (5, sha5, 4, 0)
+            v6, sha6 = owner("commit", "torn", 6)  # slot 0
+            # The latest from the kept header is 5 (slot 1); just before its copy the owner
+            # opens version 7 on slot 1: torn, so the read copies the latest, 6, from slot 0.
+            at_next_copy(lambda: owner("open", "torn", 7))
+            assert read(data, 0) == (v6, sha6, 4, 1)
+            assert eng.before is None
+            assert owner("close", "torn") == 7
+            assert read(data, 0)[::2] == (7, 4)  # kept: 6 (intact, not the latest): again
+    finally:
+        owner.close()
+
+
 # -- tests on a device (the VM) ----------------------------------------------------------------------
 def test_engine_opens_device():
     """Engine init on a present device works (a failure here fails, never skips)."""
@@ -538,6 +835,15 @@ def test_get_put_sizes(nodes, nbytes, capsys):
                        "(runtime get/put incl. registering the local buffer)")
     if nbytes > BOUNCE_BYTES:
         assert consumer("engine_stats")["local_registrations"] > 0
+
+
+def test_checked_read_round_trips(nodes):
+    """A checked one-sided read over RDMA (seqlock over the wire) costs 2 round trips in
+    steady state, 3 when the kept sequence value cannot serve (``_round_trip_sequence``,
+    counted by the engine: one per posted-and-polled work request list)."""
+    owner, consumer = nodes
+    data = _round_trip_sequence(owner, lambda data, v: consumer("read_counted", data, v), "rtt")
+    assert consumer("explain", data).startswith("route rdma")
 
 
 def test_latency_64b(nodes, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,9 @@ class Transfers:
         self._running = 0
         self._idle = threading.Condition()
         self._xcopier = XCopier(core, self, resolver, pool, workers)
+        #: per resolution, the header words read after its last one-sided checked copy
+        #: (``_onesided_get``); they go with the resolution
+        self._headers: "weakref.WeakKeyDictionary[Resolution, list[int]]" = weakref.WeakKeyDictionary()
 
     def counted(self, fn: Any) -> Any:
         """``fn`` wrapped so that the runtime's close can wait for it while it runs."""
@@ -286,11 +290,18 @@ class Transfers:
                       version: int) -> Outcome:
         """One try of reading ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the
         latest) of a window whose owner is on another node, through an engine that reads its
-        control words one-sidedly (rdma): read the header words (generation, latest version,
-        slot sequence words), copy from the version's slot, read the header again; the copy
-        counts only if the slot's sequence word did not move. The outcome is what a native
-        bracket would say (BUSY: a write section is open on the slot or the version is not
-        committed; TORN; VERSION_GONE; GEN_BEFORE / GEN_AFTER), retried by ``run``.
+        control words one-sidedly (rdma): a seqlock over the wire. The header words
+        (generation, latest version, slot sequence words) read *before* the copy are, when they
+        can serve, the ones read *after* the previous copy of this resolution (kept in
+        ``_headers``): then a read costs 2 round trips (copy, header), else 3 (header, copy,
+        header). The copy counts only if the slot's sequence word is the same after it as
+        before it; a read of the latest version from a kept header also needs the
+        latest-version word unchanged after the copy. A kept header only ever leads to a copy:
+        every other decision (wait, version gone) is taken on a header read in this try. Why a
+        kept header is as good as a fresh one: docs/rdma.md ("A checked read in 2 round
+        trips"). The outcome is what a native bracket would say (BUSY: a write section is open
+        on the slot or the version is not committed; TORN; VERSION_GONE; GEN_BEFORE /
+        GEN_AFTER), retried by ``run`` within the runtime's timeout.
         """
         eng = res.engine
 
@@ -300,26 +311,39 @@ class Transfers:
                 h[W_GENERATION] = eng.read_words(remote, WATCH_HEADER, W_GENERATION, 1)[0]  # never a torn word
             return h
 
-        h = header()
-        if h[W_GENERATION] != spec.generation:
-            return Outcome(Status.GEN_BEFORE, h[W_GENERATION])
-        nslots = 2 if h[W_NSLOTS] == 2 else 1
-        v = version or h[W_LATEST]
-        slot = v % nslots if nslots > 1 else 0
-        seq = h[W_SEQ0 + slot]
-        if seq != v << 1:
-            if version and seq >> 1 > version:
-                return Outcome(Status.VERSION_GONE, seq >> 1)
-            return Outcome(Status.BUSY, seq >> 1)
-        eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
-        after = header()
-        if after[W_GENERATION] != spec.generation:
-            return Outcome(Status.GEN_AFTER, after[W_GENERATION])
-        if after[W_SEQ0 + slot] == seq:
-            return Outcome(Status.OK, v)
-        if version and after[W_SEQ0 + slot] >> 1 > version:
-            return Outcome(Status.VERSION_GONE, after[W_SEQ0 + slot] >> 1)
-        return Outcome(Status.TORN, 0)
+        h = self._headers.get(res)
+        fresh = h is None
+        if fresh:
+            h = header()
+        while True:  # at most twice: a kept header, then one read in this try
+            if h[W_GENERATION] != spec.generation:
+                return Outcome(Status.GEN_BEFORE, h[W_GENERATION])
+            nslots = 2 if h[W_NSLOTS] == 2 else 1
+            v = version or h[W_LATEST]
+            slot = v % nslots if nslots > 1 else 0
+            seq = h[W_SEQ0 + slot]
+            if seq != v << 1:
+                if not fresh:  # the kept header cannot serve this read: read the words now
+                    h, fresh = header(), True
+                    continue
+                if version and seq >> 1 > version:
+                    return Outcome(Status.VERSION_GONE, seq >> 1)
+                return Outcome(Status.BUSY, seq >> 1)
+            eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
+            after = header()
+            self._headers[res] = after
+            if after[W_GENERATION] != spec.generation:
+                return Outcome(Status.GEN_AFTER, after[W_GENERATION])
+            moved = after[W_SEQ0 + slot]
+            if moved == seq and (fresh or version or after[W_LATEST] == v):
+                return Outcome(Status.OK, v)
+            if moved != seq:
+                if version and moved >> 1 > version:
+                    return Outcome(Status.VERSION_GONE, moved >> 1)
+                return Outcome(Status.TORN, 0)
+            # an intact copy of the version a kept header named, but a newer one is the latest:
+            # the header read after the copy (in this try) decides
+            h, fresh = after, True
 
     # -- get / put --------------------------------------------------------------------------------
     # The common case is one C call (memsem._hot.copy): the buffer's door checks (plain dtype,

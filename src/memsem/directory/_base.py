@@ -10,8 +10,10 @@ import hashlib
 import hmac
 import re
 import secrets
+import threading
 from typing import Any
 
+from memsem import _args
 from memsem._errors import NotSupportedError
 
 _ENTRY_KEY = re.compile(r"[A-Za-z0-9._/-]{1,200}")
@@ -51,6 +53,60 @@ def secret_keys(secret: bytes | str | None) -> tuple[bytes | None, bytes | None]
         return None, None
     return (hmac.new(secret, b"memsem-mac", hashlib.sha256).digest(),
             hmac.new(secret, b"memsem-seal", hashlib.sha256).digest())
+
+
+class EntryWatch:
+    """A bounded wait for entries under one prefix to be put (``Directory.watch_entries``).
+
+    ``wait(timeout)`` blocks until an entry whose key starts with the prefix was put (created or
+    replaced) since the watch was made or since the previous ``wait`` returned, or until
+    ``wake()`` was called, or ``timeout`` seconds passed. It returns True when something may
+    have changed and False when the timeout passed with nothing seen. It is a hint, never an
+    answer: read the directory after every wait, whatever it returned. Make the watch *before*
+    the read or write it guards (scan, then wait; write a request, then wait for its reply), so
+    a put after that read always wakes the waiter.
+
+    This base class is the fallback for directories that cannot notify (and for a notifier that
+    cannot be set up here): each wait sleeps at most ``POLL_S`` and returns True, so the caller
+    re-reads that often. ``local`` (inotify on the job folder) and ``redis`` (pub/sub) notify.
+
+    Thread safety: one thread waits (and closes); ``wake`` may be called from any thread, also
+    after ``close``. Use as a context manager, or ``close()`` it (safe twice).
+    """
+
+    #: seconds a fallback wait sleeps before it says "look again"
+    POLL_S = 0.002
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._woken = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        """Block at most ``timeout`` seconds (see the class docstring); True: read again.
+
+        Raises:
+            TypeError / ValueError: ``timeout`` is not a finite number of seconds >= 0.
+        """
+        timeout = _args.timeout(timeout)
+        self._woken.wait(min(timeout, self.POLL_S))
+        self._woken.clear()
+        return True
+
+    def wake(self) -> None:
+        """Make the current (or the next) ``wait`` return True now."""
+        self._woken.set()
+
+    def close(self) -> None:
+        """Release what the watch holds; safe twice."""
+        with self._lock:
+            self._closed = True
+
+    def __enter__(self) -> "EntryWatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Directory(abc.ABC):
@@ -114,6 +170,20 @@ class Directory(abc.ABC):
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         """Every entry whose key starts with ``prefix``, by key."""
         raise NotSupportedError(f"directory {self.url or type(self).__name__} stores no entries")
+
+    def watch_entries(self, prefix: str) -> EntryWatch:
+        """A watch that wakes when an entry whose key starts with ``prefix`` is put (see
+        :class:`EntryWatch`: make it before the read it guards, re-read after every wait).
+
+        Engines wait on it instead of polling for a rendezvous record (the rdma engine's
+        listener waits for connection requests, a consumer for the reply). The default polls
+        (``EntryWatch.POLL_S``); ``local`` and ``redis`` notify.
+
+        Raises:
+            ValueError: ``prefix`` is not 1..200 characters of ``[A-Za-z0-9._/-]``.
+        """
+        check_entry_key(prefix)
+        return EntryWatch()
 
     def heartbeat(self, rank: int) -> None:
         """Refresh this rank's liveness (no-op where pid liveness is enough)."""

@@ -24,19 +24,39 @@ Safety (the segment directory, ``/dev/shm``, is writable by every local user):
 * Records that do not parse, or hold fields of the wrong types, are skipped by the listings
   (``windows()``, ``ranks()``) and never stop a runtime from starting; ``get_window`` of such a
   record raises ValueError naming the file.
+
+Waiting for entries (``watch_entries``): inotify on the job folder, through ``inotify_simple``
+(a thin ctypes wrapper of ``inotify_init1`` / ``inotify_add_watch``). Every record lands by a
+rename, so a watch asks for ``IN_MOVED_TO`` and wakes only for names of entries under its
+prefix (``k.<hex of key>``: the hex of a prefix is a prefix of the hex of its keys). The
+folder is watched through ``/proc/self/fd/<folder descriptor>``, i.e. the folder this
+directory opened and checked, never a path that could have been swapped since. inotify was
+chosen over a futex word in a shared segment because it needs no file of its own in the job
+folder (whose removal at the last close stays as it is) and no shared state another process
+could corrupt. Where inotify cannot be had (``inotify_simple`` missing, the per-user instance
+limit ``fs.inotify.max_user_instances`` reached, the folder removed under the watch) a watch
+falls back to ``EntryWatch``'s short sleeps: slower, never wrong, since waiters re-read the
+directory after every wait.
 """
 from __future__ import annotations
 
 import errno
 import json
+import logging
+import math
 import os
 import secrets
+import select
 import stat
+import time
 from typing import Any, Callable
 
+from memsem import _args
 from memsem._errors import AccessDeniedError
-from memsem.directory._base import Directory, check_entry_key, secret_keys, seal_key, unseal_key
+from memsem.directory._base import Directory, EntryWatch, check_entry_key, secret_keys, seal_key, unseal_key
 from memsem.native import process_start_time, segment_dir
+
+log = logging.getLogger(__name__)
 
 _MAX_RANKS = 1 << 16
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -442,6 +462,22 @@ class LocalDirectory(Directory):
                     out[key] = rec
         return out
 
+    def watch_entries(self, prefix: str) -> EntryWatch:
+        """A watch woken by entries put under ``prefix`` (inotify on the job folder; see the
+        module docstring). Falls back to ``EntryWatch``'s short sleeps where inotify cannot be
+        set up here.
+
+        Raises:
+            ValueError: ``prefix`` is not a valid entry key prefix, or the directory is closed.
+        """
+        check_entry_key(prefix)
+        try:
+            return _InotifyWatch(self.fd, f"k.{prefix.encode().hex()}")
+        except (ImportError, OSError) as exc:  # no inotify_simple, or EMFILE/ENOSPC: poll instead
+            log.debug("directory %s: no inotify watch (%s); waits poll every %.0f ms", self.path, exc,
+                      EntryWatch.POLL_S * 1e3)
+            return EntryWatch()
+
     def close(self) -> None:
         """Remove the job folder when this was its last user (no rank, window or entry left);
         close its descriptor. Safe twice."""
@@ -472,3 +508,74 @@ class LocalDirectory(Directory):
                 os.close(fd)
             except OSError:
                 pass
+
+
+class _InotifyWatch(EntryWatch):
+    """``EntryWatch`` over inotify: wakes for renames into the job folder of files named
+    ``head...`` (entries under the watched prefix), on queue overflow, and on ``wake()`` (an
+    eventfd in the same poll set). Once the folder itself is gone (``IN_IGNORED``) it falls back
+    to ``EntryWatch``'s short sleeps."""
+
+    def __init__(self, dir_fd: int, head: str) -> None:
+        from inotify_simple import INotify, flags
+
+        super().__init__()
+        self._head = head
+        self._masks = (flags.Q_OVERFLOW, flags.IGNORED | flags.DELETE_SELF | flags.MOVE_SELF)
+        self._ino = INotify(nonblocking=True)
+        try:
+            self._ino.add_watch(f"/proc/self/fd/{dir_fd}",
+                                flags.MOVED_TO | flags.DELETE_SELF | flags.MOVE_SELF | flags.ONLYDIR)
+            self._efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except BaseException:
+            self._ino.close()
+            raise
+        self._poller = select.poll()
+        self._poller.register(self._ino.fileno(), select.POLLIN)
+        self._poller.register(self._efd, select.POLLIN)
+        self._dead = False
+
+    def wait(self, timeout: float) -> bool:
+        timeout = _args.timeout(timeout)
+        if self._dead or self._closed:
+            return super().wait(timeout)
+        end = time.monotonic() + timeout
+        left = timeout
+        while True:
+            ready = self._poller.poll(math.ceil(left * 1000))
+            hit = False
+            for fd, _ in ready:
+                if fd == self._efd:
+                    try:
+                        os.eventfd_read(self._efd)
+                    except BlockingIOError:
+                        pass
+                    hit = True
+                    continue
+                for ev in self._ino.read(timeout=0):
+                    if ev.mask & self._masks[0]:
+                        hit = True  # events were lost: say "look again"
+                    elif ev.mask & self._masks[1]:
+                        hit = self._dead = True  # the folder is gone: poll from now on
+                    elif ev.name.startswith(self._head):
+                        hit = True
+            if hit:
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._closed:
+                os.eventfd_write(self._efd, 1)
+                return
+        super().wake()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ino.close()
+            os.close(self._efd)

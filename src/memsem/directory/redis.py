@@ -11,6 +11,8 @@ key                      value
                          so a dead node's windows disappear within the TTL
 ``n:<name hex>``         name -> gva alias, same TTL
 ``e:<entry key>``        engine rendezvous entries (RDMA QP numbers), same TTL
+``ev:<entry key>``       pub/sub channel (no key): ``put_entry`` publishes an empty message on
+                         it; a watch (``watch_entries``) subscribes to ``ev:<prefix>*``
 ``l:<gva hex>``          leases of consumers on any node: sorted set, member
                          ``<lease id>:<node hex>:<pid>:<holder rank>``, score = expiry in ms of
                          the server's clock (9e15 = until released); reaped when expired or when
@@ -27,6 +29,16 @@ across nodes. A reader with a secret rejects unsigned or forged values (``Access
 point reads; skipped, with a warning, in listings). See docs/many-nodes.md for what this does and
 does not protect.
 
+Waiting for entries (``watch_entries``): Redis pub/sub. ``put_entry`` sets the entry and
+publishes on ``ev:<entry key>`` in one pipelined round trip; a watch holds its own connection,
+pattern-subscribed (``PSUBSCRIBE ev:<prefix>*``) before it is handed out, so a put after it
+always reaches it, and blocks on that connection with the wait's timeout. Pub/sub needs nothing
+from the server's configuration (keyspace notifications would need ``notify-keyspace-events``
+set server-wide, which managed servers often refuse), leaves no state on the server, and every
+watcher of a prefix is woken (a BLPOP list per consumer wakes one popper and needs lists
+cleaned up). A message lost to a broken connection costs one wait: waiters re-read the
+directory after every wait.
+
 Environment: ``MEMSEM_JOB_SECRET`` (job secret), ``MEMSEM_HEARTBEAT_TTL`` (seconds, default 10;
 the heartbeat refreshes every TTL/3).
 """
@@ -39,11 +51,12 @@ import logging
 import os
 import secrets
 import threading
+import time
 from typing import Any, Callable
 
 from memsem import _args
 from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, check_entry_key, secret_keys, seal_key, unseal_key
+from memsem.directory._base import Directory, EntryWatch, check_entry_key, secret_keys, seal_key, unseal_key
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
@@ -158,6 +171,8 @@ class RedisDirectory(Directory):
         timeout = _args.timeout(timeout, "timeout", positive=True)
         self.ttl = ttl
         self._ttl_ms = max(1, int(ttl * 1000))
+        #: socket timeout of every command, seconds
+        self.timeout = timeout
         self.url = url
         self.prefix = f"memsem:{self.job}:"
         if secret is None:
@@ -427,8 +442,13 @@ class RedisDirectory(Directory):
 
     # -- entries ----------------------------------------------------------------------------------
     def put_entry(self, key: str, record: dict[str, Any]) -> None:
+        """Store ``record`` under ``key`` (with the heartbeat TTL) and wake the watches of its
+        prefixes (a publish on ``ev:<key>``, pipelined with the write)."""
         rkey = self._k("e", check_entry_key(key))
-        self._call(self.client.set, rkey, self._encode(rkey, record), px=self._ttl_ms)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(rkey, self._encode(rkey, record), px=self._ttl_ms)
+        pipe.publish(self._k("ev", key), b"")
+        self._call(pipe.execute)
         with self._lock:
             self._own.add(rkey)
 
@@ -451,6 +471,16 @@ class RedisDirectory(Directory):
                 out[rkey[len(head):]] = val["v"]
         return out
 
+    def watch_entries(self, prefix: str) -> EntryWatch:
+        """A watch woken by ``put_entry`` of keys under ``prefix`` (pub/sub; see the module
+        docstring). Holds one connection of its own until closed.
+
+        Raises:
+            ValueError: ``prefix`` is not a valid entry key prefix.
+            PeerLostError: the server did not confirm the subscription.
+        """
+        return _PubSubWatch(self, self._k("ev", check_entry_key(prefix)) + "*", self._k("wake", secrets.token_hex(8)))
+
     # -- misc -------------------------------------------------------------------------------------
     def _scan(self, pattern: str) -> list[str]:
         # Glob metacharacters in names are escaped: the prefix is ours, the rest hex or checked.
@@ -470,6 +500,74 @@ class RedisDirectory(Directory):
     def __repr__(self) -> str:
         return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl}s " \
                f"{'signed' if self._mac_key else 'unsigned'}>"
+
+
+class _PubSubWatch(EntryWatch):
+    """``EntryWatch`` over Redis pub/sub: a connection of its own, subscribed to the pattern of
+    the watched prefix and to a channel of its own that ``wake`` publishes on."""
+
+    def __init__(self, d: RedisDirectory, pattern: str, wake_channel: str) -> None:
+        super().__init__()
+        self._d = d
+        self._wake_channel = wake_channel
+        self._ps = d.client.pubsub()
+        try:
+            self._ps.psubscribe(pattern)
+            self._ps.subscribe(wake_channel)
+            # Only once the server confirmed both is a later put sure to reach this watch.
+            deadline = time.monotonic() + d.timeout
+            confirmed = 0
+            while confirmed < 2:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLostError(f"redis directory {_safe_url(d.url)} did not confirm a "
+                                        f"subscription within {d.timeout:.1f} s")
+                msg = self._ps.get_message(timeout=left)
+                if msg is not None and msg["type"] in ("psubscribe", "subscribe"):
+                    confirmed += 1
+        except d._redis.RedisError as exc:
+            self._ps.close()
+            raise PeerLostError(f"redis directory {_safe_url(d.url)} failed: {exc}") from exc
+        except BaseException:
+            self._ps.close()
+            raise
+
+    def wait(self, timeout: float) -> bool:
+        timeout = _args.timeout(timeout)
+        if self._closed:
+            return super().wait(timeout)
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            try:
+                msg = self._ps.get_message(timeout=max(0.0, left))
+            except self._d._redis.RedisError:
+                # The connection broke (redis-py subscribes again when it reconnects); what was
+                # published meanwhile is lost: say "look again" after a short pause.
+                return super().wait(max(0.0, left))
+            if msg is not None and msg["type"] in ("pmessage", "message"):
+                return True
+            if left <= 0:
+                return False
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        try:
+            self._d.client.publish(self._wake_channel, b"")
+        except self._d._redis.RedisError:
+            super().wake()  # the waiter's next slice ends within its timeout anyway
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._ps.close()
+        except self._d._redis.RedisError:
+            pass
 
 
 def _safe_url(url: str) -> str:
