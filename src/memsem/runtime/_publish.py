@@ -745,6 +745,7 @@ class WriteSection:
         self._done = True
         for it in self._items:
             it.commit()
+        self._pub._core.telemetry.record_sections(self.blocked_s)
         return self.version
 
     def abort(self) -> None:
