@@ -18,7 +18,7 @@ if __name__ == "__main__":
     try:
         import torch
     except ImportError:
-        raise SystemExit("this example needs torch (pip install torch)")
+        raise SystemExit("this example needs torch (pip install torch==2.13.0, the version memsem is tested with)")
     weights = torch.randn(1024, 256).to(torch.bfloat16)
     with memsem.Runtime() as rt:
         ref = rt.publish(weights, name="weights", access="r")   # in place, no copy

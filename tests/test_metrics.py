@@ -1,8 +1,13 @@
-"""The Prometheus exporter (memsem.metrics): scraped over HTTP on loopback, counters move."""
+"""The Prometheus exporter (memsem.metrics): scraped over HTTP on loopback, counters move; the
+exporter, docs/metrics.md and the Grafana dashboard name the same metrics."""
 from __future__ import annotations
 
+import json
+import pathlib
+import re
 import urllib.error
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +28,7 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank")))] = s.value
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "memsem_rank")))] = s.value
     return out
 
 
@@ -49,13 +54,14 @@ def test_scrape_shows_counters_moving_during_a_get(rt):
     o0, o1, o2 = (value(s, "memsem_ops_total", route=route) for s in (before, mid, after))
     assert (b0, b1, b2) == (0, data.nbytes, 3 * data.nbytes)
     assert (o0, o1, o2) == (0, 1, 3)
-    c0, c2 = (value(s, "memsem_op_latency_seconds_count", op="get") for s in (before, after))
+    c0, c2 = (value(s, "memsem_op_latency_seconds_count", op="get", route=route) for s in (before, after))
     assert (c0, c2) == (0, 3)
-    inf = value(after, "memsem_op_latency_seconds_bucket", op="get", le="+Inf")
-    assert inf == 3 and value(after, "memsem_op_latency_seconds_sum", op="get") > 0
+    inf = value(after, "memsem_op_latency_seconds_bucket", op="get", route=route, le="+Inf")
+    assert inf == 3 and value(after, "memsem_op_latency_seconds_sum", op="get", route=route) > 0
     # Buckets are cumulative (monotonic in le), as Prometheus expects.
     bounds = sorted((float(dict(k[1])["le"]), v) for k, v in after.items()
-                    if k[0] == "memsem_op_latency_seconds_bucket" and dict(k[1]).get("op") == "get")
+                    if k[0] == "memsem_op_latency_seconds_bucket" and dict(k[1]).get("op") == "get"
+                    and dict(k[1]).get("route") == route)
     assert [v for _, v in bounds] == sorted(v for _, v in bounds)
 
 
@@ -77,9 +83,11 @@ def test_error_and_lease_counters(rt):
         after = scrape(server.url)
     assert value(before, "memsem_errors_total", kind="stale") == 0
     assert value(after, "memsem_errors_total", kind="stale") >= 1
-    for kind in ("torn", "lease_expired", "peer_lost"):
+    for kind in ("lease_expired", "peer_lost"):
         assert (before.get(("memsem_errors_total", (("kind", kind),))) == 0
                 and after.get(("memsem_errors_total", (("kind", kind),))) == 0)
+    for kind in ("torn", "busy"):
+        assert after.get(("memsem_write_section_retries_total", (("kind", kind),))) == 0
 
 
 def test_pipeline_metrics(rt):
@@ -109,7 +117,7 @@ def test_own_registry_and_a_closed_runtime_stops_cleanly():
     col = memsem.metrics.collector(rt, labels={"job": "rollout"})
     reg.register(col)
     text = generate_latest(reg).decode()
-    assert 'memsem_runtime_open{job="rollout",rank="' in text
+    assert 'memsem_runtime_open{job="rollout",memsem_rank="' in text
     assert "memsem_windows_published" in text
     rt.close()
     text = generate_latest(reg).decode()  # never raises after close
@@ -140,7 +148,158 @@ def test_serve_arguments_are_checked(rt, kwargs, exc):
 def test_collector_arguments_are_checked(rt):
     with pytest.raises(TypeError, match="runtime"):
         memsem.metrics.collector(object())
-    with pytest.raises(ValueError, match="label"):
-        memsem.metrics.collector(rt, labels={"route": "x"})
+    for name in ("route", "memsem_rank", "kind", "le"):
+        with pytest.raises(ValueError, match="label"):
+            memsem.metrics.collector(rt, labels={name: "x"})
     with pytest.raises(ValueError, match="label"):
         memsem.metrics.collector(rt, labels={"bad-name": "x"})
+
+
+def test_the_jobs_own_rank_label_is_free(rt):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry()
+    reg.register(memsem.metrics.collector(rt, labels={"rank": "3", "job": "rollout"}))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    (sample,) = fams["memsem_runtime_open"].samples
+    assert sample.labels == {"memsem_rank": str(rt.rank), "rank": "3", "job": "rollout"}
+
+
+def test_a_deliberate_short_wait_is_a_timeout_not_an_error(rt):
+    sd = rt.publish_state_dict({"w": np.zeros(16, np.float32)}, name="policy", slots=2)
+    with memsem.Runtime(timeout=10.0) as cons, memsem.metrics.serve(cons) as server:
+        rsd = memsem.StateDictRef.from_bytes(sd.to_bytes(), cons)
+        v = rsd.load({"w": np.zeros(16, np.float32)})
+        before = scrape(server.url)
+        for _ in range(3):  # a follower polling for the next version
+            with pytest.raises(memsem.MemsemTimeoutError):
+                rsd.wait_version(v + 1, timeout=0.01)
+        after = scrape(server.url)
+    assert value(after, "memsem_wait_timeouts_total") - value(before, "memsem_wait_timeouts_total") == 3
+    errors = {k: n for k, n in after.items() if k[0] == "memsem_errors_total"}
+    assert errors and all(n == 0 for n in errors.values()), errors
+    assert {dict(k[1])["kind"] for k in errors} == set(memsem.metrics.ERROR_KINDS)
+
+
+def test_write_sections_and_writer_blocked_seconds(rt):
+    model = {"w": np.zeros(64, np.float32)}
+    with memsem.metrics.serve(rt) as server:
+        sd = rt.publish_state_dict(model, name="policy", slots=2)
+        before = scrape(server.url)
+        for step in range(3):
+            model["w"] += 1
+            sd.update(model)
+        after = scrape(server.url)
+    assert value(after, "memsem_write_sections_total") - value(before, "memsem_write_sections_total") == 3
+    # nobody pinned a version: the trainer was never blocked
+    assert value(after, "memsem_writer_blocked_seconds_total") == 0
+
+
+# -- the exporter, docs/metrics.md and the Grafana dashboard agree ---------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "metrics.md").read_text()
+#: labels Prometheus adds to every scraped series (target labels), usable in queries
+TARGET_LABELS = {"job", "instance"}
+
+
+def _exercised_families():
+    """Every family the exporter emits, after a workload that gives each of them samples."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    with memsem.Runtime(timeout=10.0) as owner, memsem.Runtime(timeout=10.0) as cons:
+        reg = CollectorRegistry()
+        reg.register(memsem.metrics.collector(cons))
+        reg.register(memsem.metrics.collector(owner, labels={"side": "owner"}))
+        data = np.arange(1 << 14, dtype=np.uint8)
+        ref = owner.publish(data)
+        cref = cons.ref(ref.to_bytes())
+        cref.get()
+        with cons.pipeline(cref, tile_bytes=1 << 12, depth=2, zero_copy=False) as p:
+            for tile in p:
+                with tile:
+                    pass
+        lease = cref.lease(ttl=30.0).acquire()
+        sd = owner.publish_state_dict({"w": np.zeros(8, np.float32)}, name="policy", slots=2)
+        sd.update({"w": np.ones(8, np.float32)})
+        text = generate_latest(reg).decode()
+        lease.release()
+    fams: dict[str, Any] = {}
+    for f in text_string_to_metric_families(text):  # one family per collector: merge them
+        if f.name in fams:
+            assert (fams[f.name].type, fams[f.name].documentation) == (f.type, f.documentation)
+            fams[f.name].samples += f.samples
+        else:
+            fams[f.name] = f
+    return fams
+
+
+def _doc_table() -> dict[str, tuple[str, set[str], str]]:
+    rows = {}
+    for line in DOC.splitlines():
+        m = re.match(r"^\| `(memsem_\w+)` \| (\w+) \| ([^|]*) \| (.*) \|$", line)
+        if m:
+            labels = set(re.findall(r"`(\w+)`", m.group(3)))
+            rows[m.group(1)] = (m.group(2), labels, m.group(4).replace("`", ""))
+    return rows
+
+
+def test_docs_list_exactly_what_the_exporter_emits():
+    fams = _exercised_families()
+    docs = _doc_table()
+    emitted = {}
+    for f in fams.values():
+        shown = f.name + "_total" if f.type == "counter" else f.name
+        labels = set()
+        for s in f.samples:
+            labels |= set(s.labels)
+        assert f.samples, f"{shown}: no samples after the workload"
+        emitted[shown] = (f.type, labels - {"memsem_rank", "side", "le"}, f.documentation)
+    assert sorted(docs) == sorted(emitted)
+    for name, want in emitted.items():
+        assert docs[name] == want, f"docs/metrics.md row of {name}: {docs[name]} != exporter {want}"
+    # the families memsem_rank and the caller's labels are on every sample
+    for f in fams.values():
+        assert all("memsem_rank" in s.labels for s in f.samples), f.name
+
+
+def test_documented_buckets_are_the_emitted_ones():
+    block = DOC.split("## Histogram buckets", 1)[1].split("```", 2)[1]
+    documented = block.split()
+    fams = _exercised_families()
+    for name in ("memsem_op_latency_seconds", "memsem_pipeline_first_tile_seconds"):
+        les = []
+        for s in fams[name].samples:
+            if s.name.endswith("_bucket") and s.labels.get("le") not in les:
+                les.append(s.labels["le"])
+        assert [float(x) for x in les] == [float(x) for x in documented], name
+    assert float(documented[0]) == 1.024e-06 and documented[-1] == "+Inf"
+
+
+def test_grafana_dashboard_queries_only_emitted_metrics_and_labels():
+    dash = json.loads((ROOT / "docs" / "grafana" / "memsem.json").read_text())
+    fams = _exercised_families()
+    samples: dict[str, set[str]] = {}  # sample name -> its labels
+    for f in fams.values():
+        for s in f.samples:
+            samples.setdefault(s.name, set()).update(s.labels)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    assert len(exprs) >= 10
+    used = set()
+    for expr in exprs:
+        for name in re.findall(r"\bmemsem_[a-z_]+\b", expr):
+            if name == "memsem_rank":
+                continue
+            assert name in samples, f"dashboard queries {name}, which the exporter never emits: {expr}"
+            used.add(name)
+        for group in re.findall(r"by \(([^)]*)\)", expr):
+            for label in (x.strip() for x in group.split(",")):
+                owners = [n for n in re.findall(r"\bmemsem_[a-z_]+\b", expr) if n in samples]
+                assert all(label in samples[n] for n in owners), f"label {label!r} of {expr}"
+        for label in re.findall(r"(\w+)=~?\"", expr):
+            assert label in TARGET_LABELS | {"memsem_rank"}, f"{label} in {expr}"
+    # every documented metric is on the dashboard
+    for name, (kind, _, _) in _doc_table().items():
+        shown = {name + "_bucket"} if kind == "histogram" else {name}
+        assert shown & used, f"{name} has no panel on the dashboard"

@@ -1,4 +1,5 @@
-"""Prometheus exporter of a runtime's telemetry (extra ``memsem[metrics]``: ``prometheus_client``).
+"""Prometheus exporter of a runtime's telemetry (needs ``prometheus_client``: from the memsem
+checkout ``pip install '.[metrics]'``).
 
 Opt-in and off the hot path: a custom collector reads ``Runtime.stats()`` snapshots when it is
 scraped; nothing is counted twice and a get/put does no more work because an exporter exists.
@@ -10,27 +11,12 @@ Two ways in::
     server.close()
 
     from prometheus_client import REGISTRY            # or your own registry / server / push
-    REGISTRY.register(memsem.metrics.collector(rt))
+    REGISTRY.register(memsem.metrics.collector(rt, labels={"rank": "3"}))
 
-Metrics (all carry the label ``rank``, the runtime's rank, plus any ``labels`` given):
-
-==========================================  =========  ==========================================
-``memsem_bytes_total{route}``               counter    bytes moved per route (``host/shm``, ...)
-``memsem_ops_total{route}``                 counter    operations per route
-``memsem_bounce_bytes_total``               counter    bytes copied through a bounce buffer
-``memsem_op_latency_seconds{op}``           histogram  get / put / xcopy / view latency
-``memsem_pipeline_first_tile_seconds``      histogram  first-tile latency of pipelines
-``memsem_pipeline_overlap_ratio``           gauge      overlap of the last pipeline (0..1)
-``memsem_pipeline_tiles_total``             counter    tiles delivered by pipelines
-``memsem_pipeline_bytes_total``             counter    bytes moved by pipelines
-``memsem_pipeline_caller_wait_seconds_total``  counter time callers waited for tiles
-``memsem_leases_held``                      gauge      leases this runtime holds now
-``memsem_windows_published``                gauge      windows this runtime owns now
-``memsem_errors_total{kind}``               counter    stale / torn / lease_expired / peer_lost
-``memsem_registrations_total{engine}``      counter    regions registered per engine
-``memsem_peak_rss_bytes``                   gauge      the process's peak resident set size
-``memsem_runtime_open``                     gauge      1 while the runtime is open, then 0
-==========================================  =========  ==========================================
+Every metric carries ``memsem_rank`` (the runtime's rank in memsem's directory, which is not the
+training job's rank) plus the ``labels`` given, e.g. the job's own ``rank``. The metrics, their
+labels, help texts and histogram buckets are listed in docs/metrics.md (a test holds the two
+equal); a ready Grafana dashboard is docs/grafana/memsem.json.
 
 A collector holds its runtime weakly; once the runtime is closed (or gone) a scrape returns only
 ``memsem_runtime_open 0``: it never raises and never keeps the runtime alive.
@@ -54,13 +40,57 @@ try:
     from prometheus_client.exposition import start_http_server
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - only without the extra
-    raise ImportError("memsem.metrics needs prometheus_client: pip install 'memsem[metrics]'") from exc
+    raise ImportError("memsem.metrics needs prometheus_client: pip install 'prometheus_client>=0.20'") from exc
 
-__all__ = ["MetricsServer", "RuntimeCollector", "collector", "serve"]
+__all__ = ["FAMILIES", "MetricsServer", "RuntimeCollector", "collector", "serve"]
 
 
 def _fmt_bound(b: float) -> str:
     return "+Inf" if b == float("inf") else repr(float(b))
+
+
+#: ``Stats.errors`` kinds that are errors raised to a caller (``memsem_errors_total``)
+ERROR_KINDS = ("stale", "lease_expired", "peer_lost")
+#: ``Stats.errors`` kinds that count copy attempts meeting an owner's open write section
+SECTION_RETRY_KINDS = ("torn", "busy")
+
+#: the label memsem sets on every metric (the runtime's directory rank)
+RANK_LABEL = "memsem_rank"
+
+#: name (without prefix) -> (type, labels, help); the one list the collector emits and
+#: docs/metrics.md shows (tests/test_metrics.py compares them)
+FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "runtime_open": ("gauge", (), "1 while the runtime is open, then 0"),
+    "bytes": ("counter", ("route",), "Bytes moved per route, both directions"),
+    "ops": ("counter", ("route",), "Operations per route"),
+    "bounce_bytes": ("counter", (), "Bytes copied through an intermediate (bounce) buffer"),
+    "op_latency_seconds": ("histogram", ("op", "route"),
+                           "Latency of get, put, xcopy and view operations, per route (xcopy: route mixed)"),
+    "pipeline_first_tile_seconds": ("histogram", (), "First-tile latency of pipelines"),
+    "pipeline_overlap_ratio": ("gauge", (), "Overlap ratio of the last pipeline (0: none, 1: all of the move hidden)"),
+    "pipeline_tiles": ("counter", (), "Tiles delivered by pipelines"),
+    "pipeline_bytes": ("counter", (), "Bytes moved by pipelines"),
+    "pipeline_caller_wait_seconds": ("counter", (), "Seconds callers waited for tiles"),
+    "pipelines": ("counter", (), "Pipelines run"),
+    "leases_held": ("gauge", (), "Leases this runtime holds now"),
+    "windows_published": ("gauge", (), "Windows this runtime owns now"),
+    "errors": ("counter", ("kind",),
+               "Errors raised to callers: stale (StaleReferenceError), lease_expired (LeaseExpiredError), "
+               "peer_lost (PeerLostError)"),
+    "wait_timeouts": ("counter", (),
+                      "Waits that ended at their timeout (MemsemTimeoutError), deliberate short waits included"),
+    "write_section_retries": ("counter", ("kind",),
+                              "Copy attempts that met an open write section of the owner: torn (the copy raced "
+                              "it and was retried), busy (the reader waited for it to close); each attempt counts"),
+    "write_sections": ("counter", (), "Write sections committed on this runtime's windows"),
+    "writer_blocked_seconds": ("counter", (),
+                               "Seconds write sections on this runtime's windows waited for readers' pins "
+                               "(a trainer's time blocked by rollouts)"),
+    "registrations": ("counter", ("engine",), "Regions registered with engines"),
+    "peak_rss_bytes": ("gauge", (), "Peak resident set size of the process"),
+}
+
+_FAMILY_TYPES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
 
 
 class RuntimeCollector(Collector):
@@ -68,12 +98,13 @@ class RuntimeCollector(Collector):
 
     Args:
         runtime: a :class:`memsem.Runtime` (held weakly).
-        labels: extra constant labels (e.g. ``{"job": "rollout"}``); names must be valid
-            Prometheus label names and not ``rank``, ``route``, ``op``, ``kind`` or ``engine``.
+        labels: extra constant labels (e.g. ``{"rank": "3", "job": "rollout"}``: the training
+            job's own rank is free to use); names must be valid Prometheus label names and not
+            one memsem sets (``memsem_rank``, ``route``, ``op``, ``kind``, ``engine``, ``le``).
         prefix: metric name prefix (default ``memsem``).
     """
 
-    _RESERVED = {"rank", "route", "op", "kind", "engine", "le"}
+    _RESERVED = {RANK_LABEL, "route", "op", "kind", "engine", "le"}
 
     def __init__(self, runtime: Any, *, labels: Mapping[str, str] | None = None, prefix: str = "memsem") -> None:
         if not callable(getattr(runtime, "stats", None)):
@@ -81,27 +112,29 @@ class RuntimeCollector(Collector):
         extra = dict(labels or {})
         for k, v in extra.items():
             if not isinstance(k, str) or not k.isidentifier() or k.startswith("__") or k in self._RESERVED:
-                raise ValueError(f"labels: {k!r} is not a free Prometheus label name")
+                raise ValueError(f"labels: {k!r} is not a free Prometheus label name (memsem sets "
+                                 f"{', '.join(sorted(self._RESERVED))})")
             if not isinstance(v, str):
                 raise TypeError(f"labels[{k!r}] must be a str, got {v!r}")
         if not isinstance(prefix, str) or not prefix.isidentifier():
             raise ValueError(f"prefix must be a valid metric name prefix, got {prefix!r}")
         self._rt = weakref.ref(runtime)
         self._rank = str(getattr(runtime, "rank", ""))
-        self._label_names = ["rank", *extra]
+        self._label_names = [RANK_LABEL, *extra]
         self._label_values = [self._rank, *extra.values()]
         self._prefix = prefix
 
-    def _name(self, n: str) -> str:
-        return f"{self._prefix}_{n}"
+    def _family(self, name: str) -> Any:
+        kind, labels, doc = FAMILIES[name]
+        return _FAMILY_TYPES[kind](f"{self._prefix}_{name}", doc, labels=self._label_names + list(labels))
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # described by collect(): registering never runs a snapshot
 
     def collect(self) -> Iterator[Any]:
         rt = self._rt()
-        names, values = self._label_names, self._label_values
-        up = GaugeMetricFamily(self._name("runtime_open"), "1 while the runtime is open, then 0", labels=names)
+        values = self._label_values
+        up = self._family("runtime_open")
         if rt is None or getattr(rt, "closed", True):
             up.add_metric(values, 0)
             yield up
@@ -110,68 +143,54 @@ class RuntimeCollector(Collector):
         up.add_metric(values, 1)
         yield up
 
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> CounterMetricFamily:
-            return CounterMetricFamily(self._name(name), doc, labels=names + (extra or []))
+        def single(name: str, value: float | None) -> Any:
+            f = self._family(name)
+            if value is not None:
+                f.add_metric(values, value)
+            return f
 
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(self._name(name), doc, labels=names)
+        def by(name: str, items: Mapping[str, float]) -> Any:
+            f = self._family(name)
+            for key, n in sorted(items.items()):
+                f.add_metric(values + [key], n)
+            return f
 
-        b = counter("bytes", "Bytes moved per route (both directions)", ["route"])
-        o = counter("ops", "Operations per route", ["route"])
-        for route, n in sorted(st.bytes_by_route.items()):
-            b.add_metric(values + [route], n)
-        for route, n in sorted(st.ops_by_route.items()):
-            o.add_metric(values + [route], n)
-        yield b
-        yield o
-        bb = counter("bounce_bytes", "Bytes copied through an intermediate (bounce) buffer")
-        bb.add_metric(values, st.bounce_bytes)
-        yield bb
+        yield by("bytes", st.bytes_by_route)
+        yield by("ops", st.ops_by_route)
+        yield single("bounce_bytes", st.bounce_bytes)
 
-        lat = HistogramMetricFamily(self._name("op_latency_seconds"), "Latency of get/put/xcopy/view operations",
-                                    labels=names + ["op"])
-        first = HistogramMetricFamily(self._name("pipeline_first_tile_seconds"), "First-tile latency of pipelines",
-                                      labels=names)
-        for kind, h in sorted(st.latency_histograms.items()):
-            buckets = [(_fmt_bound(le), c) for le, c in zip(h["buckets_s"], h["counts"])]
-            if kind == "pipeline_first_tile":
-                first.add_metric(values, buckets, h["sum_s"])
-            else:
-                lat.add_metric(values + [kind], buckets, h["sum_s"])
+        def buckets(h: Mapping[str, Any]) -> list[tuple[str, float]]:
+            return [(_fmt_bound(le), c) for le, c in zip(h["buckets_s"], h["counts"])]
+
+        lat = self._family("op_latency_seconds")
+        for op, routes in sorted(st.latency_histograms_by_route.items()):
+            if op == "pipeline_first_tile":
+                continue
+            for route, h in sorted(routes.items()):
+                lat.add_metric(values + [op, route], buckets(h), h["sum_s"])
         yield lat
+        first = self._family("pipeline_first_tile_seconds")
+        h = st.latency_histograms.get("pipeline_first_tile")
+        if h is not None:
+            first.add_metric(values, buckets(h), h["sum_s"])
         yield first
 
         p = st.pipelines
-        ov = gauge("pipeline_overlap_ratio", "Overlap ratio of the last pipeline (0: none, 1: full)")
-        if p.get("count"):
-            ov.add_metric(values, float(p.get("overlap_ratio", 0.0)))
-        yield ov
-        for key, name, doc in (("tiles", "pipeline_tiles", "Tiles delivered by pipelines"),
-                               ("bytes_moved", "pipeline_bytes", "Bytes moved by pipelines"),
-                               ("caller_wait_s", "pipeline_caller_wait_seconds", "Seconds callers waited for tiles"),
-                               ("count", "pipelines", "Pipelines run")):
-            c = counter(name, doc)
-            c.add_metric(values, float(p.get(key, 0.0)))
-            yield c
+        yield single("pipeline_overlap_ratio", float(p.get("overlap_ratio", 0.0)) if p.get("count") else None)
+        for key, name in (("tiles", "pipeline_tiles"), ("bytes_moved", "pipeline_bytes"),
+                          ("caller_wait_s", "pipeline_caller_wait_seconds"), ("count", "pipelines")):
+            yield single(name, float(p.get(key, 0.0)))
 
-        lh = gauge("leases_held", "Leases this runtime holds now")
-        if st.leases_held >= 0:
-            lh.add_metric(values, st.leases_held)
-        yield lh
-        wp = gauge("windows_published", "Windows this runtime owns now")
-        wp.add_metric(values, st.windows_published)
-        yield wp
-        err = counter("errors", "Errors raised, by kind (stale, torn, lease_expired, peer_lost)", ["kind"])
-        for kind, n in sorted(st.errors.items()):
-            err.add_metric(values + [kind], n)
-        yield err
-        reg = counter("registrations", "Regions registered with engines", ["engine"])
-        for eng, n in sorted(st.registrations.items()):
-            reg.add_metric(values + [eng], n)
-        yield reg
-        rss = gauge("peak_rss_bytes", "Peak resident set size of the process")
-        rss.add_metric(values, st.peak_rss_bytes)
-        yield rss
+        yield single("leases_held", st.leases_held if st.leases_held >= 0 else None)
+        yield single("windows_published", st.windows_published)
+        yield by("errors", {k: st.errors.get(k, 0) for k in ERROR_KINDS})
+        yield single("wait_timeouts", st.errors.get("timeout", 0))
+        yield by("write_section_retries", {k: st.errors.get(k, 0) for k in SECTION_RETRY_KINDS})
+        ws = st.write_sections
+        yield single("write_sections", ws.get("committed", 0))
+        yield single("writer_blocked_seconds", ws.get("blocked_s", 0.0))
+        yield by("registrations", st.registrations)
+        yield single("peak_rss_bytes", st.peak_rss_bytes)
 
 
 def collector(runtime: Any, *, labels: Mapping[str, str] | None = None, prefix: str = "memsem") -> RuntimeCollector:

@@ -12,14 +12,15 @@ HERE="$ROOT/tests/tq"
 V=${TQ_VENV:-$ROOT/.venv-tq}
 PY=${PY:-python3.11}
 STAMP="$V/.tq-installed"
+C="$ROOT/tests/constraints.txt"  # the tested versions (torch: the local 2.13.0 CPU wheel)
 
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$HERE/requirements-tq.txt" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$HERE/requirements-tq.txt" -nt "$STAMP" ] || [ "$C" -nt "$STAMP" ]; then
     [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
     "$V/bin/pip" install -q --upgrade pip setuptools wheel cffi
     # torch first, pinned, so no later resolution pulls another build (GBs of CUDA).
-    "$V/bin/pip" install -q torch==2.13.0
-    "$V/bin/pip" install -q -r "$HERE/requirements-tq.txt"
-    "$V/bin/pip" install -q -e "$ROOT[transferqueue,redis]"  # redis: the cross-node run (run_tq_nodes.py)
+    "$V/bin/pip" install -q -c "$C" torch==2.13.0
+    "$V/bin/pip" install -q -c "$C" -r "$HERE/requirements-tq.txt"
+    "$V/bin/pip" install -q -c "$C" -e "$ROOT[transferqueue,redis]"  # redis: the cross-node run (run_tq_nodes.py)
     touch "$STAMP"
 fi
 

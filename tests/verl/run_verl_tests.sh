@@ -9,13 +9,14 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 V=${VERL_VENV:-$ROOT/.venv-verl}
 PY=${PY:-python3.11}
 STAMP="$V/.verl-installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
+C="$ROOT/tests/constraints-verl.txt"  # the tested versions (torch: the local 2.13.0 CPU wheel)
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$STAMP" ] || [ "$C" -nt "$STAMP" ]; then
     [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
     "$V/bin/pip" install -q --upgrade pip setuptools wheel cffi
     # torch first, pinned, so no later resolution pulls another build (GBs of CUDA)
-    "$V/bin/pip" install -q torch==2.13.0
-    "$V/bin/pip" install -q verl==0.9.1 uvicorn fastapi pytest pytest-asyncio pytest-timeout
-    "$V/bin/pip" install -q -e "$ROOT"
+    "$V/bin/pip" install -q -c "$C" torch==2.13.0
+    "$V/bin/pip" install -q -c "$C" verl==0.9.1 uvicorn fastapi pytest pytest-asyncio pytest-timeout
+    "$V/bin/pip" install -q -c "$C" -e "$ROOT"
     touch "$STAMP"
 fi
 export RAY_USAGE_STATS_ENABLED=0

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from memsem.cli._bench import run_bench
         except ImportError as exc:
-            print(f"memsem bench needs the bench extra (pip install 'memsem[bench]'): {exc}", file=sys.stderr)
+            print("memsem bench needs the bench extra's packages: pip install 'rich>=13' 'matplotlib>=3.7' "
+                  f"'mpi4py>=3.1' mpich 'psutil>=5' ({exc})", file=sys.stderr)
             return 2
         return run_bench(args)
     return 2

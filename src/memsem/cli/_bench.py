@@ -288,7 +288,7 @@ def _plots(series: list[Series], sizes: list[int], out_dir: pathlib.Path, consol
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        console.print(f"[yellow]no plots: matplotlib is missing ({exc}); pip install 'memsem[bench]'")
+        console.print(f"[yellow]no plots: matplotlib is missing ({exc}); pip install 'matplotlib>=3.7'")
         return []
     paths = []
     colors = {s.system: plt.cm.tab20(i % 20) for i, s in enumerate(series)}

@@ -420,7 +420,7 @@ def mp_series(prod: Producer, sizes: list[int], *, quick: bool, tick: Callable[[
 def mpi_available() -> tuple[bool, str]:
     """Whether mpi4py is importable and an ``mpiexec`` can be found (the mpich wheel's first)."""
     if importlib.util.find_spec("mpi4py") is None:
-        return False, "mpi4py is not installed (pip install 'memsem[bench]': mpi4py + the mpich wheel)"
+        return False, "mpi4py is not installed (pip install 'mpi4py>=3.1' mpich: mpi4py and the mpich wheel)"
     if mpiexec_path() is None:
         return False, "no mpiexec found (the mpich PyPI wheel installs one next to python)"
     return True, ""

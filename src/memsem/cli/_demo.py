@@ -69,7 +69,7 @@ def run_demo(args: Any) -> int:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print("memsem demo needs rich: pip install 'memsem[demo]'", file=sys.stderr)
+        print("memsem demo needs rich and safetensors: pip install 'rich>=13' 'safetensors>=0.4'", file=sys.stderr)
         return 2
     from memsem.cli import _bench_weights as W
 

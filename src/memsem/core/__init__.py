@@ -6,11 +6,11 @@ the table is in docs/architecture.md).
 """
 from memsem.core._bracket import ATTENTION, Outcome, Status, settle
 from memsem.core._completion import Batch, Completion, RangeResult, State
-from memsem.core._runtime_core import CLOSE_TIMEOUT, DEFAULT_TIMEOUT, RuntimeCore, current_core
+from memsem.core._runtime_core import CLOSE_TIMEOUT, DEFAULT_TIMEOUT, RuntimeCore, current_core, default_engines
 from memsem.core._gc import collect
 from memsem.core._lease import Lease
 from memsem.core._sections import WriteSection
 from memsem.core._telemetry import Stats
 
 __all__ = ["ATTENTION", "Outcome", "Status", "settle", "Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
-           "Lease", "RuntimeCore", "current_core", "Stats", "WriteSection"]
+           "Lease", "RuntimeCore", "current_core", "default_engines", "Stats", "WriteSection"]

@@ -61,7 +61,7 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telem
         raise
     for it in items:  # all open: now the bytes may change
         it.prepare(copy)
-    return WriteSection(items)
+    return WriteSection(items, telemetry)
 
 
 def _open_one(o: "Owned", wait: Wait) -> "_Item":
@@ -173,8 +173,9 @@ class WriteSection:
         copied: whether the target slots were filled with the latest version's bytes first.
     """
 
-    def __init__(self, items: list[_Item]) -> None:
+    def __init__(self, items: list[_Item], telemetry: "Telemetry") -> None:
         self._items = items
+        self._telemetry = telemetry
         self._done = False
 
     @property
@@ -216,6 +217,7 @@ class WriteSection:
         self._done = True
         for it in self._items:
             it.commit()
+        self._telemetry.record_sections(self.blocked_s)
         return self.version
 
     def abort(self) -> None:

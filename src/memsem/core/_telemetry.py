@@ -27,6 +27,12 @@ _NB = native.LAT_BUCKETS
 BUCKET_FLOOR_NS = np.array([native.lib.memsem_lat_bucket_floor(b) for b in range(_NB)], np.float64)
 #: error kinds counted (``Stats.errors``)
 ERROR_KINDS = ("stale", "torn", "busy", "lease_expired", "peer_lost", "timeout")
+#: the route of latency samples whose operation is not one route (an xcopy batch may span several)
+MIXED_ROUTE = "mixed"
+#: native buckets whose lower bounds are the finite ``le`` bounds of ``latency_histograms``:
+#: every fourth from 2**10 ns (1.024 us) to 2**32 ns (4.295 s), then the last native bucket's
+#: floor (1.75 * 2**32 ns, 7.516 s: everything longer shares that bucket), then +Inf
+PROMETHEUS_BUCKETS = (*range(36, 125, 4), _NB - 1)
 
 
 @dataclasses.dataclass
@@ -41,9 +47,15 @@ class Stats:
         latency_us: per op kind (``get``, ``put``, ``xcopy``, ``view``, ``pipeline_first_tile``):
             ``p50``, ``p99`` (microseconds, from the histogram: the bucket's lower bound) and ``n``.
         latency_histograms: per op kind, cumulative since the runtime started, in Prometheus'
-            form: ``buckets_s`` (upper bounds in seconds, powers of two of ns, the last ``inf``),
-            ``counts`` (cumulative count per bound), ``sum_s``, ``count``, ``overflows`` (always
-            0: the native counters never drop a sample).
+            form: ``buckets_s`` (upper bounds in seconds: powers of two of ns from 2**10 ns =
+            1.024 us to 2**32 ns = 4.295 s, then 7.516 s, then ``inf``: docs/metrics.md),
+            ``counts`` (cumulative count per bound), ``sum_s``,
+            ``count``, ``overflows`` (always 0: the native counters never drop a sample).
+        latency_histograms_by_route: the same per op kind and route kind (``host/shm``, ...;
+            ``mixed`` for xcopy batches, which may span routes).
+        write_sections: write sections this runtime's windows committed (``committed``) and
+            the seconds their opens waited for readers' pins of versions they overwrite
+            (``blocked_s``): the writer's (trainer's) time blocked by readers.
         peak_rss_bytes: the process's peak resident set size.
         windows_published: windows this runtime owns now.
         pipelines: totals over the pipelines this runtime ran (``count``, ``tiles``,
@@ -68,6 +80,9 @@ class Stats:
     leases_held: int = 0
     resolutions: int = 0
     latency_histograms: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict, repr=False)
+    latency_histograms_by_route: dict[str, dict[str, dict[str, Any]]] = dataclasses.field(
+        default_factory=dict, repr=False)
+    write_sections: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,9 +104,10 @@ class Telemetry:
         self._live: "weakref.WeakSet[Resolution]" = weakref.WeakSet()
         #: route kind -> [ops, bytes] of released resolutions
         self._routes: dict[str, list[int]] = {}
-        #: op kind -> histogram counts, and the sum of the latencies they count (ns)
-        self._hist: dict[str, np.ndarray] = {}
-        self._sum: dict[str, int] = {}
+        #: (op kind, route kind) -> histogram counts, and the sum of the latencies they count (ns)
+        self._hist: dict[tuple[str, str], np.ndarray] = {}
+        self._sum: dict[tuple[str, str], int] = {}
+        self._sections = [0, 0.0]
         self.bounce_bytes = 0
         self.registrations: defaultdict[str, int] = defaultdict(int)
         self.pipelines: defaultdict[str, float] = defaultdict(float)
@@ -111,10 +127,11 @@ class Telemetry:
             c[0] += ops
             c[1] += nbytes
             for k, h, t in zip(("get", "put"), hist, sums):
-                self._add_hist(k, h)
-                self._sum[k] = self._sum.get(k, 0) + t
+                key = (k, res.route.kind)
+                self._add_hist(key, h)
+                self._sum[key] = self._sum.get(key, 0) + t
 
-    def _add_hist(self, kind: str, h: np.ndarray) -> None:
+    def _add_hist(self, kind: tuple[str, str], h: np.ndarray) -> None:
         cur = self._hist.get(kind)
         if cur is None:
             self._hist[kind] = h.astype(np.int64, copy=True)
@@ -128,34 +145,35 @@ class Telemetry:
             c = self._routes.setdefault(route, [0, 0])
             c[0] += 1
             c[1] += nbytes
-        self.record_latency(kind, elapsed_ns)
+        self.record_latency(kind, elapsed_ns, route)
 
-    def record_latency(self, kind: str, elapsed_ns: int) -> None:
-        b = native.lib.memsem_lat_bucket(max(0, int(elapsed_ns)))
-        with self._lock:
-            h = self._hist.get(kind)
-            if h is None:
-                h = self._hist[kind] = np.zeros(_NB, np.int64)
-            h[b] += 1
-            self._sum[kind] = self._sum.get(kind, 0) + max(0, int(elapsed_ns))
+    def record_latency(self, kind: str, elapsed_ns: int, route: str = MIXED_ROUTE) -> None:
+        self.record_latencies(kind, [elapsed_ns], route)
 
-    def record_latencies(self, kind: str, samples_ns: list[int]) -> None:
-        """``record_latency`` of many samples under one lock (xcopy's ranges done inline)."""
+    def record_latencies(self, kind: str, samples_ns: list[int], route: str = MIXED_ROUTE) -> None:
+        """Latency samples of one op kind and route under one lock (xcopy's ranges done inline)."""
         if not samples_ns:
             return
         bucket = native.lib.memsem_lat_bucket
         idx = [bucket(max(0, int(ns))) for ns in samples_ns]
+        key = (kind, route)
         with self._lock:
-            h = self._hist.get(kind)
+            h = self._hist.get(key)
             if h is None:
-                h = self._hist[kind] = np.zeros(_NB, np.int64)
+                h = self._hist[key] = np.zeros(_NB, np.int64)
             np.add.at(h, idx, 1)
-            self._sum[kind] = self._sum.get(kind, 0) + sum(max(0, int(ns)) for ns in samples_ns)
+            self._sum[key] = self._sum.get(key, 0) + sum(max(0, int(ns)) for ns in samples_ns)
 
     def count_error(self, kind: str) -> None:
         """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
         with self._lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def record_sections(self, blocked_s: float) -> None:
+        """Count one committed write section and the seconds its open waited for pins."""
+        with self._lock:
+            self._sections[0] += 1
+            self._sections[1] += float(blocked_s)
 
     def record_pipeline(self, st: Any) -> None:
         """Add one finished pipeline's :class:`memsem.pipeline.PipelineStats`."""
@@ -174,7 +192,7 @@ class Telemetry:
             self.record_latency("pipeline_first_tile", int(st.first_tile_s * 1e9))
 
     # -- reading ----------------------------------------------------------------------------------
-    def _sums(self) -> tuple[dict[str, list[int]], dict[str, np.ndarray], dict[str, int]]:
+    def _sums(self) -> tuple[dict[str, list[int]], dict[tuple[str, str], np.ndarray], dict[tuple[str, str], int]]:
         with self._lock:
             routes = {k: list(v) for k, v in self._routes.items()}
             hist = {k: v.copy() for k, v in self._hist.items()}
@@ -186,11 +204,12 @@ class Telemetry:
             c[0] += ops
             c[1] += nbytes
             for k, hh, tt in zip(("get", "put"), h, t):
-                if k in hist:
-                    hist[k] += hh.astype(np.int64)
+                key = (k, res.route.kind)
+                if key in hist:
+                    hist[key] += hh.astype(np.int64)
                 else:
-                    hist[k] = hh.astype(np.int64)
-                sums[k] = sums.get(k, 0) + tt
+                    hist[key] = hh.astype(np.int64)
+                sums[key] = sums.get(key, 0) + tt
         return routes, hist, sums
 
     @property
@@ -203,30 +222,37 @@ class Telemetry:
 
     def snapshot(self, windows: int, leases: int = 0, resolutions: int = 0) -> Stats:
         routes, hist, sums = self._sums()
+        by_kind: dict[str, np.ndarray] = {}
+        sum_kind: dict[str, int] = {}
+        by_route: dict[str, dict[str, dict[str, Any]]] = {}
+        for (kind, route), h in sorted(hist.items()):
+            if not h.any():
+                continue
+            by_kind[kind] = by_kind[kind] + h if kind in by_kind else h.copy()
+            sum_kind[kind] = sum_kind.get(kind, 0) + sums.get((kind, route), 0)
+            by_route.setdefault(kind, {})[route] = _prometheus_buckets(h, sums.get((kind, route), 0))
         lat = {}
         lat_hist = {}
-        for kind, h in hist.items():
-            n = int(h.sum())
-            if n:
-                lat[kind] = {"p50": _percentile(h, 0.5) / 1e3, "p99": _percentile(h, 0.99) / 1e3,
-                             "n": float(n)}
-                lat_hist[kind] = _prometheus_buckets(h, sums.get(kind, 0))
+        for kind, h in by_kind.items():
+            lat[kind] = {"p50": _percentile(h, 0.5) / 1e3, "p99": _percentile(h, 0.99) / 1e3,
+                         "n": float(h.sum())}
+            lat_hist[kind] = _prometheus_buckets(h, sum_kind[kind])
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with self._lock:
             errors = dict(self.errors)
             pipelines = dict(self.pipelines)
+            sections = {"committed": self._sections[0], "blocked_s": self._sections[1]}
         return Stats({r: c[1] for r, c in routes.items()}, {r: c[0] for r, c in routes.items()},
                      self.bounce_bytes, dict(self.registrations), lat, rss, windows, pipelines,
-                     errors, leases, resolutions, lat_hist)
+                     errors, leases, resolutions, lat_hist, by_route, sections)
 
 
 def _prometheus_buckets(h: np.ndarray, sum_ns: int) -> dict[str, Any]:
-    """A histogram in Prometheus' form: cumulative counts at ``le`` bounds that are powers of two
-    of nanoseconds (every fourth native bucket, so no native bucket straddles a bound), from
-    256 ns to ~4.3 s, then +Inf."""
+    """A histogram in Prometheus' form: cumulative counts at ``le`` bounds that are lower bounds
+    of native buckets (``PROMETHEUS_BUCKETS``, so no native bucket straddles a bound), then +Inf."""
     cum = np.cumsum(h)
     bounds, counts = [], []
-    for b in range(4 * 7, _NB, 4):  # bucket 28 starts at 2**8 ns
+    for b in PROMETHEUS_BUCKETS:
         bounds.append(float(BUCKET_FLOOR_NS[b]) / 1e9)
         counts.append(int(cum[b - 1]))
     bounds.append(float("inf"))

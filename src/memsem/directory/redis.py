@@ -141,7 +141,7 @@ class RedisDirectory(Directory):
         timeout: socket timeout of every Redis command, seconds.
 
     Raises:
-        NotSupportedError: redis-py is not installed (``pip install memsem[redis]``).
+        NotSupportedError: redis-py is not installed (``pip install 'redis>=5'``).
         PeerLostError: the server does not answer.
 
     Thread safety: all methods may be called from several threads (redis-py's pool).
@@ -155,7 +155,7 @@ class RedisDirectory(Directory):
         except ImportError as exc:
             from memsem._errors import NotSupportedError
 
-            raise NotSupportedError("the redis directory needs redis-py: pip install 'memsem[redis]'") from exc
+            raise NotSupportedError("the redis directory needs redis-py: pip install 'redis>=5'") from exc
         self.job = job or default_job()
         if not self.job.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")

@@ -3,7 +3,7 @@
 Each integration is a module of its own, imported explicitly (it needs that system installed):
 
 * :mod:`memsem.integrations.transferqueue`: a TransferQueue storage backend named ``Memsem``
-  (extra ``memsem[transferqueue]``); see docs/transferqueue.md.
+  (the ``transferqueue`` extra); see docs/transferqueue.md.
 """
 
 __all__: list[str] = []

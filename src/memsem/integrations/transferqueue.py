@@ -1,4 +1,4 @@
-"""TransferQueue storage backend ``Memsem`` (extra ``memsem[transferqueue]``).
+"""TransferQueue storage backend ``Memsem`` (the ``transferqueue`` extra: docs/transferqueue.md).
 
 TransferQueue (PyPI ``transferqueue``) keeps managing keys, fields, readiness, consumption and
 retries; memsem manages addresses, transfers, completion, leases and generations under it.

@@ -82,7 +82,10 @@ class Segment:
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     raise OutOfMemoryError(
                         f"cannot reserve {nbytes} bytes for a shared segment in {segment_dir()}: "
-                        f"{os.strerror(exc.errno)} (free space there: {_free_bytes(segment_dir())} bytes)"
+                        f"{os.strerror(exc.errno)} (free space there: {_free_bytes(segment_dir())} bytes). "
+                        "In a container /dev/shm is often 64 MiB: give it more (docker run --shm-size=16g, "
+                        "Kubernetes: an emptyDir with medium Memory at /dev/shm), or point MEMSEM_SHM_DIR "
+                        "at a larger tmpfs"
                     ) from exc
                 raise EngineError(f"posix_fallocate of {path}", errno=exc.errno) from exc
             try:
