@@ -116,10 +116,12 @@ def node_rollout(a: Any) -> None:
             cmd = json.loads(line)
             if cmd.get("exit"):
                 break
+            c0 = time.process_time()
             v = relay.load(into, version=cmd["version"], timeout=600)
             t = time.monotonic()
             st = relay.stats()
-            say(version=v, t=t, chunks={str(k): n for k, n in st.chunks.items()}, reattached=len(st.reattached))
+            say(version=v, t=t, chunks={str(k): n for k, n in st.chunks.items()}, reattached=len(st.reattached),
+                cpu_s=time.process_time() - c0, digest_s=st.digest_s)
         relay.close()
 
 
@@ -192,8 +194,17 @@ def _env(node: str, url: str, job: str, secret: str) -> dict[str, str]:
     return env
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of the whole machine so far (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        vals = [int(x) for x in fh.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return sum(vals) - idle, sum(vals)
+
+
 def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, model_mib: int = 64,
-            chunk_kib: int = 1024, reps: int = 2, log: Any = None) -> dict[str, Any]:
+            chunk_kib: int = 1024, reps: int = 2, kinds: tuple[str, ...] = ("star", "auto", "tree", "gloo"),
+            log: Any = None) -> dict[str, Any]:
     """Run everything (see the module docstring); returns the figures."""
     root = _checkout()
     sys.path.insert(0, str(root / "tests" / "netns"))
@@ -217,6 +228,8 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
     egress: dict[int, float] = {}
     plans: dict[int, str] = {}
     rtt = dig = None
+    busy: dict[tuple[str, int], float] = {}
+    rcpu: dict[tuple[str, int], float] = {}
     say_ = log or (lambda *a: None)
     for n in ns:
         with netns.star(n + 1, rate_mbit=rate_mbit) as nodes, redis_server.redis_server(ns=nodes[0], binary=binary) as srv:
@@ -228,7 +241,7 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
                 nbytes = first["nbytes"]
                 step = 1
                 hop = 2 * (rtt or 2e-4) + (dig or 2e-3)
-                for kind in ("star", "auto") + (("tree",) if n >= 4 else ()):
+                for kind in [k for k in ("star", "auto", "tree") if k in kinds and (k != "tree" or n >= 4)]:
                     rolls = [_Proc(nodes[i + 1], me + ["rollout", "--rank", str(i), "--world", str(n), "--plan", kind,
                                                        "--hop-s", str(hop)] + common
                                    + (["--latency"] if (rtt is None and i == 0) else []),
@@ -247,10 +260,14 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
                         for r in rolls:
                             r.send(version=step)
                         tx0 = netns.tx_bytes(nodes[0].name)
+                        cpu0 = _cpu_ticks()
                         trainer.send(step=step)
                         c = trainer.read(600)
                         done = [r.read(900) for r in rolls]
+                        cpu1 = _cpu_ticks()
                         tx1 = netns.tx_bytes(nodes[0].name)
+                        busy[(name, n)] = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+                        rcpu[(name, n)] = sum(d["cpu_s"] for d in done) / len(done)
                         if any(d["version"] < step for d in done):
                             raise RuntimeError(f"a rollout returned an older version: {done}")
                         times.append(max(d["t"] for d in done) - c["t0"])
@@ -258,10 +275,13 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
                         if kind == "auto":
                             egress[n] = (tx1 - tx0) / nbytes
                     meas[name][n] = min(times)
-                    say_(f"N={n} {name}: {min(times):.3f} s (runs {[round(t, 3) for t in times]})")
+                    say_(f"N={n} {name}: {min(times):.3f} s (runs {[round(t, 3) for t in times]}; machine CPU busy "
+                         f"{busy[(name, n)]:.0%}, a rollout's CPU {rcpu[(name, n)]:.2f} s)")
                     for r in rolls:
                         r.close()
                 trainer.close()
+                if "gloo" not in kinds:
+                    continue
                 # gloo over the same links
                 port = 29500 + secrets.randbelow(2000)
                 gl = [_Proc(nodes[i], me + ["gloo", "--rank", str(i), "--world", str(n + 1), "--master", nodes[0].addr,
@@ -293,7 +313,7 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
         for n, t in sorted(meas[kind].items()):
             pred = commit + memsem.model_time(kind, n, nbytes, chunk_kib << 10, link, degree=2)
             model_pts.append({"kind": kind, "n": n, "measured_s": t, "model_s": pred, "rel_err": abs(pred - t) / t})
-    relay = {n: meas["chain"].get(n) or meas["tree"].get(n) for n in ns}
+    relay = {n: meas["chain"].get(n) or meas["tree"].get(n) for n in ns if n in meas["chain"] or n in meas["tree"]}
     big = max(ns)
     out: dict[str, Any] = {
         "fanout_relay_8r_vs_1r": relay[big] / relay[min(ns)] if relay.get(big) and relay.get(min(ns)) else None,
@@ -306,6 +326,8 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
         "fanout_rate_mbit": rate_mbit, "fanout_model_mib": model_mib, "fanout_chunk_kib": chunk_kib,
         "fanout_hop_latency_s": hop, "fanout_rtt_s": rtt, "fanout_digest_chunk_s": dig,
         "fanout_model_points": model_pts, "fanout_plans": plans,
+        "fanout_cpu_busy": {f"{k}_{n}": v for (k, n), v in busy.items()},
+        "fanout_rollout_cpu_s": {f"{k}_{n}": v for (k, n), v in rcpu.items()},
         "fanout_model_1024": {kind: memsem.model_time(kind, 1024, nbytes, chunk_kib << 10, link)
                               for kind in ("star", "chain", "tree")},
     }
@@ -317,7 +339,7 @@ def _print_table(f: dict[str, Any]) -> None:
           f"chunks of {f['fanout_chunk_kib']} KiB, per-hop latency {f['fanout_hop_latency_s'] * 1e3:.2f} ms, "
           f"trainer commit {f['fanout_commit_s']:.3f} s")
     print(f"{'N':>3} {'star s':>9} {'chain s':>9} {'tree s':>9} {'gloo s':>9} {'egress':>7}")
-    for n in sorted(f["fanout_gloo_s"]):
+    for n in sorted(set(f["fanout_chain_s"]) | set(f["fanout_star_s"]) | set(f["fanout_gloo_s"])):
         def g(k: str) -> str:
             v = f[k].get(n)
             return f"{v:9.3f}" if v is not None else f"{'-':>9}"
@@ -332,6 +354,53 @@ def _print_table(f: dict[str, Any]) -> None:
     for k, goal in GOALS.items():
         v = f.get(k)
         print(f"{k:32} {('%.3f' % v) if v is not None else 'n/a':>8}   goal {goal}")
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> str | None:
+    """Measured (points, one marker per run) against modelled (lines) time per N and plan, and
+    the model out to 1,024 ranks; PNG at ``path``. Returns why not, when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: matplotlib is missing ({exc}); pip install 'memsem[bench]'"
+    import memsem
+
+    f0 = runs[0]
+    link = memsem.LinkModel(f0["fanout_rate_mbit"] * 1e6 / 8 * PAYLOAD_EFFICIENCY, f0["fanout_hop_latency_s"])
+    m, b, commit = f0["fanout_model_mib"] * MiB, f0["fanout_chunk_kib"] << 10, f0["fanout_commit_s"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"star": "tab:red", "chain": "tab:blue", "tree": "tab:green", "gloo": "tab:gray"}
+    ns = list(range(1, 9))
+    for kind in ("star", "chain", "tree"):
+        ax.plot(ns, [commit + memsem.model_time(kind, n, m, b, link) for n in ns], color=colors[kind],
+                label=f"{kind} model")
+    for i, f in enumerate(runs):
+        for kind in ("star", "chain", "tree", "gloo"):
+            pts = sorted((int(n), t) for n, t in f[f"fanout_{kind}_s"].items())
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "os^x"[i % 4], color=colors[kind], ls="none",
+                        label=f"{kind} measured (run {i + 1})")
+    ax.set_xlabel("rollout nodes")
+    ax.set_ylabel("seconds until every rollout holds the version")
+    ax.set_title(f"{f0['fanout_model_mib']} MiB over {f0['fanout_rate_mbit']:g} Mbit/s links", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    big = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    for kind, deg in (("star", 2), ("chain", 1), ("tree", 2), ("tree", 4)):
+        ax2.plot(big, [memsem.model_time(kind, n, m, b, link, degree=deg) for n in big],
+                 color=colors[kind], ls="-" if deg <= 2 else "--", label=kind + (f" (degree {deg})" if kind == "tree" else ""))
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("rollout nodes")
+    ax2.set_ylabel("modelled seconds")
+    ax2.set_title("the model to 1,024 nodes (same link, chunk)", fontsize=10)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
 
 
 def run_fanout(args: Any) -> int:
@@ -354,6 +423,9 @@ def run_fanout(args: Any) -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "fanout.json"), "w") as fh:
             json.dump(f, fh, indent=1, default=str)
+        why = plot([json.loads(json.dumps(f, default=str))], os.path.join(out, "fanout.png"))
+        if why:
+            print(why, file=sys.stderr)
     _print_table(f)
     if getattr(args, "json", False):
         print(json.dumps(f, default=str))

@@ -675,16 +675,22 @@ class Relay:
         """The nearest usable upstream offering a version ``>= at_least``, and its newest one.
         A parent is waited for (``attach_timeout``) only once the trainer committed one."""
         newest = self._trainer_version(at_least)
+        passed: tuple[int, str] | None = None  # the first rank passed over, and why
         for r in self.plan.upstream(self.rank):
-            if r == TRAINER:
-                return _Upstream(TRAINER, "the trainer", None), newest
             try:
-                return self._offer_of(r, at_least, False, self.attach_timeout)
+                if r == TRAINER:
+                    up, v = _Upstream(TRAINER, "the trainer", None), newest
+                else:
+                    up, v = self._offer_of(r, at_least, False, self.attach_timeout)
             except (_Closed, _Gone):
                 raise
             except MemsemError as exc:
                 log.debug("relay %s: rank %d not usable: %s", self._label, r, exc)
-                self._note_reattach(at_least, r, None, f"{type(exc).__name__}: {exc}")
+                passed = passed or (r, f"{type(exc).__name__}: {exc}")
+                continue
+            if passed is not None:
+                self._note_reattach(v, passed[0], r, passed[1])
+            return up, v
         raise AssertionError("unreachable: the plan ends at the trainer")  # pragma: no cover
 
     def _reattach(self, failed: _Upstream, v: int, reason: str) -> _Upstream:
@@ -707,9 +713,7 @@ class Relay:
                 reason = f"{reason}; rank {r}: {type(exc).__name__}"
         raise AssertionError("unreachable: the plan ends at the trainer")  # pragma: no cover
 
-    def _note_reattach(self, v: int, frm: int, to: int | None, reason: str) -> None:
-        if to is None:
-            return
+    def _note_reattach(self, v: int, frm: int, to: int, reason: str) -> None:
         with self._cond:
             self._stats.reattached.append((v, frm, to, reason))
         log.info("relay %s: version %d: re-attached from rank %d to %s (%s)", self._label, v, frm,
