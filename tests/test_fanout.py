@@ -239,3 +239,12 @@ def test_digests_follow_commits_through_write_sections(rt, source):
                 sec.tensors["head"][:] = 6.0
                 raise RuntimeError("abort")
         assert source.version() == 2 and source.ref.version() == 2
+
+
+def test_auto_plan_is_made_from_the_trainers_sizes(rt, source):
+    link = LinkModel(1e6, 0.05)  # slow hops: a chain of 64 ranks adds up
+    want = fanout_plan(64, kind="auto", model_bytes=source.nbytes, chunk_bytes=CHUNK, link=link)
+    with memsem.Relay(rt, "policy", rank=0, world=64, plan="auto", link=link, timeout=WAIT) as relay:
+        relay.prepare()
+        assert (relay.plan.kind, relay.plan.degree) == (want.kind, want.degree) and want.kind == "tree"
+        assert relay.load(version=1, timeout=WAIT) == 1

@@ -316,8 +316,10 @@ class Relay:
         name: the trainer's state-dict name (a :class:`FanoutSource`).
         rank / world: this rollout's rank among ``world`` rollouts (numbered so that the
             rollouts of one node are consecutive).
-        plan: a :class:`FanoutPlan`, or a kind ("auto", "star", "chain", "tree"); "auto" picks
-            by the model with ``link`` (default: chain). All ranks must use the same plan.
+        plan: a :class:`FanoutPlan`, or a kind ("auto", "star", "chain", "tree"); "auto" with
+            ``link`` picks by the model for the trainer's sizes (read when the trainer is
+            found: ``plan`` is final after ``prepare``); without ``link``, a chain. All ranks
+            must use the same plan.
         link: a :class:`LinkModel` for ``plan="auto"``.
         slots: versions held (and served) at once (>= 2, so a version being fanned out is not
             dropped when the next one starts).
@@ -341,10 +343,14 @@ class Relay:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         world = _args.count(world, "world", minimum=1)
         self.rank = _args.index(rank, "rank", world, of=f"{world} rollouts")
-        if isinstance(plan, str):
-            plan = make_plan(world, kind=plan, link=link) if plan != "auto" or link is None else None
-        if plan is None:
+        self._auto_link: LinkModel | None = None
+        if plan == "auto" and link is not None:
+            if not isinstance(link, LinkModel):
+                raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
+            self._auto_link = link  # the plan is made once the trainer's sizes are known
             plan = make_plan(world, kind="chain")
+        elif isinstance(plan, str):
+            plan = make_plan(world, kind=plan)
         if not isinstance(plan, FanoutPlan) or plan.world != world:
             raise ValueError(f"plan must be a kind or a FanoutPlan of {world} ranks, got {plan!r}")
         if on_mismatch not in ("raise", "bypass"):
@@ -540,6 +546,13 @@ class Relay:
                         raise
                     if self._stop.wait(0.05):
                         raise RuntimeClosedError(f"relay {self._label} is closed") from None
+            if self._auto_link is not None:  # every rank computes the same plan from the same sizes
+                head = np.empty(_DHEAD.size, np.uint8)
+                self._core.transfer(dg.spec, "get", 0, head)
+                _, chunk, _, nbytes, _, _, _ = _DHEAD.unpack(head.tobytes())
+                self.plan = make_plan(self.world, kind="auto", model_bytes=max(1, nbytes), chunk_bytes=max(1, chunk),
+                                      link=self._auto_link)
+                self._auto_link = None
             self._trainer, self._digests_ref = tr, dg
         return self._trainer, self._digests_ref  # type: ignore[return-value]
 
