@@ -13,7 +13,8 @@
                                               "complete" print {"event": "complete", "version"}
 
 --kill-at: SIGKILL this process at that hook event (fetch / serve / complete, version, chunk);
---gate-at: block there until --gate-file exists (bounded); --corrupt K: serve chunk K wrong.
+--gate-at: block there until --gate-file exists (bounded); --corrupt K: serve chunk K wrong;
+--report-serve: print {"event": "serve", "version", "chunk"} for every chunk checked and served.
 sha: sha256 of every tensor's bytes in name order.
 """
 from __future__ import annotations
@@ -79,14 +80,15 @@ def _moment(s: str | None):
 
 
 class TestRelay(memsem.Relay):
-    def __init__(self, *a, kill_at=None, gate_at=None, gate_file=None, corrupt=None, **kw):
+    def __init__(self, *a, kill_at=None, gate_at=None, gate_file=None, corrupt=None, report_serve=False, **kw):
         self.kill_at, self.gate_at, self.gate_file, self.corrupt = kill_at, gate_at, gate_file, corrupt
+        self.report_serve = report_serve
         super().__init__(*a, **kw)
 
     def _on_event(self, event, version, chunk, data):
         here = (event, version, chunk)
-        if event == "complete":
-            say(event="complete", version=version)
+        if event == "complete" or (event == "serve" and self.report_serve):
+            say(event=event, version=version, chunk=chunk)
         if self.corrupt is not None and event == "serve" and chunk == self.corrupt:
             data[0] ^= 0xFF
         if here == self.kill_at:
@@ -103,7 +105,7 @@ def rollout(a) -> None:
     with memsem.Runtime(engines=ENGINES, timeout=60) as rt:
         relay = TestRelay(rt, "policy", rank=a.rank, world=a.world, plan=a.plan, timeout=120, attach_timeout=10,
                           on_mismatch=a.on_mismatch, kill_at=_moment(a.kill_at), gate_at=_moment(a.gate_at),
-                          gate_file=a.gate_file, corrupt=a.corrupt)
+                          gate_file=a.gate_file, corrupt=a.corrupt, report_serve=a.report_serve)
         relay.prepare(30)
         into = rt.lookup_state_dict("policy").empty_like("numpy")
         say(ready=True, rank=a.rank)
@@ -138,4 +140,5 @@ if __name__ == "__main__":
         p.add_argument("--gate-file")
         p.add_argument("--corrupt", type=int)
         p.add_argument("--on-mismatch", default="raise")
+        p.add_argument("--report-serve", action="store_true")
         rollout(p.parse_args())

@@ -166,22 +166,50 @@ def _kill_scenario(cluster, victim_args):
 
 
 @pytest.mark.netns
-@pytest.mark.parametrize("moment", ["before_a_chunk", "mid_version"])
-def test_a_relay_killed_its_child_reattaches_and_ends_bit_exact(cluster, moment):
-    """Rank 1 of a chain of 3 SIGKILLs itself when it is about to ask for chunk 0 (it offered
-    version 2 but held nothing of it) or the middle chunk of version 2. Rank 2 re-attaches to
-    rank 0 (PeerLostError: its connection to rank 1 ended) and ends with version 2 bit-exact."""
-    trainer, first, (r0, r1, r2), sha2 = _kill_scenario(
-        cluster, lambda n: ["--kill-at", f"fetch:2:{0 if moment == 'before_a_chunk' else n // 2}"])
+def test_a_relay_killed_before_it_held_a_chunk(cluster):
+    """Rank 1 of a chain of 3 SIGKILLs itself when it is about to ask for chunk 0 of version 2
+    (it offered the version but held nothing of it). Rank 2 re-attaches to rank 0
+    (PeerLostError: its connection to rank 1 ended) and ends with version 2 bit-exact."""
+    trainer, first, (r0, r1, r2), sha2 = _kill_scenario(cluster, lambda n: ["--kill-at", "fetch:2:0"])
     assert r1.p.wait(60) == -signal.SIGKILL
     got2, got0 = r2.read(), r0.read()
     assert got0["version"] == 2 and got0["sha"] == sha2
     assert got2["version"] == 2 and got2["sha"] == sha2, got2
     assert got2["reattached"] == [[2, 1, 0, "PeerLostError"]], got2
-    if moment == "mid_version":
-        assert got2["chunks"].get("1", 0) >= 1 and got2["chunks"]["0"] >= 1  # from both, one version
     r0.finish()
     r2.finish()
+
+
+@pytest.mark.netns
+def test_a_relay_killed_mid_version(cluster):
+    """Rank 1 is held at a gate before the middle chunk of version 2; once rank 2 has a chunk of
+    it from rank 1, the test SIGKILLs rank 1. Rank 2 re-attaches to rank 0 and ends with
+    version 2 bit-exact, its chunks from both (one version: every one matched its digest)."""
+    with tempfile.TemporaryDirectory() as d:
+        trainer, first, rollout, nodes = cluster(3)
+        n = first["chunks"]
+        r0 = rollout(0)
+        r1 = rollout(1, "--gate-at", f"fetch:2:{n // 2}", "--gate-file", os.path.join(d, "never"))
+        r2 = rollout(2, "--report-serve")
+        _ready(r0, r1, r2)
+        for r in (r0, r1, r2):
+            assert _load(r, 1)["sha"] == first["sha"]
+        r2.send(load=2)
+        trainer.send(steps=[2])
+        sha2 = trainer.read()["shas"]["2"]
+        while True:  # rank 2 checked a chunk of version 2 (from rank 1: rank 0 is not its parent)
+            ev = r2.read(90, skip_events=False)
+            if ev.get("event") == "serve" and ev["version"] == 2:
+                break
+        os.kill(r1.p.pid, signal.SIGKILL)
+        r1.p.wait(30)
+        while "event" in (got := r2.read(120, skip_events=False)):
+            pass
+        assert got["version"] == 2 and got["sha"] == sha2, got
+        assert got["reattached"] == [[2, 1, 0, "PeerLostError"]], got
+        assert got["chunks"]["0"] >= 1, got  # the rest from rank 0 (the first ones came from rank 1)
+        r0.finish()
+        r2.finish()
 
 
 @pytest.mark.netns
