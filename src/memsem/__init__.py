@@ -6,6 +6,7 @@ engines and tile-ready events. See docs/architecture.md.
 """
 from memsem._errors import (
     AccessDeniedError,
+    DigestMismatchError,
     EngineError,
     LeaseExpiredError,
     LeaseHeldError,
@@ -19,13 +20,15 @@ from memsem._errors import (
     StaleReferenceError,
     WindowNotFoundError,
 )
+from memsem.refs import FanoutPlan, FanoutSource, LinkModel, Relay, RelayStats, fanout_plan, model_time
 from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
+    "AccessDeniedError", "Batch", "DigestMismatchError", "FanoutPlan", "FanoutSource", "LinkModel", "Relay",
+    "RelayStats", "fanout_plan", "model_time", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
     "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",

@@ -126,3 +126,23 @@ class OwnerWriteError(MemsemError):
 
 
 __all__ += ["OwnerWriteError"]
+
+
+class DigestMismatchError(MemsemError):
+    """Bytes received from a relay (or the trainer) do not match the digest the trainer computed
+    for them: the relay ``relay`` served wrong bytes. None of them were accepted.
+
+    Attributes:
+        relay: who served them ("rank 3 of 'policy'", or "the trainer"). version: the version.
+        chunk: the chunk index.
+    """
+
+    def __init__(self, message: str, *, relay: str | None = None, version: int | None = None,
+                 chunk: int | None = None) -> None:
+        super().__init__(message)
+        self.relay = relay
+        self.version = version
+        self.chunk = chunk
+
+
+__all__ += ["DigestMismatchError"]

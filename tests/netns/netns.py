@@ -41,6 +41,8 @@ __all__ = [
     "probe",
     "veth_pair",
     "star",
+    "shape",
+    "tx_bytes",
     "cleanup_stale",
     "PREFIX",
 ]
@@ -291,12 +293,44 @@ def veth_pair(prefix: str = PREFIX, subnet_octet: int | None = None,
         _teardown(created)
 
 
+def shape(ns_name: str, ifname: str, rate_mbit: float, burst_bytes: int | None = None) -> None:
+    """Rate-limit what ``ifname`` in namespace ``ns_name`` sends to ``rate_mbit`` Mbit/s with a
+    token bucket (``tc qdisc replace ... root tbf``; this kernel has tbf, not netem).
+
+    ``burst_bytes`` (default: 4 ms at the rate, at least 128 KiB) must hold the largest packet
+    the interface hands the qdisc: veth passes GSO packets of up to 64 KiB, and tbf drops
+    packets larger than its bucket. Packets wait at most 50 ms in the queue (then TCP backs off).
+    Raises NetnsError (with tc's stderr) when tc refuses.
+    """
+    if not (isinstance(rate_mbit, (int, float)) and rate_mbit > 0):
+        raise ValueError(f"rate_mbit must be a number > 0, got {rate_mbit!r}")
+    burst = burst_bytes or max(128 << 10, int(rate_mbit * 1e6 / 8 * 0.004))
+    tc = shutil.which("tc") or "/usr/sbin/tc"
+    cmd = [tc, "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{rate_mbit}mbit",
+           "burst", str(burst), "latency", "50ms"]
+    cp = _ip("netns", "exec", ns_name, *cmd, check=False)
+    if cp.returncode != 0:
+        raise NetnsError(f"{' '.join(cmd)} in {ns_name} failed (rc={cp.returncode}): {cp.stderr.strip()}")
+
+
+def tx_bytes(ns_name: str, ifname: str = "veth0") -> int:
+    """Bytes ``ifname`` in namespace ``ns_name`` has sent (its kernel counter, headers included)."""
+    cp = _ip("-n", ns_name, "-s", "-j", "link", "show", ifname)
+    import json
+
+    return int(json.loads(cp.stdout)[0]["stats64"]["tx"]["bytes"])
+
+
 @contextlib.contextmanager
-def star(n: int, prefix: str = PREFIX) -> Iterator[list[Namespace]]:
+def star(n: int, prefix: str = PREFIX, *, rate_mbit: float | None = None) -> Iterator[list[Namespace]]:
     """``n`` namespaces on one subnet, each joined by veth to a bridge in a hub namespace:
     ``<prefix>-s<i>-<pid>-<k>`` get 10.202.x.(i + 1)/24 (``addr``); every one reaches every
     other (``peer_addr`` is the first one's address). The hub (``<prefix>-h-<pid>-<k>``) holds
     only the bridge. On exit every process left in them is killed and all are deleted.
+
+    ``rate_mbit``: shape every node's link to that rate in both directions (:func:`shape` on
+    the node's ``veth0``, what it sends, and on its hub port, what it receives), like a switch
+    with full-duplex ports of that speed.
     """
     if not 2 <= n <= 16:
         raise ValueError(f"n must be in 2..16, got {n}")
@@ -320,6 +354,9 @@ def star(n: int, prefix: str = PREFIX) -> Iterator[list[Namespace]]:
             _ip("-n", ns.name, "link", "set", "lo", "up")
             _ip("-n", ns.name, "addr", "add", f"{ns.addr}/{ns.prefixlen}", "dev", ns.ifname)
             _ip("-n", ns.name, "link", "set", ns.ifname, "up")
+            if rate_mbit is not None:
+                shape(ns.name, ns.ifname, rate_mbit)
+                shape(hub.name, f"p{i}", rate_mbit)
         _wait_link_up(*leaves)
         yield leaves
     finally:

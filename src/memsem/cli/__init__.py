@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="small sizes, finishes in under 60 s")
     b.add_argument("--json", action="store_true", help="print one JSON object of key figures")
     b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
+    b.add_argument("--fanout", action="store_true", help="weight fan-out to rollout nodes over shaped links "
+                   "(star, relay, gloo; needs root: network namespaces)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}, "
               f"{len(items.skipped)} skipped")
         return 0
+    if args.cmd == "bench" and args.fanout:
+        from memsem.cli._bench_fanout import run_fanout
+
+        return run_fanout(args)
     if args.cmd == "bench":
         try:
             from memsem.cli._bench import run_bench

@@ -489,6 +489,13 @@ class StateDictRef(TensorRef):
             KeyError / ValueError / TypeError: a tensor missing or of another dtype or shape
                 (before anything is opened). As ``Runtime.write_section``.
         """
+        srcs = self._sources(state_dict)
+        with self.write_section(copy=False, timeout=timeout) as sec:
+            self._fill(sec, srcs)
+        return sec.version
+
+    def _sources(self, state_dict: Mapping[str, Any]) -> list:
+        """Checked ``(entry, buffer info)`` of every tensor of ``state_dict`` (``update``'s door)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of name to tensor, got {type(state_dict).__name__}")
         lay = self.layout
@@ -501,12 +508,14 @@ class StateDictRef(TensorRef):
                 raise ValueError(f"state_dict[{e.name!r}] is {tuple(info.shape)} {_dtypes.name_of(info.dtype_code)}; "
                                  f"the window holds {e.shape} {_dtypes.name_of(e.dtype_code)}")
             srcs.append((e, info))
-        with self.write_section(copy=False, timeout=timeout) as sec:
-            base = sec.flat.ctypes.data + lay.header_bytes
-            for e, info in srcs:
-                if e.nbytes:
-                    native.memcpy(base + e.offset, info.address, e.nbytes)
-        return sec.version
+        return srcs
+
+    def _fill(self, sec: StateDictSection, srcs: list) -> None:
+        """Copy ``_sources``' tensors into the slot an open section writes."""
+        base = sec.flat.ctypes.data + self.layout.header_bytes
+        for e, info in srcs:
+            if e.nbytes:
+                native.memcpy(base + e.offset, info.address, e.nbytes)
 
 
 def _cache_key(spec: RefSpec) -> tuple[int, int, bytes]:

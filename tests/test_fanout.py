@@ -1,0 +1,250 @@
+"""Fan-out (memsem.FanoutSource, memsem.Relay): plans and their model, and the relay protocol in
+one process (every window local: route loopback). Across nodes, with processes killed:
+tests/netns/test_fanout.py.
+
+Orders are forced with events in the relays' hook (``Relay._on_event``); bounds are counted
+(re-attachments, dropped versions, faults), never timed.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+import memsem
+from memsem import FanoutPlan, LinkModel, fanout_plan, model_time
+from memsem.refs._fanout_plan import TRAINER
+
+WAIT = 30.0
+CHUNK = 16 << 10
+
+
+def model(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {"embed": rng.standard_normal((64, 100)).astype(np.float32),
+            "steps": np.array(step, np.int64),  # 0-d
+            "empty": np.zeros((0, 3), np.float32),
+            "head": rng.standard_normal(30011).astype(np.float32)}
+
+
+def sha(sd) -> str:
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(np.ascontiguousarray(sd[k]).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def fresh() -> dict[str, np.ndarray]:
+    return {k: np.empty_like(v) for k, v in model(0).items()}
+
+
+@pytest.fixture
+def rt(memsem_runtime):
+    return memsem_runtime
+
+
+@pytest.fixture
+def source(rt):
+    src = memsem.FanoutSource(rt, model(1), name="policy", chunk_bytes=CHUNK, history=4)
+    yield src
+    src.close()
+
+
+class Gated(memsem.Relay):
+    """A relay whose hook blocks at ``(event, version, chunk)`` until ``gate`` is set, after
+    setting ``reached`` (and may corrupt the chunks it serves)."""
+
+    def __init__(self, *a, at=None, corrupt=None, **kw):
+        self.at = at
+        self.corrupt = corrupt
+        self.reached = threading.Event()
+        self.gate = threading.Event()
+        super().__init__(*a, **kw)
+
+    def _on_event(self, event, version, chunk, data):
+        if self.corrupt is not None and event == "serve" and chunk == self.corrupt:
+            data[0] ^= 0xFF
+        if self.at is not None and (event, version, chunk) == self.at:
+            self.reached.set()
+            if not self.gate.wait(WAIT):
+                raise memsem.MemsemTimeoutError("test gate not opened", what="gate", timeout=WAIT)
+
+
+# -- plans and the model ------------------------------------------------------------------------------
+def test_plans_parents_and_upstream():
+    chain = fanout_plan(5, kind="chain")
+    assert [chain.parent(r) for r in range(5)] == [TRAINER, 0, 1, 2, 3]
+    assert chain.upstream(3) == [2, 1, 0, TRAINER] and chain.depth() == 5
+    tree = fanout_plan(7, kind="tree", degree=2)
+    assert [tree.parent(r) for r in range(7)] == [TRAINER, 0, 0, 1, 1, 2, 2]
+    assert tree.children(1) == [3, 4] and tree.children(TRAINER) == [0] and tree.depth() == 3
+    star = fanout_plan(4, kind="star")
+    assert all(star.parent(r) == TRAINER for r in range(4)) and star.children(TRAINER) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="rank"):
+        chain.parent(5)
+    with pytest.raises(ValueError, match="kind"):
+        fanout_plan(3, kind="ring")
+    with pytest.raises(ValueError, match="world"):
+        FanoutPlan("chain", 0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkModel(0)
+
+
+def test_model_orders_the_plans_and_auto_picks_the_least():
+    link = LinkModel(25e6, 5e-4)
+    m, b = 64 << 20, 1 << 20
+    one = model_time("chain", 1, m, b, link)
+    assert one == pytest.approx(model_time("star", 1, m, b, link)) == pytest.approx(model_time("tree", 1, m, b, link))
+    assert model_time("star", 8, m, b, link) == pytest.approx(link.hop_latency + 8 * m / link.bandwidth)
+    assert model_time("chain", 8, m, b, link) < 1.2 * one < model_time("star", 8, m, b, link)
+    # a chain's hops add up at 1,024 ranks with big chunks: a tree is chosen then
+    assert fanout_plan(8, model_bytes=m, chunk_bytes=b, link=link).kind == "chain"
+    big = fanout_plan(1024, model_bytes=m, chunk_bytes=4 << 20, link=link)
+    assert big.kind == "tree" and "tree" in big.why
+    assert model_time("tree", 1024, m, 4 << 20, link, degree=big.degree) < model_time("chain", 1024, m, 4 << 20, link)
+
+
+# -- the relay protocol ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,world", [("chain", 1), ("chain", 4), ("tree", 5), ("star", 3)])
+def test_every_rollout_bit_exact_every_version(rt, source, kind, world):
+    shas = {1: sha(model(1))}
+    relays = [memsem.Relay(rt, "policy", rank=r, world=world, plan=kind, timeout=WAIT) for r in range(world)]
+    try:
+        intos = [fresh() for _ in relays]
+        for step in range(1, 5):
+            if step > 1:
+                shas[step] = sha(model(step))
+                assert source.update(model(step)) == step
+            for r, into in zip(relays, intos):
+                got = r.load(into, version=step, timeout=WAIT)
+                assert sha(into) == shas[got] and got >= step
+        plan = relays[0].plan
+        for r in relays:
+            st = r.stats()
+            assert set(st.chunks) == {plan.parent(r.rank)}  # every chunk from its own parent
+            assert not st.faults and not st.reattached
+        assert relays[-1].held() and len(relays[-1].held()) <= 2
+        with relays[-1].hold() as (v, tensors):  # zero-copy views of a held version
+            assert sha(tensors) == shas[v]
+    finally:
+        for r in relays:
+            r.close()
+
+
+def test_versions_committed_while_a_fanout_is_in_flight(rt, source):
+    """The root relay is held at chunk 1 of version 2; meanwhile the trainer commits 3 and 4
+    (its two slots: version 2 is gone). Every rollout drops 2 and ends with 4, bit-exact."""
+    root = Gated(rt, "policy", rank=0, world=3, plan="chain", at=("fetch", 2, 1), timeout=WAIT)
+    rest = [memsem.Relay(rt, "policy", rank=r, world=3, plan="chain", timeout=WAIT) for r in (1, 2)]
+    relays = [root, *rest]
+    try:
+        for r in relays:
+            r.load(version=1, timeout=WAIT)
+        source.update(model(2))
+        assert root.reached.wait(WAIT)
+        source.update(model(3))
+        source.update(model(4))
+        root.gate.set()
+        for r in relays:
+            into = fresh()
+            got = r.load(into, version=4, timeout=WAIT)
+            assert got == 4 and sha(into) == sha(model(4))
+        assert 2 in root.stats().dropped
+        for r in relays:  # 2 was never completed anywhere, 3 never offered: from 1 straight to 4
+            assert r.stats().versions == [1, 4], (r.rank, r.stats())
+    finally:
+        for r in relays:
+            r.close()
+
+
+def test_a_relay_gone_mid_version_its_child_reattaches_to_the_grandparent(rt, source):
+    """Rank 1 stops at chunk 3 of version 2 and is closed (its windows retired); rank 2 goes
+    on from rank 0 with the chunks it lacks: bit-exact, one re-attachment, counted."""
+    relays = [memsem.Relay(rt, "policy", rank=0, world=3, plan="chain", timeout=WAIT),
+              Gated(rt, "policy", rank=1, world=3, plan="chain", at=("fetch", 2, 3), timeout=WAIT),
+              memsem.Relay(rt, "policy", rank=2, world=3, plan="chain", timeout=WAIT, attach_timeout=2.0)]
+    try:
+        for r in relays:
+            r.load(version=1, timeout=WAIT)
+        source.update(model(2))
+        assert relays[1].reached.wait(WAIT)
+        threading.Thread(target=relays[1].close, daemon=True).start()
+        relays[1].gate.set()
+        into = fresh()
+        assert relays[2].load(into, version=2, timeout=WAIT) == 2 and sha(into) == sha(model(2))
+        st = relays[2].stats()
+        assert [(v, frm, to) for v, frm, to, _ in st.reattached] == [(2, 1, 0)]
+        assert st.chunks[0] >= 1 and st.chunks[1] >= 1  # some from each, all checked
+    finally:
+        for r in relays:
+            r.close()
+
+
+@pytest.mark.parametrize("on_mismatch", ["raise", "bypass"])
+def test_a_faulty_relay_is_caught_by_digest_and_named(rt, source, on_mismatch):
+    """Rank 1 corrupts chunk 2 of what it serves. Rank 2 never accepts it: the mismatch names
+    rank 1 (raised once by load with on_mismatch="raise"), and the version is completed from
+    rank 0, bit-exact."""
+    relays = [memsem.Relay(rt, "policy", rank=0, world=3, plan="chain", timeout=WAIT),
+              Gated(rt, "policy", rank=1, world=3, plan="chain", corrupt=2, timeout=WAIT),
+              memsem.Relay(rt, "policy", rank=2, world=3, plan="chain", timeout=WAIT, on_mismatch=on_mismatch)]
+    try:
+        into = fresh()
+        if on_mismatch == "raise":
+            with pytest.raises(memsem.DigestMismatchError, match="rank 1") as ei:
+                relays[2].load(into, version=1, timeout=WAIT)
+            assert ei.value.relay == "rank 1 of 'policy'" and ei.value.chunk == 2 and ei.value.version == 1
+        assert relays[2].load(into, version=1, timeout=WAIT) == 1 and sha(into) == sha(model(1))
+        st = relays[2].stats()
+        assert len(st.faults) == 1 and st.faults[0].relay == "rank 1 of 'policy'"
+        assert [(v, frm, to) for v, frm, to, _ in st.reattached] == [(1, 1, 0)]
+    finally:
+        for r in relays:
+            r.close()
+
+
+def test_follower_duck_typing_and_doors(rt, source):
+    """A relay answers version / wait_version / load like a StateDictRef source; wrong
+    arguments are named."""
+    with memsem.Relay(rt, "policy", rank=0, world=1, timeout=WAIT) as relay:
+        assert relay.version() == 1 and relay.wait_version(1, timeout=WAIT) == 1
+        v = relay.version()
+        into = fresh()
+        assert relay.load(into, version=v, timeout=WAIT) == 1 and sha(into) == sha(model(1))
+        with pytest.raises(KeyError, match="embed"):
+            relay.load({"head": into["head"]}, timeout=WAIT)
+        with pytest.raises(memsem.MemsemTimeoutError):
+            relay.load(version=9, timeout=0.2)
+    with pytest.raises(ValueError, match="rank"):
+        memsem.Relay(rt, "policy", rank=2, world=2)
+    with pytest.raises(ValueError, match="on_mismatch"):
+        memsem.Relay(rt, "policy", rank=0, world=1, on_mismatch="ignore")
+    with pytest.raises(ValueError, match="digest"):
+        memsem.FanoutSource(rt, model(1), name="other", digest="crc32")
+
+
+def test_digests_follow_commits_through_write_sections(rt, source):
+    """FanoutSource.write_section: in-place changes are digested and committed; a body that
+    raises commits nothing (neither the data nor digests)."""
+    with memsem.Relay(rt, "policy", rank=0, world=1, timeout=WAIT) as relay:
+        with source.write_section() as sec:
+            sec.tensors["head"][:] = 5.0
+        want = dict(model(1), head=np.full(30011, 5.0, np.float32))
+        into = fresh()
+        assert relay.load(into, version=2, timeout=WAIT) == 2 and sha(into) == sha(want)
+        with pytest.raises(RuntimeError):
+            with source.write_section() as sec:
+                sec.tensors["head"][:] = 6.0
+                raise RuntimeError("abort")
+        assert source.version() == 2 and source.ref.version() == 2
+
+
+def test_auto_plan_is_made_from_the_trainers_sizes(rt, source):
+    link = LinkModel(1e6, 0.05)  # slow hops: a chain of 64 ranks adds up
+    want = fanout_plan(64, kind="auto", model_bytes=source.nbytes, chunk_bytes=CHUNK, link=link)
+    with memsem.Relay(rt, "policy", rank=0, world=64, plan="auto", link=link, timeout=WAIT) as relay:
+        relay.prepare()
+        assert (relay.plan.kind, relay.plan.degree) == (want.kind, want.degree) and want.kind == "tree"
+        assert relay.load(version=1, timeout=WAIT) == 1
