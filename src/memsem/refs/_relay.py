@@ -81,7 +81,7 @@ from memsem.refs._state_dict import (
     publish_state_dict,
 )
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
-from memsem.runtime import RuntimeCore
+from memsem.core import RuntimeCore
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +203,9 @@ class FanoutSource:
     def update(self, state_dict: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Publish ``state_dict``'s values as the next version, then its digests; returns the
         version. Raises as ``StateDictRef.update``."""
-        srcs = self.ref._sources(state_dict)
+        srcs = self.ref.sources(state_dict)
         with self.ref.write_section(copy=False, timeout=timeout) as sec:
-            self.ref._fill(sec, srcs)
+            self.ref.fill(sec, srcs)
             digests = self._digest_all(sec.flat)
         self._publish_digests(sec.version, digests)
         return sec.version
@@ -560,7 +560,7 @@ class Relay:
         tr = self._trainer_refs(self.timeout)[0]
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
-        return tr._ranges(into, tr.layout.entries, "into")
+        return tr.ranges(into, tr.layout.entries, "into")
 
     def _follow(self) -> None:
         last = 0

@@ -345,7 +345,11 @@ class StateDictRef(TensorRef):
         return len(self.layout.entries)
 
     # -- consumers -------------------------------------------------------------------------------
-    def _ranges(self, into: Mapping[str, Any], entries: Any, argname: str) -> tuple[list[tuple[int, int, int]], list]:
+    def ranges(self, into: Mapping[str, Any], entries: Any, argname: str) -> tuple[list[tuple[int, int, int]], list]:
+        """``(offset, nbytes, address)`` of every tensor of ``entries`` (the layout's) in ``into``,
+        and the objects that keep those addresses valid: what a gather of one version copies
+        (``load``, ``stream``, a relay). Raises KeyError / ValueError / TypeError naming
+        ``argname`` for a tensor missing, of another dtype or shape, or not plain memory."""
         h = self.layout.header_bytes
         ranges, keep = [], []
         for e in entries:
@@ -386,7 +390,7 @@ class StateDictRef(TensorRef):
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
         entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
-        ranges, keep = self._ranges(into, entries, "into")
+        ranges, keep = self.ranges(into, entries, "into")
         return self._core().gather(self.spec, ranges, version=version, lease=lease, keep=keep)
 
     def empty_like(self, framework: str | None = None) -> dict[str, Any]:
@@ -432,7 +436,7 @@ class StateDictRef(TensorRef):
         lay = self.layout
         per_bucket = []
         for i, j in lay.buckets:
-            per_bucket.append(self._ranges(dst, lay.entries[i:j], "into"))
+            per_bucket.append(self.ranges(dst, lay.entries[i:j], "into"))
         return self._stream(dst, per_bucket, depth, ttl, timeout)
 
     def _stream(self, dst: dict[str, Any], per_bucket: list, depth: int, ttl: float | None,
@@ -489,12 +493,12 @@ class StateDictRef(TensorRef):
             KeyError / ValueError / TypeError: a tensor missing or of another dtype or shape
                 (before anything is opened). As ``Runtime.write_section``.
         """
-        srcs = self._sources(state_dict)
+        srcs = self.sources(state_dict)
         with self.write_section(copy=False, timeout=timeout) as sec:
-            self._fill(sec, srcs)
+            self.fill(sec, srcs)
         return sec.version
 
-    def _sources(self, state_dict: Mapping[str, Any]) -> list:
+    def sources(self, state_dict: Mapping[str, Any]) -> list:
         """Checked ``(entry, buffer info)`` of every tensor of ``state_dict`` (``update``'s door)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of name to tensor, got {type(state_dict).__name__}")
@@ -510,8 +514,8 @@ class StateDictRef(TensorRef):
             srcs.append((e, info))
         return srcs
 
-    def _fill(self, sec: StateDictSection, srcs: list) -> None:
-        """Copy ``_sources``' tensors into the slot an open section writes."""
+    def fill(self, sec: StateDictSection, srcs: list) -> None:
+        """Copy ``sources``' tensors into the slot an open section writes (the owner's ``update``)."""
         base = sec.flat.ctypes.data + self.layout.header_bytes
         for e, info in srcs:
             if e.nbytes:
