@@ -17,6 +17,7 @@ object of the figures (null where a peer is missing) as the last line of stdout.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import inspect
@@ -48,7 +49,7 @@ class Goal:
     ok: Callable[[float], bool] | None
     needs: tuple[str, ...] = ()
     table: str = "core"
-    #: a figure printed beside a reported value (the core count beside the 16 consumers)
+    #: printed beside a reported value, formatted with the figures ("on {scale_cpus} cores")
     context: str = ""
 
     @property
@@ -96,7 +97,7 @@ GOALS_LIST: tuple[Goal, ...] = (
     Goal("publish_unpublish_us_at_10k_windows_ratio", "<= 1.5 (owner of 10,000 windows / of one)",
          lambda x: x <= 1.5, ("publish_unpublish_us_at_10k_windows",), "scale"),
     Goal("get_64B_us_16_consumers_ratio", "reported (16 consumers at once / one alone, on scale_cpus cores)", None,
-         ("get_64B_us_16_consumers",), "scale", "scale_cpus"),
+         ("get_64B_us_16_consumers",), "scale", "{scale_cpus} cores"),
     Goal("lookup_us_redis_10k_names_ratio", "<= 1.5 (lookup among 10,000 names / among one)", lambda x: x <= 1.5,
          ("lookup_us_redis_10k_names",), "scale"),
 )
@@ -137,7 +138,7 @@ def verdict(goal: Goal, fig: dict[str, Any], reasons: dict[str, str]) -> tuple[s
                 return "skipped", reasons[k]
         return "skipped", "not measured in this run"
     if goal.ok is None:
-        return "reported", f"{fig.get(goal.context)} {goal.context}" if goal.context else ""
+        return "reported", goal.context.format_map(collections.defaultdict(lambda: "?", fig)) if goal.context else ""
     return ("met", "") if goal_met(goal.key, fig) else ("not met", "")
 
 
@@ -147,8 +148,7 @@ def run_bench(args: Any) -> int:
 
     quick = bool(args.quick)
     as_json = bool(getattr(args, "json", False))
-    # MEMSEM_BENCH_SMOKE=1 (tests): every measurement at its smallest, to check the structure
-    smoke = bool(getattr(args, "smoke", False)) or os.environ.get("MEMSEM_BENCH_SMOKE", "") == "1"
+    smoke = M.smoke()  # MEMSEM_BENCH_SMOKE=1 (tests): every measurement at its smallest
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=as_json, width=100)  # readable on a 100-column terminal
@@ -555,10 +555,15 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
 
     from rich import box
 
-    def table(title: str, *cols: str) -> Any:
+    def table(title: str, *cols: str, first_width: int | None = None) -> Any:
         t = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
         for i, c in enumerate(cols):
-            t.add_column(escape(c), justify="left" if i == 0 else "right")
+            if i == 0:  # names are never cut: other columns wrap first
+                t.add_column(escape(c), justify="left", no_wrap=True, min_width=first_width)
+            elif c == "verdict":
+                t.add_column(escape(c), justify="left")
+            else:
+                t.add_column(escape(c), justify="right")
         return t
 
     def row(t: Any, *cells: Any) -> None:
@@ -606,7 +611,7 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
                     ("copyto_2stream_GBps", "GB/s, 2 np.copyto streams"),
                     ("weight_sync_trainer_blocked_ms", "ms trainer blocked"),
                     ("weight_sync_first_bucket_ms", "ms commit -> 1st bucket"),
-                    ("one_bucket_get_ms", "ms, one 64 MiB get")):
+                    ("one_bucket_get_ms", "ms, one bucket get")):
         row(ws, k, _fmt(f(k), 4 if k.endswith("_s") else 2), _spread(f(f"{k}_spread"), 3), what)
     console.print(ws)
     if mb:
@@ -642,7 +647,8 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
                          "each with _ratio and _ratio_spread"), style="dim")
 
     keys = table("goals: each a ratio of interleaved rounds (median; p10 .. p90 of the rounds)",
-                 "key", "value", "p10 .. p90", "goal", "verdict")
+                 "key", "value", "p10..p90", "goal", "verdict",
+                 first_width=max(len(g.key) for g in GOALS_LIST) + 2)
     last = None
     for g in GOALS_LIST:
         if g.table != last:
@@ -650,11 +656,16 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
             last = g.table
         r = goals[g.key]
         v = r["value"]
-        state = _STATE[r["state"]] + (f" ({escape(r['why'])})" if r["why"] and r["state"] == "reported" else
-                                      f": {escape(r['why'])}" if r["why"] else "")
+        state = _STATE[r["state"]] + (f", {escape(r['why'])}" if r["why"] and r["state"] == "reported" else
+                                      ", why below" if r["why"] else "")
+        sp = r["spread"]
         keys.add_row("  " + escape(g.key), "null" if v is None else escape(_fmt(v, 3)),
-                     escape(_spread(r["spread"])), escape(g.bound), state)
+                     "-" if not sp else escape(f"{_fmt(sp[0])}..{_fmt(sp[1])}"),
+                     "-" if g.ok is None else escape(g.bound), state)
     console.print(keys)
+    for g in GOALS_LIST:
+        if goals[g.key]["state"] == "skipped":
+            console.print("  [yellow]skipped[/] " + escape(f"{g.key}: {goals[g.key]['why']}"))
     console.print(escape("  each goal in words: bench.json 'goals' and docs/performance.md"), style="dim")
     console.print(escape(f"counting (telemetry) costs {fig.get('telemetry_ns_per_op')} ns per operation"))
     for n in notes:

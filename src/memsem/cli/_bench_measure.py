@@ -41,6 +41,13 @@ SIZES_QUICK = [64, 4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB]
 _now = time.perf_counter_ns
 
 
+def smoke() -> bool:
+    """``MEMSEM_BENCH_SMOKE=1``: every measurement of ``memsem bench`` at its smallest (a handful
+    of rounds, small payloads): the structure of the output is complete, the figures mean
+    nothing. For the tests of the bench itself; subprocesses inherit it."""
+    return os.environ.get("MEMSEM_BENCH_SMOKE", "") == "1"
+
+
 def fmt_size(n: int) -> str:
     for unit, s in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if n >= s and n % s == 0:

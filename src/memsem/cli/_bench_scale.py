@@ -441,7 +441,9 @@ def scale_keys(quick: bool, notes: list[str], stage: Callable[[str], None] = lam
     (setup only); every measurement runs with both owners idle."""
     import memsem
 
-    rounds = 20 if quick else 60
+    from memsem.cli._bench_measure import smoke
+
+    rounds = 3 if smoke() else 20 if quick else 60
     fig: dict[str, Any] = {"scale_windows": n, "scale_consumers": consumers, "scale_cpus": os.cpu_count()}
     for k in ("get_64B_us_at_10k_windows", "get_64B_us_at_10k_windows_hot", "publish_unpublish_us_at_10k_windows",
               "get_64B_us_16_consumers", "lookup_us_redis_10k_names"):

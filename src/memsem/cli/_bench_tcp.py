@@ -217,10 +217,13 @@ def _consumer(quick: bool) -> None:
 
     import memsem
 
+    from memsem.cli._bench_measure import smoke
+
     info = json.loads(sys.stdin.readline())
-    rounds = 30 if quick else 100
+    tiny = smoke()
+    rounds = 4 if tiny else 30 if quick else 100
     block = 100
-    big_iters = 7 if quick else 15
+    big_iters = 2 if tiny else 7 if quick else 15
     now = time.perf_counter_ns
     med = statistics.median
     lo_proc = None
@@ -274,7 +277,7 @@ def _consumer(quick: bool) -> None:
         with rt.pipeline(pipe, tile_bytes=TILE, depth=2, wait_ready=True) as p:  # subscribes
             next(iter(p)).release()
         one, first = [], []
-        for _ in range(21 if quick else 51):  # interleaved: one tile get, one pipeline's first tile
+        for _ in range(3 if tiny else 21 if quick else 51):  # interleaved: one tile get, one pipeline's first tile
             t0 = now()
             tile.get(out=tbuf)
             one.append(now() - t0)

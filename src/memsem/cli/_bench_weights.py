@@ -639,24 +639,25 @@ def weight_sync_keys(quick: bool, notes: list[str] | None = None) -> dict[str, A
     other round. Ratios (``gloo_vs_weight_sync_4r``, ``ray_vs_weight_sync_4r``,
     ``weight_sync_vs_copy_floor``, ``weight_sync_first_bucket_ratio``) are medians of per-round
     ratios, with ``<key>_spread`` = [p10, p90]."""
-    from memsem.cli._bench_measure import RatioStat, spread_keys
+    from memsem.cli._bench_measure import RatioStat, smoke, spread_keys
 
     notes = notes if notes is not None else []
-    total = (256 << 20) if quick else (1 << 30)
-    bucket = 64 << 20
-    rounds = 6 if quick else 12
+    tiny = smoke()
+    total = (16 << 20) if tiny else (256 << 20) if quick else (1 << 30)
+    bucket = (4 << 20) if tiny else 64 << 20
+    rounds = 2 if tiny else 6 if quick else 12
     sd = synthetic_state_dict(total, 300)
     nbytes = sum(a.nbytes for a in sd.values())
     fig: dict[str, Any] = {"weight_sync_state_dict_MB": round(nbytes / 1e6, 1), "weight_sync_rounds": rounds}
     for r in (1, 2):  # context: how the time grows with the rollouts (lockstep, not interleaved)
-        recs = memsem_sync(sd, r, 4 if quick else 6, bucket_bytes=bucket, lockstep=True)
+        recs = memsem_sync(sd, r, 2 if tiny else 4 if quick else 6, bucket_bytes=bucket, lockstep=True)
         steady = [x["seconds"] for x in recs if x["version"] > 1]
         fig[f"weight_sync_{r}r_s"] = round(statistics.median(steady), 4)
         fig[f"weight_sync_{r}r_s_spread"] = spread_keys("x", steady, nd=4)["x_spread"]
     sizes = _bucket_sizes(nbytes, bucket)
     sides: dict[str, Callable[[], float]] = {}
     per: dict[str, list[float]] = {"memsem": [], "gloo": [], "ray": [], "floor": []}
-    ray_py, why = find_ray()
+    ray_py, why = (None, "not started in a smoke run (MEMSEM_BENCH_SMOKE=1)") if tiny else find_ray()
     floor = TwoStreamCopy(min(nbytes, 256 << 20))
     with contextlib.ExitStack() as stack:
         # the peers start side by side (their imports and daemons overlap), then all must be up
@@ -713,7 +714,7 @@ def weight_sync_keys(quick: bool, notes: list[str] | None = None) -> dict[str, A
     fig["weight_sync_4r_GBps_spread"] = spread_keys("x", [4 * nbytes / w / 1e9 for w in ws], nd=2)["x_spread"]
     fig.update(RatioStat.of((4 * nbytes / w / 1e9) / floor.gbps(f) for w, f in zip(ws, fl)).keys("weight_sync_vs_copy_floor"))
     del floor
-    first, one = first_bucket_rounds(sd, bucket, 9 if quick else 21)
+    first, one = first_bucket_rounds(sd, bucket, 3 if tiny else 9 if quick else 21)
     fig["weight_sync_first_bucket_ms"] = round(med(first), 3)
     fig["one_bucket_get_ms"] = round(med(one), 3)
     fig["weight_sync_first_bucket_ms_spread"] = spread_keys("x", first)["x_spread"]
