@@ -214,7 +214,6 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
         order = (("free", ceiling), ("bulk", bulk), ("pipe", pipe))
         for k, fn in (order if r % 2 == 0 else order[::-1]):
             rec[k].append(fn())
-    del whole
     vs_ideal = _ratio_stat([p / i for p, i in zip(rec["pipe"], rec["ideal"])])
     speedup = _ratio_stat([b / p for b, p in zip(rec["bulk"], rec["pipe"])])
     ceil = _ratio_stat([f / i for f, i in zip(rec["free"], rec["ideal"])])
