@@ -16,6 +16,9 @@ what the pipeline allocates. ``--quick`` shrinks the sizes (64 MiB refs, 256 MiB
    compute (proportional to the bytes, ~= the move) in both, rounds interleaved; the smallest
    ratio is ``pipeline_vs_get_min`` (goal >= 1.0).
 
+Every ratio is measured round by round with both sides interleaved, and reported as the median
+of the per-round ratios, with ``<key>_spread`` = [p10, p90] of them.
+
 ``run(quick=True)`` returns a dict with ``pipeline_vs_ideal``, ``pipeline_speedup_vs_bulk``,
 ``pipeline_vs_get_min``, ``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond
 ``depth x tile_bytes``; the goal is <= 64) plus the raw figures; ``memsem bench`` calls it.
@@ -122,65 +125,107 @@ def _median_time(fn, n: int) -> float:
 
 
 # -- 1: pipeline vs ideal and vs bulk -----------------------------------------------------------
+def _ratio_stat(ratios: list[float]) -> dict[str, Any]:
+    """Median of per-round ratios with p10 / p90 (``memsem.cli._bench_measure.RatioStat``)."""
+    from memsem.cli._bench_measure import RatioStat
+
+    st = RatioStat.of(ratios)
+    return {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
+
+
 def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
                   repeats: int = 3) -> dict[str, Any]:
+    """Rounds of: the ideal (each tile moved, then computed, one after the other: per-tile
+    times), the machine's ceiling (copy thread || compute, no hand-off), bulk get-then-compute
+    and the pipeline, the order of the last three reversed every other round. Per round
+    ``pipeline / ideal`` and ``bulk / pipeline``; the figures are medians of those ratios
+    (``*_stat`` has their p10 / p90)."""
     n = ref.num_tiles(tile_bytes)
     spec = ref.spec
     slot = np.empty(tile_bytes, np.uint8)
     slot[:] = 0
-    # per-tile move time (sequential, warm buffer)
     rt.core.transfer(spec, "get", 0, slot)
-    move_t = []
-    for i in range(n):
-        off = i * tile_bytes
-        t = time.perf_counter()
-        rt.core.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
-        move_t.append(time.perf_counter() - t)
-    comp = _Compute(tile_bytes)
-    comp.calibrate(slot, statistics.median(move_t))
-    comp_t = []
-    for i in range(n):
-        t = time.perf_counter()
-        comp(slot)
-        comp_t.append(time.perf_counter() - t)
-    ideal = move_t[0] + sum(max(move_t[i + 1], comp_t[i]) for i in range(n - 1)) + comp_t[-1]
 
+    def tile_of(i: int, buf: np.ndarray) -> np.ndarray:
+        return buf[:min(tile_bytes, spec.nbytes - i * tile_bytes)]
+
+    def moves() -> list[float]:
+        ts = []
+        for i in range(n):
+            t = time.perf_counter()
+            rt.core.transfer(spec, "get", i * tile_bytes, tile_of(i, slot))
+            ts.append(time.perf_counter() - t)
+        return ts
+
+    comp = _Compute(tile_bytes)
+    comp.calibrate(slot, statistics.median(moves()))
     whole = np.empty(spec.nbytes, np.uint8)
     whole[:] = 0  # pre-touched: bulk pays no page faults (conservative for the pipeline)
-    bulk, pipe, free, stats = [], [], [], None
     other = np.zeros(tile_bytes, np.uint8)
-    for _ in range(repeats):
-        # The machine's ceiling: copies on one thread and compute on another with no hand-off
-        # at all. No pipeline can beat it; on 2 shared vCPUs it is far from the ideal.
+    stats = None
+
+    def ideal() -> float:
+        move_t = moves()
+        comp_t = []
+        for i in range(n):
+            t = time.perf_counter()
+            comp(slot)
+            comp_t.append(time.perf_counter() - t)
+        rec["move"].append(statistics.median(move_t))
+        rec["comp"].append(statistics.median(comp_t))
+        return move_t[0] + sum(max(move_t[i + 1], comp_t[i]) for i in range(n - 1)) + comp_t[-1]
+
+    def ceiling() -> float:
+        # copies on one thread and compute on another with no hand-off at all: no pipeline can
+        # beat it; on 2 shared vCPUs it is far from the ideal
         t = time.perf_counter()
-        th = threading.Thread(target=lambda: [rt.core.transfer(spec, "get", i * tile_bytes,
-                                                           other[:min(tile_bytes, spec.nbytes - i * tile_bytes)])
+        th = threading.Thread(target=lambda: [rt.core.transfer(spec, "get", i * tile_bytes, tile_of(i, other))
                                               for i in range(n)])
         th.start()
         for i in range(n):
             comp(slot)
         th.join()
-        free.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    def bulk() -> float:
         t = time.perf_counter()
         rt.core.transfer(spec, "get", 0, whole)
         for i in range(n):
             comp(whole[i * tile_bytes:(i + 1) * tile_bytes])
-        bulk.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    def pipe() -> float:
+        nonlocal stats
         t = time.perf_counter()
         with Pipeline(rt, spec, tile_bytes=tile_bytes, depth=depth, zero_copy=False) as p:
             for tile in p:
                 with tile:
                     comp(tile.raw)
-        pipe.append(time.perf_counter() - t)
-        if stats is None or pipe[-1] == min(pipe):
+        dt = time.perf_counter() - t
+        if stats is None or dt <= min(rec["pipe"], default=dt):
             stats = p.stats
-    del whole
-    return {"tiles": n, "tile_bytes": tile_bytes, "depth": depth, "compute_units": comp.units,
-            "move_per_tile_s": statistics.median(move_t), "compute_per_tile_s": statistics.median(comp_t),
-            "ideal_s": ideal, "pipeline_s": min(pipe), "bulk_s": min(bulk),
-            "pipeline_vs_ideal": min(pipe) / ideal, "pipeline_speedup_vs_bulk": min(bulk) / min(pipe),
-            "unsynchronized_s": min(free), "ceiling_vs_ideal": min(free) / ideal,
-            "pipeline_vs_ceiling": min(pipe) / min(free),
+        return dt
+
+    rec: dict[str, list[float]] = {"ideal": [], "free": [], "bulk": [], "pipe": [], "move": [], "comp": []}
+    pipe()  # warm: the pooled staging slots exist from here on
+    rec["pipe"].clear()
+    for r in range(repeats):
+        rec["ideal"].append(ideal())
+        order = (("free", ceiling), ("bulk", bulk), ("pipe", pipe))
+        for k, fn in (order if r % 2 == 0 else order[::-1]):
+            rec[k].append(fn())
+    vs_ideal = _ratio_stat([p / i for p, i in zip(rec["pipe"], rec["ideal"])])
+    speedup = _ratio_stat([b / p for b, p in zip(rec["bulk"], rec["pipe"])])
+    ceil = _ratio_stat([f / i for f, i in zip(rec["free"], rec["ideal"])])
+    vs_ceil = _ratio_stat([p / f for p, f in zip(rec["pipe"], rec["free"])])
+    med = statistics.median
+    return {"tiles": n, "tile_bytes": tile_bytes, "depth": depth, "compute_units": comp.units, "rounds": repeats,
+            "move_per_tile_s": med(rec["move"]), "compute_per_tile_s": med(rec["comp"]),
+            "ideal_s": med(rec["ideal"]), "pipeline_s": med(rec["pipe"]), "bulk_s": med(rec["bulk"]),
+            "pipeline_vs_ideal": vs_ideal["value"], "pipeline_vs_ideal_stat": vs_ideal,
+            "pipeline_speedup_vs_bulk": speedup["value"], "pipeline_speedup_vs_bulk_stat": speedup,
+            "unsynchronized_s": med(rec["free"]), "ceiling_vs_ideal": ceil["value"], "ceiling_vs_ideal_stat": ceil,
+            "pipeline_vs_ceiling": vs_ceil["value"], "pipeline_vs_ceiling_stat": vs_ceil,
             "overlap_ratio": stats.overlap_ratio, "route": stats.route}
 
 
@@ -224,7 +269,7 @@ def vs_get_bench(rt: memsem.Runtime, full: memsem.TensorRef, sizes: list[int], q
         move = _median_time(lambda: ref.get(whole), 7)
         comp = _ByteCompute()
         comp.calibrate(whole, move)
-        reps = (200 if n <= MiB else 40 if n <= 16 * MiB else 9 if n <= 64 * MiB else 3) * (1 if quick else 3)
+        reps = (200 if n <= MiB else 40 if n <= 16 * MiB else 9 if n <= 64 * MiB else 5) * (1 if quick else 3)
         bulk, alloc, pipe = [], [], []
         tiles, mover, why = 1, "", ""
 
@@ -256,17 +301,20 @@ def vs_get_bench(rt: memsem.Runtime, full: memsem.TensorRef, sizes: list[int], q
             for fn in order:
                 fn()
         b, a, q = statistics.median(bulk), statistics.median(alloc), statistics.median(pipe)
+        st = _ratio_stat([x / y for x, y in zip(bulk, pipe)])
+        ast = _ratio_stat([x / y for x, y in zip(alloc, pipe)])
         out[str(n)] = {"bytes": n, "move_s": move, "get_then_compute_s": b, "alloc_get_then_compute_s": a,
-                       "pipeline_s": q, "ratio": b / q, "alloc_ratio": a / q, "tiles": tiles, "mover": mover,
-                       "explanation": why, "rounds": reps}
-    ratios = [v["ratio"] for v in out.values()]
-    return {"sizes": out, "pipeline_vs_get_min": min(ratios),
+                       "pipeline_s": q, "ratio": st["value"], "ratio_stat": st, "alloc_ratio": ast["value"],
+                       "tiles": tiles, "mover": mover, "explanation": why, "rounds": reps}
+    worst = min(out.values(), key=lambda v: v["ratio"])
+    return {"sizes": out, "pipeline_vs_get_min": worst["ratio"], "pipeline_vs_get_min_stat": worst["ratio_stat"],
+            "pipeline_vs_get_min_bytes": worst["bytes"],
             "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
 
 
 # -- 2: first tile -------------------------------------------------------------------------------
 def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
-                     repeats: int = 9) -> dict[str, Any]:
+                     repeats: int = 15) -> dict[str, Any]:
     one = ref.bytes(0, tile_bytes)
     one.get()
     gets, firsts = [], []
@@ -279,8 +327,9 @@ def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int,
         firsts.append(p.stats.first_tile_s)
         p.close()
     g, f = statistics.median(gets), statistics.median(firsts)
+    st = _ratio_stat([x / y for x, y in zip(firsts, gets)])  # rounds: one get, then one first tile
     return {"ref_bytes": ref.nbytes, "tile_bytes": tile_bytes, "one_get_s": g, "first_tile_s": f,
-            "first_tile_ratio": f / g}
+            "first_tile_ratio": st["value"], "first_tile_ratio_stat": st}
 
 
 # -- 3: RSS --------------------------------------------------------------------------------------
@@ -330,17 +379,20 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
     The overlap goal uses ``overlap_tile_bytes`` tiles (4 MiB: a tile hand-off between the mover
     thread and the caller costs ~50 us on a 2-vCPU VM, which 1 MiB tiles moving in ~70 us cannot
     hide); first tile and RSS use ``tile_bytes`` (1 MiB, as the issue states)."""
-    ref_bytes = (64 if quick else 256) * MiB
-    stream_bytes = (256 if quick else 1024) * MiB
+    from memsem.cli._bench_measure import smoke
+
+    tiny = smoke()
+    ref_bytes = (16 if tiny else 64 if quick else 256) * MiB
+    stream_bytes = (32 if tiny else 256 if quick else 1024) * MiB
     out: dict[str, Any] = {"quick": quick, "cpus": len(os.sched_getaffinity(0))}
     src = _Source(max(ref_bytes, stream_bytes))
     try:
         with memsem.Runtime() as rt:
             full = rt.ref(src.data)
             ref = full.bytes(0, ref_bytes)
-            ov = overlap_bench(rt, ref, overlap_tile_bytes, depth, repeats=3 if quick else 5)
-            vg = vs_get_bench(rt, full, VS_GET_SIZES, quick)
-            ft = first_tile_bench(rt, ref, tile_bytes, depth)
+            ov = overlap_bench(rt, ref, overlap_tile_bytes, depth, repeats=2 if tiny else 7 if quick else 15)
+            vg = vs_get_bench(rt, full, VS_GET_SIZES[:2] if tiny else VS_GET_SIZES, quick)
+            ft = first_tile_bench(rt, ref, tile_bytes, depth, repeats=3 if tiny else 15)
             rss_src = full.bytes(0, stream_bytes).to_bytes()
         rs = rss_bench(rss_src, tile_bytes, depth)
     finally:
@@ -350,7 +402,22 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
                pipeline_vs_ideal=ov["pipeline_vs_ideal"], pipeline_speedup_vs_bulk=ov["pipeline_speedup_vs_bulk"],
                first_tile_ratio=ft["first_tile_ratio"], rss_overhead_MiB=rs["rss_overhead_MiB"],
                rss_growth_vs_budget=rs["rss_growth_vs_budget"])
+    # [p10, p90] of the per-round ratios behind each figure (``memsem bench``'s ``<key>_spread``)
+    for key, st in (("pipeline_vs_ideal", ov["pipeline_vs_ideal_stat"]),
+                    ("pipeline_speedup_vs_bulk", ov["pipeline_speedup_vs_bulk_stat"]),
+                    ("pipeline_vs_ceiling", ov["pipeline_vs_ceiling_stat"]),
+                    ("ceiling_vs_ideal", ov["ceiling_vs_ideal_stat"]),
+                    ("first_tile_ratio", ft["first_tile_ratio_stat"]),
+                    ("pipeline_vs_get_min", vg["pipeline_vs_get_min_stat"])):
+        out[f"{key}_spread"] = None if st["value"] is None else [st["p10"], st["p90"]]
+    out["pipeline_vs_ceiling"] = ov["pipeline_vs_ceiling"]
+    out["ceiling_vs_ideal"] = ov["ceiling_vs_ideal"]
     return out
+
+
+def _sp(r: dict[str, Any], key: str) -> str:
+    v = r.get(f"{key}_spread")
+    return "-" if v is None else f"{v[0]:.2f}..{v[1]:.2f}"
 
 
 def report(r: dict[str, Any]) -> str:
@@ -366,18 +433,20 @@ def report(r: dict[str, Any]) -> str:
         f"  1. {ov['tiles']} tiles, move {ov['move_per_tile_s'] * ms:.3f} ms/tile, compute {ov['compute_per_tile_s'] * ms:.3f} ms/tile",
         f"     pipeline {ov['pipeline_s'] * ms:.1f} ms | ideal {ov['ideal_s'] * ms:.1f} ms | bulk get-then-compute {ov['bulk_s'] * ms:.1f} ms"
         f" | overlap {ov['overlap_ratio']:.2f}",
-        f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x   (goal <= 1.1)",
-        f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7)",
+        f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x   (goal <= 1.1; rounds p10..p90 "
+        f"{_sp(r, 'pipeline_vs_ideal')})",
+        f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7; {_sp(r, 'pipeline_speedup_vs_bulk')})",
         f"     machine ceiling: copy thread || compute, no hand-off = {ov['unsynchronized_s'] * ms:.1f} ms "
         f"({ov['ceiling_vs_ideal']:.2f}x ideal); pipeline / ceiling = {ov['pipeline_vs_ceiling']:.3f}x",
         "     never slower than get-then-compute (automatic tiles, compute ~= move; ratio = get-then-compute / pipeline):",
         *[f"       {fmt(v['bytes']):>8}: {v['tiles']:>3} tile(s), mover {v['mover'] or '-':<6} get-then-compute "
           f"{v['get_then_compute_s'] * ms:8.3f} ms | pipeline {v['pipeline_s'] * ms:8.3f} ms | ratio {v['ratio']:.3f}"
           f" (vs a get into a new array: {v['alloc_ratio']:.3f})" for v in r["vs_get"]["sizes"].values()],
-        f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x   (goal >= 1.0)",
+        f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x   (goal >= 1.0; at "
+        f"{fmt(r['vs_get']['pipeline_vs_get_min_bytes'])}, {_sp(r, 'pipeline_vs_get_min')})",
         f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one {ft['tile_bytes'] // MiB} MiB get() "
         f"{ft['one_get_s'] * ms:.3f} ms",
-        f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3)",
+        f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3; {_sp(r, 'first_tile_ratio')})",
         f"  3. streamed {rs['streamed'] // MiB} MiB in {rs['seconds']:.2f} s: RSS growth {rs['rss_growth_MiB']:.1f} MiB | budget "
         f"depth x tile + 64 MiB = {rs['rss_budget_MiB']:.0f} MiB",
         f"     RSS growth / budget       = {r['rss_growth_vs_budget']:.3f}x   (goal <= 1.0; overhead beyond the slots "
