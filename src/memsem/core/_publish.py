@@ -19,6 +19,7 @@ owner's windows (``Owned``) they write.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -175,8 +176,10 @@ class Publisher:
         self._core = core
         self.owned: dict[int, Owned] = {}
         self.names: dict[str, int] = {}
-        #: shared segments from ``alloc``, by address (publish finds whether memory is shared)
+        #: shared segments from ``alloc``, by address (publish finds whether memory is shared),
+        #: and their addresses in order (``segment_of`` bisects: O(log n) with 10,000 segments)
         self.segments: dict[int, Segment] = {}
+        self._bases: list[int] = []
         self.lock = threading.RLock()
         self._gva = SliceAllocator(core.rank)
         #: the secret this owner's mints are MACed with (never leaves this process)
@@ -197,6 +200,7 @@ class Publisher:
         seg = Segment.create("data", nbytes)
         with self.lock:
             self.segments[seg.address] = seg
+            bisect.insort(self._bases, seg.address)
         # The export holds the mapping for as long as any array derived from it lives; when the
         # last goes, the name is unlinked and this runtime's claim dropped.
         raw = seg.export(0, nbytes)
@@ -205,11 +209,19 @@ class Publisher:
         return raw.view(dt).reshape(shape_t)
 
     def segment_of(self, address: int, nbytes: int) -> Segment | None:
+        """The ``alloc`` segment holding ``[address, address + nbytes)``, or None."""
         with self.lock:
-            for base, seg in self.segments.items():
-                if base <= address and address + nbytes <= base + seg.nbytes:
-                    return seg
-        return None
+            i = bisect.bisect_right(self._bases, address) - 1
+            if i < 0:
+                return None
+            seg = self.segments[self._bases[i]]
+            return seg if address + nbytes <= seg.address + seg.nbytes else None
+
+    def forget_base(self, address: int) -> None:
+        """(Under ``lock``) drop an ``alloc`` segment's address from the index."""
+        i = bisect.bisect_left(self._bases, address)
+        if i < len(self._bases) and self._bases[i] == address:
+            del self._bases[i]
 
     # -- publish ----------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
@@ -590,6 +602,7 @@ class Publisher:
             for seg in list(self.segments.values()):
                 seg.unlink()
             self.segments.clear()
+            self._bases.clear()
 
 
 def control_words(cb: ControlBlock) -> ControlWords:
@@ -628,6 +641,7 @@ def _drop_segment(pub_ref: "weakref.ref[Publisher]", address: int, seg: Segment)
     pub = pub_ref()
     if pub is not None:
         with pub.lock:
-            pub.segments.pop(address, None)
+            if pub.segments.pop(address, None) is not None:
+                pub.forget_base(address)
     seg.unlink()  # a no-op in a process forked from the creator
     seg.close()
