@@ -15,7 +15,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
     # torch first, pinned, so no later resolution pulls another build (GBs of CUDA)
     "$V/bin/pip" install -q torch==2.13.0
     "$V/bin/pip" install -q verl==0.9.1 uvicorn fastapi pytest pytest-asyncio pytest-timeout
-    "$V/bin/pip" install -q -e "$ROOT"
+    "$V/bin/pip" install -q -e "$ROOT[redis]"
     touch "$STAMP"
 fi
 export RAY_USAGE_STATS_ENABLED=0

@@ -493,6 +493,7 @@ class RedisDirectory(Directory):
 
     def _loop(self) -> None:
         beat_due = time.monotonic() + self._beat_s
+        quiet_until = 0.0
         while not self._stop.wait(self.check_s):
             now = time.monotonic()
             rank = self._rank
@@ -501,7 +502,10 @@ class RedisDirectory(Directory):
                     self.heartbeat(rank)
                     beat_due = now + self._beat_s
                 except MemsemError as exc:  # an outage: retry soon, never die silently
-                    log.warning("memsem heartbeat to %s failed: %s", _safe_url(self.url), exc)
+                    if now >= quiet_until:  # once per TTL, not at every retry
+                        log.warning("memsem heartbeat to %s failed (retried every %g s): %s",
+                                    _safe_url(self.url), self.check_s, exc)
+                        quiet_until = now + self.ttl
                     beat_due = now + self.check_s
             self._refresh()
 
