@@ -272,10 +272,11 @@ class Resolver:
         self.limit = limit
         #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
         self.cache: dict[int, Resolution] = {}
-        #: (gva, generation) -> the owner found dead while this runtime used that window
-        #: (bounded): once its records are reaped, a re-resolve still says PeerLostError, not
-        #: WindowNotFoundError. Keyed by generation too: a new owner may reuse the GVA.
-        self._dead: dict[tuple[int, int], Peer] = {}
+        #: (gva, generation) -> the owner of a window this runtime dropped (bounded): when its
+        #: record is gone, a re-resolve asks that owner again (a re-check, never a remembered
+        #: verdict) and says PeerLostError for a lost one, not WindowNotFoundError. Keyed by
+        #: generation too: a new owner may reuse the GVA.
+        self._owners: dict[tuple[int, int], Peer] = {}
         #: gva -> a direct resolution of a window this runtime owns, for serving it to other
         #: nodes (``resolve_direct``) when the cached one takes another route (``prefer``)
         self._direct: dict[int, Resolution] = {}
@@ -380,10 +381,10 @@ class Resolver:
             if cur is None or (res is not None and cur is not res):
                 return
             del self.cache[gva]
-            if cur.peer.dead:
-                self._dead[(gva, cur.generation)] = cur.peer
-                while len(self._dead) > 4 * self.limit:
-                    del self._dead[next(iter(self._dead))]
+            if not cur.own_cb and not cur.peer.is_self:
+                self._owners[(gva, cur.generation)] = cur.peer
+                while len(self._owners) > 4 * self.limit:
+                    del self._owners[next(iter(self._owners))]
         cur.close()
 
     def close(self, timeout: float) -> list[Resolution]:
@@ -412,11 +413,13 @@ class Resolver:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
             rec = core.directory.get_window(spec.gva)
+            rank, _ = split_gva(spec.gva)
+            if rec is None:  # its owner may be re-claiming its rank after a directory outage
+                rec = core.peers.reread(rank, lambda: core.directory.get_window(spec.gva))
             if rec is None:
-                dead = self._dead.get((spec.gva, spec.generation))
-                if dead is not None and dead.dead:
-                    raise dead.lost(spec.label)
-                rank, _ = split_gva(spec.gva)
+                owner = self._owners.get((spec.gva, spec.generation))
+                if owner is not None and not owner.alive():  # asked again, not remembered
+                    raise owner.lost(spec.label)
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
                     raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from memsem.directory._base import Directory
+from memsem.directory._base import Directory, Member, MemberState
 from memsem.directory.local import LocalDirectory, default_job
 
 
@@ -25,4 +25,4 @@ def open_directory(url: str | None, *, alive: Callable[[dict[str, Any]], bool], 
     raise ValueError(f"directory must be 'local' or 'redis://host:port/db', got {url!r}")
 
 
-__all__ = ["Directory", "LocalDirectory", "default_job", "open_directory"]
+__all__ = ["Directory", "LocalDirectory", "Member", "MemberState", "default_job", "open_directory"]

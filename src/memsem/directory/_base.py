@@ -6,6 +6,8 @@ data. It knows nothing about what a record means: the GVA layer above parses the
 from __future__ import annotations
 
 import abc
+import dataclasses
+import enum
 import hashlib
 import hmac
 import re
@@ -107,6 +109,49 @@ class EntryWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+class MemberState(enum.IntEnum):
+    """What a directory knows of a rank's holder (see ``Directory.member``)."""
+
+    #: this directory cannot tell (it keeps no liveness of its own, or never reached the rank)
+    UNKNOWN = 0
+    #: the rank's record is there: ``Member.record`` names the process and its incarnation
+    PRESENT = 1
+    #: the record is absent, but the directory has not answered smoothly for a whole re-claim
+    #: grace since its last outage: the holder may still be re-claiming it (counted as alive)
+    SUSPECT = 2
+    #: the record is absent although the directory answered smoothly for at least the re-claim
+    #: grace: the holder stopped refreshing it (dead, stalled or cut off). Not final: a holder
+    #: that comes back and re-claims its rank with the same incarnation is PRESENT again.
+    GONE = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A directory's last-known view of one rank.
+
+    Attributes:
+        state: see :class:`MemberState`.
+        record: the rank record (``pid``, ``start``, ``node``, ``incarnation``, ...) when
+            PRESENT, else None.
+        age_s: seconds since the directory read it (the staleness of this view).
+        detail: why the state is what it is, for error messages ("" when PRESENT).
+    """
+
+    state: MemberState
+    record: dict[str, Any] | None = None
+    age_s: float = 0.0
+    detail: str = ""
+
+
+def same_process(record: dict[str, Any] | None, pid: int, start: int, node: str) -> bool:
+    """Whether a rank record names the process ``(pid, start, node)``."""
+    if not isinstance(record, dict):
+        return False
+    try:
+        return (int(record.get("pid", -1)) == int(pid) and int(record.get("start", 0)) == int(start)
+                and record.get("node") == node)
+    except (TypeError, ValueError):
+        return False
 
 
 class Directory(abc.ABC):
@@ -200,10 +245,27 @@ class Directory(abc.ABC):
         """``(record, access key)`` of window ``gva``; the key is None where it is not sealed in."""
         return self.get_window(gva), None
 
+    #: seconds a reader keeps re-reading a record whose owner's rank is SUSPECT (its record
+    #: expired during a directory outage and may be re-claimed): the bound of that delay
+    reclaim_s: float = 0.0
+    #: seconds between re-reads while waiting out ``reclaim_s``
+    check_s: float = 0.05
+
+    def member(self, rank: int) -> Member:
+        """This directory's view of ``rank`` (heartbeat liveness of runtimes on other nodes).
+
+        Never blocks for long: directories that span nodes answer from a view their own thread
+        keeps current, stale by at most their check interval while the server answers (and
+        the last-known state while it does not). Default: UNKNOWN (one node: pids decide)."""
+        return Member(MemberState.UNKNOWN)
+
     def owner_alive(self, rank: int, pid: int, start: int, node: str) -> bool | None:
-        """Whether the owner of ``rank`` on another node is alive by this directory's liveness
-        (heartbeats): True/False, or None when this directory cannot tell."""
-        return None
+        """Whether ``rank`` is held now by that process, from ``member``: True/False, or None
+        when this directory cannot tell (UNKNOWN, or SUSPECT: absent, maybe re-claiming)."""
+        m = self.member(rank)
+        if m.state is MemberState.PRESENT:
+            return same_process(m.record, pid, start, node)
+        return False if m.state is MemberState.GONE else None
 
     def acquire_lease(self, gva: int, generation: int, holder: dict[str, Any], ttl: float | None) -> str:
         """A lease on a window of another node, held here; returns its member id."""

@@ -5,8 +5,13 @@ Keys, all under ``memsem:<job>:`` (the job namespaces everything):
 =======================  ======================================================================
 key                      value
 =======================  ======================================================================
-``rank:<r>``             rank record (pid, start, node, token); ``SET NX PX ttl``, refreshed by
-                         the owner's heartbeat: a rank whose key expired belongs to a dead node
+``rank:<r>``             rank record (pid, start, node, token, incarnation); ``PX ttl``, refreshed
+                         by the owner's heartbeat: a rank whose key expired is absent (see
+                         "Membership" below)
+``hold:<r>``             the token of the rank's last holder, ``PX`` RESERVE_TTLS x ttl from its
+                         last heartbeat: no other runtime claims the rank meanwhile, so a holder
+                         whose record expired while it lived (a directory outage) can re-claim it
+``incarnation``          counter: each new runtime's claim takes the next value
 ``w:<gva hex>``          window record (WindowInfo JSON), same TTL, refreshed by the heartbeat,
                          so a dead node's windows disappear within the TTL
 ``n:<name hex>``         name -> gva alias, same TTL
@@ -41,6 +46,20 @@ directory after every wait.
 
 Environment: ``MEMSEM_JOB_SECRET`` (job secret), ``MEMSEM_HEARTBEAT_TTL`` (seconds, default 10;
 the heartbeat refreshes every TTL/3).
+
+Membership (docs/many-nodes.md, "Membership"): a directory outage is a bounded delay, never a
+death. A runtime's rank record carries its **incarnation** (a job-wide counter taken at its first
+claim, kept for the runtime's life). When the heartbeat finds the record gone while the runtime
+lives (the server stalled or restarted, or this process stalled past the TTL) it re-claims the
+rank with the same incarnation, unless another runtime took it, and writes its window, name and
+entry records again (``SET NX``). Readers tell a stall from a restart by the incarnation: the same
+one re-claimed means the same process and memory; another one (or another process) at the rank
+means the owner they knew is gone for good. An absent record is believed (GONE) only once this
+directory has answered smoothly for ``GRACE_TTLS`` TTLs since its own last failed, slow or missed
+call, so every live holder had the time to re-claim. Liveness questions (``member``) never wait
+for the server: one thread per directory beats and re-reads the watched ranks every
+``ttl / CHECKS_PER_TTL`` with a socket timeout of ``MEMBER_TIMEOUT_TTLS`` TTLs, and answers come
+from that view (stale by at most one check interval while the server answers).
 """
 from __future__ import annotations
 
@@ -56,12 +75,36 @@ from typing import Any, Callable
 
 from memsem import _args
 from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, EntryWatch, check_entry_key, secret_keys, seal_key, unseal_key
+from memsem.directory._base import (
+    Directory,
+    EntryWatch,
+    Member,
+    MemberState,
+    check_entry_key,
+    seal_key,
+    secret_keys,
+    unseal_key,
+)
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 10.0
+#: heartbeats per TTL: the rank record and this runtime's records are refreshed every TTL / 3
+BEATS_PER_TTL = 3
+#: watched ranks (owners of windows this runtime uses) are re-read every TTL / CHECKS_PER_TTL; a
+#: failed heartbeat is retried at that interval too
+CHECKS_PER_TTL = 10
+#: an absent rank record is believed (GONE) once the directory answered smoothly this many TTLs
+#: since its last outage seen here: the re-claim grace
+GRACE_TTLS = 1.0
+#: a rank stays reserved for its holder this many TTLs after its last heartbeat
+RESERVE_TTLS = 10
+#: socket timeout of the membership thread's calls (heartbeats, rank reads), in TTLs (at most
+#: the directory's ``timeout``); a call slower than half of it counts as an outage
+MEMBER_TIMEOUT_TTLS = 0.25
+#: the incarnation counter lives this long after the last claim of the job (ms)
+_COUNTER_MS = 7 * 86400 * 1000
 _MAX_RANKS = 1 << 16
 _FOREVER_MS = 9_000_000_000_000_000  # lease score of "until released"
 
@@ -95,8 +138,10 @@ redis.call('ZADD', KEYS[1], exp, ARGV[1])
 return 1
 """
 
-# Lua: unexpired leases of live holders, reaping the others; optionally set the closing flag in
-# the same atomic step (so a consumer either sees "closing" or is counted here: never neither).
+# Lua: unexpired leases, reaping the expired ones; optionally set the closing flag in the same
+# atomic step (so a consumer either sees "closing" or is counted here: never neither). Each
+# lease comes with its holder's rank record ('' when absent): the caller judges the holder's
+# liveness (membership, with the re-claim grace) and reaps the leases of gone holders.
 # KEYS: leases, closing. ARGV: rank key prefix, "1" to set closing, closing flag ttl ms.
 _HOLDERS = """
 if ARGV[2] == '1' then redis.call('SET', KEYS[2], '1', 'PX', tonumber(ARGV[3])) end
@@ -107,25 +152,76 @@ local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local out = {}
 for i = 1, #m, 2 do
   local rank = string.match(m[i], ':(%d+)$')
-  if rank and redis.call('EXISTS', ARGV[1] .. rank) == 0 then
-    redis.call('ZREM', KEYS[1], m[i])
-  else
-    table.insert(out, m[i])
-    table.insert(out, tostring(tonumber(m[i + 1]) - now))
-  end
+  local rec = false
+  if rank then rec = redis.call('GET', ARGV[1] .. rank) end
+  table.insert(out, m[i])
+  table.insert(out, tostring(tonumber(m[i + 1]) - now))
+  table.insert(out, rec or '')
 end
 return out
 """
 
-# Lua: refresh the rank key only while it still holds this runtime's token. KEYS: rank key.
-# ARGV: token, ttl ms. Returns 1 refreshed, 0 lost.
-_BEAT = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-if not string.find(raw, ARGV[1], 1, true) then return 0 end
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+# Lua helper: the token of a stored rank value (nil when it is not a memsem rank value).
+_TOKEN_OF = """
+local function token_of(raw)
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec.v) ~= 'table' then return nil end
+  return rec.v.token
+end
+"""
+
+# Lua: claim (or re-claim) a rank. KEYS: rank key, hold key, incarnation counter. ARGV: value,
+# token, ttl ms, reserve ms, incarnation, counter ttl ms. Returns 1 claimed (or already ours:
+# refreshed), 0 held by another runtime, -1 reserved for another runtime.
+_CLAIM = _TOKEN_OF + """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  if token_of(cur) ~= ARGV[2] then return 0 end
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+else
+  local h = redis.call('GET', KEYS[2])
+  if h and h ~= ARGV[2] then return -1 end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[3]))
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[4]))
+local c = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+if c < tonumber(ARGV[5]) then redis.call('SET', KEYS[3], ARGV[5]) end
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
 return 1
 """
+
+# Lua: refresh the rank key and its reservation while they hold this runtime's token. KEYS:
+# rank key, hold key. ARGV: token, ttl ms, reserve ms. Returns 1 refreshed, 0 absent (expired:
+# re-claim it), -1 held by another runtime.
+_BEAT = _TOKEN_OF + """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+if token_of(raw) ~= ARGV[1] then return -1 end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[3]))
+return 1
+"""
+
+# Lua: give a rank up. KEYS: rank key, hold key. ARGV: token. Deletes what holds the token.
+_RELEASE = _TOKEN_OF + """
+local raw = redis.call('GET', KEYS[1])
+if raw and token_of(raw) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+
+class _View:
+    """This directory's view of one watched rank."""
+
+    __slots__ = ("state", "record", "read_ns", "asked_ns", "detail")
+
+    def __init__(self, now: int) -> None:
+        self.state = MemberState.UNKNOWN
+        self.record: dict[str, Any] | None = None
+        self.read_ns = 0
+        self.asked_ns = now
+        self.detail = "not read yet"
 
 
 class RedisDirectory(Directory):
@@ -138,11 +234,18 @@ class RedisDirectory(Directory):
         ttl: heartbeat TTL in seconds (``MEMSEM_HEARTBEAT_TTL``, default 10): a node silent for
             this long is dead, its ranks, windows and entries expire.
         secret: job secret (``MEMSEM_JOB_SECRET``); bytes or str. None: entries are unsigned.
-        timeout: socket timeout of every Redis command, seconds.
+        timeout: socket timeout of every Redis command, seconds (the membership thread's
+            calls use ``MEMBER_TIMEOUT_TTLS`` TTLs, at most this).
 
     Raises:
         NotSupportedError: redis-py is not installed (``pip install 'redis>=5'``).
         PeerLostError: the server does not answer.
+
+    Attributes:
+        incarnation: this runtime's incarnation (None before ``claim_rank``).
+        reclaims: how many times the heartbeat re-claimed the rank after its record expired.
+        restored: how many of this runtime's records it wrote again after they expired.
+        lost_rank: True once another runtime took the rank (this one can publish nothing more).
 
     Thread safety: all methods may be called from several threads (redis-py's pool).
     """
@@ -173,6 +276,17 @@ class RedisDirectory(Directory):
         self._ttl_ms = max(1, int(ttl * 1000))
         #: socket timeout of every command, seconds
         self.timeout = timeout
+        self._reserve_ms = max(1, int(RESERVE_TTLS * ttl * 1000))
+        #: the membership thread's period (re-reads of watched ranks; retries of a failed beat)
+        self.check_s = ttl / CHECKS_PER_TTL
+        self._beat_s = ttl / BEATS_PER_TTL
+        #: socket timeout of the membership thread's calls
+        self.member_timeout = min(timeout, ttl * MEMBER_TIMEOUT_TTLS)
+        #: an absent rank is GONE once this directory answered smoothly this long
+        self.grace_s = GRACE_TTLS * ttl
+        #: a read of a record whose owner is SUSPECT is retried this long (the re-claim grace,
+        #: one heartbeat and one membership timeout)
+        self.reclaim_s = self.grace_s + self._beat_s + self.member_timeout
         self.url = url
         self.prefix = f"memsem:{self.job}:"
         if secret is None:
@@ -186,18 +300,35 @@ class RedisDirectory(Directory):
         except redis.RedisError as exc:
             self.client.close()
             raise PeerLostError(f"redis directory {_safe_url(url)} does not answer: {exc}") from exc
+        # the membership thread's own connection: short timeouts, never behind a slow command
+        self._mclient = redis.Redis.from_url(url, socket_timeout=self.member_timeout,
+                                             socket_connect_timeout=self.member_timeout)
         self._acquire = self.client.register_script(_ACQUIRE)
         self._renew = self.client.register_script(_RENEW)
         self._holders = self.client.register_script(_HOLDERS)
+        self._claim = self.client.register_script(_CLAIM)
         self._beat = self.client.register_script(_BEAT)
+        self._release = self.client.register_script(_RELEASE)
         self._lock = threading.Lock()
-        self._own: set[str] = set()  # keys this runtime refreshes (windows, names, entries)
+        #: records this runtime wrote and refreshes (windows, names, entries): key -> stored value
+        self._own: dict[str, str] = {}
         self._rank: int | None = None
+        self._rank_value = ""
         self._token = secrets.token_hex(8)
+        self.incarnation: int | None = None
+        self.reclaims = 0
+        self.restored = 0
+        self.lost_rank = False
+        self._lost_why = ""
+        # membership: the watched ranks' views and how smoothly the server answered
+        self._mlock = threading.Lock()
+        self._views: dict[int, _View] = {}
+        now = time.monotonic_ns()
+        self._smooth_since: int | None = now  # the ping above answered
+        self._last_ok_ns = now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.lost_rank = False  #: set when the heartbeat found the rank key gone (stalled > TTL)
 
     # -- signing ----------------------------------------------------------------------------------
     def _sign(self, key: str, payload: str, sealed: str) -> str:
@@ -243,9 +374,11 @@ class RedisDirectory(Directory):
         return self._decode(key, self._call(self.client.get, key), strict=strict)
 
     def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic_ns()
         try:
             return fn(*args, **kwargs)
         except self._redis.RedisError as exc:
+            self._observe(t0, time.monotonic_ns(), False)  # an outage seen here counts as well
             raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
 
     def _k(self, kind: str, ident: str) -> str:
@@ -253,21 +386,25 @@ class RedisDirectory(Directory):
 
     # -- ranks ------------------------------------------------------------------------------------
     def claim_rank(self, record: dict[str, Any]) -> int:
-        rec = dict(record, token=self._token)
+        """Claim the lowest rank that is neither held nor reserved for another runtime; the
+        record gets this runtime's token and a new incarnation. Starts the heartbeat."""
+        counter = f"{self.prefix}incarnation"
+        inc = int(self._call(self.client.incr, counter))
         for rank in range(_MAX_RANKS):
             key = self._k("rank", str(rank))
-            if self._call(self.client.set, key, self._encode(key, dict(rec, rank=rank)), nx=True, px=self._ttl_ms):
-                self._rank = rank
-                self._start_heartbeat()
+            value = self._encode(key, dict(record, token=self._token, rank=rank, incarnation=inc))
+            rc = self._call(self._claim, keys=[key, self._k("hold", str(rank)), counter],
+                            args=[value, self._token, self._ttl_ms, self._reserve_ms, inc, _COUNTER_MS])
+            if rc == 1:
+                self._rank, self._rank_value, self.incarnation = rank, value, inc
+                self._start_thread()
                 return rank
         raise MemsemError(f"no free rank in redis directory {_safe_url(self.url)} job {self.job!r}")
 
     def release_rank(self, rank: int) -> None:
-        key = self._k("rank", str(rank))
         self._stop.set()
-        val = self._decode(key, self._call(self.client.get, key), strict=False)
-        if val is not None and val["v"].get("token") == self._token:
-            self._call(self.client.delete, key)
+        self._call(self._release, keys=[self._k("rank", str(rank)), self._k("hold", str(rank))],
+                   args=[self._token])
         if rank == self._rank:
             self._rank = None
 
@@ -283,76 +420,213 @@ class RedisDirectory(Directory):
                 out[int(key.rsplit(":", 1)[1])] = val["v"]
         return out
 
-    def owner_alive(self, rank: int, pid: int, start: int, node: str) -> bool:
-        """Whether rank ``rank`` is still held (heartbeat not expired) by that process."""
+    # -- membership -------------------------------------------------------------------------------
+    def member(self, rank: int) -> Member:
+        """The view of ``rank`` (see ``Directory.member``). The first question about a rank
+        reads it now (one call, ``member_timeout`` at most); later ones answer from the view
+        the membership thread re-reads every ``check_s``. Never raises for an outage: the
+        last-known state is kept (UNKNOWN if never read)."""
+        now = time.monotonic_ns()
+        with self._mlock:
+            v = self._views.get(rank)
+            if v is None:
+                v = self._views[rank] = _View(now)
+                first = True
+            else:
+                first = False
+            v.asked_ns = now
+        if first:
+            self._start_thread()
+            self._read_ranks([rank])
+        with self._mlock:
+            age = (time.monotonic_ns() - v.read_ns) / 1e9 if v.read_ns else float("inf")
+            return Member(v.state, v.record, age, v.detail)
+
+    def _observe(self, t0: int, t1: int, ok: bool) -> None:
+        """Account one call to the server: a failed or slow call, or a gap with no call (this
+        process or its thread stalled), is an outage: absences are believed again only after
+        ``grace_s`` of smooth answers."""
+        with self._mlock:
+            if not ok:
+                self._smooth_since = None
+                return
+            gap = t0 - self._last_ok_ns > (3 * self.check_s + self.member_timeout) * 1e9
+            if (t1 - t0) > self.member_timeout * 5e8 or gap:
+                self._smooth_since = t1
+            elif self._smooth_since is None:
+                self._smooth_since = t0
+            self._last_ok_ns = max(self._last_ok_ns, t1)
+
+    def _mcall(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """A call of the membership thread (short timeout), observed for smoothness."""
+        t0 = time.monotonic_ns()
         try:
-            val = self._get(self._k("rank", str(rank)), strict=False)
+            out = fn(*args, **kwargs)
+        except self._redis.RedisError as exc:
+            self._observe(t0, time.monotonic_ns(), False)
+            raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
+        self._observe(t0, time.monotonic_ns(), True)
+        return out
+
+    def _judge(self, rank: int, raw: bytes | str | None, t1: int) -> tuple[MemberState, dict[str, Any] | None, str]:
+        """The state of ``rank`` from its stored value read at ``t1`` (the one rule)."""
+        val = None if not raw else self._decode(self._k("rank", str(rank)), raw, strict=False)
+        if val is not None and isinstance(val["v"], dict):
+            return MemberState.PRESENT, val["v"], ""
+        with self._mlock:
+            smooth = self._smooth_since
+        if smooth is not None and t1 - smooth >= self.grace_s * 1e9:
+            return MemberState.GONE, None, (
+                f"its rank {rank} record expired (no heartbeat for the TTL of {self.ttl:g} s) and was not "
+                f"re-claimed while {_safe_url(self.url)} answered for {self.grace_s:g} s")
+        return MemberState.SUSPECT, None, (
+            f"its rank {rank} record is absent since a directory outage; it may still re-claim it")
+
+    def _read_ranks(self, ranks: list[int]) -> None:
+        """Re-read the views of ``ranks`` (one MGET); an outage leaves them as they were."""
+        try:
+            raws = self._mcall(self._mclient.mget, [self._k("rank", str(r)) for r in ranks])
         except PeerLostError:
-            return True  # the directory is unreachable: that says nothing about the owner
-        if val is None:
-            return False
-        v = val["v"]
-        return v.get("pid") == pid and v.get("node") == node and int(v.get("start", 0)) == int(start)
+            return
+        t1 = time.monotonic_ns()
+        for rank, raw in zip(ranks, raws):
+            state, rec, detail = self._judge(rank, raw, t1)
+            with self._mlock:
+                v = self._views.get(rank)
+                if v is not None:
+                    v.state, v.record, v.read_ns, v.detail = state, rec, t1, detail
 
-    # -- heartbeat --------------------------------------------------------------------------------
-    def _start_heartbeat(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+    # -- heartbeat and membership thread ----------------------------------------------------------
+    def _start_thread(self) -> None:
+        with self._mlock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"memsem-redis-heartbeat-{self.job}")
-            self._thread.start()
+        self._thread.start()
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+    def _loop(self) -> None:
+        beat_due = time.monotonic() + self._beat_s
+        quiet_until = 0.0
+        while not self._stop.wait(self.check_s):
+            now = time.monotonic()
             rank = self._rank
-            if rank is None:
-                continue
+            if rank is not None and now >= beat_due and not self.lost_rank:
+                try:
+                    self.heartbeat(rank)
+                    beat_due = now + self._beat_s
+                except MemsemError as exc:  # an outage: retry soon, never die silently
+                    if now >= quiet_until:  # once per TTL, not at every retry
+                        log.warning("memsem heartbeat to %s failed (retried every %g s): %s",
+                                    _safe_url(self.url), self.check_s, exc)
+                        quiet_until = now + self.ttl
+                    beat_due = now + self.check_s
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """Re-read the watched ranks (PING when none: the smoothness needs regular calls);
+        forget ranks nobody asked about for ``10 x ttl``."""
+        now = time.monotonic_ns()
+        with self._mlock:
+            for r in [r for r, v in self._views.items() if now - v.asked_ns > 10 * self.ttl * 1e9]:
+                del self._views[r]
+            ranks = list(self._views)
+        if ranks:
+            self._read_ranks(ranks)
+        else:
             try:
-                self.heartbeat(rank)
-            except MemsemError as exc:  # a Redis hiccup: retry next beat, never die silently
-                log.warning("memsem heartbeat to %s failed: %s", _safe_url(self.url), exc)
+                self._mcall(self._mclient.ping)
+            except PeerLostError:
+                pass
 
     def heartbeat(self, rank: int) -> None:
-        """Refresh the rank key (only while it still holds this runtime's token) and every
-        window, name and entry this runtime wrote."""
-        key = self._k("rank", str(rank))
-        if not self._call(self._beat, keys=[key], args=[self._token, self._ttl_ms]):
-            if not self.lost_rank:
-                log.error("memsem rank %d of job %r expired in %s (this process stalled longer than "
-                          "the heartbeat TTL of %.1f s): its windows vanished for other nodes",
-                          rank, self.job, _safe_url(self.url), self.ttl)
-            self.lost_rank = True
+        """Refresh the rank record and every record this runtime wrote. A rank record that
+        expired while this runtime lived is re-claimed with the same incarnation, and records
+        that expired are written again; a rank another runtime took is lost for good
+        (``lost_rank``; logged once).
+
+        Raises:
+            PeerLostError: the server did not answer within ``member_timeout``.
+        """
+        key, hold = self._k("rank", str(rank)), self._k("hold", str(rank))
+        rc = self._mcall(self._beat, keys=[key, hold], args=[self._token, self._ttl_ms, self._reserve_ms],
+                         client=self._mclient)
+        if rc == 0:
+            counter = f"{self.prefix}incarnation"
+            rc = self._mcall(self._claim, keys=[key, hold, counter],
+                             args=[self._rank_value, self._token, self._ttl_ms, self._reserve_ms,
+                                   self.incarnation or 0, _COUNTER_MS], client=self._mclient)
+            if rc == 1:
+                self.reclaims += 1
+                log.warning("memsem rank %d of job %r expired in %s while this runtime lived (a directory "
+                            "outage, or a stall past the TTL of %g s): re-claimed, incarnation %s", rank,
+                            self.job, _safe_url(self.url), self.ttl, self.incarnation)
+        if rc != 1:
+            self._lose(rank)
             return
         with self._lock:
             own = list(self._own)
-        if own:
-            pipe = self.client.pipeline(transaction=False)
-            for k in own:
-                pipe.pexpire(k, self._ttl_ms)
-            self._call(pipe.execute)
+        if not own:
+            return
+        pipe = self._mclient.pipeline(transaction=False)
+        for k in own:
+            pipe.pexpire(k, self._ttl_ms)
+        gone = [k for k, ok in zip(own, self._mcall(pipe.execute)) if not ok]
+        if gone:
+            with self._lock:  # a record removed meanwhile is not written again (remove_* hold it)
+                back = [(k, self._own[k]) for k in gone if k in self._own]
+                if back:
+                    pipe = self._mclient.pipeline(transaction=False)
+                    for k, value in back:
+                        pipe.set(k, value, px=self._ttl_ms, nx=True)
+                    self._mcall(pipe.execute)
+                    self.restored += len(back)
+
+    def _lose(self, rank: int) -> None:
+        if self.lost_rank:
+            return
+        try:
+            other = self.rank_record(rank)
+        except MemsemError:
+            other = None
+        who = "another runtime" if other is None else \
+            f"pid {other.get('pid')} on {other.get('node')!r} (incarnation {other.get('incarnation')})"
+        self._lost_why = (f"its rank {rank} of job {self.job!r} expired in {_safe_url(self.url)} and {who} "
+                          f"took it (this runtime was cut off or stalled longer than the TTL of {self.ttl:g} s "
+                          f"and the reservation of {RESERVE_TTLS} TTLs)")
+        self.lost_rank = True
+        log.error("memsem runtime (incarnation %s): %s; its windows are gone for other nodes and it "
+                  "can publish nothing more: create a new Runtime", self.incarnation, self._lost_why)
+
+    def _check_rank(self) -> None:
+        if self.lost_rank:
+            raise PeerLostError(f"this runtime cannot publish: {self._lost_why}; create a new Runtime")
 
     # -- windows ----------------------------------------------------------------------------------
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
+        self._check_rank()
         wkey = self._k("w", f"{gva:016x}")
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(wkey, self._encode(wkey, record, key), px=self._ttl_ms)
-        pipe.delete(self._k("c", f"{gva:016x}"))
-        keys = [wkey]
+        values = {wkey: self._encode(wkey, record, key)}
         if name:
             nkey = self._k("n", name.encode().hex())
-            pipe.set(nkey, self._encode(nkey, f"{gva:016x}"), px=self._ttl_ms)
-            keys.append(nkey)
+            values[nkey] = self._encode(nkey, f"{gva:016x}")
+        pipe = self.client.pipeline(transaction=True)
+        for k, value in values.items():
+            pipe.set(k, value, px=self._ttl_ms)
+        pipe.delete(self._k("c", f"{gva:016x}"))
         self._call(pipe.execute)
         with self._lock:
-            self._own.update(keys)
+            self._own.update(values)
 
     def remove_window(self, gva: int, name: str) -> None:
         wkey = self._k("w", f"{gva:016x}")
         keys = [wkey, self._k("l", f"{gva:016x}"), self._k("c", f"{gva:016x}")]
         if name and self.lookup(name) == gva:
             keys.append(self._k("n", name.encode().hex()))
+        with self._lock:  # first: the heartbeat writes no removed record again
+            for k in keys:
+                self._own.pop(k, None)
         self._call(self.client.delete, *keys)
-        with self._lock:
-            self._own.difference_update(keys)
 
     def get_window(self, gva: int) -> dict[str, Any] | None:
         val = self._get(self._k("w", f"{gva:016x}"))
@@ -424,16 +698,32 @@ class RedisDirectory(Directory):
         self._call(self.client.zrem, self._k("l", f"{gva:016x}"), member)
 
     def lease_holders(self, gva: int, *, closing: bool = False) -> list[tuple[int, float]]:
-        """``(holder pid, seconds left)`` of unexpired leases of live holders (reaping the
-        others). ``closing``: first mark the window closing (no new leases), atomically."""
+        """``(holder pid, seconds left)`` of unexpired leases of live holders. ``closing``: first
+        mark the window closing (no new leases), atomically. A holder counts as live while its
+        rank record names it, and while it is absent but not yet GONE (it may be re-claiming it
+        after a directory outage); the leases of gone holders are reaped."""
         g = f"{gva:016x}"
-        out = self._call(self._holders, keys=[self._k("l", g), self._k("c", g)],
+        lkey = self._k("l", g)
+        out = self._call(self._holders, keys=[lkey, self._k("c", g)],
                          args=[self._k("rank", ""), "1" if closing else "0", max(self._ttl_ms, 600_000)])
-        res = []
-        for i in range(0, len(out), 2):
+        t1 = time.monotonic_ns()
+        res, reap = [], []
+        for i in range(0, len(out), 3):
             member = out[i].decode() if isinstance(out[i], bytes) else str(out[i])
-            left = float(out[i + 1]) / 1000.0
-            res.append((int(member.split(":")[2]), left))
+            parts = member.split(":")
+            try:
+                node, pid, rank = bytes.fromhex(parts[1]).decode(), int(parts[2]), int(parts[3])
+            except (IndexError, ValueError):
+                reap.append(member)  # not a member this directory wrote
+                continue
+            state, rec, _ = self._judge(rank, out[i + 2], t1)
+            if state is MemberState.GONE or (state is MemberState.PRESENT and not (
+                    isinstance(rec, dict) and rec.get("pid") == pid and rec.get("node") == node)):
+                reap.append(member)
+                continue
+            res.append((pid, float(out[i + 1]) / 1000.0))
+        if reap:
+            self._call(self.client.zrem, lkey, *reap)
         return res
 
     def reopen_window(self, gva: int) -> None:
@@ -444,13 +734,15 @@ class RedisDirectory(Directory):
     def put_entry(self, key: str, record: dict[str, Any]) -> None:
         """Store ``record`` under ``key`` (with the heartbeat TTL) and wake the watches of its
         prefixes (a publish on ``ev:<key>``, pipelined with the write)."""
+        self._check_rank()
         rkey = self._k("e", check_entry_key(key))
+        value = self._encode(rkey, record)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(rkey, self._encode(rkey, record), px=self._ttl_ms)
+        pipe.set(rkey, value, px=self._ttl_ms)
         pipe.publish(self._k("ev", key), b"")
         self._call(pipe.execute)
         with self._lock:
-            self._own.add(rkey)
+            self._own[rkey] = value
 
     def get_entry(self, key: str) -> dict[str, Any] | None:
         val = self._get(self._k("e", check_entry_key(key)), strict=False)
@@ -458,9 +750,9 @@ class RedisDirectory(Directory):
 
     def remove_entry(self, key: str) -> None:
         rkey = self._k("e", check_entry_key(key))
-        self._call(self.client.delete, rkey)
         with self._lock:
-            self._own.discard(rkey)
+            self._own.pop(rkey, None)
+        self._call(self.client.delete, rkey)
 
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         head = self._k("e", "")
@@ -490,16 +782,18 @@ class RedisDirectory(Directory):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._mlock:
+            self._closed = True
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=self.ttl)
         self.client.close()
+        self._mclient.close()
 
     def __repr__(self) -> str:
-        return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl}s " \
-               f"{'signed' if self._mac_key else 'unsigned'}>"
+        return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl:g}s " \
+               f"{'signed' if self._mac_key else 'unsigned'} rank={self._rank} incarnation={self.incarnation}>"
 
 
 class _PubSubWatch(EntryWatch):
@@ -578,4 +872,4 @@ def _safe_url(url: str) -> str:
     return url
 
 
-__all__ = ["DEFAULT_TTL", "RedisDirectory"]
+__all__ = ["DEFAULT_TTL", "GRACE_TTLS", "RESERVE_TTLS", "RedisDirectory"]

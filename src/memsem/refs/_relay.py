@@ -81,7 +81,6 @@ from memsem.refs._state_dict import (
     publish_state_dict,
 )
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
-from memsem.core import RuntimeCore
 
 log = logging.getLogger(__name__)
 
