@@ -165,14 +165,15 @@ int memsem_protect(uint64_t addr, uint64_t nbytes, int writable);
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);
 
-/* ---- pipeline copy engine (native/memsem_pipe.c) --------------------------------------------
+/* ---- pipeline movers (native/memsem_pipe.c) -------------------------------------------------
  * Staging copies of pipelines' upcoming tiles on native threads that never need the GIL
- * (memsem/pipeline/_pipeline.py). A memsem_engine is one runtime's pool of copy workers
+ * (memsem/pipeline/_movers.py). A memsem_mover_pool is one runtime's pool of copy workers
  * (created on demand, up to max_workers, parked on a futex between jobs, joined by
- * memsem_engine_shutdown). A memsem_pipe is one pipeline's job: the caller fills it (zeroed, then
- * the "set by the caller" fields), submits runs of it, and keeps everything it points at alive
- * and mapped until memsem_pipe_join returned 0: the plan (its resolution), the destination, the
- * rc/t_move arrays, the lease slot.
+ * memsem_mover_pool_shutdown); not an engine (a transport): it copies through the plan of a
+ * resolution. A memsem_pipe is one pipeline's job: the caller fills it (zeroed, then the "set by
+ * the caller" fields), submits runs of it, and keeps everything it points at alive and mapped
+ * until memsem_pipe_join returned 0: the plan (its resolution), the destination, the rc/t_move
+ * arrays, the lease slot.
  *
  * Tile i (bytes [i * tile_bytes, ...) of the ref) goes to slot i % n_slots. A run copies tiles
  * first..n_tiles-1 in order; tile i waits until the caller released tile i - n_slots
@@ -196,16 +197,16 @@ uint64_t memsem_monotonic_ns(void);
 #define MEMSEM_PIPE_YOURS 37      /* memsem_pipe_wait: the tile was unclaimed; the caller claimed it */
 #define MEMSEM_PIPE_SLICE_NS 20000000   /* longest sleep of a worker between re-checks */
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
-#define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the engine's stop this often */
+#define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
 #define MEMSEM_PIPE_QUEUED 1      /* submitted, no worker took it yet */
 #define MEMSEM_PIPE_RUNNING 2     /* a worker runs it */
 
-typedef struct memsem_engine memsem_engine;  /* opaque */
+typedef struct memsem_mover_pool memsem_mover_pool;  /* opaque */
 
 typedef struct memsem_pipe {
-    /* set by the caller before memsem_engine_submit */
+    /* set by the caller before memsem_mover_pool_submit */
     memsem_plan *plan;          /* the resolution's plan the tiles are copied through */
     uint64_t ref_offset;        /* the ref's first byte in the window */
     uint64_t ref_nbytes;        /* bytes of the ref */
@@ -233,7 +234,7 @@ typedef struct memsem_pipe {
     uint32_t claim;             /* the next tile nobody started copying (compare-and-swap) */
 
     uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
-    struct memsem_pipe *next;   /* the engine's queue (under its lock) */
+    struct memsem_pipe *next;   /* the pool's queue (under its lock) */
     /* counters, read by the caller at any time */
     uint64_t move_ns;           /* time in memsem_plan_copy */
     uint64_t ready_wait_ns;     /* time waiting for ready words */
@@ -243,27 +244,27 @@ typedef struct memsem_pipe {
     uint64_t tiles_moved;
 } memsem_pipe;
 
-/* A new engine of at most max_workers workers (none started yet); NULL when out of memory. */
-memsem_engine *memsem_engine_new(uint32_t max_workers);
+/* A new mover pool of at most max_workers workers (none started yet); NULL when out of memory. */
+memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers);
 /* Queue a run of p (tiles first..n_tiles-1) for a worker; wakes a parked one or starts one
  * (signals blocked) when none is free. 0, -EBUSY (p has a run not yet joined), -EINVAL (bad
- * geometry), -ESHUTDOWN (the engine is shut down) or -errno of pthread_create (then no worker
+ * geometry), -ESHUTDOWN (the pool is shut down) or -errno of pthread_create (then no worker
  * exists at all: the caller moves the tiles itself). */
-int memsem_engine_submit(memsem_engine *e, memsem_pipe *p);
+int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p);
 /* Stop every worker (they end after the copy in progress: stop each pipe first) and join them,
- * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the engine must then never
- * be freed; memsem_engine_shutdown may be called again). Later submits fail. */
-int memsem_engine_shutdown(memsem_engine *e, double timeout_s);
-/* Free a shut-down engine (after memsem_engine_shutdown returned 0). */
-void memsem_engine_free(memsem_engine *e);
+ * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the pool must then never
+ * be freed; memsem_mover_pool_shutdown may be called again). Later submits fail. */
+int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s);
+/* Free a shut-down pool (after memsem_mover_pool_shutdown returned 0). */
+void memsem_mover_pool_free(memsem_mover_pool *pool);
 /* Workers started so far (alive or joined). */
-uint32_t memsem_engine_workers(memsem_engine *e);
+uint32_t memsem_mover_pool_workers(memsem_mover_pool *pool);
 /* Ask p's run to stop (sets the stop bit, wakes the worker); it ends after the copy in progress. */
 void memsem_pipe_stop(memsem_pipe *p);
 /* Wait at most timeout_s until no worker uses p: a queued run is taken off the queue at once;
  * a running one is waited for. 0 (also when nothing was submitted), -ETIMEDOUT (keep everything
  * alive and join later). */
-int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s);
+int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
 /* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
  * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
  * it: it copies the tile itself); MEMSEM_PIPE_WAITING when not finished in time;
@@ -272,7 +273,7 @@ int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s);
 uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s);
 /* The caller released its oldest held tile (one call per tile, in tile order). */
 void memsem_pipe_release(memsem_pipe *p);
-/* ---- end of pipeline copy engine ------------------------------------------------------------- */
+/* ---- end of pipeline movers ------------------------------------------------------------------ */
 
 /* ---- async word waiter (native/memsem_wait.c) ------------------------------------------------
  * Waits on many shared 32/64-bit words at once, for memsem.core._async.AsyncWordWaiter:

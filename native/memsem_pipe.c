@@ -1,8 +1,9 @@
-/* memsem pipeline copy engine: staging copies of pipelines' upcoming tiles on native threads
- * that never need the GIL. See the "pipeline copy engine" block of memsem_native.h for the
- * contract; memsem/pipeline/_pipeline.py is the only user.
+/* memsem pipeline movers: staging copies of pipelines' upcoming tiles on native threads that
+ * never need the GIL. See the "pipeline movers" block of memsem_native.h for the contract;
+ * memsem/pipeline/_movers.py is the only user. (The word "engine" means a transport in memsem;
+ * this is not one: it moves through the plan of a resolution the runtime made.)
  *
- * One engine per runtime: a pool of workers started on demand and parked on a futex between
+ * One mover pool per runtime: copy workers started on demand and parked on a futex between
  * jobs. A job is one run of one pipeline: for each of its tiles, wait for the tile's staging slot
  * (the caller released the tile that used it), claim the tile (unless the caller took it), wait
  * for the window's ready words of the tile (when asked; holding the plan's use word, so the
@@ -11,7 +12,7 @@
  * and hand it over: the tile's result in its slot's word, then the count of finished tiles (a
  * futex the caller sleeps on). Any outcome but a plain success ends the run at that tile: the
  * caller handles it (retries, errors) and may submit a new run at the next tile. All waits are
- * bounded slices that re-check the stop bit. The pipe's and engine's own words use private
+ * bounded slices that re-check the stop bit. The pipe's and the pool's own words use private
  * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
  */
 #define _GNU_SOURCE
@@ -46,7 +47,7 @@ static void swake(uint32_t *addr) {
     syscall(SYS_futex, addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
-/* The pipe's and the engine's own words: private futexes. */
+/* The pipe's and the pool's own words: private futexes. */
 static void pwait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
     struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
     syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, &ts, NULL, 0);
@@ -182,8 +183,8 @@ static void run(memsem_pipe *p) {
     }
 }
 
-/* ---- the engine: a pool of workers and a queue of runs ------------------------------------ */
-struct memsem_engine {
+/* ---- the mover pool: copy workers and a queue of runs --------------------------------------- */
+struct memsem_mover_pool {
     pthread_mutex_t lock;       /* the queue, the counts, the worker table */
     memsem_pipe *head, *tail;   /* runs no worker took yet */
     uint32_t jobs;              /* futex parked workers sleep on: bumped per submit and at stop */
@@ -196,28 +197,28 @@ struct memsem_engine {
 };
 
 struct worker_arg {
-    memsem_engine *e;
+    memsem_mover_pool *pool;
     uint32_t index;
 };
 
 static void *worker(void *arg) {
     struct worker_arg wa = *(struct worker_arg *)arg;
     free(arg);
-    memsem_engine *e = wa.e;
-    pthread_mutex_lock(&e->lock);
+    memsem_mover_pool *pool = wa.pool;
+    pthread_mutex_lock(&pool->lock);
     for (;;) {
-        memsem_pipe *p = e->head;
+        memsem_pipe *p = pool->head;
         if (p) {
-            e->head = p->next;
-            if (!e->head) e->tail = NULL;
+            pool->head = p->next;
+            if (!pool->head) pool->tail = NULL;
             p->next = NULL;
-            e->queued--;
+            pool->queued--;
             __atomic_store_n(&p->state, MEMSEM_PIPE_RUNNING, __ATOMIC_SEQ_CST);
-            e->current[wa.index] = p;
-            pthread_mutex_unlock(&e->lock);
+            pool->current[wa.index] = p;
+            pthread_mutex_unlock(&pool->lock);
             run(p);
-            pthread_mutex_lock(&e->lock);
-            e->current[wa.index] = NULL;
+            pthread_mutex_lock(&pool->lock);
+            pool->current[wa.index] = NULL;
             /* The last touch of p: its caller may free it once it reads FREE (the private wakes
              * below need no memory of it). */
             __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
@@ -225,122 +226,122 @@ static void *worker(void *arg) {
             pwake(&p->done, INT32_MAX);
             continue;
         }
-        if (e->stop) break;
-        uint32_t seq = __atomic_load_n(&e->jobs, __ATOMIC_SEQ_CST);
-        e->idle++;
-        pthread_mutex_unlock(&e->lock);
-        pwait_ns(&e->jobs, seq, MEMSEM_PIPE_PARK_NS);
-        pthread_mutex_lock(&e->lock);
-        e->idle--;
+        if (pool->stop) break;
+        uint32_t seq = __atomic_load_n(&pool->jobs, __ATOMIC_SEQ_CST);
+        pool->idle++;
+        pthread_mutex_unlock(&pool->lock);
+        pwait_ns(&pool->jobs, seq, MEMSEM_PIPE_PARK_NS);
+        pthread_mutex_lock(&pool->lock);
+        pool->idle--;
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&pool->lock);
     return NULL;
 }
 
-memsem_engine *memsem_engine_new(uint32_t max_workers) {
+memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers) {
     if (max_workers == 0) max_workers = 1;
-    memsem_engine *e = calloc(1, sizeof *e);
-    if (!e) return NULL;
-    e->threads = calloc(max_workers, sizeof *e->threads);
-    e->joined = calloc(max_workers, 1);
-    e->current = calloc(max_workers, sizeof *e->current);
-    if (!e->threads || !e->joined || !e->current) {
-        free(e->threads);
-        free(e->joined);
-        free(e->current);
-        free(e);
+    memsem_mover_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->threads = calloc(max_workers, sizeof *pool->threads);
+    pool->joined = calloc(max_workers, 1);
+    pool->current = calloc(max_workers, sizeof *pool->current);
+    if (!pool->threads || !pool->joined || !pool->current) {
+        free(pool->threads);
+        free(pool->joined);
+        free(pool->current);
+        free(pool);
         return NULL;
     }
-    pthread_mutex_init(&e->lock, NULL);
-    e->max_workers = max_workers;
-    return e;
+    pthread_mutex_init(&pool->lock, NULL);
+    pool->max_workers = max_workers;
+    return pool;
 }
 
-uint32_t memsem_engine_workers(memsem_engine *e) {
-    pthread_mutex_lock(&e->lock);
-    uint32_t n = e->n_workers;
-    pthread_mutex_unlock(&e->lock);
+uint32_t memsem_mover_pool_workers(memsem_mover_pool *pool) {
+    pthread_mutex_lock(&pool->lock);
+    uint32_t n = pool->n_workers;
+    pthread_mutex_unlock(&pool->lock);
     return n;
 }
 
-/* Under e->lock. 0 or -errno of pthread_create. */
-static int start_worker(memsem_engine *e) {
+/* Under pool->lock. 0 or -errno of pthread_create. */
+static int start_worker(memsem_mover_pool *pool) {
     struct worker_arg *wa = malloc(sizeof *wa);
     if (!wa) return -ENOMEM;
-    wa->e = e;
-    wa->index = e->n_workers;
+    wa->pool = pool;
+    wa->index = pool->n_workers;
     /* Workers take no signals: they are the interpreter's, in its own threads. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int err = pthread_create(&e->threads[e->n_workers], NULL, worker, wa);
+    int err = pthread_create(&pool->threads[pool->n_workers], NULL, worker, wa);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         free(wa);
         return -err;
     }
-    e->n_workers++;
+    pool->n_workers++;
     return 0;
 }
 
-int memsem_engine_submit(memsem_engine *e, memsem_pipe *p) {
+int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
     if (p->n_slots == 0 || p->tile_bytes == 0 || p->first >= p->n_tiles || p->plan == NULL ||
         p->rc == NULL || p->t_move == NULL ||
         (p->ready_base && (p->window_tile_bytes == 0 || p->n_ready == 0)))
         return -EINVAL;
-    pthread_mutex_lock(&e->lock);
-    if (e->stop) {
-        pthread_mutex_unlock(&e->lock);
+    pthread_mutex_lock(&pool->lock);
+    if (pool->stop) {
+        pthread_mutex_unlock(&pool->lock);
         return -ESHUTDOWN;
     }
     if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) != MEMSEM_PIPE_FREE) {
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&pool->lock);
         return -EBUSY;
     }
     __atomic_store_n(&p->done, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->claim, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->state, MEMSEM_PIPE_QUEUED, __ATOMIC_SEQ_CST);
     p->next = NULL;
-    if (e->tail) e->tail->next = p;
-    else e->head = p;
-    e->tail = p;
-    e->queued++;
+    if (pool->tail) pool->tail->next = p;
+    else pool->head = p;
+    pool->tail = p;
+    pool->queued++;
     int rc = 0;
-    if (e->queued > e->idle && e->n_workers < e->max_workers) {
-        rc = start_worker(e);
-        if (rc && e->n_workers > 0) rc = 0;  /* the workers there are will take it */
+    if (pool->queued > pool->idle && pool->n_workers < pool->max_workers) {
+        rc = start_worker(pool);
+        if (rc && pool->n_workers > 0) rc = 0;  /* the workers there are will take it */
     }
     if (rc) {  /* no worker at all (none could start): take the run back */
-        e->head = e->tail = NULL;
-        e->queued = 0;
+        pool->head = pool->tail = NULL;
+        pool->queued = 0;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
     } else {
-        __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
     }
-    pthread_mutex_unlock(&e->lock);
-    if (!rc) pwake(&e->jobs, 1);
+    pthread_mutex_unlock(&pool->lock);
+    if (!rc) pwake(&pool->jobs, 1);
     return rc;
 }
 
-int memsem_engine_shutdown(memsem_engine *e, double timeout_s) {
-    pthread_mutex_lock(&e->lock);
-    e->stop = 1;
+int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s) {
+    pthread_mutex_lock(&pool->lock);
+    pool->stop = 1;
     /* Runs nobody took are dropped; runs in progress are asked to stop. */
-    for (memsem_pipe *p = e->head; p;) {
+    for (memsem_pipe *p = pool->head; p;) {
         memsem_pipe *n = p->next;
         p->next = NULL;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
         pwake(&p->state, INT32_MAX);
         p = n;
     }
-    e->head = e->tail = NULL;
-    e->queued = 0;
-    for (uint32_t i = 0; i < e->n_workers; i++)
-        if (e->current[i]) memsem_pipe_stop(e->current[i]);
-    __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
-    uint32_t n = e->n_workers;
-    pthread_mutex_unlock(&e->lock);
-    pwake(&e->jobs, INT32_MAX);
+    pool->head = pool->tail = NULL;
+    pool->queued = 0;
+    for (uint32_t i = 0; i < pool->n_workers; i++)
+        if (pool->current[i]) memsem_pipe_stop(pool->current[i]);
+    __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
+    uint32_t n = pool->n_workers;
+    pthread_mutex_unlock(&pool->lock);
+    pwake(&pool->jobs, INT32_MAX);
     struct timespec abs;
     clock_gettime(CLOCK_REALTIME, &abs);
     uint64_t ns = (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
@@ -351,20 +352,20 @@ int memsem_engine_shutdown(memsem_engine *e, double timeout_s) {
         abs.tv_nsec -= 1000000000L;
     }
     for (uint32_t i = 0; i < n; i++) {
-        if (e->joined[i]) continue;
-        int err = pthread_timedjoin_np(e->threads[i], NULL, &abs);
+        if (pool->joined[i]) continue;
+        int err = pthread_timedjoin_np(pool->threads[i], NULL, &abs);
         if (err == ETIMEDOUT) return -ETIMEDOUT;
-        e->joined[i] = 1;
+        pool->joined[i] = 1;
     }
     return 0;
 }
 
-void memsem_engine_free(memsem_engine *e) {
-    pthread_mutex_destroy(&e->lock);
-    free(e->threads);
-    free(e->joined);
-    free(e->current);
-    free(e);
+void memsem_mover_pool_free(memsem_mover_pool *pool) {
+    pthread_mutex_destroy(&pool->lock);
+    free(pool->threads);
+    free(pool->joined);
+    free(pool->current);
+    free(pool);
 }
 
 /* ---- the pipe, caller side ------------------------------------------------------------------ */
@@ -375,23 +376,23 @@ void memsem_pipe_stop(memsem_pipe *p) {
     if (a) swake((uint32_t *)(uintptr_t)a);  /* a ready word: waking its other waiters is harmless */
 }
 
-int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s) {
-    pthread_mutex_lock(&e->lock);
+int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s) {
+    pthread_mutex_lock(&pool->lock);
     if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) == MEMSEM_PIPE_QUEUED) {
-        memsem_pipe **at = &e->head, *prev = NULL;
+        memsem_pipe **at = &pool->head, *prev = NULL;
         while (*at && *at != p) {
             prev = *at;
             at = &(*at)->next;
         }
         if (*at) {
             *at = p->next;
-            if (e->tail == p) e->tail = prev;
-            e->queued--;
+            if (pool->tail == p) pool->tail = prev;
+            pool->queued--;
         }
         p->next = NULL;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&pool->lock);
     uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     for (;;) {
         uint32_t st = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);

@@ -21,7 +21,7 @@ import pytest
 import memsem
 from memsem import MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError, StaleReferenceError
 from memsem.pipeline import Pipeline, PipelineStats
-from memsem.pipeline import _pipeline as pipeline_mod
+from memsem.pipeline import _movers, _tiling
 
 from tests._proc import idle_producer as _idle_producer, recv, reap, spawn
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ def test_abandoned_pipeline_stops_its_mover():
         del p
         import gc
 
-        gc.collect()  # the finalizer stops and joins the engine's thread
+        gc.collect()  # the finalizer stops and joins the mover's worker
         assert not mover.running()
 
 
@@ -437,12 +437,12 @@ def test_sigkilled_producer_ends_pipeline_with_peer_lost():
 
                 def waiting() -> str:
                     """Who waits on tile 1's ready word: the caller (its liveness checks count
-                    up) or the native copy engine's worker (asleep on the word)."""
+                    up) or a native copy worker (asleep on the word)."""
                     if peer.checks > checks0 + 1:
                         return "caller"
                     m = pipe._mover
                     if m is not None and getattr(m, "_p", None) is not None and int(m._p.sleep_addr):
-                        return "engine"
+                        return "worker"
                     return ""
 
                 end = time.monotonic() + 60  # a bound on the spin, not a timing assertion
@@ -488,9 +488,9 @@ def test_rl_dataflow_example_small():
     assert "result matches the whole-data computation" in r.stdout
 
 
-# -- the native copy engine ------------------------------------------------------------------------
-def test_engine_copies_without_the_gil():
-    """The engine's thread never needs the GIL: with a switch interval no Python thread could
+# -- the native movers ------------------------------------------------------------------------------
+def test_native_mover_copies_without_the_gil():
+    """The native mover's worker never needs the GIL: with a switch interval no Python thread could
     get the GIL through, it still moves every tile ahead while this thread spins in Python."""
     data = pattern(8 * 65536, 7)
     with memsem.Runtime() as rt:
@@ -498,37 +498,37 @@ def test_engine_copies_without_the_gil():
         with rt.pipeline(ref, tile_bytes=65536, depth=8, zero_copy=False, timeout=10) as p:
             t0 = next(p)
             assert p.stats.mover == "native"
-            engine = p._mover._p
+            mover = p._mover
             old = sys.getswitchinterval()
             sys.setswitchinterval(100.0)
             try:
                 end = time.monotonic() + 20  # a bound on the spin, not a timing assertion
-                while engine.done < 8 and time.monotonic() < end:
+                while mover.done < 8 and time.monotonic() < end:
                     pass
             finally:
                 sys.setswitchinterval(old)
-            assert engine.done == 8
+            assert mover.done == 8
             got = [t0.raw.copy()] + [t.raw.copy() for t in p]
         assert np.array_equal(np.concatenate(got), data)
 
 
-def test_write_section_mid_stream_is_waited_for_then_the_engine_goes_on():
-    """A tile the engine meets inside an open write section is moved by the caller once the
-    section closes (the new version's bytes); the engine then takes the remaining tiles."""
+def test_write_section_mid_stream_is_waited_for_then_the_mover_goes_on():
+    """A tile the native mover meets inside an open write section is moved by the caller once the
+    section closes (the new version's bytes); the mover then takes the remaining tiles."""
     with memsem.Runtime() as rt:
         a = rt.alloc(8 * 4096, np.uint8)
         a[:] = 1
         ref = rt.publish(a, access="rw", name="ws")
         with rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=10) as p:
-            got = [int(next(p).raw[0])]  # tile 0; the engine moves tile 1, then waits for a slot
+            got = [int(next(p).raw[0])]  # tile 0; the mover moves tile 1, then waits for a slot
             end = time.monotonic() + 20
-            while p._mover._p.done < 2 and time.monotonic() < end:
+            while p._mover.done < 2 and time.monotonic() < end:
                 time.sleep(0.001)
-            assert p._mover._p.done == 2
+            assert p._mover.done == 2
             ws = rt.write_section(ref)
             ws.__enter__()
             a[:] = 2
-            got.append(int(next(p).raw[0]))  # tile 1 (moved before); releasing 0 lets the engine try 2
+            got.append(int(next(p).raw[0]))  # tile 1 (moved before); releasing 0 lets the mover try 2
             timer = threading.Timer(0.2, ws.__exit__, (None, None, None))
             timer.start()
             got += [int(t.raw[0]) for t in p]
@@ -563,7 +563,7 @@ def test_lease_released_mid_stream_fails_the_stream():
                     pass
 
 
-def test_runtime_close_joins_the_engine():
+def test_runtime_close_joins_the_movers():
     rt = memsem.Runtime()
     ref = rt.publish(pattern(64 * 4096))
     p = rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=10)
@@ -582,7 +582,7 @@ def test_automatic_tiles_small_is_one_get_large_overlaps():
         assert p.explanation.startswith("one tile (a plain get)")
         big = rt.publish(np.zeros(256 << 20, np.uint8))
         with rt.pipeline(big, zero_copy=False) as p:
-            assert 2 <= len(p) <= pipeline_mod.AUTO_MAX_TILES
+            assert 2 <= len(p) <= _tiling.AUTO_MAX_TILES
             assert "automatic" in p.explanation
             n = sum(t.nbytes for t in p)
         assert n == big.nbytes and p.stats.mover == "native"
@@ -600,9 +600,9 @@ def test_given_tile_bytes_are_honoured_and_their_cost_explained():
 
 def test_tiles_auto_rows():
     """Automatic tiles cover whole rows when rows are smaller than a tile."""
-    tile, why = pipeline_mod.auto_tiles(64 << 20, 1e-6, 8e9, row_bytes=3000, itemsize=4)
+    tile, why = _tiling.auto_tiles(64 << 20, 1e-6, 8e9, row_bytes=3000, itemsize=4)
     assert tile % 3000 == 0 and "tiles of" in why
-    tile, why = pipeline_mod.auto_tiles(64 << 10, 1e-6, 8e9, row_bytes=3000, itemsize=4)
+    tile, why = _tiling.auto_tiles(64 << 10, 1e-6, 8e9, row_bytes=3000, itemsize=4)
     assert tile == 64 << 10 and why.startswith("one tile")
 
 
@@ -614,7 +614,7 @@ def _fork_child_iterates(conn, data):
         p = rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=5)
         next(p)
         pid = os.fork()
-        if pid == 0:  # the child: no copy engine here; it says so at once and closes cleanly
+        if pid == 0:  # the child: no copy workers here; it says so at once and closes cleanly
             code = 1
             try:
                 next(p)
@@ -633,7 +633,7 @@ def _fork_child_iterates(conn, data):
 
 
 @pytest.mark.multiproc
-def test_forked_child_has_no_engine():
+def test_forked_child_has_no_movers():
     p, conn = spawn(_fork_child_iterates, pattern(8 * 4096))
     try:
         code, rest = recv(conn, 60)
@@ -642,8 +642,8 @@ def test_forked_child_has_no_engine():
         reap([p])
 
 
-def test_one_engine_per_runtime_serves_concurrent_pipelines_and_is_joined_at_close():
-    """Two pipelines streaming at once share the runtime's copy engine (its workers are
+def test_one_mover_pool_per_runtime_serves_concurrent_pipelines_and_is_joined_at_close():
+    """Two pipelines streaming at once share the runtime's mover pool (its workers are
     started on demand, at most one per CPU); closing the runtime joins them."""
     rt = memsem.Runtime()
     a = rt.publish(pattern(32 * 4096, 1))
@@ -656,10 +656,10 @@ def test_one_engine_per_runtime_serves_concurrent_pipelines_and_is_joined_at_clo
         got_b.append(tb.raw.copy())
     assert np.array_equal(np.concatenate(got_a), pattern(32 * 4096, 1))
     assert np.array_equal(np.concatenate(got_b), pattern(32 * 4096, 2))
-    engine = pipeline_mod.copy_engine(rt.core)
-    assert pa._mover is None or pa._mover._engine is engine
-    assert 1 <= engine.workers <= min(pipeline_mod.MAX_WORKERS, os.cpu_count() or 1)
+    pool = _movers.mover_pool(rt.core)
+    assert pa._mover is None or pa._mover.pool is pool
+    assert 1 <= pool.workers <= min(_movers.MAX_WORKERS, os.cpu_count() or 1)
     rt.close()
-    assert engine._shut  # every worker joined
-    with memsem.Runtime() as rt2:  # a new runtime gets a new engine
-        assert pipeline_mod.copy_engine(rt2.core) is not engine
+    assert pool.shut  # every worker joined
+    with memsem.Runtime() as rt2:  # a new runtime gets a new pool
+        assert _movers.mover_pool(rt2.core) is not pool
