@@ -14,6 +14,12 @@
  * caller handles it (retries, errors) and may submit a new run at the next tile. All waits are
  * bounded slices that re-check the stop bit. The pipe's and the pool's own words use private
  * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
+ *
+ * The caller never waits on a worker the scheduler does not run (a loaded machine): workers run
+ * under SCHED_BATCH (waking one never preempts the caller), a submit that finds the pool's lock
+ * held returns -EAGAIN instead of waiting, a copy far past its modelled time is taken over
+ * (memsem_pipe_take_over), and the Python side's close stops a run without joining it (it keeps
+ * the memory until a later join finds the run ended).
  */
 #define _GNU_SOURCE
 #include "memsem_native.h"
@@ -22,6 +28,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +36,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define STOP_BIT 0x80000000u
+/* memsem_pipe.released: the count of released tiles, and two flags on top */
+#define STOP_BIT 0x80000000u    /* end the run (the worker claims no further tile) */
+#define CLOSED_BIT 0x40000000u  /* the pipe is stopped for good: no later run */
+#define COUNT_MASK 0x3fffffffu
+/* memsem_pipe_wait: with patience, a caller whose tile the worker is not copying yet re-checks
+ * this often whether it started (and then whether it is late) */
+#define RECHECK_NS 1000000ull
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -80,10 +93,10 @@ static int wait_slot(memsem_pipe *p, uint32_t need) {
     for (;;) {
         uint32_t r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
         if (r & STOP_BIT) return 1;
-        if (r >= need) return 0;
+        if ((r & COUNT_MASK) >= need) return 0;
         __atomic_store_n(&p->sleeping, 1, __ATOMIC_SEQ_CST);
         r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
-        if (!(r & STOP_BIT) && r < need) pwait_ns(&p->released, r, MEMSEM_PIPE_SLICE_NS);
+        if (!(r & STOP_BIT) && (r & COUNT_MASK) < need) pwait_ns(&p->released, r, MEMSEM_PIPE_SLICE_NS);
         __atomic_store_n(&p->sleeping, 0, __ATOMIC_SEQ_CST);
     }
 }
@@ -170,8 +183,12 @@ static void run(memsem_pipe *p) {
             }
         }
         uint64_t dst = p->slot_bytes ? p->dst + (uint64_t)(i % p->n_slots) * p->slot_bytes : p->dst + off;
-        uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, 0, p->lease_slot,
+        /* The caller may take a late copy over (memsem_pipe_take_over): it watches these. */
+        __atomic_store_n(&p->active_since, t1, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->active, i + 1, __ATOMIC_SEQ_CST);
+        uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, p->version, p->lease_slot,
                                        p->lease_id);
+        __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
         uint64_t t2 = now_ns();
         __atomic_fetch_add(&p->move_ns, t2 - t1, __ATOMIC_RELAXED);
         if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_OK) {
@@ -204,6 +221,10 @@ struct worker_arg {
 static void *worker(void *arg) {
     struct worker_arg wa = *(struct worker_arg *)arg;
     free(arg);
+    /* Batch scheduling: waking a worker never preempts the thread that woke it (the caller, about
+     * to copy or compute); on an idle CPU the worker runs at once all the same. */
+    struct sched_param sp = {0};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
     memsem_mover_pool *pool = wa.pool;
     pthread_mutex_lock(&pool->lock);
     for (;;) {
@@ -289,8 +310,10 @@ int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
         p->rc == NULL || p->t_move == NULL ||
         (p->ready_base && (p->window_tile_bytes == 0 || p->n_ready == 0)))
         return -EINVAL;
-    pthread_mutex_lock(&pool->lock);
-    if (pool->stop) {
+    /* Never wait for the pool's lock: a worker descheduled while holding it (a loaded machine)
+     * would hold the caller for a scheduler period; the caller copies the tile itself instead. */
+    if (pthread_mutex_trylock(&pool->lock)) return -EAGAIN;
+    if (pool->stop || (__atomic_load_n(&p->released, __ATOMIC_SEQ_CST) & CLOSED_BIT)) {
         pthread_mutex_unlock(&pool->lock);
         return -ESHUTDOWN;
     }
@@ -298,6 +321,8 @@ int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
         pthread_mutex_unlock(&pool->lock);
         return -EBUSY;
     }
+    __atomic_fetch_and(&p->released, ~STOP_BIT, __ATOMIC_SEQ_CST);  /* a run the caller ended */
+    __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->done, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->claim, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->state, MEMSEM_PIPE_QUEUED, __ATOMIC_SEQ_CST);
@@ -369,15 +394,40 @@ void memsem_mover_pool_free(memsem_mover_pool *pool) {
 }
 
 /* ---- the pipe, caller side ------------------------------------------------------------------ */
-void memsem_pipe_stop(memsem_pipe *p) {
-    __atomic_fetch_or(&p->released, STOP_BIT, __ATOMIC_SEQ_CST);
+static void end_run(memsem_pipe *p, uint32_t bits) {
+    __atomic_fetch_or(&p->released, bits, __ATOMIC_SEQ_CST);
     pwake(&p->released, INT32_MAX);
     uint64_t a = __atomic_load_n(&p->sleep_addr, __ATOMIC_SEQ_CST);
     if (a) swake((uint32_t *)(uintptr_t)a);  /* a ready word: waking its other waiters is harmless */
 }
 
+void memsem_pipe_stop(memsem_pipe *p) {
+    end_run(p, STOP_BIT | CLOSED_BIT);
+}
+
+uint64_t memsem_pipe_take_over(memsem_pipe *p, uint32_t tile) {
+    /* The stop bit first, then the count: a worker that had not handed the tile over when the
+     * bit became visible claims nothing after it (it checks the bit before every claim). */
+    end_run(p, STOP_BIT);
+    if (__atomic_load_n(&p->done, __ATOMIC_SEQ_CST) > tile) return p->rc[tile % p->n_slots];
+    return MEMSEM_PIPE_LATE;
+}
+
+uint64_t memsem_pipe_result(memsem_pipe *p, uint32_t tile) {
+    return p->rc[tile % p->n_slots];
+}
+
 int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s) {
-    pthread_mutex_lock(&pool->lock);
+    uint32_t st0 = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
+    if (st0 == MEMSEM_PIPE_FREE) return 0;
+    if (st0 == MEMSEM_PIPE_QUEUED) {
+        /* Off the queue (under the lock: a worker may be taking it). Without a timeout, a lock
+         * held by a descheduled worker is not waited for: join again later. */
+        if (timeout_s > 0) pthread_mutex_lock(&pool->lock);
+        else if (pthread_mutex_trylock(&pool->lock)) return -ETIMEDOUT;
+    } else {
+        goto wait;
+    }
     if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) == MEMSEM_PIPE_QUEUED) {
         memsem_pipe **at = &pool->head, *prev = NULL;
         while (*at && *at != p) {
@@ -393,6 +443,7 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s) 
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&pool->lock);
+wait:;
     uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     for (;;) {
         uint32_t st = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
@@ -409,12 +460,23 @@ static int take(memsem_pipe *p, uint32_t tile) {
            __atomic_compare_exchange_n(&p->claim, &want, tile + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
+/* 1 when the worker has been copying tile for longer than patience_ns; else 0, and *left the ns
+ * until it would be (or RECHECK_NS when it is not copying the tile). */
+static int late(memsem_pipe *p, uint32_t tile, uint64_t patience_ns, uint64_t now, uint64_t *left) {
+    *left = RECHECK_NS;
+    if (!patience_ns || __atomic_load_n(&p->active, __ATOMIC_SEQ_CST) != tile + 1) return 0;
+    uint64_t since = __atomic_load_n(&p->active_since, __ATOMIC_RELAXED);
+    if (now >= since + patience_ns) return 1;
+    *left = since + patience_ns - now;
+    return 0;
+}
+
+uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint64_t patience_ns) {
     uint32_t d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE);
     if (d > tile) return p->rc[tile % p->n_slots];
     if (take(p, tile)) return MEMSEM_PIPE_YOURS;
     /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for. */
-    uint64_t t0 = now_ns();
+    uint64_t t0 = now_ns(), left;
     while ((d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
            __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
         for (int k = 0; k < 64; k++) cpu_relax();
@@ -431,11 +493,17 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
                 return take(p, tile) ? MEMSEM_PIPE_YOURS : MEMSEM_PIPE_IDLE;
             }
             uint64_t t = now_ns();
+            if (late(p, tile, patience_ns, t, &left)) {
+                __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
+                return MEMSEM_PIPE_LATE;
+            }
             if (t >= deadline) {
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return MEMSEM_PIPE_WAITING;
             }
-            pwait_ns(&p->done, d, deadline - t);
+            uint64_t ns = deadline - t;
+            if (patience_ns && left < ns) ns = left;
+            pwait_ns(&p->done, d, ns);
         }
         __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
     }

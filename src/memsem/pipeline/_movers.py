@@ -16,6 +16,7 @@ transport): it copies through the plan of a resolution the runtime made.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -38,6 +39,13 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 #: most workers of a runtime's mover pool (fewer on smaller machines: one per CPU)
 MAX_WORKERS = 4
+#: most tiles a native mover takes (the pipe's tile counters share their words with two flags)
+MAX_NATIVE_TILES = (1 << 30) - 1
+#: the caller takes a tile over from a worker copying it for longer than this many times the
+#: route's modelled move of a tile ...
+PATIENCE_FACTOR = 1.5
+#: ... and at least this long (seconds)
+PATIENCE_MIN_S = 100e-6
 
 _lib = native.lib
 _ffi = native.ffi
@@ -88,6 +96,8 @@ class MoverPool:
                 self._joined[0] = True  # joined: the struct may be freed
             else:
                 log.warning("a pipeline copy worker did not stop in time; the mover pool is kept")
+        if self._shut:
+            reap_unjoined()  # every run of this pool has ended
 
 
 def _free_pool(pool: Any, pid: int, joined: list[bool]) -> None:
@@ -115,17 +125,30 @@ def mover_pool(runtime: RuntimeCore) -> MoverPool:
     return pool
 
 
-#: pipeline runs whose worker did not end within the pipeline's timeout at close: kept (with
-#: everything they hold) until a later join succeeds, so no worker outlives the memory it uses
-_UNJOINED: list["NativeMover"] = []
+#: pipeline runs whose worker had not ended when their pipeline closed (stopped, finishing the
+#: copy in progress, or not yet run by the scheduler): kept, with everything they hold, until a
+#: later join finds them ended, so no worker outlives the memory it uses; then their ``on_joined``
+#: runs (the pipeline's staging memory goes back to the pool)
+_UNJOINED: list[tuple["NativeMover", Callable[[Any], None] | None]] = []
 _UNJOINED_LOCK = threading.Lock()
 
 
 def reap_unjoined() -> None:
-    """Join (without waiting) the runs kept by an earlier close; drop those that ended."""
-    if _UNJOINED:
-        with _UNJOINED_LOCK:
-            _UNJOINED[:] = [m for m in _UNJOINED if not m._join(0.0)]
+    """Join (without waiting) the runs kept by an earlier close; finish those that ended."""
+    if not _UNJOINED:
+        return
+    ended = []
+    with _UNJOINED_LOCK:
+        keep = []
+        for m, cb in _UNJOINED:
+            (ended if m._join(0.0) else keep).append((m, cb))
+        _UNJOINED[:] = keep
+    for m, cb in ended:
+        if cb is not None:
+            try:
+                cb(m)
+            except Exception:  # the pipeline is gone; nothing may break the caller's next one
+                log.debug("finishing a pipeline's joined run failed", exc_info=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,8 +162,9 @@ class NativeMover:
 
     def __init__(self, pool: MoverPool, res: Any, spec: RefSpec, tile_bytes: int, n_tiles: int, n_slots: int,
                  dst: np.ndarray, slot_bytes: int, lease: Lease | None, ready: tuple[int, int, int] | None,
-                 timeout: float) -> None:
+                 timeout: float, *, version: int = 0, patience_ns: int = 0) -> None:
         self._pid = os.getpid()
+        self._patience = patience_ns
         self.pool = pool
         self.res = res
         self._dst = dst  # staging memory or the caller's out: written by a worker
@@ -161,6 +185,7 @@ class NativeMover:
         p.rc = self._rc
         p.t_move = self._tm
         p.timeout_ns = int(timeout * 1e9)
+        p.version = version
         if ready is not None:
             p.ready_base, p.window_tile_bytes, p.n_ready = ready
         if lease is not None:
@@ -183,17 +208,31 @@ class NativeMover:
         """Tiles ``[0, done)`` were handed over."""
         return self._p.done
 
-    def start(self, first: int, res: Any) -> bool:
-        """Submit a run from tile ``first``; False when the pool takes none (shut down, or no
-        worker could start): the caller then moves the tiles itself."""
+    def start(self, first: int, res: Any) -> bool | None:
+        """Submit a run from tile ``first``: True when queued; None when the pool is busy this
+        instant (its lock held: try again at a later tile; the caller moves tiles meanwhile);
+        False when the pool takes none (shut down, or no worker could start): the caller then
+        moves the tiles itself."""
         if res is not self.res:
             self.res = res
             self._p.plan = res.plan
         self._p.first = first
-        return _lib.memsem_mover_pool_submit(self.pool._pool, self._p) == 0
+        rc = _lib.memsem_mover_pool_submit(self.pool._pool, self._p)
+        return True if rc == 0 else None if rc == -errno.EAGAIN else False
 
     def wait(self, tile: int, timeout: float) -> int:
-        return _lib.memsem_pipe_wait(self._p, tile, timeout)
+        """The worker's result for ``tile`` (``memsem_pipe_wait``: YOURS, LATE, WAITING, IDLE or
+        the copy's outcome), waiting at most ``timeout`` s."""
+        return _lib.memsem_pipe_wait(self._p, tile, timeout, self._patience)
+
+    def take_over(self, tile: int) -> int:
+        """After LATE: end the run; LATE when the tile is the caller's to copy (away from its
+        slot), else the worker's result for it (it finished meanwhile)."""
+        return _lib.memsem_pipe_take_over(self._p, tile)
+
+    def result(self, tile: int) -> int:
+        """What the worker handed over for ``tile`` (read once its run ended)."""
+        return _lib.memsem_pipe_result(self._p, tile)
 
     def interval(self, tile: int) -> tuple[float, float]:
         s = 2 * (tile % self._p.n_slots)
@@ -220,17 +259,21 @@ class NativeMover:
         if not self._join(timeout):
             raise MemsemError("the pipeline's copy worker did not end a run after handing over its last tile")
 
-    def shutdown(self, timeout: float) -> bool:
-        """Stop and join; True when joined. Else the job is kept until a later join."""
+    def shutdown(self, timeout: float, on_joined: Callable[[Any], None] | None = None) -> bool:
+        """Stop the run (the worker claims no further tile) without waiting for the worker: True
+        when it had ended (``on_joined(self)`` ran), else the job is kept with everything it holds
+        until a later join finds it ended (``reap_unjoined``, the next pipeline, the pool's close),
+        which runs ``on_joined`` then. ``timeout`` is not waited: a stopped worker ends after the
+        copy in progress, but a loaded machine may not run it for milliseconds."""
         if self._pid != os.getpid():
             return True
         _lib.memsem_pipe_stop(self._p)
-        if self._join(timeout):
+        if self._join(0.0):
+            if on_joined is not None:
+                on_joined(self)
             return True
-        log.warning("pipeline copy worker did not stop within %.1f s; its memory is kept until it does",
-                    timeout)
         with _UNJOINED_LOCK:
-            _UNJOINED.append(self)
+            _UNJOINED.append((self, on_joined))
         return False
 
     def counters(self) -> tuple[float, float, float, int]:
@@ -258,14 +301,15 @@ class ThreadMover:
             slot_bytes)`` staging memory, or None with ``out`` (the flat destination of the whole
             ref). n_slots: the look-ahead. ready_plan: tile index -> the window tiles whose ready
             words it waits for, or None. timeout: bound of one tile's waits. lease: checked
-            around every copy, or None.
+            around every copy, or None. version: the version every tile is read at (a pinned
+            lease's), 0: the latest.
     """
 
     kind = "thread"
 
     def __init__(self, runtime: RuntimeCore, spec: RefSpec, tile_bytes: int, n_tiles: int, n_slots: int,
                  slots: np.ndarray | None, out: np.ndarray | None, ready_plan: Callable[[int], range] | None,
-                 timeout: float, lease: Lease | None) -> None:
+                 timeout: float, lease: Lease | None, version: int = 0) -> None:
         self._cond = threading.Condition()
         self.released = 0
         self.stop = False
@@ -273,9 +317,10 @@ class ThreadMover:
         self.move_s = self.ready_wait_s = self.hold_s = 0.0
         self.bytes_moved = 0
         self.moves: dict[int, tuple[float, float]] = {}
+        self.versions: dict[int, int] = {}
         self._done = 0
         self._thread: threading.Thread | None = None
-        self._args = (runtime, spec, tile_bytes, n_tiles, n_slots, slots, out, ready_plan, timeout, lease)
+        self._args = (runtime, spec, tile_bytes, n_tiles, n_slots, slots, out, ready_plan, timeout, lease, version)
         self._stop_event = threading.Event()
 
     @property
@@ -296,7 +341,7 @@ class ThreadMover:
         return True
 
     def _run(self, first: int) -> None:
-        rt, spec, tb, n_tiles, n_slots, slots, out, ready_plan, timeout, lease = self._args
+        rt, spec, tb, n_tiles, n_slots, slots, out, ready_plan, timeout, lease, version = self._args
         try:
             for i in range(first, n_tiles):
                 t0 = _perf()
@@ -314,10 +359,11 @@ class ThreadMover:
                 off = i * tb
                 n = min(tb, spec.nbytes - off)
                 dst = slots[i % n_slots, :n] if slots is not None else out[off:off + n]
-                rt.transfer(spec, "get", off, dst, lease=lease)
+                got = rt.transfer(spec, "get", off, dst, lease=lease, version=version)
                 t3 = _perf()
                 self.move_s += t3 - t2
                 self.moves[i % n_slots] = (t2, t3)
+                self.versions[i % n_slots] = got
                 self.bytes_moved += n
                 if self.stop:
                     return
@@ -339,6 +385,10 @@ class ThreadMover:
     def interval(self, tile: int) -> tuple[float, float]:
         return self.moves.get(tile % self._args[4], (0.0, 0.0))
 
+    def version_of(self, tile: int) -> int:
+        """The version the copy of ``tile`` (handed over, not yet released) read."""
+        return self.versions.get(tile % self._args[4], 0)
+
     def release(self) -> None:
         with self._cond:
             self.released += 1
@@ -347,7 +397,10 @@ class ThreadMover:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def shutdown(self, timeout: float) -> bool:
+    def shutdown(self, timeout: float, on_joined: Callable[[Any], None] | None = None) -> bool:
+        """Stop the thread and join it, at most ``timeout`` s; True when joined (then
+        ``on_joined(self)`` ran). A thread still in a transfer keeps what it writes (``on_joined``
+        never runs: the memory is left to the garbage collector)."""
         with self._cond:
             self.stop = True
             self._cond.notify_all()
@@ -358,6 +411,8 @@ class ThreadMover:
             if th.is_alive():
                 log.warning("pipeline mover thread did not stop within %.1f s", timeout)
                 return False
+        if on_joined is not None:
+            on_joined(self)
         return True
 
     def counters(self) -> tuple[float, float, float, int]:
@@ -365,6 +420,15 @@ class ThreadMover:
 
 
 # ----------------------------------------------------------------------------------------------
+def patience_ns(route: Any, tile_bytes: int) -> int:
+    """How long (ns) the caller lets a native worker copy a tile before taking it over: a
+    multiple of the route's modelled move of the tile (``alpha + bytes / beta``), at least
+    ``PATIENCE_MIN_S``. A worker past it was most likely descheduled (a loaded machine): the
+    caller copying the tile itself costs one tile's move, waiting for the worker a scheduler
+    period (milliseconds)."""
+    return int(max(PATIENCE_MIN_S, PATIENCE_FACTOR * route.cost(tile_bytes)) * 1e9)
+
+
 def wait_ready(rt: RuntimeCore, spec: RefSpec, words: range, index: int, timeout: float,
                closed: Callable[[], bool]) -> None:
     """Wait for every ready word in ``words`` (window tiles), at most ``timeout`` in all, in

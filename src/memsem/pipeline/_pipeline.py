@@ -4,20 +4,20 @@ A :class:`Pipeline` iterates the tiles of a ref. The caller moves tile 0 itself 
 ``next()`` would wait for it anyway); the later tiles are moved ahead by a *mover*
 (:mod:`memsem.pipeline._movers`: a native copy worker on the same node, a Python thread on other
 routes) into ``depth`` staging slots (tile i in slot ``i % depth``) while the caller computes.
+The caller's side of that, and why the caller never waits long for a mover that does not run:
+:mod:`memsem.pipeline._handoff`. How the ref is cut into tiles: :mod:`memsem.pipeline._tiling`.
 
 A tile's slot is reused only after the caller released the tile: leaving ``with tile:``,
-advancing the iterator, or closing the pipeline (also when the caller raised). Any outcome of
-the native mover but a plain success (a write section open, a moved generation, a closed
-resolution, an expired lease, a dead owner) ends its run at that tile; the caller then moves the
-tile itself through the runtime's general path, which waits, retries or raises exactly as
-``get`` does, and starts a new run at the next tile. The mover's worker is joined at close (and
-by the runtime's close); until it is joined, the pipeline keeps alive everything it touches
-(the resolution and its mappings, the staging memory or ``out``, the lease's slot).
+advancing the iterator, or closing the pipeline (also when the caller raised). Closing stops the
+mover; until its worker has ended, what it uses stays alive (the resolution and its mappings,
+the staging memory or ``out``, the lease's slot).
 
 Where the route allows ``view()`` (same process, or a shared segment on the same node) the
-pipeline hands out views of the window and moves nothing.
-
-How the ref is cut into tiles, and why: :mod:`memsem.pipeline._tiling`.
+pipeline hands out views of the window and moves nothing; with the automatic tiling only where a
+view costs less than the copy (:func:`memsem.pipeline._tiling.prefer_view`). A double-buffered
+versioned window (``slots=2``) is never viewed (its owner rewrites the slots): it is copied,
+each tile of the latest version, or with ``lease=`` a pinned version (``ref.pin()``) every tile
+of that version. ``Tile.version`` says which.
 
 This layer works on :class:`memsem.gva.RefSpec` through :class:`memsem.core.RuntimeCore`;
 ``memsem.Runtime.pipeline(ref, ...)`` is the user-facing entry point.
@@ -28,37 +28,30 @@ import logging
 import math
 import threading
 import time
-import weakref
 from typing import Any
 
 import numpy as np
 
-from memsem import _args, _dtypes, native
+from memsem import _args, _dtypes
 from memsem._buffers import as_byte_array
-from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
+from memsem._errors import MemsemError, NotSupportedError
 from memsem.core import Lease, RuntimeCore
-from memsem.core import _translate as tr
 from memsem.gva import RefSpec
 from memsem.pipeline import _tiling
-from memsem.pipeline._movers import POLL_S, NativeMover, ThreadMover, mover_pool, reap_unjoined, wait_ready
+from memsem.pipeline._handoff import Handoff
+from memsem.pipeline._movers import reap_unjoined, wait_ready
 from memsem.pipeline._stats import PipelineStats, Summary, overlap
 
 log = logging.getLogger(__name__)
 
-#: extra time the caller waits beyond ``timeout`` so the mover's own, more precise, error wins
-CALLER_GRACE_S = 0.5
 #: default look-ahead (staging slots)
 DEFAULT_DEPTH = 2
 
-_STATUS = tr.RC_STATUS
-_ATTN = tr.RC_ATTENTION
-_SHIFT = tr.RC_SHIFT
-_WAITING = native.lib.MEMSEM_PIPE_WAITING
-_IDLE = native.lib.MEMSEM_PIPE_IDLE
-_TIMEOUT = native.lib.MEMSEM_PIPE_TIMEOUT
-_YOURS = native.lib.MEMSEM_PIPE_YOURS
 _perf = time.perf_counter
 _U8 = np.dtype(np.uint8)
+#: guards every pipeline's count of held tiles and its compute intervals (a tile may be
+#: released from any thread); the sections are a few bytecodes, so one lock serves them all
+_HELD_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,16 +62,18 @@ class Tile:
         index: tile number (0-based). offset: byte offset of the tile in the ref.
         nbytes: bytes in the tile. rows: ``(start, stop)`` rows of the ref's first dimension when
             the tile covers whole rows, else None.
+        version: the window's version whose bytes the tile holds (what its copy read; see
+            ``ref.version()``), or None in view mode (views show the window as it is).
 
     ``array`` is valid until the tile is released: after that the mover may overwrite its slot
     (accessing ``array`` of a released tile raises MemsemError). Copy what you keep.
     """
 
-    __slots__ = ("index", "offset", "nbytes", "rows", "_array", "_raw", "_pipe", "_released", "_t_out")
+    __slots__ = ("index", "offset", "nbytes", "rows", "version", "_array", "_raw", "_pipe", "_released", "_t_out")
 
     def __init__(self, pipe: "Pipeline", index: int, offset: int, nbytes: int, raw: np.ndarray,
-                 array: np.ndarray, rows: tuple[int, int] | None, t_out: float) -> None:
-        self.index, self.offset, self.nbytes, self.rows = index, offset, nbytes, rows
+                 array: np.ndarray, rows: tuple[int, int] | None, version: int | None, t_out: float) -> None:
+        self.index, self.offset, self.nbytes, self.rows, self.version = index, offset, nbytes, rows, version
         self._raw, self._array, self._pipe = raw, array, pipe
         self._released = False
         self._t_out = t_out
@@ -133,7 +128,8 @@ class Pipeline:
         tile_bytes: bytes per tile (the last tile may be shorter), honoured as given (see
             ``explanation`` for what it costs). None: the window's ready-word tile size when it
             was published with tiles, else an automatic choice (``auto_tiles``: one tile when
-            the ref is too small for overlap to pay).
+            the ref is too small for overlap to pay; views only where they cost less than the
+            copy, see ``zero_copy``).
         depth: staging slots (>= 1; 2 = double buffer; None: ``DEFAULT_DEPTH``). The mover runs
             at most ``depth`` tiles ahead of the tiles the caller released. Staging memory
             (``depth * tile_bytes``, at most one slot per tile and no slot larger than the ref)
@@ -144,11 +140,15 @@ class Pipeline:
         timeout: bound in seconds of every wait for one tile (ready words, data): finite and > 0;
             default the runtime's timeout.
         zero_copy: None (default): hand out views of the window where the route allows it
-            (nothing moves); True: require views (NotSupportedError otherwise); False: always copy.
+            (nothing moves) and, with the automatic tiling, where a view (a lease and its
+            checks) costs less than copying the ref; a double-buffered versioned window is
+            copied. True: require views (NotSupportedError otherwise, also on a double-buffered
+            window). False: always copy.
         out: optional destination of the ref's size (numpy array, torch tensor, buffer): tiles
             are copied straight into their place in ``out`` instead of staging slots, and ``out``
             holds the whole ref at the end. ``depth`` still bounds the look-ahead.
-        lease: optional held Lease on the window, checked around every copy.
+        lease: optional held Lease on the window, checked around every copy. A pinned lease
+            (``ref.pin()``: its ``version`` set) makes every tile a copy of that version.
 
     Iterating yields :class:`Tile` objects. Use as ``with rt.pipeline(ref, ...) as p: for tile in
     p: ...``; ``close()`` stops the mover and releases everything (safe twice). Errors
@@ -159,16 +159,18 @@ class Pipeline:
     """
 
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
-                 "_t0", "_lease", "_window_tile_bytes", "_n_ready", "_dtype", "_row_bytes", "_why",
-                 "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_out", "_mover", "_mover_kind",
-                 "_next", "_current", "_held", "_held_lock", "_closed", "_finished", "_failed", "_t_first",
-                 "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes", "_caller_tiles", "_counted", "_moves",
-                 "_computes", "_recorded", "_finalizer", "__weakref__")
+                 "_t0", "_lease", "_version", "_flat", "_window_tile_bytes", "_n_ready", "_dtype", "_row_bytes", "_why",
+                 "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
+                 "_next", "_current", "_held", "_closed", "_finished", "_failed",
+                 "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
+                 "_caller_tiles", "_computes", "_recorded",
+                 "__weakref__")
 
     def __init__(self, runtime: RuntimeCore, spec: Any, *, tile_bytes: int | None = None,
                  depth: int | None = None, wait_ready: bool | None = None, timeout: float | None = None,
                  zero_copy: bool | None = None, out: Any = None, lease: Lease | None = None) -> None:
         self._t0 = _perf()
+        reap_unjoined()  # earlier pipelines' memory a worker was still writing at their close
         if not isinstance(runtime, RuntimeCore):
             runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
             if not isinstance(runtime, RuntimeCore):
@@ -177,24 +179,30 @@ class Pipeline:
             spec = getattr(spec, "spec", spec)
             if not isinstance(spec, RefSpec):
                 raise TypeError(f"spec must be a RefSpec or a ref, got {type(spec).__name__}")
-        depth = DEFAULT_DEPTH if depth is None or (type(depth) is int and depth >= 1) and depth == DEFAULT_DEPTH \
-            else _args.count(depth, "depth", minimum=1, unit="staging slots")
+        if depth is None or (depth == DEFAULT_DEPTH and type(depth) is int):
+            depth = DEFAULT_DEPTH
+        else:
+            depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
         timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
-        if zero_copy is not None and not isinstance(zero_copy, bool):
+        if zero_copy is not None and zero_copy is not True and zero_copy is not False:
             raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
-        if wait_ready is not None and not isinstance(wait_ready, bool):
+        if wait_ready is not None and wait_ready is not True and wait_ready is not False:
             raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
         if zero_copy and out is not None:
             raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
         if tile_bytes is not None:
             tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
-        if lease is not None and lease.spec.gva != spec.gva:
-            raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+        version = 0
+        if lease is not None:
+            if lease.spec.gva != spec.gva:
+                raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+            version = lease.version
         self.runtime = runtime
         self.spec = spec
-        self.depth = int(depth)
+        self.depth = depth
         self.timeout = float(timeout)
         self._lease = lease
+        self._version = version
         res = runtime.resolve(spec)
         route = self.route = res.route
         info = res.info
@@ -204,83 +212,88 @@ class Pipeline:
         elif wait_ready and not has_ready:
             raise ValueError(f"wait_ready=True but {spec.label} was published without tiles "
                              "(no ready words); publish with tile_bytes= or tiles=")
-        self.wait_ready = bool(wait_ready)
+        self.wait_ready = wait_ready
         self._window_tile_bytes = info.tile_bytes
         self._n_ready = info.n_ready
 
         dtype = self._dtype = _dtypes.numpy_dtype(spec.dtype_code)
         shape = spec.shape
-        self._row_bytes = math.prod(shape[1:]) * dtype.itemsize if len(shape) >= 1 else dtype.itemsize
-
-        if zero_copy is None:
-            zero_copy = out is None and route.zero_copy
-        elif zero_copy and not route.zero_copy:
-            raise NotSupportedError(f"zero_copy=True but route {route.kind} to {spec.label} cannot "
-                                    f"map the window ({route.reason})")
-        self.mode = "view" if zero_copy else ("out" if out is not None else "staged")
-
+        self._row_bytes = rb = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        self._flat = rb == 1 and len(shape) == 1 and dtype is _U8
+        nbytes = spec.nbytes
+        # A double-buffered versioned window: its owner rewrites the slots, so nothing may view
+        # them (a view would show the next version being written); tiles are copies.
+        slotted = res.cb is not None and res.cb.n_slots > 1
         why = "auto"
+        if zero_copy is None:
+            view = out is None and route.zero_copy and not slotted
+            if view and tile_bytes is None and not has_ready and nbytes \
+                    and not _tiling.prefer_view(nbytes, route.alpha, route.beta):
+                view, why = False, "small"
+        elif zero_copy:
+            if not route.zero_copy:
+                raise NotSupportedError(f"zero_copy=True but route {route.kind} to {spec.label} cannot "
+                                        f"map the window ({route.reason})")
+            if slotted:
+                raise NotSupportedError(f"zero_copy=True but {spec.label} is a double-buffered versioned "
+                                        "window (its owner rewrites the slots): nothing can view it; copy "
+                                        "it (zero_copy=None or False), with lease=ref.pin() for one version")
+            view = True
+        else:
+            view = False
+        self.mode = "view" if view else ("out" if out is not None else "staged")
+
         if tile_bytes is not None:
             why = "tile_bytes given"
         elif has_ready:
             tile_bytes, why = info.tile_bytes, "the window's own tiles"
-        elif self.mode == "view" or spec.nbytes == 0:
-            tile_bytes, why = max(1, spec.nbytes), "view" if spec.nbytes else "empty"
+        elif view or nbytes == 0:
+            tile_bytes, why = max(1, nbytes), "view" if nbytes else "empty"
         else:
-            tile_bytes = _tiling.choose_tiles(spec.nbytes, route.alpha, route.beta, self._row_bytes, dtype.itemsize)[0]
-        self.tile_bytes = int(tile_bytes)
-        self.n_tiles = -(-spec.nbytes // self.tile_bytes) if spec.nbytes else 1
+            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, self._row_bytes, dtype.itemsize)[0]
+        self.tile_bytes = tile_bytes
+        self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
         self._why = why
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
-        self._n_slots = min(self.depth, max(1, self.n_tiles))
-        self._slot_bytes = max(1, min(self.tile_bytes, spec.nbytes))
+        self._n_slots = min(depth, self.n_tiles)
+        self._slot_bytes = max(1, min(tile_bytes, nbytes))
 
         self._base: np.ndarray | None = None
         self._slots: np.ndarray | None = None
         self._slot_mem: np.ndarray | None = None
-        self._out = out
-        if self.mode == "view":
+        if view:
             arr = runtime.view_spec(spec, lease=lease)
             self._base = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-        elif self.mode == "out":
+        elif out is not None:
             flat, binfo = as_byte_array(out, "out", writable=True)
-            if binfo.nbytes != spec.nbytes:
-                raise ValueError(f"out holds {binfo.nbytes} bytes; the ref is {spec.nbytes} bytes")
+            if binfo.nbytes != nbytes:
+                raise ValueError(f"out holds {binfo.nbytes} bytes; the ref is {nbytes} bytes")
             self._base = flat
         else:
             self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)
             self._slots = self._slot_mem.reshape(self._n_slots, self._slot_bytes)
-
-        self._mover: NativeMover | ThreadMover | None = None
-        self._mover_kind = "none" if self.mode == "view" else "caller"
+        self._view = view
+        self._handoff: Handoff | None = None  # the caller's side of a mover, from tile 0 on
         self._next = 0
         self._current: Tile | None = None
         self._held = 0
-        self._held_lock = threading.Lock()
-        self._closed = False
-        self._finished = False
+        self._closed = self._finished = self._recorded = False
         self._failed: BaseException | None = None
         self._t_first: float | None = None
         self._t_end: float | None = None
-        self._caller_wait_s = 0.0
-        self._caller_ready_s = 0.0
-        self._caller_move_s = 0.0
-        self._caller_bytes = 0
-        self._caller_tiles = 0
-        self._counted: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)  # of a mover dropped
-        self._moves: list[tuple[float, float]] = []
+        self._caller_wait_s = self._caller_ready_s = self._caller_move_s = 0.0
+        self._caller_bytes = self._caller_tiles = 0
         self._computes: list[tuple[float, float]] = []
-        self._recorded = False
-        self._finalizer: weakref.finalize | None = None
 
     # -- geometry --------------------------------------------------------------------------------
     @property
     def explanation(self) -> str:
         """Why this tile count, and what each tile costs (also in ``stats.explanation``)."""
         why, r = self._why, self.route
-        if why == "auto":
-            return _tiling.explain_auto(self.spec.nbytes, self.tile_bytes, self.n_tiles, r.alpha, r.beta)
+        if why in ("auto", "small"):
+            text = _tiling.explain_auto(self.spec.nbytes, self.tile_bytes, self.n_tiles, r.alpha, r.beta)
+            return text + ("; " + _tiling.explain_copied(self.spec.nbytes, r.alpha, r.beta) if why == "small" else "")
         if why == "view":
             return "one tile: nothing moves (views of the window); pass tile_bytes= for smaller tiles"
         if why == "empty":
@@ -299,7 +312,7 @@ class Pipeline:
     def _ready_plan(self, index: int) -> range:
         """Window tiles (ready words) that pipeline tile ``index`` overlaps."""
         return _tiling.ready_words(self.spec.offset, self.spec.nbytes, self.tile_bytes, self._window_tile_bytes,
-                            self._n_ready, index)
+                                   self._n_ready, index)
 
     def _typed(self, raw: np.ndarray, off: int, n: int) -> tuple[np.ndarray, tuple[int, int] | None]:
         rb = self._row_bytes
@@ -313,6 +326,12 @@ class Pipeline:
         if off % isz == 0 and n % isz == 0:
             return raw.view(self._dtype), None
         return raw, None
+
+    def _slot(self, index: int, off: int, n: int) -> np.ndarray:
+        """Where tile ``index`` goes: its staging slot (or its place in ``out``)."""
+        if self._slots is not None:
+            return self._slots[index % self._n_slots, :n]
+        return self._base[off:off + n]
 
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> "Pipeline":
@@ -338,17 +357,15 @@ class Pipeline:
             if self.mode == "view":
                 if self.wait_ready:
                     self._caller_ready(index)
-                raw = self._base[off:off + n]
+                raw, version = self._base[off:off + n], None
+            elif index == 0:
+                if self.n_tiles > 1:
+                    self._start_handoff()  # its worker wakes while the caller copies tile 0
+                raw, version = self._move_here(0, off, n)
+            elif self._handoff is None:
+                raw, version = self._move_here(index, off, n)
             else:
-                if index == 0:
-                    self._move_here(0, off, n)
-                    if self.n_tiles > 1:
-                        self._start_mover()
-                elif self._mover is None:
-                    self._move_here(index, off, n)
-                else:
-                    self._from_mover(index, off, n)
-                raw = self._slots[index % self._n_slots, :n] if self._slots is not None else self._base[off:off + n]
+                raw, version = self._handoff.tile(index, off, n)
         except BaseException as exc:
             self._failed = exc
             self.close()
@@ -357,9 +374,12 @@ class Pipeline:
         self._caller_wait_s += t1 - t0
         if self._t_first is None:
             self._t_first = t1
-        arr, rows = self._typed(raw, off, n)
-        tile = Tile(self, index, off, n, raw, arr, rows, t1)
-        with self._held_lock:
+        if self._flat:  # uint8-like 1-D ref: the bytes are the rows
+            arr, rows = raw, (off, off + n)
+        else:
+            arr, rows = self._typed(raw, off, n)
+        tile = Tile(self, index, off, n, raw, arr, rows, version, t1)
+        with _HELD_LOCK:
             self._held += 1
         self._current = tile
         self._next = index + 1
@@ -370,139 +390,48 @@ class Pipeline:
         wait_ready(self.runtime, self.spec, self._ready_plan(index), index, self.timeout, self._is_closed)
         self._caller_ready_s += _perf() - t
 
-    def _move_here(self, index: int, off: int, n: int) -> None:
-        """The caller moves tile ``index`` itself, through the runtime's general path (its waits,
-        retries and errors are those of ``get``)."""
+    def _move_here(self, index: int, off: int, n: int, dst: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """The caller moves tile ``index`` itself (into ``dst``, default its slot), through the
+        runtime's general path (its waits, retries and errors are those of ``get``); returns
+        where it is and the version read. (Its interval is not kept: the caller computes on no
+        tile while it copies one, so it adds nothing to the overlap.)"""
         if self.wait_ready:
             self._caller_ready(index)
-        dst = self._slots[index % self._n_slots, :n] if self._slots is not None else self._base[off:off + n]
+        if dst is None:
+            slots = self._slots
+            dst = slots[index % self._n_slots, :n] if slots is not None else self._base[off:off + n]
         t = _perf()
-        self.runtime.transfers.get_range(self.spec, off, dst, self._lease)
-        t1 = _perf()
-        self._caller_move_s += t1 - t
+        if self._version:
+            version = self.runtime.transfer(self.spec, "get", off, dst, lease=self._lease, version=self._version)
+        else:
+            version = self.runtime.transfers.get_range(self.spec, off, dst, self._lease)
+        self._caller_move_s += _perf() - t
         self._caller_bytes += n
         self._caller_tiles += 1
-        self._moves.append((t, t1))
+        return dst, version
 
-    def _start_mover(self) -> None:
-        reap_unjoined()
+    def _start_handoff(self) -> None:
         res = self.runtime.resolve(self.spec)
-        if res.direct:
-            ready = None
-            if self.wait_ready:
-                if not (res.own_cb or res.peer.is_self) and res.peer.pidfd < 0:
-                    self._mover_kind = "caller"  # nothing native can watch the owner's liveness
-                    return
-                ready = (res.cb.ready_addr(0), self._window_tile_bytes, self._n_ready)
-            dst = self._slot_mem if self._slot_mem is not None else self._base
-            slot_bytes = self._slot_bytes if self._slot_mem is not None else 0
-            mover: Any = NativeMover(mover_pool(self.runtime), res, self.spec, self.tile_bytes, self.n_tiles,
-                                     self._n_slots, dst, slot_bytes, self._lease, ready, self.timeout)
-        else:
-            mover = ThreadMover(self.runtime, self.spec, self.tile_bytes, self.n_tiles, self._n_slots, self._slots,
-                                self._base, self._ready_plan if self.wait_ready else None, self.timeout,
-                                self._lease)
+        ready = (self._window_tile_bytes, self._n_ready, self._ready_plan) if self.wait_ready else None
+        if not Handoff.can_watch(res, ready):
+            return  # nothing native can watch the owner's liveness: the caller moves every tile
+        h = Handoff(self, self.runtime, self.spec, res, tile_bytes=self.tile_bytes, n_tiles=self.n_tiles,
+                    n_slots=self._n_slots, slot_bytes=self._slot_bytes, slots=self._slots,
+                    out=self._base if self._slots is None else None, ready=ready, timeout=self.timeout,
+                    lease=self._lease, version=self._version, route=self.route, move_here=self._move_here,
+                    closed=self._is_closed)
         self.runtime.children.add(self)  # the runtime closes its pipelines before it unmaps anything
-        self._finalizer = weakref.finalize(self, mover.shutdown, self.timeout)
-        self._mover = mover
-        self._mover_kind = mover.kind
-        self._restart(1, res)
-
-    def _restart(self, first: int, res: Any) -> None:
-        """Hand tiles ``first..`` to the mover; without one (the pool takes no run) the caller
-        moves them itself."""
-        if not self._mover.start(first, res):
-            self._finalizer.detach()
-            self._mover.shutdown(self.timeout)
-            self._counted = self._mover.counters()
-            self._mover = None
-            self._mover_kind = "caller"
-
-    def _from_mover(self, index: int, off: int, n: int) -> None:
-        mover = self._mover
-        if mover.kind == "thread":
-            got = self._wait_thread(index)
-            if got != index:  # cannot happen: the mover delivers in order
-                raise MemsemError(f"pipeline over {self.spec.label} delivered tile {got}, expected {index}")
-            self._moves.append(mover.interval(index))
-            return
-        if mover.forked:
-            raise RuntimeClosedError(f"pipeline over {self.spec.label} belongs to pid {mover.owner_pid}; this "
-                                     "process was forked from it and has no copy workers")
-        rc = mover.wait(index, 0.0)
-        if rc == _WAITING:
-            rc = self._wait_native(index)
-        if rc == _YOURS:  # the worker had not started this tile (late, descheduled): copy it here
-            self._move_here(index, off, n)
-            return
-        if rc & _ATTN:
-            self._native_outcome(index, off, n, rc)
-            return
-        self._moves.append(mover.interval(index))
-
-    def _wait_native(self, index: int) -> int:
-        return self._wait_mover(index, lambda: self._mover.wait(index, POLL_S), _WAITING)
-
-    def _wait_mover(self, index: int, poll: Any, waiting: Any) -> Any:
-        """Poll the mover for tile ``index`` (``poll()`` blocks at most POLL_S) until it gives
-        something other than ``waiting``; bounded by the pipeline's timeout plus a grace."""
-        deadline = time.monotonic() + self.timeout + CALLER_GRACE_S
-        while True:
-            got = poll()
-            if got != waiting:
-                return got
-            if self._closed:
-                raise MemsemError(f"pipeline over {self.spec.label} was closed")
-            if time.monotonic() >= deadline:
-                raise MemsemTimeoutError(
-                    f"pipeline over {self.spec.label}: tile {index} not delivered after "
-                    f"{self.timeout + CALLER_GRACE_S:.2f} s", what=f"tile {index} of {self.spec.label}",
-                    timeout=self.timeout)
-
-    def _native_outcome(self, index: int, off: int, n: int, rc: int) -> None:
-        """The native mover handed over tile ``index`` with anything but a plain success."""
-        mover = self._mover
-        res = mover.res
-        status = rc & _STATUS
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if status == tr.OK:
-            self._moves.append(mover.interval(index))
-            if rc & tr.RC_CHECK_PEER:
-                res.peer_checked()  # PeerLostError when the owner died
-            if rc & tr.RC_LAST_OUT:  # the run ended after this tile: go on with a new one
-                mover.join_run(self.timeout)
-                if index + 1 < self.n_tiles:
-                    self._restart(index + 1, self.runtime.resolve(self.spec))
-            return
-        if status == _TIMEOUT:
-            w = rc >> _SHIFT
-            self.runtime.telemetry.count_error("timeout")
-            raise MemsemTimeoutError(
-                f"pipeline tile {index} of {self.spec.label}: ready word of window tile {w} not "
-                f"set after {self.timeout} s", what=f"tile {w} of {self.spec.label}", timeout=self.timeout)
-        if status == _IDLE:
-            if self._closed:
-                raise MemsemError(f"pipeline over {self.spec.label} was closed")
-        else:
-            mover.join_run(self.timeout)
-        # The general path decides: it waits (write section), re-resolves (closed resolution)
-        # or raises the error of a get (stale, lease expired, peer lost...).
-        self._move_here(index, off, n)
-        if index + 1 < self.n_tiles:
-            self._restart(index + 1, self.runtime.resolve(self.spec))
-
-    def _wait_thread(self, index: int) -> int:
-        return self._wait_mover(index, lambda: self._mover.wait(index, POLL_S), None)
+        self._handoff = h
+        h.start(1, res)
 
     def _release(self, tile: Tile) -> None:
         t = _perf()
-        with self._held_lock:
+        with _HELD_LOCK:
             self._held -= 1
             self._computes.append((tile._t_out, t))
-        mover = self._mover
-        if mover is not None:
-            mover.release()
+        h = self._handoff
+        if h is not None:
+            h.release()
         if self._current is tile:
             self._current = None
         if tile.index == self.n_tiles - 1 and self._t_end is None:
@@ -510,8 +439,10 @@ class Pipeline:
 
     @property
     def mover_running(self) -> bool:
-        """True while this pipeline's mover (native worker or thread) runs; False once closed."""
-        return self._mover is not None and self._mover.running()
+        """True while this pipeline's mover (native worker or thread) works for it; False once
+        closed (a native worker then claims no tile; it ends after the copy in progress, and the
+        memory it may write is kept until it has)."""
+        return not self._closed and self._handoff is not None and self._handoff.running()
 
     @property
     def tiles_held(self) -> int:
@@ -524,10 +455,8 @@ class Pipeline:
         (approximate while the mover runs)."""
         if self.mode == "view":
             return 0
-        mover = self._mover
-        if mover is None:
-            return self._n_slots - self._held
-        return max(0, self._n_slots - self._held - max(0, mover.done - self._next))
+        h = self._handoff
+        return max(0, self._n_slots - self._held - (h.ahead(self._next) if h is not None else 0))
 
     # -- lifetime --------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -549,17 +478,17 @@ class Pipeline:
             self._current = None
         if self._t_end is None:
             self._t_end = _perf()
-        mover = self._mover
-        joined = True
-        if mover is not None:
-            fin = self._finalizer
-            if fin is not None:
-                fin.detach()
-            joined = mover.shutdown(self.timeout)
-        self._base = None if self.mode == "view" else self._base
-        if self._slot_mem is not None and joined:
-            self.runtime.staging.give_back(self._slot_mem)  # a stuck mover keeps its slots
-            self._slot_mem = None
+        if self.mode == "view":
+            self._base = None
+        # The memory a worker may still write goes back to the pool once no worker uses it: at
+        # once when its run has ended, else when a later join finds it ended (the worker stops
+        # after the copy in progress; close never waits for a worker the scheduler has not run).
+        h = self._handoff
+        if h is not None:
+            h.close(self._slot_mem)
+        elif self._slot_mem is not None:
+            self.runtime.staging.give_back(self._slot_mem)
+        self._slot_mem = self._slots = None
         self._record()
 
     def _record(self) -> None:
@@ -575,6 +504,9 @@ class Pipeline:
     def closed(self) -> bool:
         return self._closed
 
+    def _is_closed(self) -> bool:
+        return self._closed
+
     def __enter__(self) -> "Pipeline":
         return self
 
@@ -583,39 +515,41 @@ class Pipeline:
 
     # -- measurement -----------------------------------------------------------------------------
     @property
+    def mover(self) -> str:
+        """Who moved tiles after the first (``PipelineStats.mover``)."""
+        if self._view:
+            return "none"
+        return "caller" if self._handoff is None else self._handoff.kind
+
+    def _parts(self) -> tuple[float, float, float, int, list[tuple[float, float]], list[tuple[float, float]]]:
+        h = self._handoff
+        m_move, m_ready, m_hold, m_bytes = (0.0, 0.0, 0.0, 0) if h is None else h.counters()
+        with _HELD_LOCK:
+            computes = list(self._computes)
+        return (self._caller_move_s + m_move, self._caller_ready_s + m_ready, m_hold, self._caller_bytes + m_bytes,
+                [] if h is None else list(h.moves), computes)
+
+    @property
     def stats(self) -> PipelineStats:
         """A snapshot of what this pipeline measured (see :class:`PipelineStats`)."""
-        return self._stats(explain=True)
-
-    def _stats(self, *, explain: bool) -> PipelineStats:
         now = _perf()
         end = self._t_end if self._t_end is not None else now
-        with self._held_lock:
-            computes = list(self._computes)
-        moves = list(self._moves)
-        m_move, m_ready, m_hold, m_bytes = self._counted if self._mover is None else self._mover.counters()
-        move_s = self._caller_move_s + m_move
+        move_s, ready_s, hold_s, moved, moves, computes = self._parts()
+        h = self._handoff
         return PipelineStats(
             tiles=self.n_tiles, delivered=self._next, tile_bytes=self.tile_bytes, depth=self.depth,
             mode=self.mode, route=self.route.kind,
             first_tile_s=None if self._t_first is None else self._t_first - self._t0,
-            total_s=end - self._t0, move_s=move_s, ready_wait_s=self._caller_ready_s + m_ready,
-            caller_hold_s=m_hold, caller_wait_s=self._caller_wait_s,
-            compute_s=sum(b - a for a, b in computes), overlap_ratio=overlap(moves, computes, move_s),
-            bytes_moved=self._caller_bytes + m_bytes, mover=self._mover_kind, caller_tiles=self._caller_tiles,
-            explanation=self.explanation if explain else "")
+            total_s=end - self._t0, move_s=move_s, ready_wait_s=ready_s, caller_hold_s=hold_s,
+            caller_wait_s=self._caller_wait_s, compute_s=sum(b - a for a, b in computes),
+            overlap_ratio=overlap(moves, computes, move_s), bytes_moved=moved, mover=self.mover,
+            caller_tiles=self._caller_tiles, late_tiles=0 if h is None else h.late_tiles,
+            explanation=self.explanation)
 
     def _summary(self) -> Summary:
-        m_move, m_ready, _, m_bytes = self._counted if self._mover is None else self._mover.counters()
-        move_s = self._caller_move_s + m_move
-        with self._held_lock:
-            computes = list(self._computes)
-        return Summary(self._next, self._caller_bytes + m_bytes, move_s, self._caller_wait_s,
-                       self._caller_ready_s + m_ready, overlap(self._moves, computes, move_s),
+        move_s, ready_s, _, moved, moves, computes = self._parts()
+        return Summary(self._next, moved, move_s, self._caller_wait_s, ready_s, overlap(moves, computes, move_s),
                        None if self._t_first is None else self._t_first - self._t0)
-
-    def _is_closed(self) -> bool:
-        return self._closed
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"at tile {self._next}/{self.n_tiles}"

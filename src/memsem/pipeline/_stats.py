@@ -34,6 +34,8 @@ class PipelineStats:
         caller_tiles: tiles the caller moved itself: tile 0, a tile the mover had not started
             when the caller wanted it (the caller never waits for a late mover), a tile after an
             unusual outcome (a write section, a closed resolution...).
+        late_tiles: of those, tiles a native worker had started but not finished well past
+            their modelled move time (descheduled): the caller copied them into a spare slot.
     """
 
     tiles: int
@@ -54,6 +56,7 @@ class PipelineStats:
     mover: str = "caller"
     caller_tiles: int = 0
     explanation: str = ""
+    late_tiles: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,7 +68,8 @@ class PipelineStats:
                 f"{self.total_s * 1e3:.1f} ms, moving {self.move_s * 1e3:.1f} ms, waiting for "
                 f"producer {self.ready_wait_s * 1e3:.1f} ms, for caller {self.caller_hold_s * 1e3:.1f} ms, "
                 f"caller waited {self.caller_wait_s * 1e3:.1f} ms, overlap {self.overlap_ratio:.2f}, "
-                f"{self.bytes_moved} B moved ({self.caller_tiles} tiles by the caller); {self.explanation}")
+                f"{self.bytes_moved} B moved ({self.caller_tiles} tiles by the caller, {self.late_tiles} taken over); "
+                f"{self.explanation}")
 
 
 
@@ -84,8 +88,12 @@ class Summary:
 
 
 def overlap(moves: list[tuple[float, float]], computes: list[tuple[float, float]], move_s: float) -> float:
-    """Fraction of ``move_s`` during which the caller computed (1.0 when nothing was moved)."""
-    return 1.0 if move_s <= 0 else min(1.0, intersection(moves, computes) / move_s)
+    """Fraction of ``move_s`` (all moves) during which the caller computed, ``moves`` being the
+    intervals of the mover's moves (the caller's own never overlap its computing); 1.0 when
+    nothing was moved."""
+    if move_s <= 0:
+        return 1.0
+    return min(1.0, intersection(moves, computes) / move_s) if moves else 0.0
 
 
 def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

@@ -7,6 +7,10 @@ count: one tile (a plain get) when the ref is too small for overlap to pay, else
 keep the hand-offs within ``AUTO_LOSS`` of the move time (so a consumer that computes nothing
 loses at most that against one get), up to ``AUTO_MAX_TILES``.
 
+:func:`prefer_view` decides, for a pipeline with the automatic tiling that could hand out views of
+the window, whether a view pays: a view moves nothing but costs a lease and its checks, which a
+small ref's copy does not.
+
 Pure functions of the sizes and the route's cost model; nothing here touches a window.
 """
 from __future__ import annotations
@@ -20,6 +24,12 @@ TILE_COST_S = 20e-6
 #: modelled cost of handing a pipeline's first run to the mover pool (waking a parked worker),
 #: seconds
 START_COST_S = 50e-6
+#: modelled fixed cost of a pipeline's view of the window (a lease acquired and released, the
+#: view's mapping and generation checks, the array's finalizer), seconds; a ref whose modelled
+#: copy costs less is copied instead. Measured about 30 us idle and 80 us loaded on a 2-vCPU VM,
+#: the cost of copying 0.8-1.3 MiB there; against the route model's copy (host/shm 8 GB/s, well
+#: below an in-cache copy) the crossover lies between 1 and 4 MiB
+VIEW_COST_S = 150e-6
 #: the automatic tile count keeps the fixed costs of tiling within this fraction of the move time
 AUTO_LOSS = 0.25
 #: ... and tiles only when it saves at least this fraction of get-then-compute (modelled)
@@ -76,6 +86,19 @@ def choose_tiles(nbytes: int, alpha: float, beta: float, row_bytes: int, itemsiz
     tile = -(-nbytes // best)
     tile = -(-tile // unit) * unit
     return tile, -(-nbytes // tile)
+
+
+def prefer_view(nbytes: int, alpha: float, beta: float) -> bool:
+    """Whether a view of a ref of ``nbytes`` bytes pays on a route that can map the window: its
+    modelled copy (``alpha + nbytes / beta``) costs more than a view's fixed cost
+    (``VIEW_COST_S``)."""
+    return alpha + nbytes / beta > VIEW_COST_S
+
+
+def explain_copied(nbytes: int, alpha: float, beta: float) -> str:
+    """Why a pipeline that could hand out views copies instead (see :func:`prefer_view`)."""
+    return (f"copied, not viewed: the copy (about {fmt_s(alpha + nbytes / beta)}) costs less than a "
+            f"view's lease and checks (about {fmt_s(VIEW_COST_S)})")
 
 
 def explain_auto(nbytes: int, tile: int, n: int, alpha: float, beta: float) -> str:
