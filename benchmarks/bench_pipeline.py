@@ -240,7 +240,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
                        "pipeline_vs_ceiling": vs_ceil},
             "overlap_ratio": statistics.median(s.overlap_ratio for s in stats),
             "caller_tiles": statistics.median(s.caller_tiles for s in stats),
-            "late_tiles": statistics.median(s.late_tiles for s in stats), "route": stats[0].route}
+            "late_tiles": statistics.median(getattr(s, "late_tiles", 0) for s in stats), "route": stats[0].route}
 
 
 # -- 1b: never slower than get-then-compute -----------------------------------------------------

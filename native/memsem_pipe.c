@@ -23,18 +23,16 @@
  */
 #define _GNU_SOURCE
 #include "memsem_native.h"
+#include "memsem_internal.h"
 
 #include <errno.h>
-#include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
 
 /* memsem_pipe.released: the count of released tiles, and two flags on top */
 #define STOP_BIT 0x80000000u    /* end the run (the worker claims no further tile) */
@@ -44,31 +42,10 @@
  * this often whether it started (and then whether it is late) */
 #define RECHECK_NS 1000000ull
 
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Ready words live in segments other processes map: shared futexes. */
-static void swait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
-static void swake(uint32_t *addr) {
-    syscall(SYS_futex, addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-}
-
-/* The pipe's and the pool's own words: private futexes. */
-static void pwait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, &ts, NULL, 0);
-}
-
-static void pwake(uint32_t *addr, int n) {
-    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
-}
+/* Futexes (memsem_internal.h): ready words live in segments other processes map (shared); the
+ * pipe's and the pool's own words are private. */
+#define SHARED 1
+#define PRIVATE 0
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -96,7 +73,7 @@ static int wait_slot(memsem_pipe *p, uint32_t need) {
         if ((r & COUNT_MASK) >= need) return 0;
         __atomic_store_n(&p->sleeping, 1, __ATOMIC_SEQ_CST);
         r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
-        if (!(r & STOP_BIT) && (r & COUNT_MASK) < need) pwait_ns(&p->released, r, MEMSEM_PIPE_SLICE_NS);
+        if (!(r & STOP_BIT) && (r & COUNT_MASK) < need) ms_futex_wait(&p->released, r, MEMSEM_PIPE_SLICE_NS, PRIVATE);
         __atomic_store_n(&p->sleeping, 0, __ATOMIC_SEQ_CST);
     }
 }
@@ -110,7 +87,7 @@ static uint64_t wait_ready(memsem_pipe *p, uint64_t first, uint64_t last) {
     memsem_plan *plan = p->plan;
     if (memsem_use_enter(&plan->use)) return MEMSEM_RC_CLOSED;
     uint64_t rc = MEMSEM_OK;
-    uint64_t deadline = now_ns() + p->timeout_ns;
+    uint64_t deadline = ms_now_ns() + p->timeout_ns;
     const uint64_t *gen = (const uint64_t *)(uintptr_t)plan->gen_addr;
     for (uint64_t w = first; w <= last && rc == MEMSEM_OK; w++) {
         uint64_t *word = (uint64_t *)(uintptr_t)(p->ready_base + 8 * w);
@@ -122,12 +99,13 @@ static uint64_t wait_ready(memsem_pipe *p, uint64_t first, uint64_t last) {
             if (g != plan->generation) { rc = MEMSEM_RC_GEN_BEFORE | (g << MEMSEM_RC_VERSION_SHIFT); break; }
             if (__atomic_load_n(&plan->use, __ATOMIC_ACQUIRE) >> MEMSEM_USE_CLOSED_BIT) { rc = MEMSEM_RC_CLOSED; break; }
             if (peer_dead(p->pidfd)) { rc = MEMSEM_PIPE_PEER_LOST; break; }
-            uint64_t t = now_ns();
+            uint64_t t = ms_now_ns();
             if (t >= deadline) { rc = MEMSEM_PIPE_TIMEOUT | (w << MEMSEM_RC_VERSION_SHIFT); break; }
             uint64_t left = deadline - t;
             __atomic_store_n(&p->sleep_addr, (uint64_t)(uintptr_t)word, __ATOMIC_SEQ_CST);
             if (!stopped(p))
-                swait_ns((uint32_t *)word, (uint32_t)v, left < MEMSEM_PIPE_SLICE_NS ? left : MEMSEM_PIPE_SLICE_NS);
+                ms_futex_wait((uint32_t *)word, (uint32_t)v, left < MEMSEM_PIPE_SLICE_NS ? left : MEMSEM_PIPE_SLICE_NS,
+                              SHARED);
             __atomic_store_n(&p->sleep_addr, 0, __ATOMIC_SEQ_CST);
         }
     }
@@ -141,13 +119,13 @@ static void hand_over(memsem_pipe *p, uint32_t tile, uint64_t rc, uint64_t t0, u
     p->t_move[2 * s] = t0;
     p->t_move[2 * s + 1] = t1;
     __atomic_store_n(&p->done, tile + 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&p->caller_waiting, __ATOMIC_SEQ_CST)) pwake(&p->done, INT32_MAX);
+    if (__atomic_load_n(&p->caller_waiting, __ATOMIC_SEQ_CST)) ms_futex_wake(&p->done, INT32_MAX, PRIVATE);
 }
 
 /* One run of one pipe (a worker's job). */
 static void run(memsem_pipe *p) {
     for (uint32_t i = p->first; i < p->n_tiles; i++) {
-        uint64_t t = now_ns();
+        uint64_t t = ms_now_ns();
         if (i >= p->n_slots) {
             __atomic_store_n(&p->hold_since, t, __ATOMIC_RELAXED);
             int stop = wait_slot(p, i - p->n_slots + 1);
@@ -156,7 +134,7 @@ static void run(memsem_pipe *p) {
         } else if (stopped(p)) {
             break;
         }
-        uint64_t t1 = now_ns();
+        uint64_t t1 = ms_now_ns();
         __atomic_fetch_add(&p->hold_ns, t1 - t, __ATOMIC_RELAXED);
         uint32_t want = i;
         if (!__atomic_compare_exchange_n(&p->claim, &want, i + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
@@ -173,7 +151,7 @@ static void run(memsem_pipe *p) {
             uint64_t last = (start + (n ? n : 1) - 1) / p->window_tile_bytes;
             if (last > p->n_ready - 1) last = p->n_ready - 1;
             uint64_t rc = wait_ready(p, first, last);
-            uint64_t t2 = now_ns();
+            uint64_t t2 = ms_now_ns();
             __atomic_fetch_add(&p->ready_wait_ns, t2 - t1, __ATOMIC_RELAXED);
             t1 = t2;
             if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_PIPE_STOPPED) break;
@@ -189,7 +167,7 @@ static void run(memsem_pipe *p) {
         uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, p->version, p->lease_slot,
                                        p->lease_id);
         __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
-        uint64_t t2 = now_ns();
+        uint64_t t2 = ms_now_ns();
         __atomic_fetch_add(&p->move_ns, t2 - t1, __ATOMIC_RELAXED);
         if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_OK) {
             __atomic_fetch_add(&p->bytes_moved, n, __ATOMIC_RELAXED);
@@ -243,15 +221,15 @@ static void *worker(void *arg) {
             /* The last touch of p: its caller may free it once it reads FREE (the private wakes
              * below need no memory of it). */
             __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
-            pwake(&p->state, INT32_MAX);
-            pwake(&p->done, INT32_MAX);
+            ms_futex_wake(&p->state, INT32_MAX, PRIVATE);
+            ms_futex_wake(&p->done, INT32_MAX, PRIVATE);
             continue;
         }
         if (pool->stop) break;
         uint32_t seq = __atomic_load_n(&pool->jobs, __ATOMIC_SEQ_CST);
         pool->idle++;
         pthread_mutex_unlock(&pool->lock);
-        pwait_ns(&pool->jobs, seq, MEMSEM_PIPE_PARK_NS);
+        ms_futex_wait(&pool->jobs, seq, MEMSEM_PIPE_PARK_NS, PRIVATE);
         pthread_mutex_lock(&pool->lock);
         pool->idle--;
     }
@@ -344,7 +322,7 @@ int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
         __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
     }
     pthread_mutex_unlock(&pool->lock);
-    if (!rc) pwake(&pool->jobs, 1);
+    if (!rc) ms_futex_wake(&pool->jobs, 1, PRIVATE);
     return rc;
 }
 
@@ -356,7 +334,7 @@ int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s) {
         memsem_pipe *n = p->next;
         p->next = NULL;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
-        pwake(&p->state, INT32_MAX);
+        ms_futex_wake(&p->state, INT32_MAX, PRIVATE);
         p = n;
     }
     pool->head = pool->tail = NULL;
@@ -366,7 +344,7 @@ int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s) {
     __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
     uint32_t n = pool->n_workers;
     pthread_mutex_unlock(&pool->lock);
-    pwake(&pool->jobs, INT32_MAX);
+    ms_futex_wake(&pool->jobs, INT32_MAX, PRIVATE);
     struct timespec abs;
     clock_gettime(CLOCK_REALTIME, &abs);
     uint64_t ns = (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
@@ -396,9 +374,9 @@ void memsem_mover_pool_free(memsem_mover_pool *pool) {
 /* ---- the pipe, caller side ------------------------------------------------------------------ */
 static void end_run(memsem_pipe *p, uint32_t bits) {
     __atomic_fetch_or(&p->released, bits, __ATOMIC_SEQ_CST);
-    pwake(&p->released, INT32_MAX);
+    ms_futex_wake(&p->released, INT32_MAX, PRIVATE);
     uint64_t a = __atomic_load_n(&p->sleep_addr, __ATOMIC_SEQ_CST);
-    if (a) swake((uint32_t *)(uintptr_t)a);  /* a ready word: waking its other waiters is harmless */
+    if (a) ms_futex_wake((uint32_t *)(uintptr_t)a, INT32_MAX, SHARED);  /* a ready word: waking its other waiters is harmless */
 }
 
 void memsem_pipe_stop(memsem_pipe *p) {
@@ -444,13 +422,13 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s) 
     }
     pthread_mutex_unlock(&pool->lock);
 wait:;
-    uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    uint64_t deadline = ms_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     for (;;) {
         uint32_t st = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
         if (st == MEMSEM_PIPE_FREE) return 0;
-        uint64_t t = now_ns();
+        uint64_t t = ms_now_ns();
         if (t >= deadline) return -ETIMEDOUT;
-        pwait_ns(&p->state, st, deadline - t);
+        ms_futex_wait(&p->state, st, deadline - t, PRIVATE);
     }
 }
 
@@ -476,12 +454,12 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
     if (d > tile) return p->rc[tile % p->n_slots];
     if (take(p, tile)) return MEMSEM_PIPE_YOURS;
     /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for. */
-    uint64_t t0 = now_ns(), left;
+    uint64_t t0 = ms_now_ns(), left;
     while ((d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
-           __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
+           __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && ms_now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
         for (int k = 0; k < 64; k++) cpu_relax();
     if (d <= tile) {
-        uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+        uint64_t deadline = ms_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
         __atomic_store_n(&p->caller_waiting, 1, __ATOMIC_SEQ_CST);
         for (;;) {
             d = __atomic_load_n(&p->done, __ATOMIC_SEQ_CST);
@@ -492,7 +470,7 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return take(p, tile) ? MEMSEM_PIPE_YOURS : MEMSEM_PIPE_IDLE;
             }
-            uint64_t t = now_ns();
+            uint64_t t = ms_now_ns();
             if (late(p, tile, patience_ns, t, &left)) {
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return MEMSEM_PIPE_LATE;
@@ -503,7 +481,7 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
             }
             uint64_t ns = deadline - t;
             if (patience_ns && left < ns) ns = left;
-            pwait_ns(&p->done, d, ns);
+            ms_futex_wait(&p->done, d, ns, PRIVATE);
         }
         __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
     }
@@ -512,5 +490,5 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
 
 void memsem_pipe_release(memsem_pipe *p) {
     __atomic_fetch_add(&p->released, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) pwake(&p->released, INT32_MAX);
+    if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) ms_futex_wake(&p->released, INT32_MAX, PRIVATE);
 }

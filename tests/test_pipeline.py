@@ -115,7 +115,8 @@ def test_staging_slots_are_preallocated_and_reused():
             for tile in p:
                 with tile:
                     addrs.add(tile.raw.ctypes.data)
-        assert len(addrs) == 3, f"tiles landed in {len(addrs)} buffers, expected the 3 slots"
+        # the 3 slots, and the spare when a late worker's copy was taken over (a loaded machine)
+        assert len(addrs) == 3 + (p.stats.late_tiles > 0), f"tiles landed in {len(addrs)} buffers"
 
 
 def test_slot_not_reused_before_release():
@@ -848,10 +849,15 @@ def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
                     assert not p._handoff.mover.running()  # the run ended at the take-over
                 got.append(t.raw.copy())
             st = p.stats
+            mover = p._handoff.mover
         assert np.array_equal(np.concatenate(got), data)
         assert calls["late"] == 1 and st.late_tiles == 1
         assert starts == [1, 3] and st.mover == "native"  # a new run from the tile after the late one
-        assert rt.core.staging._pooled >= 65536  # the spare went back to the pool
+        end = time.monotonic() + 20  # a bound on the wait for the last run to end
+        while mover.running() and time.monotonic() < end:
+            time.sleep(0.001)
+        _movers.reap_unjoined()
+        assert rt.core.staging._pooled >= 3 * 65536  # the spare and the slots went back to the pool
 
 
 def test_a_busy_pool_is_not_waited_for_the_run_is_submitted_again(monkeypatch):

@@ -71,8 +71,8 @@ from memsem.gva._control_block import (
 )
 from memsem.native import Segment
 from memsem.core import _translate as tr
-from memsem.core._liveness import WAIT_SLICE_S
 from memsem.core._sections import WriteSection, format_left, open_sections
+from memsem.core._wait import Wait
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -387,7 +387,7 @@ class Publisher:
                 raise ValueError(f"windows[{i}]: {o.label} appears twice")
             seen.add(o.info.gva)
             owned.append(o)
-        return open_sections(owned, copy=copy, timeout=t)
+        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry)
 
     def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
                       timeout: float | None = None) -> WriteSection:
@@ -403,21 +403,16 @@ class Publisher:
         core = self._core
         cb = owned.cb
         label = owned.label
-        deadline = time.monotonic() + timeout
+        # one deadline for both waits: the leases, then the copies in flight
+        wait = Wait(f"the retire of {label}", timeout, telemetry=core.telemetry)
         d = core.directory
         if not owned.retiring:
             cb.set_word(W_STATE, WindowState.CLOSING)
-            while True:
-                holders = _lease.blocking_holders(cb)
-                if d.holds_leases:  # leases of other nodes (closing: no new ones)
-                    holders += d.lease_holders(owned.info.gva, closing=True)
-                if not holders:
-                    break
-                if time.monotonic() >= deadline:
-                    if force:
-                        warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning,
-                                      stacklevel=3)
-                        break
+            holders = self._wait_unleased(owned, wait, closing=True)
+            if holders:
+                if force:
+                    warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning, stacklevel=3)
+                else:
                     cb.set_word(W_STATE, WindowState.LIVE)
                     if d.holds_leases:
                         d.reopen_window(owned.info.gva)
@@ -425,28 +420,27 @@ class Publisher:
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                         "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
-                time.sleep(min(WAIT_SLICE_S, max(0.0, min(h[1] for h in holders)) + 0.001,
-                               max(0.0, deadline - time.monotonic()) + 0.001))
             owned.generation = cb.bump_generation()
             owned.retiring = True
             native.futex_wake(cb.latest_addr)  # version waiters see the generation move now
-        # Drain copies that started under the old generation (they will see it moved). Dead
-        # participants' marks are reclaimed by busy_holders.
+        # Drain copies that started under the old generation (they will see it moved, and the
+        # native copy wakes us as it leaves). Dead participants' marks are reclaimed.
         while True:
-            busy = inflight_slots.busy_holders(cb)
+            busy = inflight_slots.busy_counts(cb)
             if not busy:
                 break
-            if time.monotonic() >= deadline:
+            if wait.expired:
                 if force:
                     warnings.warn(f"{label} closed with copies in flight by {busy}", ResourceWarning,
                                   stacklevel=3)
                     break
                 raise MemsemTimeoutError(
                     f"{label}: copies in flight by live processes did not drain in {timeout} s: "
-                    + ", ".join(f"pid {p} ({n} copies)" for p, n in busy)
+                    + ", ".join(f"pid {p} ({n} copies)" for p, n, _ in busy)
                     + "; the window is retired (its refs are stale); retry to finish",
                     what=f"in-flight copies on {label}", timeout=timeout)
-            time.sleep(0.0005)
+            _pid, n, a = busy[0]
+            wait.nap(lambda sl, a=a, n=n: native.futex_wait(a, n & 0xFFFFFFFF, sl))
         cb.set_word(W_STATE, WindowState.DEAD)
         if owned.guard == "protect":
             for sl in range(owned.n_slots):
@@ -474,6 +468,36 @@ class Publisher:
             owned.slots_segment.unlink()
             owned.slots_segment.close()  # unmapped when the last export/holder lets go
             owned.slots_segment = None
+
+    def _wait_unleased(self, owned: Owned, wait: Wait, *, closing: bool = False) -> list[tuple[int, float]]:
+        """Wait (within ``wait``'s deadline) until no live process holds an unexpired lease on
+        ``owned``'s window: asleep on the id word of the lease ending first (its release wakes
+        us; its expiry bounds the sleep), or for leases held in another node's directory a
+        plain slice (no word here). Returns the holders left at the deadline (empty: none)."""
+        cb, d = owned.cb, self._core.directory
+        while True:
+            leases = _lease.blocking_leases(cb)
+            holders = [(pid, left) for pid, left, _ in leases]
+            if d.holds_leases:  # leases of other nodes (closing: no new ones)
+                holders += d.lease_holders(owned.info.gva, closing=closing)
+            if not holders:
+                return []
+            if leases:
+                _pid, left, a = min(leases, key=lambda h: h[1])
+                v = native.load_acquire(a)
+                slept = wait.nap(lambda sl: native.futex_wait(a, v & 0xFFFFFFFF, min(sl, left + 1e-3)) if v else None)
+            else:
+                slept = wait.nap(time.sleep)
+            if not slept:
+                return holders
+
+    def wait_unleased(self, spec: RefSpec, timeout: float) -> list[tuple[int, float]]:
+        """Owner: wait up to ``timeout`` s until no live process holds an unexpired lease on
+        ``spec``'s window (without closing it to new leases). Returns ``(pid, seconds left)``
+        of the leases still held at the deadline (empty: none)."""
+        owned = self.owned_for(spec)
+        return self._wait_unleased(owned, Wait(f"the leases on {owned.label}", timeout,
+                                               telemetry=self._core.telemetry))
 
     def _release_cb(self, cb: ControlBlock) -> None:
         try:

@@ -18,12 +18,15 @@ from memsem.engines._base import (
     DirectAccess,
     Engine,
     EngineContext,
+    GenerationCheck,
     LocalRegion,
     Op,
     OpKind,
     OpState,
+    RemoteOutcome,
     RemoteRegion,
     Request,
+    WatchMode,
 )
 from memsem.engines.host import HostEngine
 from memsem.engines.loopback import LoopbackEngine
@@ -73,7 +76,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 __all__ = [
-    "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
+    "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "GenerationCheck", "RemoteOutcome", "WatchMode", "HostEngine", "LocalRegion",
     "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from memsem import _args
-from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
+from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +270,8 @@ class Request:
         self.ops = list(ops)
         self._done = threading.Event()
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """(Engines') every op of the request reached a final state: wake its waiters."""
         self._done.set()
 
     def poll(self) -> bool:
@@ -297,6 +298,46 @@ class Request:
                 op.state = OpState.CANCELLED
 
 
+class GenerationCheck(str, enum.Enum):
+    """Who keeps a stale handle from touching a window's memory when the consumer's runtime
+    cannot map the window's control block (the owner is on another node)."""
+
+    #: nobody: the route needs the control block mapped here (same-node engines)
+    NONE = ""
+    #: the hardware: the owner deregisters the region at each generation bump, so old handles
+    #: fault (a revoked rkey; rdma)
+    DEVICE = "device"
+    #: the owner's runtime checks a credential with every request (tcp; see ``attach``)
+    OWNER = "owner"
+
+
+class WatchMode(str, enum.Enum):
+    """How an engine keeps the control words of a remote window current on the consumer's side
+    (``Engine.can_watch``). Falsy when it cannot."""
+
+    #: it cannot: waits on those words are NotSupportedError
+    NONE = ""
+    #: the owner sends every change (``watch``)
+    PUSH = "push"
+    #: the consumer reads them one-sidedly (``read_words``)
+    READ = "read"
+
+
+class RemoteOutcome(EngineError):
+    """The owner's runtime did not complete a request of an owner-checked engine: ``status`` is
+    the owner's native outcome (a ``MEMSEM_RC_*`` status of ``native/memsem_native.h``: a moved
+    generation, a version gone, an open write section, a range or permission refusal...) and
+    ``value`` its value (the generation or version found). Engines carry both from the owner
+    and never interpret them; the runtime turns them into memsem errors exactly as it turns a
+    local native outcome (``memsem.core._bracket``).
+    """
+
+    def __init__(self, message: str, *, status: int, value: int = 0) -> None:
+        super().__init__(message, code=status)
+        self.status = status
+        self.value = value
+
+
 class Engine(abc.ABC):
     """Base class of every engine. Subclasses set ``name`` and implement the abstract methods.
 
@@ -308,13 +349,10 @@ class Engine(abc.ABC):
     #: SHMEM ``_nbi`` + one quiet): the runtime's xcopy then submits whole batches to it.
     batches: ClassVar[bool] = False
     #: How a stale handle is kept from touching memory when the runtime cannot map the window's
-    #: control block (consumer on another node): "" (it must be mapped), "device" (the owner
-    #: deregisters the region at each generation bump, so old handles fault in hardware, e.g. a
-    #: revoked rkey), "owner" (the owner's runtime checks a credential with every request; see
-    #: ``attach``'s ``credential``).
-    enforces_generation: ClassVar[str] = ""
-    #: True when the owner checks versions for this engine: ``get``/``put`` take ``version=``
-    #: (0: the latest) and return the version read / overwritten
+    #: control block (consumer on another node): see :class:`GenerationCheck`.
+    enforces_generation: ClassVar[GenerationCheck] = GenerationCheck.NONE
+    #: True when the owner checks versions for this engine: it implements ``get_version`` and
+    #: ``put_version`` (the owner brackets each request and says which version it moved)
     versions: ClassVar[bool] = False
 
     @classmethod
@@ -405,6 +443,25 @@ class Engine(abc.ABC):
         """Copy ``src`` into ``remote`` at ``offset``; returns when the bytes are visible at the
         target (remote completion), not merely when ``src`` may be reused."""
 
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
+        """``get`` of exactly version ``version`` (0: the latest committed one), checked by the
+        owner (engines with ``versions``); returns the version whose bytes are in ``dst``.
+
+        Raises:
+            RemoteOutcome: the owner refused (its native outcome: a moved generation, a version
+                gone, a write section that stayed open...). NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
+
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+        """``put`` checked by the owner (engines with ``versions``); returns, at remote
+        completion, the version whose bytes were overwritten.
+
+        Raises:
+            RemoteOutcome: the owner refused. NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
+
     def can_signal(self, remote: RemoteRegion) -> bool:
         """Whether ``put_signal`` can set the window's tile signal words with the data."""
         return False
@@ -414,11 +471,11 @@ class Engine(abc.ABC):
         raise NotSupportedError(f"engine {self.name!r} cannot signal tiles with the data")
 
     # -- control words of a remote window (tile-ready words, version words) ---------------------
-    def can_watch(self, remote: RemoteRegion) -> str:
-        """How this engine keeps control words of ``remote``'s window current here: "push" (the
-        owner sends every change: ``watch``), "read" (one-sided reads: ``read_words``), or ""
-        (it cannot)."""
-        return ""
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
+        """How this engine keeps control words of ``remote``'s window current here
+        (:class:`WatchMode`: PUSH, the owner sends every change, ``watch``; READ, one-sided
+        reads, ``read_words``; NONE, it cannot)."""
+        return WatchMode.NONE
 
     def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
               on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
@@ -467,7 +524,7 @@ class Engine(abc.ABC):
                     op.error = exc
                     op.state = OpState.FAILED
         finally:
-            req._finish()
+            req.finish()
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -535,5 +592,5 @@ class EngineContext(abc.ABC):
 __all__ = [
     "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
     "WATCH_HEADER", "WATCH_READY",
-    "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError",
+    "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError", "GenerationCheck", "RemoteOutcome", "WatchMode",
 ]

@@ -80,7 +80,16 @@ from memsem._errors import (
     StaleReferenceError,
     WindowNotFoundError,
 )
-from memsem.engines._base import Availability, Credential, Descriptor, Engine, LocalRegion, RemoteRegion
+from memsem.engines._base import (
+    Availability,
+    Credential,
+    Descriptor,
+    Engine,
+    GenerationCheck,
+    LocalRegion,
+    RemoteRegion,
+    WatchMode,
+)
 from memsem.native import ffi as _ffi
 
 log = logging.getLogger(__name__)
@@ -558,7 +567,7 @@ class TcpEngine(Engine):
     """
 
     name = "tcp"
-    enforces_generation = "owner"
+    enforces_generation = GenerationCheck.OWNER
     versions = True
 
     @classmethod
@@ -1043,7 +1052,10 @@ class TcpEngine(Engine):
         c.handles[cred.token] = h
         return h
 
-    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int = 0) -> int:
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        self.get_version(remote, offset, dst, 0)
+
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
         """Copy ``dst.nbytes`` bytes at ``offset`` here; returns the version the owner read
         (``version`` 0 asks for the latest, else exactly that one)."""
         n = dst.nbytes
@@ -1061,7 +1073,10 @@ class TcpEngine(Engine):
         self._check_range(remote, offset, n)
         return self._transfer(remote, False, offset, dst, version)
 
-    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        self.put_version(remote, offset, src)
+
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
         """Copy ``src`` to ``offset``; returns (at remote completion) the version overwritten."""
         n = src.nbytes
         self._check_range(remote, offset, n)
@@ -1199,8 +1214,8 @@ class TcpEngine(Engine):
             raise self._error(remote, status, flags, value, text, "ready mark", 0)
 
     # -- consumer side: watches -------------------------------------------------------------------
-    def can_watch(self, remote: RemoteRegion) -> str:
-        return "push" if isinstance(remote, TcpRemote) else ""
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
+        return WatchMode.PUSH if isinstance(remote, TcpRemote) else WatchMode.NONE
 
     def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
               on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],

@@ -32,17 +32,13 @@ import numpy as np
 
 from memsem import native
 from memsem._errors import MemsemError, MemsemTimeoutError, RuntimeClosedError
-from memsem.core import Lease, RuntimeCore
-from memsem.core import _translate as tr
+from memsem.core import ATTENTION, Lease, RuntimeCore, settle
 from memsem.gva import RefSpec
 from memsem.pipeline._movers import MAX_NATIVE_TILES, POLL_S, NativeMover, ThreadMover, mover_pool, patience_ns
 
 #: extra time the caller waits beyond ``timeout`` so the mover's own, more precise, error wins
 CALLER_GRACE_S = 0.5
 
-_STATUS = tr.RC_STATUS
-_ATTN = tr.RC_ATTENTION
-_SHIFT = tr.RC_SHIFT
 _WAITING = native.lib.MEMSEM_PIPE_WAITING
 _IDLE = native.lib.MEMSEM_PIPE_IDLE
 _TIMEOUT = native.lib.MEMSEM_PIPE_TIMEOUT
@@ -56,8 +52,8 @@ MoveHere = Callable[[int, int, int, "np.ndarray | None"], "tuple[np.ndarray, int
 
 class _Joined:
     """What a closed hand-off leaves to do once its mover's run has ended: give the staging
-    memory back to the pool and, for a tile taken over from a late worker, release the
-    resolution when that worker left it last (``MEMSEM_RC_LAST_OUT``). Holds no pipeline."""
+    memory back to the pool and settle the worker's result for a tile taken over from it (it
+    may have left a closed resolution last: ``settle`` releases it). Holds no pipeline."""
 
     __slots__ = ("staging", "memory", "late")
 
@@ -65,8 +61,8 @@ class _Joined:
         self.staging, self.memory, self.late = staging, memory, late
 
     def __call__(self, mover: NativeMover | ThreadMover | None) -> None:
-        if self.late is not None and isinstance(mover, NativeMover) and mover.result(self.late) & tr.RC_LAST_OUT:
-            mover.res.release()
+        if self.late is not None and isinstance(mover, NativeMover):
+            settle(mover.res, mover.result(self.late))
         for mem in self.memory:
             if mem is not None:
                 self.staging.give_back(mem)
@@ -194,10 +190,10 @@ class Handoff:
                 return self._move_here(index, off, n, self._spare_for(n))
         if rc == _YOURS:  # the worker had not started this tile (late, descheduled): copy it here
             return self._move_here(index, off, n, None)
-        if rc & _ATTN:
+        if rc & ATTENTION:
             return self._native_outcome(index, off, n, rc)
         self.moves.append(mover.interval(index))
-        return self._slot(index, off, n), rc >> _SHIFT
+        return self._slot(index, off, n), settle(mover.res, rc).value
 
     def _spare_for(self, n: int) -> np.ndarray:
         if self._spare is None:
@@ -219,15 +215,13 @@ class Handoff:
         return None
 
     def _settle_late(self, index: int) -> None:
-        """The run a late worker held ended: join it, keep the one thing of its result for the
-        tile taken over that still matters (it left a closed resolution last), start a new run
-        at ``index``."""
+        """The run a late worker held ended: join it, settle its result for the tile taken
+        over (only its release of a closed resolution matters: the caller's own copy decided),
+        start a new run at ``index``."""
         mover = self.mover
         mover.join_run(self.timeout)
-        rc = mover.result(self._late)
+        settle(mover.res, mover.result(self._late))
         self._late = None
-        if rc & tr.RC_LAST_OUT:
-            mover.res.release()
         self._restart(index)
 
     def _wait(self, index: int, waiting: Any) -> Any:
@@ -251,20 +245,19 @@ class Handoff:
         """The native mover handed over tile ``index`` with anything but a plain success."""
         mover = self.mover
         res = mover.res
-        status = rc & _STATUS
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if status == tr.OK:
+        o = settle(res, rc)
+        status = o.status
+        if o.ok:
             self.moves.append(mover.interval(index))
-            if rc & tr.RC_CHECK_PEER:
+            if o.check_peer:
                 res.peer_checked()  # PeerLostError when the owner died
-            if rc & tr.RC_LAST_OUT:  # the run ended after this tile: go on with a new one
+            if o.released:  # the run ended after this tile: go on with a new one
                 mover.join_run(self.timeout)
                 if index + 1 < self.n_tiles:
                     self._restart(index + 1)
-            return self._slot(index, off, n), rc >> _SHIFT
+            return self._slot(index, off, n), o.value
         if status == _TIMEOUT:
-            w = rc >> _SHIFT
+            w = o.value
             self.runtime.telemetry.count_error("timeout")
             raise MemsemTimeoutError(
                 f"pipeline tile {index} of {self.spec.label}: ready word of window tile {w} not "
