@@ -15,7 +15,8 @@ foreign load hits both sides of a ratio alike.
    compute on each tile against one ``get`` into a preallocated array then the same compute over
    the whole ref (compute proportional to the bytes, ~= the move). Key: ``pipeline_vs_get_min``,
    the smallest median ratio get-then-compute / pipeline over sizes and routes (goal >= 1.0);
-   ``pipeline_vs_get_min_shm`` / ``_cma`` per route.
+   ``pipeline_vs_get_min_shm`` / ``_cma`` per route. ``pipeline_fixed_us_shm`` / ``_cma``: what a
+   one-tile pipeline costs beyond the get it makes (64 KiB, median of interleaved differences).
 2. First-tile latency of a ref with 1 MiB tiles vs one 1 MiB ``get()`` (goal <= 3x).
 3. Consumer RSS growth while streaming 1 GiB (256 MiB quick) vs ``depth x tile_bytes + 64 MiB``.
 
@@ -323,6 +324,31 @@ def vs_get_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], sizes: l
     return res
 
 
+def fixed_cost_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], nbytes: int = 64 << 10,
+                     rounds: int = 2000) -> dict[str, Any]:
+    """What a one-tile pipeline costs beyond the one get it makes: interleaved rounds of a get of
+    ``nbytes`` into a preallocated array and of ``rt.pipeline(ref)`` over the same bytes (no
+    compute); the median of the per-round differences, in microseconds, per route."""
+    out: dict[str, Any] = {}
+    for kind, full in refs.items():
+        ref = full.bytes(0, nbytes)
+        whole = np.empty(nbytes, np.uint8)
+
+        def pipe() -> None:
+            with rt.pipeline(ref) as p:
+                for tile in p:
+                    with tile:
+                        pass
+
+        pipe()
+        t = interleaved({"get": _timed(lambda: ref.get(whole)), "pipeline": _timed(pipe)}, rounds)
+        diffs = sorted(b - a for a, b in zip(t["get"], t["pipeline"]))
+        out[ROUTES[kind]] = {"get_us": statistics.median(t["get"]) * 1e6,
+                             "pipeline_us": statistics.median(t["pipeline"]) * 1e6,
+                             "fixed_us": diffs[len(diffs) // 2] * 1e6}
+    return out
+
+
 # -- 2: first tile -------------------------------------------------------------------------------
 def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
                      rounds: int = 15) -> dict[str, Any]:
@@ -408,8 +434,12 @@ def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2, overlap_ti
                           "ceiling_vs_ideal", "pipeline_vs_ceiling"):
                     out[k] = ov[k]
             if "vs_get" in parts:
-                vg = out["vs_get"] = vs_get_bench(rt, {k: rt.ref(v) for k, v in src.refs.items()}, sizes, quick)
+                refs = {k: rt.ref(v) for k, v in src.refs.items()}
+                vg = out["vs_get"] = vs_get_bench(rt, refs, sizes, quick)
                 out.update({k: v for k, v in vg.items() if k.startswith("pipeline_vs_get")})
+                fc = out["fixed_cost"] = fixed_cost_bench(rt, refs)
+                for route, v in fc.items():
+                    out[f"pipeline_fixed_us_{route.split('/')[-1]}"] = v["fixed_us"]
             if "first_tile" in parts:
                 ft = out["first_tile"] = first_tile_bench(rt, ref, tile_bytes, depth)
                 out["first_tile_ratio"] = ft["first_tile_ratio"]
@@ -464,6 +494,8 @@ def report(r: dict[str, Any]) -> str:
         per = ", ".join(f"{k[len('pipeline_vs_get_min_'):]} {v:.3f}" for k, v in r.items()
                         if k.startswith("pipeline_vs_get_min_"))
         lines.append(f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x ({per})   (goal >= 1.0)")
+        lines += [f"     one-tile pipeline beyond its get ({k}, 64 KiB): {v['fixed_us']:.1f} us (get {v['get_us']:.1f} us, "
+                  f"pipeline {v['pipeline_us']:.1f} us)" for k, v in r.get("fixed_cost", {}).items()]
     if "first_tile" in r:
         ft = r["first_tile"]
         lines += [f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one "
