@@ -311,7 +311,8 @@ def vs_get_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], sizes: l
             st = p.stats
             out[f"{ROUTES[kind]} {n}"] = {
                 "route": st.route, "bytes": n, "get_then_compute_s": statistics.median(t["bulk"]),
-                "alloc_get_then_compute_s": statistics.median(t["alloc"]), "pipeline_s": statistics.median(t["pipeline"]),
+                "alloc_get_then_compute_s": statistics.median(t["alloc"]),
+                "pipeline_s": statistics.median(t["pipeline"]),
                 "ratio": r["median"], "ratio_p25": r["p25"], "ratio_p75": r["p75"], "alloc_ratio": a["median"],
                 "tiles": p.n_tiles, "mode": st.mode, "mover": st.mover, "explanation": p.explanation,
                 "rounds": rounds}
@@ -475,7 +476,8 @@ def report(r: dict[str, Any]) -> str:
             f"     pipeline {ov['pipeline_s'] * ms:.1f} ms | ideal {ov['ideal_s'] * ms:.1f} ms | bulk get-then-compute "
             f"{ov['bulk_s'] * ms:.1f} ms | ceiling {ov['ceiling_s'] * ms:.1f} ms | overlap {ov['overlap_ratio']:.2f} | "
             f"tiles by the caller {ov['caller_tiles']:.0f} (taken over {ov['late_tiles']:.0f})",
-            f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x {sp(s['pipeline_vs_ideal'])}   (goal <= 1.1)",
+            f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x {sp(s['pipeline_vs_ideal'])}"
+            "   (goal <= 1.1)",
             f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x "
             f"{sp(s['pipeline_speedup_vs_bulk'])}   (goal >= 1.7)",
             f"     machine ceiling (copy thread || compute, no hand-off): bulk / ceiling = "
@@ -494,7 +496,8 @@ def report(r: dict[str, Any]) -> str:
         per = ", ".join(f"{k[len('pipeline_vs_get_min_'):]} {v:.3f}" for k, v in r.items()
                         if k.startswith("pipeline_vs_get_min_"))
         lines.append(f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x ({per})   (goal >= 1.0)")
-        lines += [f"     one-tile pipeline beyond its get ({k}, 64 KiB): {v['fixed_us']:.1f} us (get {v['get_us']:.1f} us, "
+        lines += [f"     one-tile pipeline beyond its get ({k}, 64 KiB): {v['fixed_us']:.1f} us "
+                  f"(get {v['get_us']:.1f} us, "
                   f"pipeline {v['pipeline_us']:.1f} us)" for k, v in r.get("fixed_cost", {}).items()]
     if "first_tile" in r:
         ft = r["first_tile"]

@@ -796,7 +796,8 @@ def test_a_stopped_pipe_takes_no_run_a_taken_over_one_does():
         try:
             p, _keep = _raw_pipe()
             p.plan, p.ref_nbytes, p.first = res.plan, ref.nbytes, 1
-            p.dst = memsem.native.ffi.cast("uintptr_t", memsem.native.ffi.from_buffer(_keep_dst := np.zeros(2 * 4096, np.uint8)))
+            dst = np.zeros(2 * 4096, np.uint8)
+            p.dst = dst.ctypes.data
             p.slot_bytes = 4096
             lib.memsem_pipe_take_over(p, 1)  # the caller ended a run: the pipe may run again
             assert lib.memsem_mover_pool_submit(pool._pool, p) == 0
@@ -808,7 +809,7 @@ def test_a_stopped_pipe_takes_no_run_a_taken_over_one_does():
             lib.memsem_pipe_stop(p)  # stopped for good
             p.first = 1
             assert lib.memsem_mover_pool_submit(pool._pool, p) == -errno.ESHUTDOWN
-            del _keep_dst
+            del dst
         finally:
             pool.close()
 

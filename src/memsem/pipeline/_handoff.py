@@ -96,7 +96,8 @@ class Handoff:
                  n_slots: int, slot_bytes: int, slots: np.ndarray | None, out: np.ndarray | None,
                  ready: tuple[int, int, Callable[[int], range]] | None, timeout: float, lease: Lease | None,
                  version: int, route: Any, move_here: MoveHere, closed: Callable[[], bool]) -> None:
-        self.runtime, self.spec, self.n_tiles, self.n_slots, self.slot_bytes = runtime, spec, n_tiles, n_slots, slot_bytes
+        self.runtime, self.spec, self.n_tiles = runtime, spec, n_tiles
+        self.n_slots, self.slot_bytes = n_slots, slot_bytes
         self.timeout = timeout
         self._slots, self._out, self._move_here, self._closed = slots, out, move_here, closed
         self._late: int | None = None  # a tile taken over from a late worker whose run has not ended

@@ -327,12 +327,6 @@ class Pipeline:
             return raw.view(self._dtype), None
         return raw, None
 
-    def _slot(self, index: int, off: int, n: int) -> np.ndarray:
-        """Where tile ``index`` goes: its staging slot (or its place in ``out``)."""
-        if self._slots is not None:
-            return self._slots[index % self._n_slots, :n]
-        return self._base[off:off + n]
-
     # -- iteration -------------------------------------------------------------------------------
     def __iter__(self) -> "Pipeline":
         return self
@@ -467,9 +461,10 @@ class Pipeline:
             self.close()
 
     def close(self) -> None:
-        """Stop the mover and join it (bounded by ``timeout``: it ends after the copy in
-        progress), release the held tile and the view (its lease goes when no tile array
-        references it). Safe twice."""
+        """Stop the mover (a native worker claims no further tile and ends after the copy in
+        progress; close does not wait for it, and what it may write stays allocated until it has
+        ended), release the held tile and the view (its lease goes when no tile array references
+        it). Safe twice."""
         if self._closed:
             return
         self._closed = True
