@@ -24,6 +24,7 @@ from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
 from memsem.core import _translate as tr
 from memsem.core._liveness import WAIT_SLICE_S
 from memsem.core._remote import RemoteControl, RemoteWords
+from memsem.core._transfer import owner_checked_failure
 from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
@@ -85,8 +86,9 @@ class Readiness:
         except StaleReferenceError:
             self._core.resolver.drop(spec.gva, res)
             raise
-        except EngineError as exc:
-            raise tr.chain(tr.engine_failure(exc, spec, res.peer, "ready mark"), exc) from exc
+        except (EngineError, AccessDeniedError) as exc:  # ADAPTER (issue 20 §1): owner_checked_failure
+            err = owner_checked_failure(self._core, exc, res, spec, put=True, kind="ready mark")
+            raise tr.chain(err, exc) from exc
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""

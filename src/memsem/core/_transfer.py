@@ -20,12 +20,13 @@ import numpy as np
 from memsem import _dtypes, _hot, native
 from memsem._buffers import address_view, array_address, as_byte_array
 from memsem._errors import (
+    AccessDeniedError,
     EngineError,
     MemsemError,
     NotSupportedError,
     StaleReferenceError,
 )
-from memsem.engines import WATCH_HEADER
+from memsem.engines import WATCH_HEADER, RemoteOutcome
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, W_SEQ1, W_SLOT_STRIDE
 from memsem.core import _translate as tr
@@ -204,7 +205,26 @@ class Transfers:
 
     def _via_engine(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
                     keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
-        """Routes the CPU cannot copy on by itself: the engine moves the bytes inside the bracket."""
+        """Routes the CPU cannot copy on by itself: the engine moves the bytes inside the bracket.
+        An owner-checked engine's TORN or BUSY outcome makes the transfer again, within the
+        runtime's timeout (the owner waited for BUSY already, up to its cap)."""
+        deadline = None
+        while True:
+            try:
+                return self._via_engine_once(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+            except RemoteOutcome as exc:  # ADAPTER (issue 20 §1): see owner_checked_failure
+                self._core.telemetry.count_error("torn" if exc.status == tr.TORN else "busy")
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self._core.timeout
+                if now >= deadline:
+                    raise tr.busy_timeout(spec, self._core.timeout) from exc
+                res = self._resolver.resolve(spec)
+                if res.direct:
+                    return self.transfer(spec, put, offset, addr, n, keep, lease, version, signal_tile)
+
+    def _via_engine_once(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
+                         keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
         eng = res.engine
         if res.cb is None and not eng.enforces_generation:
             raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
@@ -269,6 +289,11 @@ class Transfers:
             rc = _close(res.plan, put, n, ls, lid, st, 1)
             if rc & tr.RC_LAST_OUT:
                 res.release()
+            if isinstance(exc, (RemoteOutcome, AccessDeniedError)) and (rc & tr.RC_STATUS) != tr.GEN_AFTER:
+                err = owner_checked_failure(self._core, exc, res, spec, put=put, lease=lease, version=version)
+                if err is exc:
+                    raise
+                raise err from exc
             if isinstance(exc, MemsemError):
                 if (rc & tr.RC_STATUS) == tr.GEN_AFTER:
                     self._resolver.drop(spec.gva, res)
@@ -461,9 +486,44 @@ class Transfers:
         return self._xcopier.xcopy(pairs, lease=lease)
 
 
+# ADAPTER (issue 20 §1): until branch ``prim``'s one outcome -> error function replaces it.
+def owner_checked_failure(core: "RuntimeCore", exc: BaseException, res: Resolution, spec: RefSpec, *,
+                          put: bool = False, lease: Lease | None = None, version: int = 0,
+                          kind: str = "") -> BaseException:
+    """The memsem error for what an owner-checked engine (tcp) raised on ``res``'s route.
+
+    * :class:`RemoteOutcome`: the owner's native outcome, translated exactly as the same outcome
+      of a local copy (``Transfers.failure``; a generation found 0 is a window that is gone).
+      TORN and BUSY are returned as they are: the caller makes the transfer again.
+    * AccessDeniedError (or an EngineError) for a window on another node: an owner says nothing
+      about a window to a credential it refuses, so the directory, which this runtime trusts,
+      tells whether the window moved on: StaleReferenceError then, else the error itself (an
+      EngineError translated as every engine failure).
+    """
+    kind = kind or ("put" if put else "get")
+    if isinstance(exc, RemoteOutcome):
+        status = exc.status
+        if status in (tr.TORN, tr.BUSY):
+            return exc
+        if status in (tr.GEN_BEFORE, tr.GEN_AFTER) and not exc.value:
+            core.resolver.drop(spec.gva, res)
+            core.telemetry.count_error("stale")
+            return tr.stale(spec, None, during=status == tr.GEN_AFTER)
+        return core.transfers.failure(status, status | (exc.value << _SHIFT), res, spec, put, lease, version)
+    if res.cb is None and isinstance(exc, (AccessDeniedError, EngineError)):
+        rec = core.directory.get_window(spec.gva)
+        if rec is None or int(rec.get("generation", -1)) != spec.generation:
+            core.resolver.drop(spec.gva, res)
+            core.telemetry.count_error("stale")
+            return tr.stale(spec, None if rec is None else int(rec["generation"]))
+    if isinstance(exc, AccessDeniedError):
+        return exc
+    return tr.engine_failure(exc, spec, res.peer, kind)
+
+
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
     return ValueError(f"{arg} holds {n} bytes; the ref is {spec.nbytes} bytes "
                       f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
 
 
-__all__ = ["Transfers"]
+__all__ = ["Transfers", "owner_checked_failure"]

@@ -22,6 +22,7 @@ from memsem.engines._base import (
     Op,
     OpKind,
     OpState,
+    RemoteOutcome,
     RemoteRegion,
     Request,
 )
@@ -74,6 +75,6 @@ def engine_class(name: str) -> type[Engine]:
 
 __all__ = [
     "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
-    "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
+    "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteOutcome", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from memsem import _args
-from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
+from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,6 +497,23 @@ class Engine(abc.ABC):
                 f"range [{offset}, {offset + nbytes}) lies outside the region of {remote.nbytes} bytes")
 
 
+class RemoteOutcome(EngineError):
+    """The owner's native outcome of a request (a ``MEMSEM_RC_*`` status of
+    ``native/memsem_native.h`` and the value that comes with it), carried back by an engine
+    whose owner checks every request (tcp). Engines carry it, never interpret it; the runtime
+    translates it exactly as it translates the same outcome of a local copy.
+
+    Attributes:
+        status: the native status (``MEMSEM_RC_*``, never OK).
+        value: its value (the generation found, the version the slot holds...).
+    """
+
+    def __init__(self, message: str, status: int, value: int) -> None:
+        super().__init__(message, code=status, name=f"MEMSEM_RC {status}")
+        self.status = status
+        self.value = value
+
+
 class EngineContext(abc.ABC):
     """What an engine may ask of the runtime that enabled it (handed over by ``Engine.bind``).
 
@@ -518,14 +535,12 @@ class EngineContext(abc.ABC):
     def serve_open(self, token: bytes, challenge: bytes, proof: bytes) -> Any:
         """Owner side of engines whose ``enforces_generation`` is "owner": a remote consumer
         shows ``token`` (a :class:`Credential`'s) and ``proof`` (its ``prove(challenge)``) for
-        the ``challenge`` this engine issued on that connection. Returns a grant (see
-        ``memsem.core._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
-        ``set_ready``, ``watch``) or raises the memsem error saying why not (AccessDeniedError,
-        StaleReferenceError, WindowNotFoundError)."""
-
-    @abc.abstractmethod
-    def serve_sweep(self) -> None:
-        """Drop cached grants of windows whose generation moved."""
+        the ``challenge`` this engine issued on that connection. Returns a new grant for that
+        session, which the engine closes when the session ends or closes the handle (see
+        ``memsem.core._serve.Grant``: ``check``/``check_tile``, ``copy`` and ``move`` (one
+        bracket around one non-blocking call, yielding the owner's native outcome),
+        ``set_ready``, ``watch``, ``on_commit``, ``close``), or raises AccessDeniedError (the
+        credential is refused; nothing about the window is said) or another MemsemError."""
 
     @abc.abstractmethod
     def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
@@ -535,5 +550,5 @@ class EngineContext(abc.ABC):
 __all__ = [
     "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
     "WATCH_HEADER", "WATCH_READY",
-    "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError",
+    "OpKind", "OpState", "RemoteOutcome", "RemoteRegion", "Request", "MemsemError",
 ]
