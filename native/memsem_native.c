@@ -1,6 +1,7 @@
 /* memsem native layer; see memsem_native.h for the contract of every function. */
 #define _GNU_SOURCE
 #include "memsem_native.h"
+#include "memsem_internal.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -52,8 +53,7 @@ int memsem_futex_wait(uint32_t *addr, uint32_t expected, double timeout_s) {
 }
 
 int memsem_futex_wake(uint32_t *addr, int n) {
-    long rc = syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
-    return rc < 0 ? -errno : (int)rc;
+    return ms_futex_wake(addr, n, 1);
 }
 
 static int64_t vm_transfer(int pid, void *local, uint64_t remote, uint64_t nbytes, int write) {
@@ -89,8 +89,6 @@ void memsem_memcpy(void *dst, const void *src, uint64_t nbytes) {
 #define USE_CLOSED (1ull << MEMSEM_USE_CLOSED_BIT)
 #define USE_COUNT (USE_CLOSED - 1)
 
-static inline uint32_t *low32(uint64_t *w) { return (uint32_t *)w; } /* little endian */
-
 int memsem_use_enter(uint64_t *word) {
     /* CAS, never a transient increment of a closed word: a closed word's count only falls, so
      * exactly one caller sees it reach zero. */
@@ -105,7 +103,7 @@ int memsem_use_enter(uint64_t *word) {
 int memsem_use_leave(uint64_t *word) {
     uint64_t v = __atomic_fetch_sub(word, 1, __ATOMIC_SEQ_CST);
     if (v == (USE_CLOSED | 1)) {
-        syscall(SYS_futex, low32(word), FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+        ms_futex_wake(ms_low32(word), INT32_MAX, 0);
         return 1;
     }
     return 0;
@@ -117,33 +115,18 @@ int memsem_use_close(uint64_t *word) {
     return (v & USE_COUNT) == 0 ? 1 : 0;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 int memsem_use_wait_idle(uint64_t *word, double timeout_s) {
-    double deadline = now_s() + timeout_s;
+    uint64_t deadline = ms_now_ns() + (uint64_t)(timeout_s * 1e9);
     for (;;) {
         uint64_t v = __atomic_load_n(word, __ATOMIC_SEQ_CST);
         if ((v & USE_COUNT) == 0) return 0;
-        double left = deadline - now_s();
-        if (left <= 0) return -ETIMEDOUT;
-        struct timespec ts;
-        ts.tv_sec = (time_t)left;
-        ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
-        syscall(SYS_futex, low32(word), FUTEX_WAIT_PRIVATE, (uint32_t)v, &ts, NULL, 0);
+        uint64_t now = ms_now_ns();
+        if (now >= deadline) return -ETIMEDOUT;
+        ms_futex_wait(ms_low32(word), (uint32_t)v, deadline - now, 0);
     }
 }
 
 /* ---- the hot path -------------------------------------------------------------------------- */
-static inline uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 int memsem_lat_bucket(uint64_t ns) {
     if (ns < 4) return (int)ns;
     int lg = 63 - __builtin_clzll(ns);              /* floor(log2 ns) >= 2 */
@@ -160,8 +143,8 @@ uint64_t memsem_lat_bucket_floor(int bucket) {
 
 static inline int lease_ok(uint64_t slot, uint64_t id, uint64_t now) {
     const uint64_t *w = (const uint64_t *)(uintptr_t)slot;
-    uint64_t exp = __atomic_load_n(&w[2], __ATOMIC_ACQUIRE);
-    return __atomic_load_n(&w[3], __ATOMIC_ACQUIRE) == id && exp > now;
+    uint64_t exp = __atomic_load_n(&w[MEMSEM_LEASE_EXPIRY], __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&w[MEMSEM_LEASE_ID], __ATOMIC_ACQUIRE) == id && exp > now;
 }
 
 static inline uint64_t finish(memsem_plan *p, uint64_t status) {
@@ -169,15 +152,26 @@ static inline uint64_t finish(memsem_plan *p, uint64_t status) {
     return status;
 }
 
+/* Leave the participant's in-flight count. A copy that found the generation moved wakes the
+ * owner's retire, which sleeps on the count until it reads 0 (shared futex: the control block
+ * is mapped by every participant). */
+static inline void inflight_leave(uint64_t *inflight, int moved) {
+    if (!inflight) return;
+    __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
+    if (moved) ms_futex_wake(ms_low32(inflight), INT32_MAX, 1);
+}
+
 /* The seqlock bracket, the one implementation every route uses: open (checks, counted in the
  * participant's in-flight word), the copy (native here, or an engine's between the calls), close
  * (re-checks, telemetry). On failure open undoes what it did and returns the status. */
-static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t nbytes,
-                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
-                            uint64_t *st) {
+static uint64_t bracket_open(memsem_bracket *b, memsem_plan *p, int put, uint64_t offset,
+                            uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
+                            uint64_t lease_id) {
+    b->is_open = 0;
     if (memsem_use_enter(&p->use)) return MEMSEM_RC_CLOSED;
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = ms_now_ns();
     if (offset > p->nbytes || nbytes > p->nbytes - offset) return finish(p, MEMSEM_RC_RANGE);
+    if (want_version > MEMSEM_VERSION_MAX) return finish(p, MEMSEM_RC_VERSION_RANGE);
     if (put && (!(p->flags & MEMSEM_PLAN_WRITABLE) || (p->flags & MEMSEM_PLAN_NO_PUT)))
         return finish(p, MEMSEM_RC_READONLY);
     if (lease_slot && !lease_ok(lease_slot, lease_id, t0)) return finish(p, MEMSEM_RC_LEASE_BEFORE);
@@ -189,12 +183,14 @@ static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t 
     const uint64_t *gen = (const uint64_t *)(uintptr_t)p->gen_addr;
     const uint64_t *seqs = (const uint64_t *)(uintptr_t)p->seq_addr;
     uint64_t status;
+    int moved = 0;
     /* Dekker with the owner's retire: count ourselves in, then read the generation (both
      * sequentially consistent); the owner bumps the generation, then reads the counters. */
     if (inflight) __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
     uint64_t g = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
     if (g != p->generation) {
         status = MEMSEM_RC_GEN_BEFORE | (g << MEMSEM_RC_VERSION_SHIFT);
+        moved = 1;
         goto fail;
     }
     uint64_t version, slot = 0;
@@ -204,6 +200,8 @@ static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t 
     else version = __atomic_load_n(&seqs[0], __ATOMIC_ACQUIRE) >> 1;
     if (p->nslots > 1) slot = version % p->nslots;
     uint64_t seq = __atomic_load_n(&seqs[slot], __ATOMIC_ACQUIRE);
+    /* version <= MEMSEM_VERSION_MAX, so version << 1 never wraps: a slot that was never written
+     * (sequence 0) never passes for a version asked for. */
     if (seq != (version << 1)) {
         /* The slot holds a newer version (or one is being written into it): the version asked
          * for is gone; else that version is being written or not committed yet. A read of the
@@ -212,41 +210,49 @@ static uint64_t bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t 
         status |= ((seq >> 1) << MEMSEM_RC_VERSION_SHIFT);
         goto fail;
     }
-    st[0] = version;
-    st[1] = seq;
-    st[2] = slot;
-    st[3] = t0;
-    st[4] = p->base + slot * p->slot_stride + offset;
+    b->plan = p;
+    b->put = put;
+    b->nbytes = nbytes;
+    b->lease_slot = lease_slot;
+    b->lease_id = lease_id;
+    b->version = version;
+    b->seq = seq;
+    b->slot = slot;
+    b->start_ns = t0;
+    b->address = p->base + slot * p->slot_stride + offset;
+    b->is_open = 1;
     return MEMSEM_OK;
 fail:
-    if (inflight) __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
+    inflight_leave(inflight, moved);
     return finish(p, status);
 }
 
-static uint64_t bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t lease_slot,
-                             uint64_t lease_id, const uint64_t *st, uint64_t status) {
+static uint64_t bracket_close(memsem_bracket *b, uint64_t status) {
+    memsem_plan *p = b->plan;
     uint64_t *inflight = (uint64_t *)(uintptr_t)p->inflight_addr;
     const uint64_t *seqs = (const uint64_t *)(uintptr_t)p->seq_addr;
+    b->is_open = 0;
     /* seqlock: nothing of the copy may be ordered after these checks. Also after a failed
      * copy: a moved generation explains most failures (the memory went away). */
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint64_t g = __atomic_load_n((const uint64_t *)(uintptr_t)p->gen_addr, __ATOMIC_ACQUIRE);
-    if (g != p->generation)
+    int moved = g != p->generation;
+    if (moved)
         status = MEMSEM_RC_GEN_AFTER | (g << MEMSEM_RC_VERSION_SHIFT);
-    else if (status == MEMSEM_OK && __atomic_load_n(&seqs[st[2]], __ATOMIC_ACQUIRE) != st[1])
+    else if (status == MEMSEM_OK && __atomic_load_n(&seqs[b->slot], __ATOMIC_ACQUIRE) != b->seq)
         status = MEMSEM_RC_TORN;
-    if (inflight) __atomic_fetch_sub(inflight, 1, __ATOMIC_RELEASE);
+    inflight_leave(inflight, moved);
     if (status != MEMSEM_OK) return finish(p, status);
-    uint64_t t1 = mono_ns();
-    if (lease_slot && !lease_ok(lease_slot, lease_id, t1)) return finish(p, MEMSEM_RC_LEASE_DURING);
-    int k = put ? 1 : 0;
+    uint64_t t1 = ms_now_ns();
+    if (b->lease_slot && !lease_ok(b->lease_slot, b->lease_id, t1)) return finish(p, MEMSEM_RC_LEASE_DURING);
+    int k = b->put ? 1 : 0;
     __atomic_fetch_add(&p->ops[k], 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&p->bytes[k], nbytes, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&p->lat[k][memsem_lat_bucket(t1 - st[3])], 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&p->lat_sum[k], t1 - st[3], __ATOMIC_RELAXED);
-    status = st[0] << MEMSEM_RC_VERSION_SHIFT;
+    __atomic_fetch_add(&p->bytes[k], b->nbytes, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&p->lat[k][memsem_lat_bucket(t1 - b->start_ns)], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&p->lat_sum[k], t1 - b->start_ns, __ATOMIC_RELAXED);
+    status = b->version << MEMSEM_RC_VERSION_SHIFT;
     if ((p->check_every_ns && t1 - p->checked_ns >= p->check_every_ns) ||
-        (p->check_bytes && nbytes >= p->check_bytes))
+        (p->check_bytes && b->nbytes >= p->check_bytes))
         status |= MEMSEM_RC_CHECK_PEER;
     return finish(p, status);
 }
@@ -254,38 +260,37 @@ static uint64_t bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t
 uint64_t memsem_plan_copy(memsem_plan *p, int put, uint64_t offset, uint64_t local,
                          uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
                          uint64_t lease_id) {
-    uint64_t st[5];
+    memsem_bracket b;
     /* A plan of an engine route has no mapping to copy through (base 0): refuse, never touch it. */
     if (!p->base) return MEMSEM_RC_ERRNO | ((uint64_t)EFAULT << MEMSEM_RC_VERSION_SHIFT);
-    uint64_t rc = bracket_open(p, put, offset, nbytes, want_version, lease_slot, lease_id, st);
+    uint64_t rc = bracket_open(&b, p, put, offset, nbytes, want_version, lease_slot, lease_id);
     if (rc != MEMSEM_OK) return rc;
     uint64_t status = MEMSEM_OK;
     switch (p->method) {
     case MEMSEM_COPY_MEMCPY:
-        if (put) memcpy((void *)(uintptr_t)st[4], (const void *)(uintptr_t)local, (size_t)nbytes);
-        else memcpy((void *)(uintptr_t)local, (const void *)(uintptr_t)st[4], (size_t)nbytes);
+        if (put) memcpy((void *)(uintptr_t)b.address, (const void *)(uintptr_t)local, (size_t)nbytes);
+        else memcpy((void *)(uintptr_t)local, (const void *)(uintptr_t)b.address, (size_t)nbytes);
         break;
     case MEMSEM_COPY_VM: {
-        int64_t n = vm_transfer(p->pid, (void *)(uintptr_t)local, st[4], nbytes, put);
+        int64_t n = vm_transfer(p->pid, (void *)(uintptr_t)local, b.address, nbytes, put);
         if (n < 0) status = MEMSEM_RC_ERRNO | ((uint64_t)(-n) << MEMSEM_RC_VERSION_SHIFT);
         break;
     }
     default:
         status = MEMSEM_RC_ERRNO | ((uint64_t)EINVAL << MEMSEM_RC_VERSION_SHIFT);
     }
-    return bracket_close(p, put, nbytes, lease_slot, lease_id, st, status);
+    return bracket_close(&b, status);
 }
 
-uint64_t memsem_bracket_open(memsem_plan *p, int put, uint64_t offset, uint64_t nbytes,
-                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
-                            uint64_t *state) {
-    return bracket_open(p, put, offset, nbytes, want_version, lease_slot, lease_id, state);
+uint64_t memsem_bracket_open(memsem_bracket *b, memsem_plan *p, int put, uint64_t offset,
+                            uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
+                            uint64_t lease_id) {
+    return bracket_open(b, p, put, offset, nbytes, want_version, lease_slot, lease_id);
 }
 
-uint64_t memsem_bracket_close(memsem_plan *p, int put, uint64_t nbytes, uint64_t lease_slot,
-                             uint64_t lease_id, const uint64_t *state, int failed) {
-    return bracket_close(p, put, nbytes, lease_slot, lease_id, state,
-                         failed ? MEMSEM_RC_ERRNO | ((uint64_t)EIO << MEMSEM_RC_VERSION_SHIFT) : MEMSEM_OK);
+uint64_t memsem_bracket_close(memsem_bracket *b, int failed) {
+    if (!b->is_open) return MEMSEM_RC_ERRNO | ((uint64_t)EBADF << MEMSEM_RC_VERSION_SHIFT);
+    return bracket_close(b, failed ? MEMSEM_RC_ERRNO | ((uint64_t)EIO << MEMSEM_RC_VERSION_SHIFT) : MEMSEM_OK);
 }
 
 /* ---- scans ------------------------------------------------------------------------------ */
@@ -294,9 +299,10 @@ int memsem_scan_inflight(uint64_t slots, uint32_t n, uint64_t *out, uint32_t max
     uint32_t found = 0;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (uint32_t i = 0; i < n && found < max; i++) {
-        uint64_t ident = __atomic_load_n(&w[2 * i], __ATOMIC_ACQUIRE);
+        const uint64_t *s = &w[MEMSEM_INFLIGHT_WORDS * i];
+        uint64_t ident = __atomic_load_n(&s[MEMSEM_INFLIGHT_IDENT], __ATOMIC_ACQUIRE);
         if (!ident) continue;
-        uint64_t count = __atomic_load_n(&w[2 * i + 1], __ATOMIC_ACQUIRE);
+        uint64_t count = __atomic_load_n(&s[MEMSEM_INFLIGHT_COUNT], __ATOMIC_ACQUIRE);
         if (!count) continue;
         out[2 * found] = ident;
         out[2 * found + 1] = count;
@@ -310,17 +316,17 @@ int memsem_scan_leases(uint64_t slots, uint32_t n, uint64_t now_ns, uint64_t *ou
     uint32_t found = 0;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (uint32_t i = 0; i < n && found < max; i++) {
-        const uint64_t *s = &w[6 * i];
+        const uint64_t *s = &w[MEMSEM_LEASE_WORDS * i];
         /* 0: free; even: being claimed (its other words may be the previous holder's) */
-        if (!(__atomic_load_n(&s[3], __ATOMIC_ACQUIRE) & 1)) continue;
-        uint64_t exp = __atomic_load_n(&s[2], __ATOMIC_ACQUIRE);
+        if (!(__atomic_load_n(&s[MEMSEM_LEASE_ID], __ATOMIC_ACQUIRE) & 1)) continue;
+        uint64_t exp = __atomic_load_n(&s[MEMSEM_LEASE_EXPIRY], __ATOMIC_ACQUIRE);
         if (exp <= now_ns) continue;
         uint64_t *o = &out[5 * found];
         o[0] = i;
-        o[1] = __atomic_load_n(&s[0], __ATOMIC_ACQUIRE);
-        o[2] = __atomic_load_n(&s[1], __ATOMIC_ACQUIRE);
+        o[1] = __atomic_load_n(&s[MEMSEM_LEASE_PID], __ATOMIC_ACQUIRE);
+        o[2] = __atomic_load_n(&s[MEMSEM_LEASE_START], __ATOMIC_ACQUIRE);
         o[3] = exp;
-        o[4] = __atomic_load_n(&s[4], __ATOMIC_ACQUIRE);
+        o[4] = __atomic_load_n(&s[MEMSEM_LEASE_VERSION], __ATOMIC_ACQUIRE);
         found++;
     }
     return (int)found;
@@ -342,8 +348,4 @@ int memsem_protect(uint64_t addr, uint64_t nbytes, int writable) {
                     PROT_READ | (writable ? PROT_WRITE : 0)) == 0 ? 0 : -errno;
 }
 
-uint64_t memsem_monotonic_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+uint64_t memsem_monotonic_ns(void) { return ms_now_ns(); }

@@ -86,7 +86,7 @@ typedef struct memsem_plan {
 #define MEMSEM_COPY_MEMCPY 0
 #define MEMSEM_COPY_VM 1
 
-/* Status in the low 8 bits of memsem_plan_copy's result (>= 0). */
+/* Status in the low 8 bits of memsem_plan_copy's (and the bracket's) result (>= 0). */
 #define MEMSEM_OK 0
 #define MEMSEM_RC_CLOSED 1        /* the plan was closed: resolve again (nothing moved) */
 #define MEMSEM_RC_GEN_BEFORE 2    /* generation moved before the copy (nothing moved) */
@@ -105,6 +105,8 @@ typedef struct memsem_plan {
 /* MEMSEM_RC_BUFFER: (memsem._hot.copy only) the local buffer needs the Python door first: not
  * a plain contiguous buffer of the right size and dtype (nothing was done). */
 #define MEMSEM_RC_BUFFER 13
+/* MEMSEM_RC_VERSION_RANGE: the version asked for is beyond MEMSEM_VERSION_MAX (nothing moved). */
+#define MEMSEM_RC_VERSION_RANGE 14
 /* memsem._hot.copy keeps the GIL for copies of fewer bytes than this (and releases it above). */
 #define MEMSEM_HOT_GIL_BYTES 65536
 /* Flags in bits 8-15. */
@@ -113,32 +115,73 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_STATUS_MASK 255
 #define MEMSEM_RC_ATTENTION 1023  /* any status or flag: the slow path */
 #define MEMSEM_RC_VERSION_SHIFT 16
+/* The largest version a window has (2**48 - 1): a result's value field holds 48 bits, and a slot's
+ * sequence word holds version << 1 (odd while a write section is open). Versions asked for
+ * beyond it are MEMSEM_RC_VERSION_RANGE; a write section past it is refused by the owner. */
+#define MEMSEM_VERSION_MAX 281474976710655
 
-/* A lease slot of a control block (gva/_control_block.py) is read here as: word 2 = expiry
- * (CLOCK_MONOTONIC ns), word 3 = lease id. */
+/* ---- slot layouts of a control block (gva/_control_block.py reads them from here) ---------
+ * A lease slot is MEMSEM_LEASE_WORDS 64-bit words: holder pid, holder start time, expiry
+ * (CLOCK_MONOTONIC ns), lease id (odd; even: a claim mark in progress; 0: free), the version
+ * the lease pins (0: none), and one spare word. An in-flight slot is MEMSEM_INFLIGHT_WORDS
+ * words: the holder's identity word (pid | start << 22; 0: free) and its count of copies in
+ * flight. */
+#define MEMSEM_LEASE_WORDS 6
+#define MEMSEM_LEASE_PID 0
+#define MEMSEM_LEASE_START 1
+#define MEMSEM_LEASE_EXPIRY 2
+#define MEMSEM_LEASE_ID 3
+#define MEMSEM_LEASE_VERSION 4
+#define MEMSEM_INFLIGHT_WORDS 2
+#define MEMSEM_INFLIGHT_IDENT 0
+#define MEMSEM_INFLIGHT_COUNT 1
+
 /* Copy nbytes between local (an address here) and the window at offset (bytes from window byte
  * 0, within one slot); put=0 reads the window, put=1 writes it. want_version: 0 reads the latest
- * committed version, else exactly that version. lease_slot/lease_id: a lease slot of the window's
- * control block that must hold lease_id, unexpired, before and after the copy (0: no lease).
- * Checks, in order: plan open, range, permission, lease, then (counted in the participant's
- * in-flight word) generation and slot sequence before, the copy, generation, sequence and lease
- * after. Returns status | flags | value << 16 (unsigned: the value has up to 48 bits). The value is: for MEMSEM_OK the
- * version whose bytes were read or overwritten; MEMSEM_RC_GEN_* the generation found;
- * MEMSEM_RC_BUSY / MEMSEM_RC_VERSION_GONE the version the slot holds; MEMSEM_RC_ERRNO the errno.
+ * committed version, else exactly that one (at most MEMSEM_VERSION_MAX). lease_slot/lease_id: the
+ * address of a lease slot of the window's control block that must hold lease_id, unexpired,
+ * before and after the copy (0: no lease). Checks, in order: plan open, range, version range,
+ * permission, lease, then (counted in the participant's in-flight word) generation and slot
+ * sequence before, the copy, generation, sequence and lease after. Returns status | flags |
+ * value << 16 (unsigned: the value has up to 48 bits). The value is: for MEMSEM_OK the version
+ * whose bytes were read or overwritten; MEMSEM_RC_GEN_* the generation found; MEMSEM_RC_BUSY /
+ * MEMSEM_RC_VERSION_GONE the version the slot holds; MEMSEM_RC_ERRNO the errno. A copy that
+ * finds the generation moved (before or after) wakes the owner's retire, which waits on the
+ * participants' in-flight counts (futex on the count's low 32 bits).
  * (The caller need not touch the control block afterwards: it may be released by then.) */
 uint64_t memsem_plan_copy(memsem_plan *plan, int put, uint64_t offset, uint64_t local,
                          uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
                          uint64_t lease_id);
-/* The same checks around a copy made elsewhere (an engine's get/put, a serving thread's socket
- * transfer): open does everything memsem_plan_copy does before the copy and fills state[5]
- * (version, sequence, slot, start ns, address of the range in the window's current slot);
- * close does everything after (failed != 0: the copy itself failed, the bracket is just undone).
- * Both return what memsem_plan_copy would; after a non-OK open, do not call close. */
-uint64_t memsem_bracket_open(memsem_plan *plan, int put, uint64_t offset, uint64_t nbytes,
-                            uint64_t want_version, uint64_t lease_slot, uint64_t lease_id,
-                            uint64_t *state);
-uint64_t memsem_bracket_close(memsem_plan *plan, int put, uint64_t nbytes, uint64_t lease_slot,
-                             uint64_t lease_id, const uint64_t *state, int failed);
+
+/* The same checks around a copy made elsewhere (an engine's get/put, a gather of many ranges,
+ * the owner's side of a tcp request): open does everything memsem_plan_copy does before the
+ * copy, close everything after. memsem_bracket is the state between the two (one per open
+ * bracket; memsem/core/_bracket.py is its one Python user). */
+typedef struct memsem_bracket {
+    memsem_plan *plan;       /* the plan the bracket was opened on (set by open) */
+    uint64_t nbytes;         /* bytes of the copy */
+    uint64_t lease_slot;     /* the lease checked before and after (0: none) */
+    uint64_t lease_id;
+    uint64_t version;        /* out: the version whose bytes the range holds */
+    uint64_t seq;            /* the version's slot sequence word at open */
+    uint64_t slot;           /* the version's data slot */
+    uint64_t start_ns;       /* CLOCK_MONOTONIC ns of the open (latency telemetry) */
+    uint64_t address;        /* out: address of the range in the version's slot */
+    int32_t put;             /* 1: the copy writes the window */
+    int32_t is_open;         /* 1 from a successful open until its close */
+} memsem_bracket;
+
+/* Open: returns what memsem_plan_copy would before copying (MEMSEM_OK: b->address and
+ * b->version are valid, and the copy is counted in flight until close). After a non-OK open
+ * the bracket is not open: do not close it. */
+uint64_t memsem_bracket_open(memsem_bracket *b, memsem_plan *plan, int put, uint64_t offset,
+                            uint64_t nbytes, uint64_t want_version, uint64_t lease_slot,
+                            uint64_t lease_id);
+/* Close an open bracket (failed != 0: the copy itself failed, the bracket is just undone):
+ * returns what memsem_plan_copy would (MEMSEM_OK with the version; MEMSEM_RC_TORN: the bytes
+ * moved are not one version; MEMSEM_RC_GEN_AFTER...). A bracket that is not open: MEMSEM_RC_ERRNO
+ * with EBADF, nothing done. */
+uint64_t memsem_bracket_close(memsem_bracket *b, int failed);
 /* Index of the latency histogram bucket of a duration in ns (4 buckets per power of two). */
 int memsem_lat_bucket(uint64_t ns);
 /* Lower bound in ns of a bucket (inverse of memsem_lat_bucket). */

@@ -2,6 +2,7 @@
  * See the "async word waiter" block at the end of memsem_native.h for the contract. */
 #define _GNU_SOURCE
 #include "memsem_native.h"
+#include "memsem_internal.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -87,11 +88,7 @@ static int wait_slice(struct memsem_wait_word *w, uint64_t now, uint64_t deadlin
     if (left < slice) slice = left;
     uint32_t h[2];
     halves(w, h);
-    struct timespec ts = {(time_t)(slice / 1000000000ull), (long)(slice % 1000000000ull)};
-    long rc = syscall(SYS_futex, (uint32_t *)(uintptr_t)w->addr, FUTEX_WAIT, h[0], &ts, NULL, 0);
-    if (rc == 0) return 0;
-    if (errno == EAGAIN || errno == EINTR || errno == ETIMEDOUT) return 0;
-    return -errno;
+    return ms_futex_wait((uint32_t *)(uintptr_t)w->addr, h[0], slice, 1);
 }
 
 int memsem_wait_any(struct memsem_wait_word *words, int n, uint64_t deadline_ns, int mode) {
@@ -123,5 +120,5 @@ int memsem_wait_any(struct memsem_wait_word *words, int n, uint64_t deadline_ns,
 
 void memsem_wait_bump(uint32_t *word) {
     __atomic_fetch_add(word, 1u, __ATOMIC_SEQ_CST);
-    syscall(SYS_futex, word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+    ms_futex_wake(word, 0x7fffffff, 1);
 }

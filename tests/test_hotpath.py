@@ -13,7 +13,8 @@ import pytest
 
 import memsem
 from memsem import AccessDeniedError, LeaseExpiredError, StaleReferenceError, _dtypes, _hot
-from memsem.core import _translate as tr
+from memsem import native
+from memsem.core import Status
 
 from tests._proc import recv, reap, spawn
 
@@ -44,11 +45,11 @@ def test_every_plain_dtype_goes_through_one_call(rt, name):
     res = rt.core.resolve(ref.spec)
     out = np.zeros_like(src)
     rc = _hot.copy(res.addr, 0, ref.spec.offset, out, ref.nbytes, -1)
-    assert rc & tr.RC_STATUS == tr.OK
+    assert rc & native.lib.MEMSEM_RC_STATUS_MASK == Status.OK
     np.testing.assert_array_equal(out, src)
     new = src[::-1].copy()
     rc = _hot.copy(res.addr, 1, ref.spec.offset, new, ref.nbytes, ref.spec.dtype_code)
-    assert rc & tr.RC_STATUS == tr.OK
+    assert rc & native.lib.MEMSEM_RC_STATUS_MASK == Status.OK
     np.testing.assert_array_equal(ref.get(), new)
 
 

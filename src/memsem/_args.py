@@ -32,9 +32,12 @@ DEFAULT_TIMEOUT_S = 30.0
 MAX_BYTES = (1 << 63) - 1
 #: the most dimensions a shape may have (numpy's own limit, and the wire format's u8 ndim)
 MAX_NDIM = 64
+#: the largest version a window has (2**48 - 1; native ``MEMSEM_VERSION_MAX``: a native result
+#: word carries a version in 48 bits, a slot's sequence word holds ``version << 1``)
+VERSION_MAX = (1 << 48) - 1
 
-__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "DEFAULT_TIMEOUT_S", "MAX_BYTES", "MAX_NDIM", "timeout", "timeout_or", "ttl", "count",
-           "index", "shape"]
+__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "DEFAULT_TIMEOUT_S", "MAX_BYTES", "MAX_NDIM", "VERSION_MAX", "timeout",
+           "timeout_or", "ttl", "count", "index", "shape", "version"]
 
 
 def _real(value: Any, name: str, what: str) -> float:
@@ -145,3 +148,23 @@ def shape(value: Any, name: str = "shape", *, itemsize: int = 1) -> tuple[int, .
         raise ValueError(f"{name} {out} x {itemsize} bytes per element is {total} bytes, more than "
                          f"{MAX_BYTES}")
     return out
+
+
+def version(value: Any, name: str = "version") -> int:
+    """A version of a window's bytes: 0 (the latest committed one) or a version in
+    ``[1, VERSION_MAX]``. The one door of every call that takes a version (get, load, pin,
+    stream, gather, wait_version, leases): a version beyond the range a window can hold is
+    refused here, never wrapped or truncated on its way to the native bracket.
+
+    Raises:
+        TypeError: not an integer (``bool``, floats and strings included).
+        ValueError: negative, or larger than ``VERSION_MAX``.
+    """
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise TypeError(f"{name} must be an int in [0, {VERSION_MAX}] (0: the latest), got {value!r} "
+                        f"({type(value).__name__})")
+    v = int(value)
+    if not 0 <= v <= VERSION_MAX:
+        raise ValueError(f"{name} must be an int in [0, {VERSION_MAX}] (0: the latest; a window holds at "
+                         f"most {VERSION_MAX} versions), got {value!r}")
+    return v

@@ -4,6 +4,7 @@ readiness, versions, grants, telemetry), below the user-facing ``memsem.Runtime`
 One concern per module (``tests/test_layers.py`` checks that each imports only those before it;
 the table is in docs/architecture.md).
 """
+from memsem.core._bracket import ATTENTION, Outcome, Status, settle
 from memsem.core._completion import Batch, Completion, RangeResult, State
 from memsem.core._runtime_core import CLOSE_TIMEOUT, DEFAULT_TIMEOUT, RuntimeCore, current_core
 from memsem.core._gc import collect
@@ -11,5 +12,5 @@ from memsem.core._lease import Lease
 from memsem.core._sections import WriteSection
 from memsem.core._telemetry import Stats
 
-__all__ = ["Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
+__all__ = ["ATTENTION", "Outcome", "Status", "settle", "Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
            "Lease", "RuntimeCore", "current_core", "Stats", "WriteSection"]

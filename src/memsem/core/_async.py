@@ -332,24 +332,11 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-_by_runtime: "weakref.WeakKeyDictionary[Any, AsyncWordWaiter]" = weakref.WeakKeyDictionary()
-_by_runtime_lock = threading.Lock()
-
-
 def word_waiter(runtime: Any) -> AsyncWordWaiter:
-    """The runtime's own waiter, created on first use and closed by ``runtime.close()`` (which
-    closes its children first).
+    """The runtime's own waiter (``RuntimeCore.word_waiter``): one per runtime, created on first
+    use and closed by the runtime's ``close()``.
 
     Raises:
         MemsemError: the runtime is closed.
     """
-    runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
-    with _by_runtime_lock:
-        if runtime.closed:
-            raise MemsemError("runtime is closed")
-        w = _by_runtime.get(runtime)
-        if w is None or w.closed:
-            w = AsyncWordWaiter()
-            _by_runtime[runtime] = w
-            runtime.children.add(w)  # closed by the runtime before it unmaps anything
-        return w
+    return getattr(runtime, "core", runtime).word_waiter()  # a memsem.Runtime holds its core

@@ -51,7 +51,7 @@ class Lease:
         self.ttl = _args.ttl(ttl)
         self.runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
         self.spec = spec
-        self.version = _args.count(version, "version")
+        self.version = _args.version(version, "version")
         self._slot = -1
         self._id = 0
         self._slot_addr = 0  # native address of the lease slot (the hot path checks it natively)

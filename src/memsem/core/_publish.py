@@ -71,8 +71,8 @@ from memsem.gva._control_block import (
 )
 from memsem.native import Segment
 from memsem.core import _translate as tr
-from memsem.core._liveness import WAIT_SLICE_S
 from memsem.core._sections import WriteSection, format_left, open_sections
+from memsem.core._wait import Wait
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -387,7 +387,7 @@ class Publisher:
                 raise ValueError(f"windows[{i}]: {o.label} appears twice")
             seen.add(o.info.gva)
             owned.append(o)
-        return open_sections(owned, copy=copy, timeout=t)
+        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry)
 
     def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
                       timeout: float | None = None) -> WriteSection:
@@ -403,17 +403,19 @@ class Publisher:
         core = self._core
         cb = owned.cb
         label = owned.label
-        deadline = time.monotonic() + timeout
+        # one deadline for both waits: the leases, then the copies in flight
+        wait = Wait(f"the retire of {label}", timeout, telemetry=core.telemetry)
         d = core.directory
         if not owned.retiring:
             cb.set_word(W_STATE, WindowState.CLOSING)
             while True:
-                holders = _lease.blocking_holders(cb)
+                leases = _lease.blocking_leases(cb)
+                holders = [(pid, left) for pid, left, _ in leases]
                 if d.holds_leases:  # leases of other nodes (closing: no new ones)
                     holders += d.lease_holders(owned.info.gva, closing=True)
                 if not holders:
                     break
-                if time.monotonic() >= deadline:
+                if wait.expired:
                     if force:
                         warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning,
                                       stacklevel=3)
@@ -425,28 +427,33 @@ class Publisher:
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                         "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
-                time.sleep(min(WAIT_SLICE_S, max(0.0, min(h[1] for h in holders)) + 0.001,
-                               max(0.0, deadline - time.monotonic()) + 0.001))
+                if leases:  # asleep on the lease ending first: its release (or expiry) wakes us
+                    _pid, left, a = min(leases, key=lambda h: h[1])
+                    wait.nap(lambda sl, a=a, v=native.load_acquire(a), left=left:
+                             native.futex_wait(a, v & 0xFFFFFFFF, min(sl, left + 1e-3)) if v else None)
+                else:
+                    wait.nap(time.sleep)  # leases held in another node's directory: no word here
             owned.generation = cb.bump_generation()
             owned.retiring = True
             native.futex_wake(cb.latest_addr)  # version waiters see the generation move now
-        # Drain copies that started under the old generation (they will see it moved). Dead
-        # participants' marks are reclaimed by busy_holders.
+        # Drain copies that started under the old generation (they will see it moved, and the
+        # native copy wakes us as it leaves). Dead participants' marks are reclaimed.
         while True:
-            busy = inflight_slots.busy_holders(cb)
+            busy = inflight_slots.busy_counts(cb)
             if not busy:
                 break
-            if time.monotonic() >= deadline:
+            if wait.expired:
                 if force:
                     warnings.warn(f"{label} closed with copies in flight by {busy}", ResourceWarning,
                                   stacklevel=3)
                     break
                 raise MemsemTimeoutError(
                     f"{label}: copies in flight by live processes did not drain in {timeout} s: "
-                    + ", ".join(f"pid {p} ({n} copies)" for p, n in busy)
+                    + ", ".join(f"pid {p} ({n} copies)" for p, n, _ in busy)
                     + "; the window is retired (its refs are stale); retry to finish",
                     what=f"in-flight copies on {label}", timeout=timeout)
-            time.sleep(0.0005)
+            _pid, n, a = busy[0]
+            wait.nap(lambda sl, a=a, n=n: native.futex_wait(a, n & 0xFFFFFFFF, sl))
         cb.set_word(W_STATE, WindowState.DEAD)
         if owned.guard == "protect":
             for sl in range(owned.n_slots):

@@ -14,18 +14,18 @@ such a window go to its owner (``Engine.set_ready``), which checks the ref like 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
-from memsem._errors import AccessDeniedError, EngineError, MemsemTimeoutError, StaleReferenceError
+from memsem._errors import AccessDeniedError, EngineError, StaleReferenceError
+from memsem.engines import WatchMode
 from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
 from memsem.core import _translate as tr
-from memsem.core._liveness import WAIT_SLICE_S
 from memsem.core._remote import RemoteControl, RemoteWords
-from memsem.core._transfer import owner_checked_failure
+from memsem.core._bracket import engine_failure
 from memsem.core._resolve import Resolution
+from memsem.core._wait import Wait, window_checks
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -34,16 +34,16 @@ if TYPE_CHECKING:
 class Readiness:
     """Ready-word operations of one runtime (and waits on other control words)."""
 
-    def __init__(self, core: "RuntimeCore") -> None:
+    def __init__(self, core: "RuntimeCore", mirrors: RemoteWords) -> None:
         self._core = core
-        #: mirrors of control words of windows owned on other nodes
-        self.remote = RemoteWords(core)
+        #: mirrors of control words of windows owned on other nodes (shared with the transfers)
+        self.mirrors = mirrors
 
     @contextlib.contextmanager
-    def _held(self, spec: RefSpec, words: bool = True) -> Iterator[tuple[Resolution, Any]]:
+    def _held(self, spec: RefSpec, words: bool = True, tiles: bool = True) -> Iterator[tuple[Resolution, Any]]:
         """The resolution and its control block (or, owner on another node, its mirror; None
         when ``words`` is False and there is none here), held (counted) so nothing unmaps it
-        meanwhile."""
+        meanwhile. ``tiles``: the window must have been published with tiles."""
         for _ in range(3):
             res = self._core.resolver.resolve(spec)
             if res.enter():
@@ -51,18 +51,19 @@ class Readiness:
         else:
             raise tr.stale(spec, None)
         try:
-            yield self._checked(spec, res, words)
+            yield self._checked(spec, res, words, tiles)
         finally:
             res.leave()
 
-    def _checked(self, spec: RefSpec, res: Resolution, words: bool = True) -> tuple[Resolution, Any]:
+    def _checked(self, spec: RefSpec, res: Resolution, words: bool = True,
+                 tiles: bool = True) -> tuple[Resolution, Any]:
         cb: Any = res.cb
-        if res.info.n_ready == 0:
+        if tiles and res.info.n_ready == 0:
             raise ValueError(f"{spec.label} was published without tiles (pass tile_bytes= or tiles= to publish)")
         if cb is None:
             if not words:
                 return res, None
-            cb = self.remote.control(res, spec)
+            cb = self.mirrors.control(res, spec)
         if cb.generation != spec.generation:
             self._core.resolver.drop(spec.gva, res)
             raise tr.stale(spec, cb.generation)
@@ -86,9 +87,8 @@ class Readiness:
         except StaleReferenceError:
             self._core.resolver.drop(spec.gva, res)
             raise
-        except (EngineError, AccessDeniedError) as exc:  # ADAPTER (issue 20 §1): owner_checked_failure
-            err = owner_checked_failure(self._core, exc, res, spec, put=True, kind="ready mark")
-            raise tr.chain(err, exc) from exc
+        except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
+            raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
@@ -142,42 +142,19 @@ class Readiness:
             self._wait(spec, res, cb, _args.index(tile, "tile", cb.n_ready, of=spec.label), t)
 
     def _wait(self, spec: RefSpec, res: Resolution, cb: Any, tile: int, t: float) -> None:
-        core = self._core
-        deadline = time.monotonic() + t
+        gen = spec.generation
+        self._word_wait(spec, res, cb, f"tile {tile} of {spec.label}", t, state="not ready",
+                        during=f"tile {tile}").until(cb.ready_addr(tile), lambda v: v == gen,
+                                                     mirror=cb if isinstance(cb, RemoteControl) else None)
+
+    def _word_wait(self, spec: RefSpec, res: Resolution, cb: Any, what: str, t: float, *, state: str,
+                   during: str, detail: Callable[[], str] | None = None) -> Wait:
+        """The one wait on words of ``spec``'s window (``cb``: its control block here, or the mirror
+        of a remote one), re-checking the generation and the owner's liveness every slice."""
         remote = isinstance(cb, RemoteControl)
-        a = cb.ready_addr(tile)
-        while True:
-            left = deadline - time.monotonic()
-            if remote:
-                v = native.load_acquire(a)
-                got = v == spec.generation
-                if not got:
-                    cb.wait_word(a, v, max(0.0, min(WAIT_SLICE_S, left)))
-                    got = native.load_acquire(a) == spec.generation
-            else:
-                got = _ready.wait_slice(cb, tile, spec.generation, max(0.0, min(WAIT_SLICE_S, left)))
-            if cb.generation != spec.generation:
-                core.resolver.drop(spec.gva, res)
-                core.telemetry.count_error("stale")
-                raise tr.stale(spec, cb.generation)
-            if got:
-                return
-            if remote:
-                try:
-                    self.remote.check(res, spec, cb)
-                except StaleReferenceError:
-                    core.telemetry.count_error("stale")
-                    raise
-                except Exception:
-                    core.telemetry.count_error("peer_lost")
-                    raise
-            elif not res.own_cb and not res.peer.alive():
-                core.telemetry.count_error("peer_lost")
-                raise res.peer.lost(f"{spec.label}, while tile {tile} was awaited,")
-            if time.monotonic() >= deadline:
-                core.telemetry.count_error("timeout")
-                raise MemsemTimeoutError(f"tile {tile} of {spec.label} not ready after {t} s",
-                                         what=f"tile {tile} of {spec.label}", timeout=t)
+        check = (lambda: self.mirrors.check(res, spec, cb)) if remote else None
+        return Wait(what, t, telemetry=self._core.telemetry, state=state, detail=detail,
+                    recheck=window_checks(res, spec, cb, remote_check=check, during=during))
 
     # -- any control word ---------------------------------------------------------------------------
     def wait_word(self, spec: RefSpec, word: int, until: Callable[[int], bool], timeout: float | None = None,
@@ -193,47 +170,19 @@ class Readiness:
         Raises:
             MemsemTimeoutError, StaleReferenceError, PeerLostError.
         """
-        core = self._core
-        t = _args.timeout_or(timeout, core.timeout)
+        t = _args.timeout_or(timeout, self._core.timeout)
         label = what or f"control word {word} of {spec.label}"
-        for _ in range(3):
-            res = core.resolver.resolve(spec)
-            if res.enter():
-                break
-        else:
-            raise tr.stale(spec, None)
-        try:
-            cb: Any = res.cb if res.cb is not None else self.remote.control(res, spec)
+        with self._held(spec, tiles=False) as (res, cb):
             remote = isinstance(cb, RemoteControl)
             a = cb.addr(word)
-            deadline = time.monotonic() + t
-            while True:
-                if remote and cb.mode == "read":
-                    cb.sync()
-                v = native.load_acquire(a)
-                if cb.generation != spec.generation:
-                    core.resolver.drop(spec.gva, res)
-                    raise tr.stale(spec, cb.generation)
-                if until(v):
-                    return v
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    core.telemetry.count_error("timeout")
-                    raise MemsemTimeoutError(f"{label}: not reached after {t} s", what=label, timeout=t)
-                s = min(WAIT_SLICE_S, left)
-                if remote:
-                    cb.wait_word(a, v, s)
-                    self.remote.check(res, spec, cb)
-                else:
-                    native.futex_wait(a, v & 0xFFFFFFFF, s)
-                    if not res.own_cb and not res.peer.alive():
-                        raise res.peer.lost(f"{spec.label}, while {label} was awaited,")
-        finally:
-            res.leave()
+            w = self._word_wait(spec, res, cb, label, t, state="not reached", during=label,
+                                detail=lambda: f"it is {native.load_acquire(a)}")
+            return w.until(a, until, mirror=cb if remote else None,
+                           sync=cb.sync if remote and cb.mode == WatchMode.READ else None)
 
     def control(self, spec: RefSpec) -> ControlBlock | RemoteControl:
         """The control block of ``spec``'s window as this runtime reads it: mapped on this node,
         else its mirror (words kept current by the route's engine). For waits on other words
         than ready words; valid while the ref's resolution lives."""
         res = self._core.resolver.resolve(spec)
-        return res.cb if res.cb is not None else self.remote.control(res, spec)
+        return res.cb if res.cb is not None else self.mirrors.control(res, spec)

@@ -17,6 +17,7 @@ touching thousands of short-lived windows keeps a constant number of mappings.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from memsem._errors import (
     RuntimeClosedError,
     WindowNotFoundError,
 )
-from memsem.engines import Credential, Engine, RemoteRegion
+from memsem.engines import Credential, Engine, GenerationCheck, RemoteRegion, WatchMode
 from memsem.gva import (
     ControlBlock,
     RefSpec,
@@ -48,6 +49,26 @@ from memsem.topology import Location, Route, choose_route
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
+
+class Strategy(enum.Enum):
+    """How the copies of a resolution run: chosen once, when the resolution is made, from
+    where the window lives and what its route's engine can check."""
+
+    #: same node: the CPU copies natively, one call (``memsem_plan_copy``: memcpy or
+    #: cross-memory attach) with every check of the bracket
+    DIRECT = "direct"
+    #: the engine moves the bytes inside the native bracket on the window's control block
+    #: mapped here (mte), or of a window whose generation the device enforces (rdma)
+    ENGINE = "engine"
+    #: another node, the owner's runtime checks every request (tcp): versioned and checked
+    #: calls go to ``Engine.get_version`` / ``put_version`` and the owner brackets each
+    OWNER_CHECKED = "owner-checked"
+    #: another node, the engine reads the owner's control words one-sidedly (rdma): versioned
+    #: reads run the seqlock over the wire (header words before and after the copy)
+    ONE_SIDED = "one-sided"
+    #: another node, and nothing checks the generation (a third-party engine): copies refused
+    UNCHECKED = "unchecked"
+
 
 #: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
 RESOLUTION_LIMIT = 128
@@ -74,12 +95,17 @@ class Resolution:
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
                  "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
-                 "_ident", "_core", "_released", "__weakref__")
+                 "resolver", "telemetry", "timeout", "strategy", "_ident", "_core", "_released", "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
                  remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer,
                  mint: object = None) -> None:
         self._core = core
+        #: the resolver that made (and drops) this resolution, the runtime's counters, and its
+        #: default bound in seconds: what the bracket's translation and the waits use
+        self.resolver = core.resolver
+        self.telemetry = core.telemetry
+        self.timeout = core.timeout
         self.mint = mint
         self._remotes: dict[object, RemoteRegion] = {}
         self.info = info
@@ -122,6 +148,16 @@ class Resolution:
         d = remote.direct
         self.direct = d is not None and cb is not None
         if self.direct:
+            self.strategy = Strategy.DIRECT
+        elif cb is not None:
+            self.strategy = Strategy.ENGINE
+        elif engine.enforces_generation == GenerationCheck.OWNER and engine.versions:
+            self.strategy = Strategy.OWNER_CHECKED
+        elif engine.enforces_generation == GenerationCheck.DEVICE:
+            self.strategy = Strategy.ONE_SIDED if engine.can_watch(remote) == WatchMode.READ else Strategy.ENGINE
+        else:
+            self.strategy = Strategy.UNCHECKED
+        if self.direct:
             plan.base = d.address
             plan.pid = d.pid
             plan.method = native.COPY_VM if d.cma else native.COPY_MEMCPY
@@ -140,16 +176,20 @@ class Resolution:
         return self.use.enter()
 
     def wait_sequence(self, version: int, slice_s: float) -> bool:
-        """Sleep at most ``slice_s`` s on the slot sequence word a write section will move
-        (futex; woken when the section closes): the slot of ``version`` (0: slot 0). Held
-        while waiting, so nothing unmaps the word. False when there is no word to wait on
-        (no control block here, or the resolution is closed): nothing was waited."""
+        """Sleep at most ``slice_s`` s on the word an open write section (or the commit of the
+        version asked for) will move: the sequence word of ``version``'s slot, or with two slots
+        and ``version`` 0 (the latest) the latest-version word; a futex wait, woken by the
+        section's close. Held while waiting, so nothing unmaps the word. False when there is no
+        word to wait on (no control block here, or the resolution is closed): nothing was
+        waited."""
         cb = self.cb
         if cb is None or not self.enter():
             return False
         try:
-            slot = (version % cb.n_slots) if (version and cb.n_slots > 1) else 0
-            a = cb.seq_addr + 8 * slot
+            if cb.n_slots > 1 and not version:
+                a = cb.latest_addr
+            else:
+                a = cb.seq_addr + 8 * ((version % cb.n_slots) if cb.n_slots > 1 else 0)
             native.futex_wait(a, native.load_acquire(a) & 0xFFFFFFFF, slice_s)
         finally:
             self.leave()
@@ -196,7 +236,7 @@ class Resolution:
         has its own credential (the owner serves each only its minted range), so a ref of
         another mint than the one this resolution was made with gets a region of its own."""
         m = spec.mint
-        if m is self.mint or m == self.mint or self.engine.enforces_generation != "owner":
+        if m is self.mint or m == self.mint or self.engine.enforces_generation != GenerationCheck.OWNER:
             return self.remote
         r = self._remotes.get(spec.mint)
         if r is None:
@@ -291,6 +331,16 @@ class Resolver:
                               f"(route {d.route.kind}); cannot serve it")
         return d
 
+    def generation_now(self, spec: RefSpec) -> int | None:
+        """The generation the directory records for ``spec``'s window now (None: not published):
+        what tells a moved generation from another failure on routes that cannot read the
+        window's control block (another node)."""
+        rec = self._core.directory.get_window(spec.gva)
+        if rec is None:
+            return None
+        g = rec.get("generation")
+        return g if type(g) is int else None
+
     def _sweep(self, n: int) -> None:
         """Drop up to ``n`` of the oldest cached resolutions whose window moved on (retired or
         republished): their mappings would only keep unlinked memory alive."""
@@ -383,7 +433,7 @@ class Resolver:
             route = choose_route(core.location, Location(info.node, info.owner_pid), info.descriptors,
                                  core.available, nbytes=info.nbytes, prefer=core.prefer if prefer is True else prefer)
             eng = core.engines[route.engine]
-            cred = owner_credential(spec) if eng.enforces_generation == "owner" else b""
+            cred = owner_credential(spec) if eng.enforces_generation == GenerationCheck.OWNER else b""
             # a double-buffered window's registration spans its slots (nbytes is one slot)
             span = remote_span(info) if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
             try:
@@ -434,4 +484,5 @@ def owner_credential(spec: RefSpec) -> Credential:
     return Credential(token, lambda challenge: credential_proof(key, challenge, token))
 
 
-__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "owner_credential"]
+__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "Strategy", "owner_credential",
+           "remote_slots"]

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _args
-from memsem._errors import NotSupportedError, RuntimeClosedError
+from memsem._errors import MemsemError, NotSupportedError, RuntimeClosedError
 from memsem.directory import Directory, open_directory
 from memsem.engines import Availability, Engine, EngineContext, engine_class
 from memsem.gva import RefSpec
@@ -48,7 +48,9 @@ from memsem.core._completion import Batch, Completion
 from memsem.core._lease import Lease
 from memsem.core._liveness import Peers, record_alive
 from memsem.core._publish import Publisher
+from memsem.core._async import AsyncWordWaiter
 from memsem.core._readiness import Readiness
+from memsem.core._remote import RemoteWords
 from memsem.core._resolve import Resolution, Resolver
 from memsem.core._serve import Grant, Server
 from memsem.core._staging import StagingPool
@@ -161,10 +163,12 @@ class RuntimeCore:
         self.resolver = Resolver(self)
         self.publisher = Publisher(self)
         self.server = Server(self)
-        self.readiness = Readiness(self)
+        self.mirrors = RemoteWords(self)
+        self.readiness = Readiness(self, self.mirrors)
         self.versions = Versions(self)
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
-        self.transfers = Transfers(self, self.resolver, self._pool)
+        self.transfers = Transfers(self, self.resolver, self._pool, self.mirrors)
+        self._word_waiter: AsyncWordWaiter | None = None
         self.staging = StagingPool()
         self._token: contextvars.Token | None = None
         _order += 1
@@ -312,6 +316,22 @@ class RuntimeCore:
 
     def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
         self.readiness.wait(spec, tile, timeout)
+
+    def word_waiter(self) -> AsyncWordWaiter:
+        """This runtime's native word waiter for asyncio waits (one background thread for all
+        awaited words), made on first use and closed by ``close`` before anything is unmapped.
+
+        Raises:
+            MemsemError: the runtime is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise MemsemError("runtime is closed")
+            w = self._word_waiter
+            if w is None or w.closed:
+                w = self._word_waiter = AsyncWordWaiter()
+                self.children.add(w)  # closed by close() before it unmaps anything
+            return w
 
     # -- telemetry & lifetime --------------------------------------------------------------------
     def stats(self) -> Stats:

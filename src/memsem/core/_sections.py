@@ -27,19 +27,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import _args, native
+from memsem._args import VERSION_MAX
 from memsem._errors import LeaseHeldError, MemsemError, OwnerWriteError
 from memsem.gva import ControlBlock, lease_slots as _lease
 from memsem.gva._control_block import W_SEQ0, W_WRITER
-from memsem.core._liveness import WAIT_SLICE_S
+from memsem.core._wait import Wait
 
 if TYPE_CHECKING:
     from memsem.core._publish import Owned
+    from memsem.core._telemetry import Telemetry
 
 
-def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float) -> "WriteSection":
+def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telemetry: "Telemetry") -> "WriteSection":
     """Open one write section over ``owned`` windows (in GVA order: two sections never wait on
-    each other); waits up to ``timeout`` s for pinning leases. All or nothing: a failure rolls
-    back the windows already opened.
+    each other); waits up to ``timeout`` s in all for pinning leases. All or nothing: a failure
+    rolls back the windows already opened.
 
     Raises:
         ValueError: no window. LeaseHeldError, OwnerWriteError, MemsemError: see
@@ -48,11 +50,11 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float) -> "W
     owned = sorted(owned, key=lambda o: o.info.gva)
     if not owned:
         raise ValueError("a write section needs at least one window")
-    deadline = time.monotonic() + timeout
+    wait = Wait("pinned versions to be let go", timeout, telemetry=telemetry)
     items: list[_Item] = []
     try:
         for o in owned:
-            items.append(_open_one(o, deadline, timeout))
+            items.append(_open_one(o, wait))
     except BaseException:
         for it in reversed(items):
             it.rollback()
@@ -62,7 +64,7 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float) -> "W
     return WriteSection(items)
 
 
-def _open_one(o: "Owned", deadline: float, timeout: float) -> "_Item":
+def _open_one(o: "Owned", wait: Wait) -> "_Item":
     if not o.section_lock.acquire(blocking=False):
         raise MemsemError(f"{o.label}: a write section is already open")
     cb = o.cb
@@ -78,6 +80,9 @@ def _open_one(o: "Owned", deadline: float, timeout: float) -> "_Item":
                     "closed: the owner wrote them outside a write section (readers may have read "
                     "a mixture of versions); change published bytes only inside write_section()")
         new = cb.latest + 1
+        if new > VERSION_MAX:
+            raise MemsemError(f"{o.label} holds version {new - 1}, the largest a window has: republish it "
+                              "(a new generation starts its versions at 1 again)")
         slot = cb.slot_of(new)
         seq_a = cb.addr(W_SEQ0 + slot)
         prev = native.load_acquire(seq_a)
@@ -87,7 +92,7 @@ def _open_one(o: "Owned", deadline: float, timeout: float) -> "_Item":
         native.store_release(writer_a, new)
         native.lib.memsem_fence_seq_cst()  # Dekker with pinning readers: intent, then scan
         try:
-            blocked = _wait_pins(cb, new, deadline, timeout, o.label)
+            blocked = _wait_pins(cb, new, wait, o.label)
         except BaseException:
             native.store_release(writer_a, 0)
             native.futex_wake(cb.latest_addr)
@@ -235,11 +240,11 @@ class WriteSection:
         return f"<WriteSection {state} {self.versions}>"
 
 
-def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, label: str) -> float:
-    """Wait until no lease pins a version that version ``new`` overwrites; each sleep is a
-    futex wait on the pinned lease's id word (woken by its release), bounded by the lease's
-    expiry and a liveness slice. Returns the seconds waited (0.0 when nothing was pinned).
-    Raises LeaseHeldError at the deadline."""
+def _wait_pins(cb: ControlBlock, new: int, wait: Wait, label: str) -> float:
+    """Wait until no lease pins a version that version ``new`` overwrites; each slice is a futex
+    wait on the pinned lease's id word (woken by its release), bounded by the lease's expiry.
+    Returns the seconds waited (0.0 when nothing was pinned). Raises LeaseHeldError at the
+    deadline."""
     t0 = None
     while True:
         pins = _lease.blocking_pins(cb, new)
@@ -247,19 +252,16 @@ def _wait_pins(cb: ControlBlock, new: int, deadline: float, timeout: float, labe
             return 0.0 if t0 is None else time.monotonic() - t0
         if t0 is None:
             t0 = time.monotonic()
-        now = time.monotonic()
-        if now >= deadline:
+        if wait.expired:
             holders = [(pid, max(0.0, (exp - native.monotonic_ns()) / 1e9)) for pid, _, exp, _ in pins]
             raise LeaseHeldError(
                 f"cannot write version {new} of {label}: leases pinning version(s) "
-                f"{sorted({v for _, v, _, _ in pins})} (in the slot it overwrites) outlasted {timeout} s, "
+                f"{sorted({v for _, v, _, _ in pins})} (in the slot it overwrites) outlasted {wait.timeout} s, "
                 "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders), holders=holders)
-        pid, version, exp, id_addr = pins[0]
-        left_lease = (exp - native.monotonic_ns()) / 1e9
-        slice_s = max(0.0, min(WAIT_SLICE_S, left_lease + 1e-4, deadline - now))
+        _pid, _version, exp, id_addr = pins[0]
+        left_lease = max(0.0, (exp - native.monotonic_ns()) / 1e9)
         lid = native.load_acquire(id_addr)
-        if lid:
-            native.futex_wait(id_addr, lid & 0xFFFFFFFF, slice_s)
+        wait.nap(lambda sl: native.futex_wait(id_addr, lid & 0xFFFFFFFF, min(sl, left_lease + 1e-4)) if lid else None)
 
 
 def format_left(seconds: float) -> str:

@@ -34,7 +34,6 @@ import errno as _errno
 import hmac
 import secrets
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +60,9 @@ from memsem.gva import (
 )
 from memsem.gva._control_block import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
 from memsem.core import _translate as tr
+from memsem.core._bracket import ATTENTION, Bracket, Outcome, Status, settle, value_of
 from memsem.core._resolve import Resolution
+from memsem.core._wait import Wait
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -77,19 +78,18 @@ BUSY_SLICE_S = 0.05
 
 _ffi = native.ffi
 _lib = native.lib
-#: flag bits of a native result word (LAST_OUT, CHECK_PEER): handled here, never sent
-_FLAGS = 0xFF00
 
 
 class Token:
-    """One open bracket: ``address`` to copy from or to, ``version`` read or overwritten."""
+    """One open bracket of a grant: ``address`` to copy from or to, ``version`` read or
+    overwritten (see ``memsem.core._bracket.Bracket``)."""
 
-    __slots__ = ("st", "put", "nbytes", "address", "version")
+    __slots__ = ("bracket", "put", "nbytes", "address", "version")
 
-    def __init__(self, st: Any, put: bool, nbytes: int) -> None:
-        self.st, self.put, self.nbytes = st, put, nbytes
-        self.address = int(st[4])
-        self.version = int(st[0])
+    def __init__(self, bracket: Bracket, put: bool, nbytes: int) -> None:
+        self.bracket, self.put, self.nbytes = bracket, put, nbytes
+        self.address = bracket.address
+        self.version = bracket.version
 
 
 class Grant:
@@ -160,42 +160,65 @@ class Grant:
             raise AccessDeniedError(f"ready mark of tile {tile} (bytes [{lo}, {hi})) of window gva "
                                     f"{self.gva:#x}: the ref was minted for bytes [{self.lo}, {self.hi}) only")
 
+    def open_bracket(self, put: bool, offset: int, nbytes: int, version: int = 0,
+                     wait_s: float = 0.0) -> tuple[Token | None, Outcome]:
+        """Open the seqlock bracket for one copy (counted in flight): ``(token, outcome)``, the
+        token None unless the outcome is OK. An open write section (or a version not committed
+        yet) is waited for, at most ``wait_s`` seconds (then the outcome is BUSY); every other
+        outcome is returned at once, for the caller to answer with (the owner's native outcome
+        is what an owner-checked engine carries back to its consumer)."""
+        res = self._res
+        wait: Wait | None = None
+        while True:
+            b = Bracket(res)
+            o = b.open(put, offset, nbytes, version)
+            if o.ok:
+                return Token(b, put, nbytes), o
+            if o.status not in (Status.BUSY, Status.TORN):
+                return None, o
+            if wait is None:
+                wait = Wait(f"{self.spec.label}: a write section", wait_s, telemetry=self._server.core.telemetry,
+                            state="stayed open")
+            if not wait.nap(lambda sl: res.wait_sequence(version, sl)):
+                return None, o
+
+    def close_bracket(self, token: Token, failed: bool = False) -> Outcome:
+        """Close the bracket: OK (the bytes moved are one version's), TORN (a write section
+        opened meanwhile: do it again), GEN_AFTER (the generation moved: no byte is valid)..."""
+        return token.bracket.close(failed)
+
     def enter(self, put: bool, offset: int, nbytes: int, version: int = 0, wait_s: float = 0.0) -> Token:
-        """Open the seqlock bracket for one copy (counted in flight). An open write section (or
-        a version not committed yet) is waited for, at most ``wait_s`` seconds.
+        """``open_bracket``, raising for every outcome but OK.
 
         Raises:
             StaleReferenceError: the generation moved (``found`` = the current one) or the
                 version asked for was overwritten. MemsemTimeoutError: still busy after
                 ``wait_s``. ValueError / AccessDeniedError: range or permission (natively).
         """
-        res = self._res
-        deadline = None
-        while True:
-            st = _ffi.new("uint64_t[5]")
-            rc = _lib.memsem_bracket_open(res.plan, 1 if put else 0, offset, nbytes, version, 0, 0, st)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            status = rc & tr.RC_STATUS
-            if status == tr.OK:
-                return Token(st, put, nbytes)
-            found = rc >> tr.RC_SHIFT
-            if status in (tr.GEN_BEFORE, tr.GEN_AFTER, tr.CLOSED):
-                raise tr.stale(self.spec, found if status != tr.CLOSED else (self.current() or None))
-            if status == tr.VERSION_GONE:
-                raise tr.version_gone(self.spec, version, found)
-            if status == tr.RANGE:
-                raise tr.out_of_range(self.spec, offset, offset + nbytes, self.nbytes)
-            if status == tr.READONLY:
-                raise tr.read_only(self.spec)
-            if status not in (tr.BUSY, tr.TORN):
-                raise MemsemError(f"{self.spec.label}: unexpected native status {status}")
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + wait_s
-            if now >= deadline:
-                raise tr.busy_timeout(self.spec, wait_s)
-            self._res.wait_sequence(version, min(BUSY_SLICE_S, deadline - now))
+        tok, o = self.open_bracket(put, offset, nbytes, version, wait_s)
+        if tok is not None:
+            return tok
+        raise self.refusal(o, version, offset, nbytes, wait_s)
+
+    def refusal(self, o: Outcome, version: int = 0, offset: int = 0, nbytes: int = 0,
+                wait_s: float = 0.0) -> BaseException:
+        """The memsem error of a bracket outcome on the owner's side (messages name the
+        owner's window; the owner's resolution is never dropped for a remote consumer)."""
+        st = o.status
+        if st in (Status.GEN_BEFORE, Status.GEN_AFTER, Status.CLOSED):
+            return tr.stale(self.spec, o.value if st is not Status.CLOSED else (self.current() or None),
+                            during=st is Status.GEN_AFTER)
+        if st is Status.VERSION_GONE:
+            return tr.version_gone(self.spec, version, o.value)
+        if st is Status.RANGE:
+            return tr.out_of_range(self.spec, offset, offset + nbytes, self.nbytes)
+        if st is Status.READONLY:
+            return tr.read_only(self.spec)
+        if st is Status.VERSION_RANGE:
+            return tr.version_range(version)
+        if st in (Status.BUSY, Status.TORN):
+            return tr.busy_timeout(self.spec, wait_s)
+        return MemsemError(f"{self.spec.label}: unexpected native status {st.name}")
 
     def leave(self, token: Token, failed: bool = False) -> bool:
         """Close the bracket. True when the bytes moved are valid; False when a write section
@@ -204,20 +227,12 @@ class Grant:
         Raises:
             StaleReferenceError: the generation moved meanwhile (no byte moved is valid).
         """
-        rc = _lib.memsem_bracket_close(self._res.plan, 1 if token.put else 0, token.nbytes, 0, 0, token.st,
-                                       1 if failed else 0)
-        if rc & tr.RC_LAST_OUT:
-            self._res.release()
-        status = rc & tr.RC_STATUS
-        if status == tr.OK:
+        o = self.close_bracket(token, failed)
+        if o.ok:
             return True
-        if status == tr.TORN:
+        if o.status is Status.TORN or failed and o.status is not Status.GEN_AFTER:
             return False
-        if status == tr.GEN_AFTER:
-            raise tr.stale(self.spec, rc >> tr.RC_SHIFT, during=True)
-        if failed:
-            return False
-        raise MemsemError(f"{self.spec.label}: unexpected native status {status}")
+        raise self.refusal(o)
 
     def copy(self, put: bool, offset: int, address: int, nbytes: int, version: int = 0) -> int | None:
         """The whole bracket and copy in one native call, between the window and ``address``
@@ -226,61 +241,50 @@ class Grant:
         raises). Small requests take this path."""
         res = self._res
         rc = _lib.memsem_plan_copy(res.plan, 1 if put else 0, offset, address, nbytes, version, 0, 0)
-        if not rc & tr.RC_ATTENTION:
-            return rc >> tr.RC_SHIFT
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if (rc & tr.RC_STATUS) == tr.OK:
-            return rc >> tr.RC_SHIFT
-        return None
+        if not rc & ATTENTION:
+            return value_of(rc)
+        o = settle(res, rc)
+        return o.value if o.ok else None
 
     def view(self, token: Token) -> np.ndarray:
         """Flat uint8 array over the bytes of an open bracket (valid until ``leave``)."""
         return address_view(token.address, token.nbytes, self._res)
 
-    # ADAPTER (until the copy-bracket primitive of branch ``prim`` lands: Resolution.bracket and
-    # its outcome): one bracket around one non-blocking socket call, yielding the native outcome.
     def move(self, put: bool, offset: int, nbytes: int, version: int,
-             io: Callable[[int, int], int]) -> tuple[int, int]:
+             io: Callable[[int, int], int]) -> tuple[Outcome, int]:
         """One seqlock bracket around ``io(address, nbytes)``, a call that moves at most
         ``nbytes`` bytes at ``address`` (the window's bytes at ``offset`` in the slot of
-        ``version``, 0 the latest) and returns how many it moved without waiting (a
-        non-blocking send or receive). The bracket is held only during that call.
+        ``version``, 0 the latest) and returns how many it moved without waiting (one
+        non-blocking send or receive). The bracket is held only during that call, so it never
+        depends on a remote peer's progress.
 
-        Returns ``(outcome, moved)``: the native outcome word (``MEMSEM_RC_*`` status in the low
-        8 bits, its value from bit 16: the version moved when OK, the generation found when it
-        moved, the version the slot holds for BUSY / VERSION_GONE) and the bytes ``io`` moved
-        (counted valid only when the outcome is OK). A closed serving resolution (the window
-        was retired) is GEN_BEFORE with the generation found.
+        Returns ``(outcome, moved)``: the bracket's outcome (OK: ``value`` is the version moved;
+        else the native status and its value, which an owner-checked engine carries to its
+        consumer as is) and the bytes ``io`` moved (valid only when the outcome is OK). A closed
+        serving resolution (the window was retired) is GEN_BEFORE with the generation found.
 
         Raises:
             Whatever ``io`` raises (the bracket is closed as failed first).
         """
-        res = self._res
-        st = _ffi.new("uint64_t[5]")
-        rc = _lib.memsem_bracket_open(res.plan, 1 if put else 0, offset, nbytes, version, 0, 0, st)
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        status = rc & tr.RC_STATUS
-        if status != tr.OK:
-            if status == tr.CLOSED:
-                return tr.GEN_BEFORE | (self.current() << tr.RC_SHIFT), 0
-            return rc & ~_FLAGS, 0
+        b = Bracket(self._res)
+        o = b.open(put, offset, nbytes, version)
+        if not o.ok:
+            if o.status is Status.CLOSED:
+                o = Outcome(Status.GEN_BEFORE, self.current())
+            return o, 0
         moved = 0
-        failed = 1
+        failed = True
         try:
-            moved = io(int(st[4]), nbytes)
-            failed = 0
+            moved = io(b.address, nbytes)
+            failed = False
         finally:
-            rc = _lib.memsem_bracket_close(res.plan, 1 if put else 0, moved, 0, 0, st, failed)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-        return rc & ~_FLAGS, moved
+            o = b.close(failed)
+        return o, moved
 
-    def set_ready(self, tile: int, ready: bool) -> int:
+    def set_ready(self, tile: int, ready: bool) -> Outcome:
         """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
         ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers). Returns the
-        native outcome word: OK, or GEN_BEFORE with the generation found (0: gone).
+        outcome: OK, or GEN_BEFORE with the generation found (0: gone).
 
         Raises:
             AccessDeniedError / ValueError: as :meth:`check_tile`.
@@ -288,7 +292,7 @@ class Grant:
         self.check_tile(tile)
         cur = self.current()
         if cur != self.generation:
-            return tr.GEN_BEFORE | (cur << tr.RC_SHIFT)
+            return Outcome(Status.GEN_BEFORE, cur)
         core = self._server.core
         try:
             if ready:
@@ -296,8 +300,8 @@ class Grant:
             else:
                 core.readiness.clear(self.spec, tile)
         except StaleReferenceError as exc:  # retired between the check and the mark
-            return tr.GEN_BEFORE | ((exc.found or 0) << tr.RC_SHIFT)
-        return tr.OK
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        return Outcome(Status.OK, 0)
 
     @property
     def commit_watched(self) -> bool:

@@ -4,25 +4,23 @@ Same node, the whole check-and-copy is one native call (``memsem_plan_copy``): r
 permission, lease, generation and version before and after (seqlock), in-flight accounting and
 telemetry. The Python side picks the resolution's plan and reads one integer back; only an
 unusual outcome (a stale ref, an open write section, a liveness re-check that is due, a closed
-resolution) takes the slow path here. Other routes run the same checks around the engine's call
-with the native bracket (``memsem_bracket_open`` / ``close``), so the rules are written once.
+resolution) takes the slow path here: one retry loop (``Transfers.run``) around one try per
+strategy of the resolution (``Transfers._attempt``). Other routes run the same checks around the
+engine's call inside the copy bracket (``memsem.core._bracket``), so the rules are written once.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memsem import _dtypes, _hot, native
+from memsem import _args, _dtypes, _hot, native
 from memsem._buffers import address_view, array_address, as_byte_array
 from memsem._errors import (
-    AccessDeniedError,
     EngineError,
-    MemsemError,
     NotSupportedError,
     StaleReferenceError,
 )
@@ -32,8 +30,10 @@ from memsem.gva._control_block import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, 
 from memsem.core import _translate as tr
 from memsem.core._completion import Batch, Completion, State
 from memsem.core._lease import Lease
-from memsem.core._liveness import WAIT_SLICE_S
-from memsem.core._resolve import Resolution, Resolver, remote_slots
+from memsem.core._bracket import ATTENTION, Bracket, Outcome, Status, engine_failure, failure, settle
+from memsem.core._remote import RemoteWords
+from memsem.core._resolve import Resolution, Resolver, Strategy, remote_slots
+from memsem.core._wait import Wait, window_checks
 from memsem.core._xcopy import XCopier
 
 if TYPE_CHECKING:
@@ -43,26 +43,30 @@ _copy = native.lib.memsem_plan_copy
 _hot_copy = _hot.copy
 _RC_BUFFER = _hot.RC_BUFFER
 _DONE = State.DONE
-_open = native.lib.memsem_bracket_open
-_close = native.lib.memsem_bracket_close
-_ffi = native.ffi
-_ATTN = tr.RC_ATTENTION
-_SHIFT = tr.RC_SHIFT
+_OK = Status.OK
+_ATTN = ATTENTION
+_SHIFT = native.lib.MEMSEM_RC_VERSION_SHIFT
 _UINT8 = _dtypes.code_of("uint8")
 #: numpy dtypes a destination or source may have (plain numbers and bools) -> wire code
 _PLAIN = _dtypes.NUMPY_CODES
 #: torn reads retried at once before waiting on the sequence word
 _TORN_SPINS = 3
-#: back-off of one-sided version reads while a write section is open (seconds, doubling)
-_ONESIDED_BACKOFF_S = (20e-6, 1e-3)
+
+
+def _lease_args(lease: Lease | None, spec: RefSpec) -> tuple[int, int]:
+    """The native lease arguments of a copy of ``spec`` (``(0, 0)``: no lease here)."""
+    return lease.native_args(spec) if lease is not None else (0, 0)
 
 
 class Transfers:
     """The data path of one runtime (get/put/xcopy); see the module docstring."""
 
-    def __init__(self, core: "RuntimeCore", resolver: Resolver, pool: cf.ThreadPoolExecutor) -> None:
+    def __init__(self, core: "RuntimeCore", resolver: Resolver, pool: cf.ThreadPoolExecutor,
+                 mirrors: RemoteWords) -> None:
         self._core = core
         self._resolver = resolver
+        #: the mirrors of remote windows' control words (a retry sleeps on their words)
+        self._mirrors = mirrors
         self._cache = resolver.cache
         self._pool = pool
         #: tasks of the pool running right now (close waits for them within its deadline)
@@ -96,9 +100,10 @@ class Transfers:
         ``spec.offset + offset``. Blocking; remote completion. Returns the version whose bytes
         were read or overwritten.
 
-        ``version`` 0 reads the latest committed version, else exactly that one.
-        ``signal_tile`` (puts): where the route's engine can signal tiles (mte
-        ``aclshmemx_putmem_signal``) the tile's signal word is set after the data.
+        ``version`` 0 reads the latest committed version, else exactly that one (callers pass
+        it through ``_args.version``). ``signal_tile`` (puts): where the route's engine can
+        signal tiles (mte ``aclshmemx_putmem_signal``) the tile's signal word is set after the
+        data.
         """
         if offset < 0 or n < 0 or offset + n > spec.nbytes:
             raise tr.out_of_range(spec, offset, offset + n, spec.nbytes, "the ref")
@@ -111,279 +116,210 @@ class Transfers:
             if put and not res.writable:
                 raise tr.read_only(spec)  # the window's permission is checked first, as always
             raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
-        if res.direct:
-            if lease is None:
-                ls = lid = 0
-            else:
-                ls, lid = lease.native_args(spec)
-                if not ls:  # held in the directory (another node): checked here
-                    lease.check("before the transfer")
-            rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
-            if rc & _ATTN:
-                return self._slow(rc, res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
-            return rc >> _SHIFT
-        return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
 
-    def _slow(self, rc: int, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
-              keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
-        """Everything but a plain success of the native copy: retries, waits and errors."""
-        deadline = None
-        torn = 0
-        while True:
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            status = rc & tr.RC_STATUS
-            if status == tr.OK:
-                if rc & tr.RC_CHECK_PEER:
-                    res.peer_checked()
+        def attempt(r: Resolution) -> Outcome:
+            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+
+        if res.strategy is Strategy.DIRECT:
+            ls, lid = _lease_args(lease, spec)
+            rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
+            if not rc & _ATTN:
                 return rc >> _SHIFT
-            if status == tr.CLOSED:
-                res = self._resolver.resolve(spec)  # raises RuntimeClosedError when closed
-            elif status == tr.CHECK_FIRST:
-                res.peer_checked()  # PeerLostError when the owner died: nothing was written
-            elif status in (tr.BUSY, tr.TORN):
-                self._core.telemetry.count_error("torn" if status == tr.TORN else "busy")
-                if deadline is None:
-                    deadline = time.monotonic() + self._core.timeout
-                torn += 1
-                if torn > _TORN_SPINS:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise tr.busy_timeout(spec, self._core.timeout)
-                    self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
-                    if not res.own_cb and not res.peer.alive():
-                        raise res.peer.lost(spec.label)
-            else:
-                raise self.failure(status, rc, res, spec, put, lease, version)
-            if not res.direct:
-                return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
-            if lease is None:
-                ls = lid = 0
-            else:
-                ls, lid = lease.native_args(spec)
-            rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
+            return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc))
+        return self.run(spec, res, attempt, put=put, lease=lease, version=version)
 
-    def failure(self, status: int, rc: int, res: Resolution, spec: RefSpec, put: bool,
-                 lease: Lease | None, version: int) -> BaseException:
-        """The error for a native status. Never touches the control block: the resolution may be
-        released by now; what the native side saw comes back in ``rc``'s value bits."""
-        found = rc >> _SHIFT
-        if status in (tr.GEN_BEFORE, tr.GEN_AFTER):
-            self._resolver.drop(spec.gva, res)
-            self._core.telemetry.count_error("stale")
-            if status == tr.GEN_AFTER and lease is not None and lease.expired():
-                self._core.telemetry.count_error("lease_expired")
-                return tr.lease_expired(spec, "during the transfer and the owner reclaimed the window; "
-                                              "the bytes moved are not valid")
-            return tr.stale(spec, found, during=status == tr.GEN_AFTER)
-        if status == tr.VERSION_GONE:
-            self._core.telemetry.count_error("stale")
-            return tr.version_gone(spec, version, found)
-        if status in (tr.LEASE_BEFORE, tr.LEASE_DURING):
-            self._core.telemetry.count_error("lease_expired")
-            if lease is not None and not lease.held:
-                return tr.lease_expired(spec, "before the transfer (not held)")
-            return tr.lease_expired(spec, "before the transfer" if status == tr.LEASE_BEFORE
-                                    else "during the transfer; the bytes moved are not valid")
-        if status == tr.RANGE:
-            return tr.out_of_range(spec, spec.offset, spec.offset + spec.nbytes, res.nbytes)
-        if status == tr.READONLY:
-            return tr.read_only(spec)
-        if status == tr.ERRNO:
-            exc = EngineError(f"{'put' if put else 'get'} on {spec.label}", errno=found)
-            err = tr.engine_failure(exc, spec, res.peer, "put" if put else "get")
-            if not isinstance(err, EngineError):
-                self._core.telemetry.count_error("peer_lost")
-            return tr.chain(err, exc)
-        return MemsemError(f"{spec.label}: unexpected native status {status}")  # pragma: no cover
+    def run(self, spec: RefSpec, res: Resolution, attempt: Callable[[Resolution], Outcome], *, put: bool = False,
+            lease: Lease | None = None, version: int = 0, first: Outcome | None = None) -> int:
+        """The one retry loop of a copy: ``attempt(resolution)`` tries it once and says what it
+        came to (``first``: what a try made already came to); returns the version moved.
 
-    def _wait_sequence(self, res: Resolution, version: int, slice_s: float) -> None:
-        """Sleep on the slot sequence word a write section will move (``Resolution.wait_sequence``);
-        with no word to wait on, sleep the slice (no control block) or not at all (closed)."""
-        if not res.wait_sequence(version, slice_s):
-            time.sleep(slice_s if res.cb is None else 0)
+        Retried, within one wait armed at the first retry (so no retry outlives the runtime's
+        timeout): a closed resolution (resolved again), a liveness check that is due (done:
+        ``PeerLostError`` when the owner died), an open write section or a version not yet
+        committed (asleep on the word its close will move), a torn copy (made again, after
+        ``_TORN_SPINS`` immediate tries asleep like a write section). Every other outcome is
+        its memsem error (``_bracket.failure``).
 
-    def _via_engine(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
-                    keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
-        """Routes the CPU cannot copy on by itself: the engine moves the bytes inside the bracket.
-        An owner-checked engine's TORN or BUSY outcome makes the transfer again, within the
-        runtime's timeout (the owner waited for BUSY already, up to its cap)."""
-        deadline = None
+        Raises:
+            MemsemTimeoutError: still busy or torn when the runtime's timeout ran out.
+            StaleReferenceError, LeaseExpiredError, PeerLostError, AccessDeniedError, ...
+        """
+        wait: Wait | None = None
+        spins = 0
+        o = first
         while True:
-            try:
-                return self._via_engine_once(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
-            except RemoteOutcome as exc:  # ADAPTER (issue 20 §1): see owner_checked_failure
-                self._core.telemetry.count_error("torn" if exc.status == tr.TORN else "busy")
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self._core.timeout
-                if now >= deadline:
-                    raise tr.busy_timeout(spec, self._core.timeout) from exc
-                res = self._resolver.resolve(spec)
-                if res.direct:
-                    return self.transfer(spec, put, offset, addr, n, keep, lease, version, signal_tile)
+            if o is None:
+                o = attempt(res)
+            if o.status is _OK:
+                if o.check_peer:
+                    res.peer_checked()
+                return o.value
+            st = o.status
+            if not o.retry:
+                raise failure(o, res, spec, put=put, lease=lease, version=version)
+            if wait is None:
+                wait = self._busy_wait(spec, res, version)
+            if st is Status.CLOSED:
+                res = self._resolver.resolve(spec)  # raises RuntimeClosedError when closed
+                wait.rechecking(self._busy_checks(res, spec))
+                wait.check()
+            elif st is Status.CHECK_FIRST:
+                res.peer_checked()  # PeerLostError when the owner died: nothing was written
+                wait.check()
+            else:
+                self._core.telemetry.count_error("torn" if st is Status.TORN else "busy")
+                spins += 1
+                if spins <= _TORN_SPINS:
+                    wait.check()
+                else:
+                    self._sleep_busy(wait, res, spec, version)
+            o = None
 
-    def _via_engine_once(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
-                         keep: Any, lease: Lease | None, version: int, signal_tile: int | None) -> int:
+    def _settle(self, rc: int, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
+                keep: Any, lease: Lease | None, version: int) -> int:
+        """A hot-path result word that needs attention (``memsem._hot.copy``): the retry loop."""
+        def attempt(r: Resolution) -> Outcome:
+            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, None)
+
+        return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc))
+
+    def _busy_wait(self, spec: RefSpec, res: Resolution, version: int) -> Wait:
+        also = f" (or version {version} was not committed)" if version else ""
+        return Wait(f"{spec.label}: a write section", self._core.timeout, telemetry=self._core.telemetry,
+                    state=f"stayed open{also}; no bytes were returned, still", recheck=self._busy_checks(res, spec))
+
+    def _busy_checks(self, res: Resolution, spec: RefSpec) -> Callable[[], None]:
+        # the generation and liveness re-checks of a retry's sleep (a remote window's generation
+        # is checked by its next try: the owner or the engine says it)
+        return window_checks(res, spec, res.cb if res.cb is not None and not res.cb.closed else None)
+
+    def _sleep_busy(self, wait: Wait, res: Resolution, spec: RefSpec, version: int) -> None:
+        """One slice asleep on the word an open write section's close (or the commit of the
+        version asked for) will move: the slot's sequence word mapped here, or the mirror of a
+        remote window's latest-version word (pushed by its owner, or read one-sidedly)."""
+        if res.cb is not None:
+            wait.sleep(lambda s: res.wait_sequence(version, s))
+            return
+        try:
+            m = self._mirrors.control(res, spec)
+        except NotSupportedError:
+            wait.pause()  # the route cannot watch the owner's words: nothing to wait on
+            return
+        wait.sleep_word(m.latest_addr, native.load_acquire(m.latest_addr), m)
+
+    def _attempt(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int, keep: Any,
+                 lease: Lease | None, version: int, signal_tile: int | None) -> Outcome:
+        """One try of a transfer through ``res``'s strategy (``Resolution.strategy``)."""
+        ls, lid = _lease_args(lease, spec)
+        at = spec.offset + offset
+        strategy = res.strategy
+        if strategy is Strategy.DIRECT:
+            return settle(res, _copy(res.plan, put, at, addr, n, version, ls, lid))
         eng = res.engine
-        if res.cb is None and not eng.enforces_generation:
+        if strategy is Strategy.UNCHECKED:
             raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
                                     "generation (no control block here and the engine does not enforce it)")
-        ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
-        at = spec.offset + offset
+        remote_words = res.cb is None
+        if strategy is Strategy.ONE_SIDED and not put and (version or remote_slots(res) > 1):
+            return self._onesided_get(res, spec, res.remote_for(spec), at, address_view(addr, n, keep), version)
+        if remote_words and strategy is Strategy.ENGINE and (version or remote_slots(res) > 1):
+            raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot read versions: the owner's "
+                                    "control words are not readable from here")
+        owner = strategy is Strategy.OWNER_CHECKED
+        b = Bracket(res)
+        o = b.open(put, at, n, 0 if remote_words else version, ls, lid)
+        if not o.ok:
+            return o
         flat = address_view(addr, n, keep)
-        deadline = None
-        # Engines whose owner checks versions get the version asked for and say which they moved.
-        owner_versions = eng.versions and res.cb is None
-        # Engines that read the owner's control words one-sidedly: versioned reads check the
-        # slot's sequence word around the copy here (a seqlock over the wire).
-        onesided = (not put and res.cb is None and not eng.versions and (version or remote_slots(res) > 1)
-                    and eng.can_watch(res.remote) == "read")
-        while True:
-            st = _ffi.new("uint64_t[5]")
-            rc = _open(res.plan, put, at, n, 0 if (owner_versions or onesided) else version, ls, lid, st)
-            if rc == tr.OK:
-                if lease is not None and not ls:  # held in the directory: checked here, in turn
-                    try:
-                        lease.check("before the transfer")
-                    except BaseException:
-                        rc = _close(res.plan, put, n, ls, lid, st, 1)
-                        if rc & tr.RC_LAST_OUT:
-                            res.release()
-                        raise
-                break
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            status = rc & tr.RC_STATUS
-            if status == tr.CLOSED:
-                res = self._resolver.resolve(spec)
-                if res.direct:
-                    return self.transfer(spec, put, offset, addr, n, keep, lease, version, signal_tile)
-                continue
-            if status == tr.CHECK_FIRST:
-                res.peer_checked()
-                continue
-            if status in (tr.BUSY, tr.TORN):
-                if deadline is None:
-                    deadline = time.monotonic() + self._core.timeout
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise tr.busy_timeout(spec, self._core.timeout)
-                self._wait_sequence(res, version, min(WAIT_SLICE_S, left))
-                continue
-            raise self.failure(status, rc, res, spec, put, lease, version)
         moved = 0
         try:
+            if lease is not None and not ls:  # held in the directory (another node): checked here
+                lease.check("before the transfer")
             remote = res.remote_for(spec)
-            if owner_versions:
-                moved = eng.put(remote, at, flat) if put else eng.get(remote, at, flat, version=version)
-            elif onesided:
-                moved = self._onesided_get(res, spec, remote, at, flat, version)
+            if owner:
+                moved = eng.put_version(remote, at, flat) if put else eng.get_version(remote, at, flat, version)
             elif not put:
                 eng.get(remote, at, flat)
             elif signal_tile is not None and eng.can_signal(remote):
                 eng.put_signal(remote, at, flat, signal_tile, spec.generation)
             else:
                 eng.put(remote, at, flat)
+        except RemoteOutcome as exc:
+            b.close(failed=True)
+            refused = Outcome.remote(exc)
+            if refused.retry:
+                return refused  # the owner found a write section open (or the copy torn): again
+            raise self._engine_error(exc, res, spec, put, lease, version, refused) from exc
         except BaseException as exc:
-            rc = _close(res.plan, put, n, ls, lid, st, 1)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            if isinstance(exc, (RemoteOutcome, AccessDeniedError)) and (rc & tr.RC_STATUS) != tr.GEN_AFTER:
-                err = owner_checked_failure(self._core, exc, res, spec, put=put, lease=lease, version=version)
-                if err is exc:
-                    raise
-                raise err from exc
-            if isinstance(exc, MemsemError):
-                if (rc & tr.RC_STATUS) == tr.GEN_AFTER:
-                    self._resolver.drop(spec.gva, res)
-                    raise tr.stale(spec, rc >> _SHIFT, during=True) from exc
-                if isinstance(exc, StaleReferenceError):
-                    self._resolver.drop(spec.gva, res)
-                    if lease is not None and lease.expired():
-                        raise tr.lease_expired(spec, "during the transfer and the owner reclaimed the "
-                                                     "window; the bytes moved are not valid") from exc
-                    raise
-                if res.cb is None and isinstance(exc, EngineError):
-                    # Device- or owner-enforced routes: a moved generation shows up as an access
-                    # fault; the directory tells which it was.
-                    rec = self._core.directory.get_window(spec.gva)
-                    if rec is None or int(rec.get("generation", -1)) != spec.generation:
-                        self._resolver.drop(spec.gva, res)
-                        raise tr.stale(spec, None if rec is None else int(rec["generation"]),
-                                       during=True) from exc
-                raise tr.chain(tr.engine_failure(exc, spec, res.peer, "put" if put else "get"), exc)
-            raise
-        rc = _close(res.plan, put, n, ls, lid, st, 0)
-        if rc & _ATTN:
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            status = rc & tr.RC_STATUS
-            if status != tr.OK:
-                if status == tr.TORN:
-                    # The owner opened a write section during the copy: do it again.
-                    return self._via_engine(res, spec, put, offset, addr, n, keep, lease, version, signal_tile)
-                raise self.failure(status, rc, res, spec, put, lease, version)
-            if rc & tr.RC_CHECK_PEER:
-                res.peer_checked()
-        if lease is not None and not ls:
-            lease.check("during the transfer; the bytes moved are not valid")
-        return moved if (owner_versions or onesided) else rc >> _SHIFT
+            closed = b.close(failed=True)
+            raise self._engine_error(exc, res, spec, put, lease, version, closed) from exc
+        o = b.close()
+        if o.ok:
+            if lease is not None and not ls:
+                lease.check("during the transfer; the bytes moved are not valid")
+            if owner:
+                o.value = moved
+        return o
+
+    def _engine_error(self, exc: BaseException, res: Resolution, spec: RefSpec, put: bool, lease: Lease | None,
+                      version: int, o: Outcome) -> BaseException:
+        """The memsem error for an engine's failure inside the bracket (``o``: the bracket's close
+        after it, or the owner's refusal). On another node's window a moved generation shows up
+        as an access fault (a revoked rkey) or a refusal: the directory tells which it was."""
+        if o.status is Status.GEN_AFTER or isinstance(exc, RemoteOutcome):
+            return engine_failure(exc, res, spec, put=put, lease=lease, version=version, closed=o)
+        if isinstance(exc, StaleReferenceError):
+            res.resolver.drop(spec.gva, res)
+            if lease is not None and lease.expired():
+                return tr.lease_expired(spec, "during the transfer and the owner reclaimed the window; the bytes "
+                                              "moved are not valid")
+            return exc
+        if res.cb is None and isinstance(exc, EngineError):
+            now = self._resolver.generation_now(spec)
+            if now != spec.generation:
+                res.resolver.drop(spec.gva, res)
+                res.telemetry.count_error("stale")
+                return tr.stale(spec, now, during=True)
+        return engine_failure(exc, res, spec, put=put, lease=lease, version=version)
 
     def _onesided_get(self, res: Resolution, spec: RefSpec, remote: Any, at: int, flat: np.ndarray,
-                      version: int) -> int:
-        """Read ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the latest) of a window
-        whose owner is on another node, through an engine that reads its control words
-        one-sidedly (rdma): read the header words (generation, latest version, slot sequence
-        words), copy from the version's slot, read the header again; the copy counts only if
-        the slot's sequence word did not move (a write section overlapped: copy again).
-        Returns the version read. Bounded by the runtime's timeout.
-
-        Raises:
-            StaleReferenceError: the generation moved, or ``version`` is gone (overwritten).
-            MemsemTimeoutError: a write section stayed open, or ``version`` was not committed,
-                for the runtime's timeout.
+                      version: int) -> Outcome:
+        """One try of reading ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the
+        latest) of a window whose owner is on another node, through an engine that reads its
+        control words one-sidedly (rdma): read the header words (generation, latest version,
+        slot sequence words), copy from the version's slot, read the header again; the copy
+        counts only if the slot's sequence word did not move. The outcome is what a native
+        bracket would say (BUSY: a write section is open on the slot or the version is not
+        committed; TORN; VERSION_GONE; GEN_BEFORE / GEN_AFTER), retried by ``run``.
         """
-        core = self._core
         eng = res.engine
-        deadline = time.monotonic() + core.timeout
-        pause = _ONESIDED_BACKOFF_S[0]
 
-        def header(during: bool) -> list[int]:
+        def header() -> list[int]:
             h = eng.read_words(remote, WATCH_HEADER, 0, W_SEQ1 + 1)
             if h[W_GENERATION] != spec.generation:
-                g = eng.read_words(remote, WATCH_HEADER, W_GENERATION, 1)[0]  # confirm: never a torn word
-                if g != spec.generation:
-                    core.telemetry.count_error("stale")
-                    raise tr.stale(spec, g, during=during)
-                h[W_GENERATION] = g
+                h[W_GENERATION] = eng.read_words(remote, WATCH_HEADER, W_GENERATION, 1)[0]  # never a torn word
             return h
 
-        while True:
-            h = header(False)
-            nslots = 2 if h[W_NSLOTS] == 2 else 1
-            v = version or h[W_LATEST]
-            slot = v % nslots if nslots > 1 else 0
-            seq = h[W_SEQ0 + slot]
-            if seq == v << 1:
-                eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
-                after = header(True)[W_SEQ0 + slot]
-                if after == seq:
-                    return v
-                core.telemetry.count_error("torn")
-                if version and after >> 1 > version:
-                    raise tr.version_gone(spec, version, after >> 1)
-            elif version and seq >> 1 > version:
-                raise tr.version_gone(spec, version, seq >> 1)
-            else:  # a write section is open on the slot, or the version is not committed yet
-                now = time.monotonic()
-                if now >= deadline:
-                    raise tr.busy_timeout(spec, core.timeout)
-                time.sleep(min(pause, deadline - now))
-                pause = min(2 * pause, _ONESIDED_BACKOFF_S[1])
-                continue
-            if time.monotonic() >= deadline:
-                raise tr.busy_timeout(spec, core.timeout)
+        h = header()
+        if h[W_GENERATION] != spec.generation:
+            return Outcome(Status.GEN_BEFORE, h[W_GENERATION])
+        nslots = 2 if h[W_NSLOTS] == 2 else 1
+        v = version or h[W_LATEST]
+        slot = v % nslots if nslots > 1 else 0
+        seq = h[W_SEQ0 + slot]
+        if seq != v << 1:
+            if version and seq >> 1 > version:
+                return Outcome(Status.VERSION_GONE, seq >> 1)
+            return Outcome(Status.BUSY, seq >> 1)
+        eng.get(remote, slot * (h[W_SLOT_STRIDE] if nslots > 1 else 0) + at, flat)
+        after = header()
+        if after[W_GENERATION] != spec.generation:
+            return Outcome(Status.GEN_AFTER, after[W_GENERATION])
+        if after[W_SEQ0 + slot] == seq:
+            return Outcome(Status.OK, v)
+        if version and after[W_SEQ0 + slot] >> 1 > version:
+            return Outcome(Status.VERSION_GONE, after[W_SEQ0 + slot] >> 1)
+        return Outcome(Status.TORN, 0)
 
     # -- get / put --------------------------------------------------------------------------------
     # The common case is one C call (memsem._hot.copy): the buffer's door checks (plain dtype,
@@ -394,6 +330,8 @@ class Transfers:
     def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0) -> Any:
         """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
         ref's dtype); returns it (``out``'s own object when given)."""
+        if version.__class__ is not int or version:  # 0 is the common case: the door for the rest
+            version = _args.version(version, "version")
         if out is not None and (lease is None or lease.spec.gva == spec.gva):
             res = self._cache.get(spec.gva)
             if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
@@ -406,7 +344,7 @@ class Transfers:
                     return out
                 if rc != _RC_BUFFER:
                     flat, info = as_byte_array(out, "out", writable=True)
-                    self._slow(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version, None)
+                    self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version)
                     return out
         return self._get(spec, out, lease, version)
 
@@ -437,7 +375,7 @@ class Transfers:
                     return rc >> _SHIFT
                 if rc != _RC_BUFFER:
                     flat, info = as_byte_array(src, "src", writable=False)
-                    return self._slow(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0, None)
+                    return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0)
         return self._put(spec, src, lease)
 
     def _put(self, spec: RefSpec, src: Any, lease: Lease | None) -> int:
@@ -465,13 +403,15 @@ class Transfers:
                 if not rc & _ATTN:
                     return rc >> _SHIFT
                 if rc != _RC_BUFFER:
-                    return self._slow(rc, res, spec, False, offset, array_address(buf) if n else 0, n, buf,
-                                      lease, 0, None)
+                    return self._settle(rc, res, spec, False, offset, array_address(buf) if n else 0, n, buf,
+                                        lease, 0)
         return self.transfer_array(spec, False, offset, buf, lease=lease)
 
     def transfer_array(self, spec: RefSpec, put: bool, offset: int, local: np.ndarray, *,
                        lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
         """``transfer`` with a flat uint8 numpy array as the local side (pipelines, tiles)."""
+        if version.__class__ is not int or version:
+            version = _args.version(version, "version")
         n = local.nbytes
         return self.transfer(spec, put, offset, array_address(local) if n else 0, n, local, lease,
                              version, signal_tile)
@@ -486,44 +426,9 @@ class Transfers:
         return self._xcopier.xcopy(pairs, lease=lease)
 
 
-# ADAPTER (issue 20 §1): until branch ``prim``'s one outcome -> error function replaces it.
-def owner_checked_failure(core: "RuntimeCore", exc: BaseException, res: Resolution, spec: RefSpec, *,
-                          put: bool = False, lease: Lease | None = None, version: int = 0,
-                          kind: str = "") -> BaseException:
-    """The memsem error for what an owner-checked engine (tcp) raised on ``res``'s route.
-
-    * :class:`RemoteOutcome`: the owner's native outcome, translated exactly as the same outcome
-      of a local copy (``Transfers.failure``; a generation found 0 is a window that is gone).
-      TORN and BUSY are returned as they are: the caller makes the transfer again.
-    * AccessDeniedError (or an EngineError) for a window on another node: an owner says nothing
-      about a window to a credential it refuses, so the directory, which this runtime trusts,
-      tells whether the window moved on: StaleReferenceError then, else the error itself (an
-      EngineError translated as every engine failure).
-    """
-    kind = kind or ("put" if put else "get")
-    if isinstance(exc, RemoteOutcome):
-        status = exc.status
-        if status in (tr.TORN, tr.BUSY):
-            return exc
-        if status in (tr.GEN_BEFORE, tr.GEN_AFTER) and not exc.value:
-            core.resolver.drop(spec.gva, res)
-            core.telemetry.count_error("stale")
-            return tr.stale(spec, None, during=status == tr.GEN_AFTER)
-        return core.transfers.failure(status, status | (exc.value << _SHIFT), res, spec, put, lease, version)
-    if res.cb is None and isinstance(exc, (AccessDeniedError, EngineError)):
-        rec = core.directory.get_window(spec.gva)
-        if rec is None or int(rec.get("generation", -1)) != spec.generation:
-            core.resolver.drop(spec.gva, res)
-            core.telemetry.count_error("stale")
-            return tr.stale(spec, None if rec is None else int(rec["generation"]))
-    if isinstance(exc, AccessDeniedError):
-        return exc
-    return tr.engine_failure(exc, spec, res.peer, kind)
-
-
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
     return ValueError(f"{arg} holds {n} bytes; the ref is {spec.nbytes} bytes "
                       f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
 
 
-__all__ = ["Transfers", "owner_checked_failure"]
+__all__ = ["Transfers"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno as _errno
 from typing import Any
 
-from memsem import native
 from memsem._errors import (
     AccessDeniedError,
     EngineError,
@@ -19,27 +18,8 @@ from memsem._errors import (
     MemsemTimeoutError,
     StaleReferenceError,
 )
+from memsem import _args
 from memsem.gva import RefSpec
-
-RC_STATUS = native.lib.MEMSEM_RC_STATUS_MASK
-RC_SHIFT = native.lib.MEMSEM_RC_VERSION_SHIFT
-RC_LAST_OUT = native.lib.MEMSEM_RC_LAST_OUT
-RC_CHECK_PEER = native.lib.MEMSEM_RC_CHECK_PEER
-RC_ATTENTION = native.lib.MEMSEM_RC_ATTENTION
-OK = native.lib.MEMSEM_OK
-CLOSED = native.lib.MEMSEM_RC_CLOSED
-GEN_BEFORE = native.lib.MEMSEM_RC_GEN_BEFORE
-GEN_AFTER = native.lib.MEMSEM_RC_GEN_AFTER
-BUSY = native.lib.MEMSEM_RC_BUSY
-TORN = native.lib.MEMSEM_RC_TORN
-VERSION_GONE = native.lib.MEMSEM_RC_VERSION_GONE
-LEASE_BEFORE = native.lib.MEMSEM_RC_LEASE_BEFORE
-LEASE_DURING = native.lib.MEMSEM_RC_LEASE_DURING
-RANGE = native.lib.MEMSEM_RC_RANGE
-READONLY = native.lib.MEMSEM_RC_READONLY
-ERRNO = native.lib.MEMSEM_RC_ERRNO
-CHECK_FIRST = native.lib.MEMSEM_RC_CHECK_FIRST
-
 
 def stale(spec: RefSpec, found: int | None, *, during: bool = False) -> StaleReferenceError:
     """The generation of ``spec``'s window moved (or the window is gone: ``found`` None)."""
@@ -77,6 +57,11 @@ def wrong_key(spec: RefSpec) -> AccessDeniedError:
 
 def out_of_range(spec: RefSpec, start: int, end: int, size: int, whose: str = "window") -> ValueError:
     return ValueError(f"range [{start}, {end}) lies outside {spec.label}'s {size} bytes ({whose})")
+
+
+def version_range(version: int) -> ValueError:
+    """A version beyond the largest a window has (``MEMSEM_VERSION_MAX``)."""
+    return ValueError(f"version must be an int in [0, {_args.VERSION_MAX}] (0: the latest), got {version!r}")
 
 
 def busy_timeout(spec: RefSpec, timeout: float) -> MemsemTimeoutError:

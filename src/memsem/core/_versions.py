@@ -24,28 +24,24 @@ its latest-version word is mirrored here by the route's engine (``memsem.core._r
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
-from memsem._errors import MemsemTimeoutError, NotSupportedError
+from memsem._errors import NotSupportedError, StaleReferenceError
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_WRITER
 from memsem.core import _translate as tr
-from memsem.core._async import word_waiter
+from memsem.core._bracket import Bracket, Outcome, Status, failure
 from memsem.core._lease import Lease
-from memsem.core._liveness import WAIT_SLICE_S
-from memsem.core._resolve import Resolution
+from memsem.core._resolve import Resolution, Strategy
+from memsem.core._wait import Wait, window_checks
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
 
-_open = native.lib.memsem_bracket_open
-_close = native.lib.memsem_bracket_close
-_ffi = native.ffi
-_MASK32 = 0xFFFFFFFF
-#: gathers restarted after a torn or gone version before the error is raised
+#: gathers of the latest version restarted after the version moved on between ranges (routes
+#: without one bracket here) before the error is raised
 GATHER_RETRIES = 64
 
 
@@ -59,6 +55,11 @@ class Versions:
     def _resolve(self, spec: RefSpec) -> Resolution:
         return self._core.resolver.resolve(spec)
 
+    def _version_wait(self, spec: RefSpec, res: Resolution, at_least: int, t: float, words: Any) -> Wait:
+        return Wait(f"version {at_least} of {spec.label}", t, telemetry=self._core.telemetry, state="not committed",
+                    detail=lambda: f"latest is {words.word(W_LATEST)}",
+                    recheck=window_checks(res, spec, words, during=f"version {at_least}"))
+
     def _remote(self, res: Resolution, spec: RefSpec, what: str, *, at_least: int = 0, timeout: float = 0.0,
                 loop: asyncio.AbstractEventLoop | None = None) -> Any:
         """Versions of a window with no control block here (another node). The one place the
@@ -69,7 +70,7 @@ class Versions:
         control block: not across nodes."""
         readiness = self._core.readiness
         if what == "the latest version":
-            m = readiness.remote.control(res, spec)
+            m = readiness.mirrors.control(res, spec)
             if m.mode == "read":
                 m.sync()
             if m.generation != spec.generation:
@@ -111,7 +112,8 @@ class Versions:
         """Block until the latest committed version is ``>= at_least``; returns it.
 
         A futex wait on the latest-version word, woken by the owner's commit; between slices of
-        at most ``WAIT_SLICE_S`` it re-checks the generation and the owner's liveness.
+        at most ``WAIT_SLICE_S`` it re-checks the generation and the owner's liveness (the
+        runtime's one wait, ``memsem.core._wait``).
 
         Raises:
             MemsemTimeoutError: not reached within ``timeout`` s (default the runtime's).
@@ -119,31 +121,19 @@ class Versions:
             owner died while waited for.
         """
         core = self._core
-        at_least = _args.count(at_least, "version")
+        at_least = _args.version(at_least, "version")
         t = _args.timeout_or(timeout, core.timeout)
-        deadline = time.monotonic() + t
-        res = self._resolve(spec)
-        if res.cb is None:
-            return self._remote(res, spec, "waiting for a version", at_least=at_least, timeout=t)
-        if not res.enter():
-            return self.wait(spec, at_least, max(0.0, deadline - time.monotonic()))
+        for _ in range(3):
+            res = self._resolve(spec)
+            if res.cb is None:
+                return self._remote(res, spec, "waiting for a version", at_least=at_least, timeout=t)
+            if res.enter():  # held: nothing unmaps the word while we sleep on it
+                break
+        else:
+            raise tr.stale(spec, None)
         try:
             cb = res.cb
-            a = cb.latest_addr
-            while True:
-                self._check_gen(res, spec)
-                v = native.load_acquire(a)
-                if v >= at_least:
-                    return v
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    core.telemetry.count_error("timeout")
-                    raise MemsemTimeoutError(f"{spec.label}: version {at_least} not committed after {t} s "
-                                             f"(latest is {v})", what=f"version {at_least} of {spec.label}",
-                                             timeout=t)
-                native.futex_wait(a, v & _MASK32, min(WAIT_SLICE_S, left))
-                if not res.own_cb and not res.peer.alive():
-                    raise res.peer.lost(f"{spec.label}, while version {at_least} was awaited,")
+            return self._version_wait(spec, res, at_least, t, cb).until(cb.latest_addr, lambda v: v >= at_least)
         finally:
             res.leave()
 
@@ -153,32 +143,15 @@ class Versions:
         word waiter (one background thread for all awaited words); the event loop is never
         blocked and never polled. Liveness and generation are re-checked every second."""
         core = self._core
-        at_least = _args.count(at_least, "version")
+        at_least = _args.version(at_least, "version")
         t = _args.timeout_or(timeout, core.timeout)
         loop = loop or asyncio.get_running_loop()
-        deadline = time.monotonic() + t
         res = self._resolve(spec)
         if res.cb is None:
             return await self._remote(res, spec, "waiting for a version", at_least=at_least, timeout=t, loop=loop)
-        waiter = word_waiter(core)
         cb = res.cb
-        while True:
-            self._check_gen(res, spec)
-            v = cb.latest
-            if v >= at_least:
-                return v
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise MemsemTimeoutError(f"{spec.label}: version {at_least} not committed after {t} s "
-                                         f"(latest is {v})", what=f"version {at_least} of {spec.label}",
-                                         timeout=t)
-            try:
-                await waiter.wait(cb.latest_addr, v, min(1.0, left), loop, what=f"version {at_least} of "
-                                  f"{spec.label}", keep=res)
-            except MemsemTimeoutError:
-                pass
-            if not res.own_cb and not res.peer.alive():
-                raise res.peer.lost(f"{spec.label}, while version {at_least} was awaited,")
+        w = self._version_wait(spec, res, at_least, t, cb)
+        return await w.until_async(cb.latest_addr, lambda v: v >= at_least, core.word_waiter(), res, loop)
 
     # -- pinning ----------------------------------------------------------------------------------
     def pin(self, spec: RefSpec, *, version: int = 0, ttl: float | None = 10.0,
@@ -193,15 +166,16 @@ class Versions:
             StaleReferenceError: ``version`` is gone (names it and the version found), or the
                 generation moved. MemsemTimeoutError: a write section kept the version being
                 overwritten for ``timeout`` s. NotSupportedError: another node's window.
+            TypeError / ValueError: ``version`` is not an int in ``[0, VERSION_MAX]``.
         """
         core = self._core
-        version = _args.count(version, "version")
+        version = _args.version(version, "version")
         t = _args.timeout_or(timeout, core.timeout)
-        deadline = time.monotonic() + t
         res = self._resolve(spec)
         if res.cb is None:
             return self._remote(res, spec, "pinning a version")
         cb = res.cb
+        wait: Wait | None = None
         while True:
             self._check_gen(res, spec)
             v = version or cb.latest
@@ -216,13 +190,12 @@ class Versions:
             if version and (held > version or overwriting):
                 core.telemetry.count_error("stale")
                 raise tr.version_gone(spec, version, max(held, intent))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise tr.busy_timeout(spec, t)
             # a writer is about to overwrite (or is writing) the version: wait for its commit
-            native.futex_wait(cb.latest_addr, cb.latest & _MASK32, min(WAIT_SLICE_S, left))
-            if not res.own_cb and not res.peer.alive():
-                raise res.peer.lost(spec.label)
+            if wait is None:
+                wait = Wait(f"{spec.label}: the write section overwriting version {v}", t,
+                            telemetry=core.telemetry, state="stayed open",
+                            recheck=window_checks(res, spec, cb, during=f"a pin of version {v}"))
+            wait.sleep_word(cb.latest_addr, cb.latest)
 
     # -- one bracket, many ranges -----------------------------------------------------------------
     def gather(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], *, version: int = 0,
@@ -238,52 +211,35 @@ class Versions:
         Same node, every copy runs inside one native seqlock bracket (one generation and
         version check before, one after); a torn bracket is redone whole, so the ranges hold
         one version when this returns. Other routes copy range by range with the version of
-        the first fixed. On an error the destination bytes are unspecified.
+        the first fixed. On an error the destination bytes are unspecified. Retries (an open
+        write section, a torn bracket) are bounded by the runtime's timeout, like a get's.
 
         Raises:
             StaleReferenceError: the generation moved, or ``version`` is gone (both versions
-                named). MemsemTimeoutError: a write section stayed open past the timeout.
-            LeaseExpiredError, PeerLostError, AccessDeniedError: as for ``get``.
+                named). MemsemTimeoutError: a write section stayed open, or tore every try,
+                past the timeout. LeaseExpiredError, PeerLostError, AccessDeniedError: as for
+                ``get``. TypeError / ValueError: a bad ``version`` or range.
         """
-        core = self._core
+        version = _args.version(version, "version")
         total = spec.nbytes
         for i, (off, n, _addr) in enumerate(ranges):
             if off < 0 or n < 0 or off + n > total:
                 raise ValueError(f"ranges[{i}]: bytes [{off}, {off + n}) lie outside {spec.label}'s "
                                  f"{total} bytes")
         res = self._resolve(spec)
-        if not res.direct:
+        if res.strategy is not Strategy.DIRECT:
             return self._gather_ranges(spec, ranges, version, lease, keep)
-        deadline = None
-        retries = 0
-        while True:
-            ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
-            st = _ffi.new("uint64_t[5]")
-            rc = _open(res.plan, 0, spec.offset, total, version, ls, lid, st)
-            if rc != tr.OK:
-                if rc & tr.RC_LAST_OUT:
-                    res.release()
-                status = rc & tr.RC_STATUS
-                if status == tr.CLOSED:
-                    res = self._resolve(spec)
-                    if not res.direct:
-                        return self._gather_ranges(spec, ranges, version, lease, keep)
-                    continue
-                if status == tr.BUSY:
-                    core.telemetry.count_error("busy")
-                    if deadline is None:
-                        deadline = time.monotonic() + core.timeout
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise tr.busy_timeout(spec, core.timeout)
-                    core.transfers._wait_sequence(res, version, min(WAIT_SLICE_S, left))
-                    if not res.own_cb and not res.peer.alive():
-                        raise res.peer.lost(spec.label)
-                    continue
-                raise core.transfers.failure(status, rc, res, spec, False, lease, version)
-            failed = 0
-            base = int(st[4])
-            d = res.remote.direct
+        ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
+
+        def attempt(r: Resolution) -> Outcome:
+            if r.strategy is not Strategy.DIRECT:  # resolved again onto another route
+                return Outcome(Status.OK, self._gather_ranges(spec, ranges, version, lease, keep))
+            b = Bracket(r)
+            o = b.open(False, spec.offset, total, version, ls, lid)
+            if not o.ok:
+                return o
+            base = b.address
+            d = r.remote.direct
             try:
                 if d.cma:
                     for off, n, addr in ranges:
@@ -293,36 +249,18 @@ class Versions:
                     for off, n, addr in ranges:
                         if n:
                             native.memcpy(addr, base + off, n)
-            except BaseException:
-                failed = 1
-                rc = _close(res.plan, 0, total, ls, lid, st, failed)
-                if rc & tr.RC_LAST_OUT:
-                    res.release()
-                status = rc & tr.RC_STATUS
-                if status in (tr.GEN_AFTER, tr.GEN_BEFORE):
-                    raise core.transfers.failure(status, rc, res, spec, False, lease, version) from None
-                raise
-            rc = _close(res.plan, 0, total, ls, lid, st, 0)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            status = rc & tr.RC_STATUS
-            if status == tr.OK:
-                if rc & tr.RC_CHECK_PEER:
-                    res.peer_checked()
-                return rc >> tr.RC_SHIFT
-            if status == tr.TORN:
-                core.telemetry.count_error("torn")
-                retries += 1
-                if retries > GATHER_RETRIES and version:
-                    raise tr.version_gone(spec, version, res.cb.latest if res.cb is not None else 0)
-                continue
-            raise core.transfers.failure(status, rc, res, spec, False, lease, version)
+            except BaseException as exc:
+                closed = b.close(failed=True)
+                if closed.status in (Status.GEN_AFTER, Status.GEN_BEFORE):
+                    raise failure(closed, r, spec, lease=lease, version=version) from None
+                raise exc
+            return b.close()
+
+        return self._core.transfers.run(spec, res, attempt, lease=lease, version=version)
 
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
                        lease: Lease | None, keep: Any) -> int:
         """Routes without a native bracket here: range by range, the first fixes the version."""
-        from memsem._errors import StaleReferenceError
-
         tx = self._core.transfers
         for _ in range(GATHER_RETRIES):
             v = version

@@ -24,6 +24,10 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     published object; a slice or reshape of it holds the same. It also holds a lease (``lease``,
     which then refuses ``release`` while the view lives, or one of its own, released when the
     last array over the view is collected), so the owner cannot retire the window under it.
+    The view's own lease pins the version it shows (``Versions.pin``; so does ``lease`` when it
+    pins one): the owner's write sections wait for it (up to their timeout, then
+    ``LeaseHeldError``), so a view never shows the bytes of two versions. A ``lease`` that pins
+    no version is joined by a pin of the view's own.
     """
     t0 = time.perf_counter_ns()
     res = core.resolver.resolve(spec)
@@ -35,14 +39,18 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     if res.cb is not None and res.cb.n_slots > 1:
         raise NotSupportedError(f"view() of {spec.label} is not possible: it is a double-buffered "
                                 "versioned window (its owner rewrites the slots); use get()")
+    if lease is not None and lease.spec.gva != spec.gva:
+        raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+    pin: Lease | None = None
+    if lease is None or (not lease.version and res.cb is not None):
+        # the bytes shown are one version's: pinned, so no write section changes them meanwhile
+        pin = core.versions.pin(spec, ttl=None) if res.cb is not None else Lease(core, spec, None).acquire()
     own_lease = lease is None
     if own_lease:
-        lease = Lease(core, spec, None).acquire()
-    elif lease.spec.gva != spec.gva:
-        raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+        lease = pin
     if not res.enter():  # the resolution is being dropped: its region may be released
-        if own_lease:
-            lease.release()
+        if pin is not None:
+            pin.release()
         raise tr.stale(spec, res.cb.generation if res.cb is not None else None)
     try:
         lease.check("at view()")
@@ -56,8 +64,8 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
             flat.flags.writeable = False
         arr = flat.view(dt).reshape(spec.shape)
     except BaseException:
-        if own_lease:
-            lease.release()
+        if pin is not None:
+            pin.release()
         raise
     finally:
         res.leave()
@@ -66,16 +74,16 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     # The lease is tied to the object under every array derived from this view (a slice or
     # reshape of ``arr`` outlives ``arr`` itself and must keep the lease).
     holder = raw.base if raw.base is not None and not isinstance(raw.base, np.ndarray) else raw
-    weakref.finalize(holder, _view_gone, lease, own_lease)
+    weakref.finalize(holder, _view_gone, lease, own_lease, None if own_lease else pin)
     core.telemetry.record("view", res.route.kind, 0, time.perf_counter_ns() - t0)
     return arr
 
 
-def _view_gone(lease: Lease, own: bool) -> None:
+def _view_gone(lease: Lease, own: bool, pin: Lease | None) -> None:
     with lease._lock:
         lease._views = max(0, lease._views - 1)
-    if own:
+    for held in ((lease,) if own else ()) + ((pin,) if pin is not None else ()):
         try:
-            lease.release()
+            held.release()
         except MemsemError:
             pass

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from memsem import _hot, native
+from memsem import _hot
 from memsem._buffers import as_byte_array
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError
 from memsem.engines import Op, OpKind, OpState
 from memsem.gva import RefSpec
 from memsem.core import _translate as tr
 from memsem.core._completion import Batch, RangeResult, State
+from memsem.core._bracket import ATTENTION, Bracket, Status, failure, settle
 from memsem.core._lease import Lease
 from memsem.core._resolve import Resolution, Resolver, remote_slots
 
@@ -31,10 +32,7 @@ if TYPE_CHECKING:
 _hot_copy = _hot.copy
 _RC_BUFFER = _hot.RC_BUFFER
 _DONE = State.DONE
-_open = native.lib.memsem_bracket_open
-_close = native.lib.memsem_bracket_close
-_ffi = native.ffi
-_ATTN = tr.RC_ATTENTION
+_ATTN = ATTENTION
 #: bytes of one xcopy batch copied at once in the calling thread (same-node ranges resolved here)
 XCOPY_INLINE_BYTES = 256 << 10
 #: below this many bytes in all, an xcopy batch's remaining ranges go to one worker task
@@ -156,11 +154,10 @@ class XCopier:
         and errors of the general path)."""
         if rc == _RC_BUFFER:
             return None
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if rc & tr.RC_STATUS:
+        o = settle(res, rc)
+        if not o.ok:
             return None
-        if rc & tr.RC_CHECK_PEER:
+        if o.check_peer:
             try:
                 res.peer_checked()
             except MemsemError as exc:
@@ -209,17 +206,15 @@ class XCopier:
                 res = self._resolver.resolve(spec)
                 if lease is not None and lease.spec.gva == spec.gva:
                     lease.check("before the transfer")
-                st = _ffi.new("uint64_t[5]")
-                rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
-                if (rc & tr.RC_STATUS) == tr.CHECK_FIRST:
+                b = Bracket(res)
+                o = b.open(put, spec.offset, spec.nbytes)
+                if o.status is Status.CHECK_FIRST:
                     res.peer_checked()  # PeerLostError when the owner died
-                    rc = _open(res.plan, put, spec.offset, spec.nbytes, 0, 0, 0, st)
-                if rc != tr.OK:
-                    if rc & tr.RC_LAST_OUT:
-                        res.release()
-                    raise self._tx.failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0)
+                    o = b.open(put, spec.offset, spec.nbytes)
+                if not o.ok:
+                    raise failure(o, res, spec, put=put)
                 op = Op(OpKind.PUT if put else OpKind.GET, res.remote, spec.offset, flat)
-                ops.append((r, spec, op, (res, st, put)))
+                ops.append((r, spec, op, (res, b, put)))
             except BaseException as exc:
                 batch._settle(r, State.FAILED, exc)
         if not ops:
@@ -234,17 +229,15 @@ class XCopier:
             # The hardware still owns the buffers: close the brackets when the ops end.
             self._pool.submit(_close_late, req, [o[3] for o in ops], self._core.timeout)
             return
-        for r, spec, op, (res, st, put) in ops:
-            rc = _close(res.plan, put, spec.nbytes, 0, 0, st, 0 if op.state == OpState.DONE else 1)
-            if rc & tr.RC_LAST_OUT:
-                res.release()
-            if op.state == OpState.DONE and not (rc & tr.RC_STATUS):
+        for r, spec, op, (res, b, put) in ops:
+            o = b.close(failed=op.state != OpState.DONE)
+            if op.state == OpState.DONE and o.ok:
                 if lease is not None and lease.spec.gva == spec.gva and lease.expired():
                     batch._settle(r, State.FAILED, tr.lease_expired(spec, "during the transfer"))
                 else:
                     batch._settle(r, State.DONE)
             elif op.state == OpState.DONE:
-                batch._settle(r, State.FAILED, self._tx.failure(rc & tr.RC_STATUS, rc, res, spec, put, None, 0))
+                batch._settle(r, State.FAILED, failure(o, res, spec, put=put))
             else:
                 err = op.error or MemsemError(f"xcopy range {r.index}: engine op ended {op.state.name}")
                 if isinstance(err, MemsemError) and not isinstance(err, EngineError):
@@ -291,29 +284,24 @@ class XCopier:
         if src_lease is not None:
             src_lease.check("before the transfer")
         ls, lid = src_lease.native_args(src) if src_lease is not None else (0, 0)
-        st = _ffi.new("uint64_t[5]")
-        rc = _open(rs.plan, 0, src.offset, src.nbytes, 0, ls, lid, st)
-        if rc != tr.OK:
-            if rc & tr.RC_LAST_OUT:
-                rs.release()
-            status = rc & tr.RC_STATUS
-            if status in (tr.BUSY, tr.CLOSED):  # take the general path (waits, re-resolves)
+        b = Bracket(rs)
+        o = b.open(False, src.offset, src.nbytes, 0, ls, lid)
+        if not o.ok:
+            if o.retry:  # take the general path (waits, re-resolves)
                 bounce = np.empty(src.nbytes, np.uint8)
                 self._tx.transfer_array(src, False, 0, bounce, lease=src_lease)
                 self._tx.transfer_array(dst, True, 0, bounce, lease=dst_lease)
                 self._core.telemetry.bounce_bytes += src.nbytes
                 return
-            raise self._tx.failure(status, rc, rs, src, False, src_lease, 0)
+            raise failure(o, rs, src, lease=src_lease)
         failed = True
         try:
-            self._tx.transfer(dst, True, 0, int(st[4]), src.nbytes, rs.remote, dst_lease)
+            self._tx.transfer(dst, True, 0, b.address, src.nbytes, rs.remote, dst_lease)
             failed = False
         finally:
-            rc = _close(rs.plan, 0, src.nbytes, ls, lid, st, 1 if failed else 0)
-            if rc & tr.RC_LAST_OUT:
-                rs.release()
-        if rc & tr.RC_STATUS:
-            raise self._tx.failure(rc & tr.RC_STATUS, rc, rs, src, False, src_lease, 0)
+            o = b.close(failed)
+        if not o.ok:
+            raise failure(o, rs, src, lease=src_lease)
 
 
 def _chunks(jobs: list[tuple[RangeResult, Any, Any]], workers: int) -> list[list[tuple[RangeResult, Any, Any]]]:
@@ -337,7 +325,7 @@ def _chunks(jobs: list[tuple[RangeResult, Any, Any]], workers: int) -> list[list
     return out
 
 
-def _close_late(req: Any, brackets: list[tuple[Resolution, Any, bool]], timeout: float) -> None:
+def _close_late(req: Any, brackets: list[tuple[Resolution, Bracket, bool]], timeout: float) -> None:
     """Close the brackets of a batch that timed out once its ops end (bounded waits)."""
     for _ in range(100):
         try:
@@ -345,10 +333,8 @@ def _close_late(req: Any, brackets: list[tuple[Resolution, Any, bool]], timeout:
             break
         except MemsemTimeoutError:
             continue
-    for res, st, put in brackets:
-        rc = _close(res.plan, put, 0, 0, 0, st, 1)
-        if rc & tr.RC_LAST_OUT:
-            res.release()
+    for _res, b, _put in brackets:
+        b.close(failed=True)
 
 
 __all__ = ["XCOPY_INLINE_BYTES", "XCOPY_TASK_BYTES", "XCopier"]

@@ -18,6 +18,7 @@ from memsem.engines._base import (
     DirectAccess,
     Engine,
     EngineContext,
+    GenerationCheck,
     LocalRegion,
     Op,
     OpKind,
@@ -25,6 +26,7 @@ from memsem.engines._base import (
     RemoteOutcome,
     RemoteRegion,
     Request,
+    WatchMode,
 )
 from memsem.engines.host import HostEngine
 from memsem.engines.loopback import LoopbackEngine
@@ -74,7 +76,7 @@ def engine_class(name: str) -> type[Engine]:
 
 
 __all__ = [
-    "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "HostEngine", "LocalRegion",
-    "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteOutcome", "RemoteRegion", "Request", "engine_class",
+    "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "GenerationCheck", "RemoteOutcome", "WatchMode", "HostEngine", "LocalRegion",
+    "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",
 ]

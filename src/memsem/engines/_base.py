@@ -297,6 +297,46 @@ class Request:
                 op.state = OpState.CANCELLED
 
 
+class GenerationCheck(str, enum.Enum):
+    """Who keeps a stale handle from touching a window's memory when the consumer's runtime
+    cannot map the window's control block (the owner is on another node)."""
+
+    #: nobody: the route needs the control block mapped here (same-node engines)
+    NONE = ""
+    #: the hardware: the owner deregisters the region at each generation bump, so old handles
+    #: fault (a revoked rkey; rdma)
+    DEVICE = "device"
+    #: the owner's runtime checks a credential with every request (tcp; see ``attach``)
+    OWNER = "owner"
+
+
+class WatchMode(str, enum.Enum):
+    """How an engine keeps the control words of a remote window current on the consumer's side
+    (``Engine.can_watch``). Falsy when it cannot."""
+
+    #: it cannot: waits on those words are NotSupportedError
+    NONE = ""
+    #: the owner sends every change (``watch``)
+    PUSH = "push"
+    #: the consumer reads them one-sidedly (``read_words``)
+    READ = "read"
+
+
+class RemoteOutcome(EngineError):
+    """The owner's runtime did not complete a request of an owner-checked engine: ``status`` is
+    the owner's native outcome (a ``MEMSEM_RC_*`` status of ``native/memsem_native.h``: a moved
+    generation, a version gone, an open write section, a range or permission refusal...) and
+    ``value`` its value (the generation or version found). Engines carry both from the owner
+    and never interpret them; the runtime turns them into memsem errors exactly as it turns a
+    local native outcome (``memsem.core._bracket``).
+    """
+
+    def __init__(self, message: str, *, status: int, value: int = 0) -> None:
+        super().__init__(message, code=status)
+        self.status = status
+        self.value = value
+
+
 class Engine(abc.ABC):
     """Base class of every engine. Subclasses set ``name`` and implement the abstract methods.
 
@@ -308,13 +348,10 @@ class Engine(abc.ABC):
     #: SHMEM ``_nbi`` + one quiet): the runtime's xcopy then submits whole batches to it.
     batches: ClassVar[bool] = False
     #: How a stale handle is kept from touching memory when the runtime cannot map the window's
-    #: control block (consumer on another node): "" (it must be mapped), "device" (the owner
-    #: deregisters the region at each generation bump, so old handles fault in hardware, e.g. a
-    #: revoked rkey), "owner" (the owner's runtime checks a credential with every request; see
-    #: ``attach``'s ``credential``).
-    enforces_generation: ClassVar[str] = ""
-    #: True when the owner checks versions for this engine: ``get``/``put`` take ``version=``
-    #: (0: the latest) and return the version read / overwritten
+    #: control block (consumer on another node): see :class:`GenerationCheck`.
+    enforces_generation: ClassVar[GenerationCheck] = GenerationCheck.NONE
+    #: True when the owner checks versions for this engine: it implements ``get_version`` and
+    #: ``put_version`` (the owner brackets each request and says which version it moved)
     versions: ClassVar[bool] = False
 
     @classmethod
@@ -405,6 +442,25 @@ class Engine(abc.ABC):
         """Copy ``src`` into ``remote`` at ``offset``; returns when the bytes are visible at the
         target (remote completion), not merely when ``src`` may be reused."""
 
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
+        """``get`` of exactly version ``version`` (0: the latest committed one), checked by the
+        owner (engines with ``versions``); returns the version whose bytes are in ``dst``.
+
+        Raises:
+            RemoteOutcome: the owner refused (its native outcome: a moved generation, a version
+                gone, a write section that stayed open...). NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
+
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+        """``put`` checked by the owner (engines with ``versions``); returns, at remote
+        completion, the version whose bytes were overwritten.
+
+        Raises:
+            RemoteOutcome: the owner refused. NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
+
     def can_signal(self, remote: RemoteRegion) -> bool:
         """Whether ``put_signal`` can set the window's tile signal words with the data."""
         return False
@@ -414,11 +470,11 @@ class Engine(abc.ABC):
         raise NotSupportedError(f"engine {self.name!r} cannot signal tiles with the data")
 
     # -- control words of a remote window (tile-ready words, version words) ---------------------
-    def can_watch(self, remote: RemoteRegion) -> str:
-        """How this engine keeps control words of ``remote``'s window current here: "push" (the
-        owner sends every change: ``watch``), "read" (one-sided reads: ``read_words``), or ""
-        (it cannot)."""
-        return ""
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
+        """How this engine keeps control words of ``remote``'s window current here
+        (:class:`WatchMode`: PUSH, the owner sends every change, ``watch``; READ, one-sided
+        reads, ``read_words``; NONE, it cannot)."""
+        return WatchMode.NONE
 
     def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
               on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
@@ -497,23 +553,6 @@ class Engine(abc.ABC):
                 f"range [{offset}, {offset + nbytes}) lies outside the region of {remote.nbytes} bytes")
 
 
-class RemoteOutcome(EngineError):
-    """The owner's native outcome of a request (a ``MEMSEM_RC_*`` status of
-    ``native/memsem_native.h`` and the value that comes with it), carried back by an engine
-    whose owner checks every request (tcp). Engines carry it, never interpret it; the runtime
-    translates it exactly as it translates the same outcome of a local copy.
-
-    Attributes:
-        status: the native status (``MEMSEM_RC_*``, never OK).
-        value: its value (the generation found, the version the slot holds...).
-    """
-
-    def __init__(self, message: str, status: int, value: int) -> None:
-        super().__init__(message, code=status, name=f"MEMSEM_RC {status}")
-        self.status = status
-        self.value = value
-
-
 class EngineContext(abc.ABC):
     """What an engine may ask of the runtime that enabled it (handed over by ``Engine.bind``).
 
@@ -550,5 +589,5 @@ class EngineContext(abc.ABC):
 __all__ = [
     "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
     "WATCH_HEADER", "WATCH_READY",
-    "OpKind", "OpState", "RemoteOutcome", "RemoteRegion", "Request", "MemsemError",
+    "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError", "GenerationCheck", "RemoteOutcome", "WatchMode",
 ]

@@ -67,12 +67,14 @@ from memsem.engines._base import (
     ControlWords,
     Descriptor,
     Engine,
+    GenerationCheck,
     LocalRegion,
     Op,
     OpKind,
     OpState,
     RemoteRegion,
     Request,
+    WatchMode,
     typed_field,
 )
 
@@ -308,7 +310,7 @@ class RdmaEngine(Engine):
     """
 
     name = "rdma"
-    enforces_generation = "device"
+    enforces_generation = GenerationCheck.DEVICE
     batches = True
 
     @classmethod
@@ -709,9 +711,9 @@ class RdmaEngine(Engine):
         return hdr, hdr_words, hdr_rkey, ready, ready_words, ready_rkey
 
     # -- consumer side: control words ------------------------------------------------------------
-    def can_watch(self, remote: RemoteRegion) -> str:
-        """"read" for a window whose owner registered its control words (``read_words``)."""
-        return "read" if isinstance(remote, _RdmaRemote) and remote.ctl_header is not None else ""
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
+        """READ for a window whose owner registered its control words (``read_words``)."""
+        return WatchMode.READ if isinstance(remote, _RdmaRemote) and remote.ctl_header is not None else WatchMode.NONE
 
     def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
         """RDMA READ of ``count`` 64-bit control words of ``remote``'s window: header words

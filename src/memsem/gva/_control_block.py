@@ -53,8 +53,18 @@ from memsem.native import Segment
 MAGIC = int.from_bytes(b"MEMSEMCB", "little")
 LAYOUT_VERSION = 3
 HEADER_WORDS = 24
-LEASE_WORDS = 6
-INFLIGHT_WORDS = 2
+#: slot layouts, defined once in native/memsem_native.h (the native copy and scans read them):
+#: a lease slot's words (pid, start, expiry ns, lease id, pinned version, spare) and an
+#: in-flight slot's words (identity, count), as byte offsets from the slot's address
+LEASE_WORDS = native.lib.MEMSEM_LEASE_WORDS
+INFLIGHT_WORDS = native.lib.MEMSEM_INFLIGHT_WORDS
+L_PID = 8 * native.lib.MEMSEM_LEASE_PID
+L_START = 8 * native.lib.MEMSEM_LEASE_START
+L_EXPIRY = 8 * native.lib.MEMSEM_LEASE_EXPIRY
+L_ID = 8 * native.lib.MEMSEM_LEASE_ID
+L_VERSION = 8 * native.lib.MEMSEM_LEASE_VERSION
+I_IDENT = 8 * native.lib.MEMSEM_INFLIGHT_IDENT
+I_COUNT = 8 * native.lib.MEMSEM_INFLIGHT_COUNT
 DEFAULT_LEASE_SLOTS = 64
 DEFAULT_INFLIGHT_SLOTS = 128
 MAX_READY_WORDS = 1 << 24
@@ -219,10 +229,10 @@ class ControlBlock:
         out = []
         for s in range(self.n_lease):
             a = self._lease0 + 8 * LEASE_WORDS * s
-            lid = native.load_acquire(a + 24)
+            lid = native.load_acquire(a + L_ID)
             if lid & 1:  # a lease (even: a slot being claimed, see _lease)
-                out.append((s, native.load_acquire(a), native.load_acquire(a + 8),
-                            native.load_acquire(a + 16), lid, native.load_acquire(a + 32)))
+                out.append((s, native.load_acquire(a + L_PID), native.load_acquire(a + L_START),
+                            native.load_acquire(a + L_EXPIRY), lid, native.load_acquire(a + L_VERSION)))
         return out
 
     def unexpired_leases(self, now_ns: int) -> list[tuple[int, int, int, int, int]]:

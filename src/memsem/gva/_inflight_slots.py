@@ -13,7 +13,7 @@ copy never wedges the window, and a live one is waited for (bounded by the calle
 from __future__ import annotations
 
 from memsem import native
-from memsem.gva._control_block import ControlBlock, identity_of, identity_word
+from memsem.gva._control_block import I_COUNT, I_IDENT, ControlBlock, identity_of, identity_word
 from memsem.native import process_alive
 
 
@@ -32,30 +32,53 @@ def claim(cb: ControlBlock, pid: int, start: int) -> int:
     for reclaim in (False, True):
         for slot in range(cb.n_inflight):
             a = cb.inflight_slot_addr(slot)
-            cur = native.load_acquire(a)
+            cur = native.load_acquire(a + I_IDENT)
             if cur != 0:
                 if not reclaim:
                     continue
                 hpid, hstart = identity_of(cur)
                 if process_alive(hpid, hstart):
                     continue
-            ok, _ = native.compare_exchange(a, cur, me)
+            ok, _ = native.compare_exchange(a + I_IDENT, cur, me)
             if ok:
                 # A dead holder's count is void; ours starts at 0 (the native copy adds to it).
-                native.store_release(a + 8, 0)
+                native.store_release(a + I_COUNT, 0)
                 return slot
-    live = [identity_of(native.load_acquire(cb.inflight_slot_addr(s)))[0] for s in range(cb.n_inflight)]
+    live = [identity_of(native.load_acquire(cb.inflight_slot_addr(s) + I_IDENT))[0] for s in range(cb.n_inflight)]
     raise InflightSlotsFull(sorted(set(p for p in live if p)))
 
 
 def release(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
     """Free ``slot`` if it still belongs to ``pid``/``start`` (its copies are all done)."""
-    native.compare_exchange(cb.inflight_slot_addr(slot), identity_word(pid, start), 0)
+    native.compare_exchange(cb.inflight_slot_addr(slot) + I_IDENT, identity_word(pid, start), 0)
 
 
 def count_addr(cb: ControlBlock, slot: int) -> int:
     """Address of the slot's counter (what the native copy adds to)."""
-    return cb.inflight_slot_addr(slot) + 8
+    return cb.inflight_slot_addr(slot) + I_COUNT
+
+
+def busy_counts(cb: ControlBlock) -> list[tuple[int, int, int]]:
+    """``(pid, copies, address of the slot's count)`` of live holders with copies in flight right
+    now (slots of dead holders are reclaimed on the way). The owner's retire sleeps on a count
+    (futex on its low 32 bits): a copy that finds the generation moved wakes it as it leaves."""
+    if not cb.busy_inflight():  # one native scan: the common case is nothing in flight
+        return []
+    out = []
+    for slot in range(cb.n_inflight):
+        a = cb.inflight_slot_addr(slot)
+        ident = native.load_acquire(a + I_IDENT)
+        if not ident:
+            continue
+        n = native.load_acquire(a + I_COUNT)
+        if not n:
+            continue
+        pid, start = identity_of(ident)
+        if process_alive(pid, start):
+            out.append((pid, n, a + I_COUNT))
+        else:
+            _reclaim(cb, ident)
+    return out
 
 
 def busy_holders(cb: ControlBlock) -> list[tuple[int, int]]:
@@ -75,5 +98,5 @@ def _reclaim(cb: ControlBlock, ident: int) -> None:
     """A dead holder's marks are void: free its slot(s)."""
     for slot in range(cb.n_inflight):
         a = cb.inflight_slot_addr(slot)
-        if native.load_acquire(a) == ident:
-            native.compare_exchange(a, ident, 0)
+        if native.load_acquire(a + I_IDENT) == ident:
+            native.compare_exchange(a + I_IDENT, ident, 0)

@@ -23,7 +23,7 @@ import math
 import secrets
 
 from memsem import native
-from memsem.gva._control_block import LEASE_WORDS, W_STATE, ControlBlock, WindowState
+from memsem.gva._control_block import LEASE_WORDS, L_EXPIRY, L_ID, L_PID, L_START, L_VERSION, W_STATE, ControlBlock, WindowState
 from memsem.native import process_alive
 
 
@@ -43,25 +43,25 @@ def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int, version: int = 
     mark = claim_mark(pid)
     for slot in range(cb.n_lease):
         a = cb.lease_slot_addr(slot)
-        cur = native.load_acquire(a + 24)
+        cur = native.load_acquire(a + L_ID)
         if cur & 1:
             # Reclaim a slot whose lease expired or whose holder died.
-            expiry = native.load_acquire(a + 16)
-            holder, hstart = native.load_acquire(a), native.load_acquire(a + 8)
+            expiry = native.load_acquire(a + L_EXPIRY)
+            holder, hstart = native.load_acquire(a + L_PID), native.load_acquire(a + L_START)
             if expiry > now and process_alive(holder, hstart):
                 continue
         elif cur:
             # Being claimed: taken, unless its claimer died between its CAS and its stores.
             if process_alive(cur >> 2, 0):
                 continue
-        ok, _ = native.compare_exchange(a + 24, cur, mark)
+        ok, _ = native.compare_exchange(a + L_ID, cur, mark)
         if not ok:
             continue
-        native.store_release(a, pid)
-        native.store_release(a + 8, start)
-        native.store_release(a + 32, version)
-        native.store_release(a + 16, now + ttl_ns)
-        native.store_release(a + 24, lease_id)  # the lease exists from here on
+        native.store_release(a + L_PID, pid)
+        native.store_release(a + L_START, start)
+        native.store_release(a + L_VERSION, version)
+        native.store_release(a + L_EXPIRY, now + ttl_ns)
+        native.store_release(a + L_ID, lease_id)  # the lease exists from here on
         native.lib.memsem_fence_seq_cst()
         if cb.word(W_STATE) != WindowState.LIVE:
             release(cb, slot, lease_id)
@@ -73,8 +73,8 @@ def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int, version: int = 
 def expiry_of(cb: ControlBlock, slot: int, lease_id: int) -> int:
     """Expiry (monotonic ns) of the lease, or 0 when the slot no longer holds it."""
     a = cb.lease_slot_addr(slot)
-    exp = native.load_acquire(a + 16)
-    if native.load_acquire(a + 24) != lease_id:
+    exp = native.load_acquire(a + L_EXPIRY)
+    if native.load_acquire(a + L_ID) != lease_id:
         return 0
     return exp
 
@@ -89,38 +89,40 @@ def renew(cb: ControlBlock, slot: int, lease_id: int, ttl_ns: int) -> int:
     """
     a = cb.lease_slot_addr(slot)
     now = native.monotonic_ns()
-    exp = native.load_acquire(a + 16)
-    if native.load_acquire(a + 24) != lease_id or exp <= now:
+    exp = native.load_acquire(a + L_EXPIRY)
+    if native.load_acquire(a + L_ID) != lease_id or exp <= now:
         return 0
     new = now + ttl_ns
-    ok, _ = native.compare_exchange(a + 16, exp, new)
-    if not ok or native.load_acquire(a + 24) != lease_id:  # reclaimed or changed meanwhile
+    ok, _ = native.compare_exchange(a + L_EXPIRY, exp, new)
+    if not ok or native.load_acquire(a + L_ID) != lease_id:  # reclaimed or changed meanwhile
         return 0
     native.lib.memsem_fence_seq_cst()
     if native.monotonic_ns() >= exp:
         # The old expiry passed before the extension was visible: an owner may have passed the
         # lease as expired. Undo (harmless if it fails) and report it lost.
-        native.compare_exchange(a + 16, new, exp)
+        native.compare_exchange(a + L_EXPIRY, new, exp)
         return 0
     return new
 
 
 def release(cb: ControlBlock, slot: int, lease_id: int) -> None:
     """Free the slot if it still holds this lease (idempotent). A writer waiting for a lease
-    that pins a version sleeps on the lease id word: it is woken here."""
+    that pins a version, and an owner retiring the window, sleep on the lease id word: they
+    are woken here."""
     a = cb.lease_slot_addr(slot)
-    ok, _ = native.compare_exchange(a + 24, lease_id, 0)
-    if ok and native.load_acquire(a + 32):
-        native.futex_wake(a + 24)
+    ok, _ = native.compare_exchange(a + L_ID, lease_id, 0)
+    if ok and (native.load_acquire(a + L_VERSION) or cb.word(W_STATE) != WindowState.LIVE):
+        native.futex_wake(a + L_ID)  # a writer of the pinned slot, or the owner retiring the window
 
 
 #: expiries this far ahead (ns) belong to leases held until released (ttl=None)
 FOREVER_NS = 1 << 61
 
 
-def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float]]:
-    """``(pid, seconds_left)`` of unexpired leases held by live processes (``math.inf`` for a
-    lease held until released). Reaps dead holders' slots when ``reap``."""
+def blocking_leases(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float, int]]:
+    """``(pid, seconds_left, address of the lease id word)`` of unexpired leases held by live
+    processes (``math.inf`` for a lease held until released). Reaps dead holders' slots when
+    ``reap``. The id word changes when the lease is released (and wakes a retiring owner)."""
     now = native.monotonic_ns()
     out = []
     for slot, pid, start, expiry, _version in cb.unexpired_leases(now):
@@ -128,8 +130,15 @@ def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, 
             if reap:
                 _reap(cb, slot, pid, start)
             continue
-        out.append((pid, math.inf if expiry - now >= FOREVER_NS else (expiry - now) / 1e9))
+        out.append((pid, math.inf if expiry - now >= FOREVER_NS else (expiry - now) / 1e9,
+                    cb.lease_slot_addr(slot) + L_ID))
     return out
+
+
+def blocking_holders(cb: ControlBlock, *, reap: bool = True) -> list[tuple[int, float]]:
+    """``(pid, seconds_left)`` of unexpired leases held by live processes (``math.inf`` for a
+    lease held until released). Reaps dead holders' slots when ``reap``."""
+    return [(pid, left) for pid, left, _ in blocking_leases(cb, reap=reap)]
 
 
 def pinned_versions(cb: ControlBlock) -> dict[int, float]:
@@ -162,7 +171,7 @@ def blocking_pins(cb: ControlBlock, new: int) -> list[tuple[int, int, int, int]]
         if not process_alive(pid, start):
             _reap(cb, slot, pid, start)
             continue
-        out.append((pid, version, expiry, cb.lease_slot_addr(slot) + 24))
+        out.append((pid, version, expiry, cb.lease_slot_addr(slot) + L_ID))
     return out
 
 
@@ -170,9 +179,9 @@ def _reap(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
     """Free a dead holder's slot (only if it still holds that holder's lease: never a slot
     being claimed, whose words may still name the dead holder)."""
     a = cb.lease_slot_addr(slot)
-    lid = native.load_acquire(a + 24)
-    if lid & 1 and native.load_acquire(a) == pid and native.load_acquire(a + 8) == start:
-        native.compare_exchange(a + 24, lid, 0)
+    lid = native.load_acquire(a + L_ID)
+    if lid & 1 and native.load_acquire(a + L_PID) == pid and native.load_acquire(a + L_START) == start:
+        native.compare_exchange(a + L_ID, lid, 0)
 
 
 def claim_mark(pid: int) -> int:

@@ -2,9 +2,10 @@
 
 Producer: write the tile, then ``mark`` (release store of the generation, then futex wake on the
 word's low 32 bits; then the control block's ready sequence word is incremented and woken, for
-watchers of every ready word at once). Consumer: acquire-load; if not ready, futex-wait on that very word with a
-bounded slice, re-checking the owner's liveness between slices. A mark from an old generation
-never equals the current generation, so it never satisfies a wait on the new one.
+watchers of every ready word at once). Consumer: acquire-load; if not ready, futex-wait on that
+very word (the runtime's one wait, ``memsem.core._wait``: bounded slices, re-checking the
+generation and the owner's liveness between them). A mark from an old generation never equals
+the current generation, so it never satisfies a wait on the new one.
 """
 from __future__ import annotations
 
@@ -38,16 +39,6 @@ def clear(cb: ControlBlock, tile: int, generation: int | None = None) -> bool:
         return False
     _bump(cb)
     return True
-
-
-def wait_slice(cb: ControlBlock, tile: int, generation: int, slice_s: float) -> bool:
-    """Wait at most ``slice_s`` for the tile; True when it is ready for ``generation``."""
-    a = cb.ready_addr(tile)
-    v = native.load_acquire(a)
-    if v == generation:
-        return True
-    native.futex_wait(a, v & 0xFFFFFFFF, slice_s)
-    return native.load_acquire(a) == generation
 
 
 def ready_tiles(cb: ControlBlock, generation: int) -> list[int]:

@@ -53,8 +53,7 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import array_address, as_byte_array
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
 from memsem.gva import RefSpec
-from memsem.core import Lease, RuntimeCore
-from memsem.core import _translate as tr
+from memsem.core import ATTENTION, Lease, RuntimeCore, settle
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +83,7 @@ DEFAULT_DEPTH = 2
 
 _lib = native.lib
 _ffi = native.ffi
-_STATUS = tr.RC_STATUS
-_ATTN = tr.RC_ATTENTION
-_SHIFT = tr.RC_SHIFT
+_ATTN = ATTENTION
 _WAITING = _lib.MEMSEM_PIPE_WAITING
 _IDLE = _lib.MEMSEM_PIPE_IDLE
 _TIMEOUT = _lib.MEMSEM_PIPE_TIMEOUT
@@ -908,20 +905,19 @@ class Pipeline:
         """The engine handed over tile ``index`` with anything but a plain success."""
         mover = self._mover
         res = mover.res
-        status = rc & _STATUS
-        if rc & tr.RC_LAST_OUT:
-            res.release()
-        if status == tr.OK:
+        o = settle(res, rc)
+        status = o.status
+        if o.ok:
             self._moves.append(mover.interval(index))
-            if rc & tr.RC_CHECK_PEER:
+            if o.check_peer:
                 res.peer_checked()  # PeerLostError when the owner died
-            if rc & tr.RC_LAST_OUT:  # the run ended after this tile: go on with a new one
+            if o.released:  # the run ended after this tile: go on with a new one
                 mover.join_run(self.timeout)
                 if index + 1 < self.n_tiles:
                     self._restart(index + 1, self.runtime.resolve(self.spec))
             return
         if status == _TIMEOUT:
-            w = rc >> _SHIFT
+            w = o.value
             self.runtime.telemetry.count_error("timeout")
             raise MemsemTimeoutError(
                 f"pipeline tile {index} of {self.spec.label}: ready word of window tile {w} not "

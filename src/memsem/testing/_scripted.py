@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from memsem._errors import EngineError
-from memsem.engines._base import ControlWords, Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request
+from memsem.engines._base import ControlWords, Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request, WatchMode
 
 
 class ScriptedEngine(Engine):
@@ -60,7 +60,7 @@ class ScriptedEngine(Engine):
                    words: ControlWords | None = None) -> None:
         self.inner.on_publish(descriptor, n_tiles, gva, words)
 
-    def can_watch(self, remote: RemoteRegion) -> str:
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
         return self.inner.can_watch(remote._real)  # type: ignore[attr-defined]
 
     def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:

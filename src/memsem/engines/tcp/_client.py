@@ -156,7 +156,7 @@ class Connection:
             return value
         if status == W.OUTCOME:
             raise RemoteOutcome(f"tcp {what} at {self.endpoint}: the owner's outcome {flags} (value {value})",
-                                flags, value)
+                                status=flags, value=value)
         text = self.text(nbytes, deadline) if nbytes else ""
         if status == W.DENIED:
             raise AccessDeniedError(f"tcp {what} at {self.endpoint}: {text}")
@@ -308,7 +308,7 @@ class Connection:
                     seen = v
                 elif v != seen and failed is None:  # chunks of two versions: not one version's bytes
                     failed = RemoteOutcome(f"tcp {what} at {self.endpoint}: chunks of versions {seen} and {v}",
-                                           W.TORN_STATUS, 0)
+                                           status=W.TORN_STATUS)
             if failed is None and i + W.PIPELINE_DEPTH < len(chunks):
                 send(i + W.PIPELINE_DEPTH)
             i += 1

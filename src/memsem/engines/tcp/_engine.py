@@ -16,7 +16,16 @@ import numpy as np
 
 from memsem import _args
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
-from memsem.engines._base import Availability, Credential, Descriptor, Engine, LocalRegion, RemoteRegion
+from memsem.engines._base import (
+    Availability,
+    Credential,
+    Descriptor,
+    Engine,
+    GenerationCheck,
+    LocalRegion,
+    RemoteRegion,
+    WatchMode,
+)
 from memsem.engines.tcp import _wire as W
 from memsem.engines.tcp._client import Connection, Lost, WatchConnection, WatchHandle
 from memsem.engines.tcp._server import Server
@@ -61,7 +70,7 @@ class TcpEngine(Engine):
     """
 
     name = "tcp"
-    enforces_generation = "owner"
+    enforces_generation = GenerationCheck.OWNER
     versions = True
 
     @classmethod
@@ -188,7 +197,15 @@ class TcpEngine(Engine):
                 c.forget(remote.credential.token)
 
     # -- consumer side: requests ------------------------------------------------------------------
-    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int = 0) -> int:
+    def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
+        """``get_version`` of the latest version."""
+        self.get_version(remote, offset, dst, 0)
+
+    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
+        """``put_version``."""
+        self.put_version(remote, offset, src)
+
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
         """Copy ``dst.nbytes`` bytes at ``offset`` here; returns the version the owner read
         (``version`` 0 asks for the latest, else exactly that one). Blocking, bounded by the
         engine's timeout.
@@ -204,9 +221,9 @@ class TcpEngine(Engine):
         mv = memoryview(dst).cast("B") if dst.ndim != 1 or dst.dtype != np.uint8 else memoryview(dst)
         return self._call(remote, Connection.transfer, False, offset, mv, version)
 
-    def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
         """Copy ``src`` to ``offset``; returns (at remote completion) the version overwritten.
-        Raises as ``get``."""
+        Raises as ``get_version``."""
         n = src.nbytes
         self._check_range(remote, offset, n)
         mv = memoryview(src).cast("B") if src.ndim != 1 or src.dtype != np.uint8 else memoryview(src)
@@ -298,8 +315,8 @@ class TcpEngine(Engine):
             raise Lost(f"connecting failed: {exc}", exc.errno) from exc
 
     # -- consumer side: watches -------------------------------------------------------------------
-    def can_watch(self, remote: RemoteRegion) -> str:
-        return "push" if isinstance(remote, TcpRemote) else ""
+    def can_watch(self, remote: RemoteRegion) -> WatchMode:
+        return WatchMode.PUSH if isinstance(remote, TcpRemote) else WatchMode.NONE
 
     def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
               on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],

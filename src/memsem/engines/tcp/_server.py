@@ -55,7 +55,6 @@ _AGAIN, _WAIT = 1, 2
 #: native statuses the server acts on (it carries every other one as is)
 _OK, _GEN_BEFORE, _GEN_AFTER, _BUSY, _TORN = (
     _lib.MEMSEM_OK, _lib.MEMSEM_RC_GEN_BEFORE, _lib.MEMSEM_RC_GEN_AFTER, _lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_TORN)
-_SHIFT = _lib.MEMSEM_RC_VERSION_SHIFT
 #: the deadline sweep's period (seconds): bounds are kept to within this
 SWEEP_S = 0.05
 _INF = float("inf")
@@ -419,8 +418,9 @@ class Server:
             return None
         return self._send(s, bytes(data[k:]))  # the rest, copied: ``data`` may be the loop's buffer
 
-    def _outcome(self, s: Session, handle: int, rid: int, rc: int) -> Job | None:
-        return self._reply(s, W.OUTCOME, handle, rid, rc >> _SHIFT, flags=rc & 0xFF)
+    def _outcome(self, s: Session, handle: int, rid: int, status: int, value: int) -> Job | None:
+        """The owner's native outcome, carried as is (status in ``flags``, its value)."""
+        return self._reply(s, W.OUTCOME, handle, rid, value, flags=status)
 
     def _deny(self, s: Session, handle: int, rid: int, text: str, close: bool) -> Job | None:
         """A DENIED reply; ``close``: then end the connection (a request that cannot be skipped,
@@ -564,12 +564,12 @@ class Server:
                 return 0
 
         while hs < len(head) or done < n:
-            rc, k = g.move(False, off + done, n - done, v, sent)
-            status = rc & 0xFF
+            o, k = g.move(False, off + done, n - done, v, sent)
+            status, value = int(o.status), o.value
             done += k  # on the wire, valid or not
             if status == _OK:
                 if hs and not fixed:
-                    v, fixed = rc >> _SHIFT, True  # the version every later bracket must see
+                    v, fixed = value, True  # the version every later bracket must see
                 if hs < len(head) or done < n:
                     yield WRITE, time.monotonic() + self.bounds.send_s
                 continue
@@ -583,14 +583,14 @@ class Server:
                 if status == _TORN:  # a section opened under a send that took nothing
                     yield WRITE, time.monotonic() + self.bounds.send_s
                     continue
-                yield from self._outcome(s, handle, rid, rc) or ()
+                yield from self._outcome(s, handle, rid, status, value) or ()
                 return
             # Bytes of the reply are out already: zeros for the rest, then the outcome
             # (the generation moved, or the version's bytes are no longer whole: asked again).
             if status not in (_GEN_BEFORE, _GEN_AFTER):
-                rc = _TORN
-            elif status == _GEN_BEFORE:
-                rc = _GEN_AFTER | (rc & ~0xFF)
+                status, value = _TORN, 0
+            else:
+                status = _GEN_AFTER
             while hs < len(head) or done < n:
                 if hs < len(head):
                     hs += W.send_some(sock, head[hs:])
@@ -598,7 +598,7 @@ class Server:
                     done += W.send_some(sock, _ZEROS[:min(n - done, len(_ZEROS))])
                 if hs < len(head) or done < n:
                     yield WRITE, time.monotonic() + self.bounds.send_s
-            yield from self._outcome(s, handle, rid, rc) or ()
+            yield from self._outcome(s, handle, rid, status, value) or ()
             return
         yield from self._reply(s, W.OK, handle, rid, v) or ()
 
@@ -638,18 +638,18 @@ class Server:
             k += W.recv_some(s.sock, mv[k:])
         src = int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf))) if n else 0
         while True:
-            rc, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
-            if (rc & 0xFF) == _BUSY:
+            o, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
+            if int(o.status) == _BUSY:
                 p = self._park(s, g, wait_until)
                 if p:
                     if p == _WAIT:
                         yield PARK, wait_until
                     continue
             break
-        if (rc & 0xFF) == _OK:
-            yield from self._reply(s, W.OK, handle, rid, rc >> _SHIFT) or ()
+        if int(o.status) == _OK:
+            yield from self._reply(s, W.OK, handle, rid, o.value) or ()
         else:
-            yield from self._outcome(s, handle, rid, rc) or ()
+            yield from self._outcome(s, handle, rid, int(o.status), o.value) or ()
 
     def _put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, wait_until: float) -> Job:
         """A large PUT straight into the window: each non-blocking receive is one bracket of its
@@ -662,14 +662,14 @@ class Server:
         def recv(address: int, k: int) -> int:
             return W.recv_some(sock, _buffer(address, k))
 
-        rc = _OK
+        status = value = 0
         while done < n:
-            rc, k = g.move(True, off + done, n - done, v, recv)
-            status = rc & 0xFF
+            o, k = g.move(True, off + done, n - done, v, recv)
+            status, value = int(o.status), o.value
             done += k  # off the wire, valid or not
             if status == _OK:
                 if k and not fixed:
-                    v, fixed = rc >> _SHIFT, True
+                    v, fixed = value, True
                 if done < n and not k:
                     yield READ, time.monotonic() + self.bounds.stall_s
                 continue
@@ -680,28 +680,28 @@ class Server:
                         yield PARK, wait_until
                     continue
             if done and status not in (_GEN_BEFORE, _GEN_AFTER):
-                rc = _TORN
+                status, value = _TORN, 0
             while done < n:  # the rest of the payload, read and dropped
                 k = W.recv_some(sock, self._smv[:min(n - done, len(self._smv))])
                 done += k
                 if done < n and not k:
                     yield READ, time.monotonic() + self.bounds.stall_s
             break
-        if (rc & 0xFF) == _OK:
+        if status == _OK:
             yield from self._reply(s, W.OK, handle, rid, v) or ()
         else:
-            yield from self._outcome(s, handle, rid, rc) or ()
+            yield from self._outcome(s, handle, rid, status, value) or ()
 
     def _mark(self, s: Session, op: int, handle: int, rid: int, tile: int, *_: int) -> Job | None:
         g, refused = self._grant(s, handle, rid)
         if g is None:
             return refused
         try:
-            rc = g.set_ready(tile, op == W.OP_MARK)
+            o = g.set_ready(tile, op == W.OP_MARK)
         except (ValueError, AccessDeniedError) as exc:
             return self._deny(s, handle, rid, str(exc), False)
-        if rc:
-            return self._outcome(s, handle, rid, rc)
+        if int(o.status) != _OK:
+            return self._outcome(s, handle, rid, int(o.status), o.value)
         return self._reply(s, W.OK, handle, rid)
 
     def _watch(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, *_: int) -> Job | None:
@@ -721,7 +721,7 @@ class Server:
         if old is not None:
             old.close()
         if g.closed:
-            yield from self._outcome(s, handle, rid, _GEN_BEFORE | (g.current() << _SHIFT)) or ()
+            yield from self._outcome(s, handle, rid, _GEN_BEFORE, g.current()) or ()
             return
         try:
             sub = g.watch(targets, lambda: self.post(s))
