@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import socket
-import struct
 import threading
 import time
 
@@ -24,9 +23,8 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem.engines import tcp as T
 from memsem.engines.tcp import _wire as W
-from memsem.gva import RefSpec, credential_proof, credential_token
+import tcp_raw as R
 from owner_proc import SECRET, Owner
 from redis_server import redis_server
 
@@ -155,45 +153,8 @@ def test_versions_across_nodes_never_torn(owner, rt):
 
 
 # -- at the door ---------------------------------------------------------------------------------------
-def _connect(endpoint: str) -> tuple[socket.socket, bytes]:
-    host, port = W.split_endpoint(endpoint)
-    s = socket.create_connection((host, port), timeout=20)
-    hello = _recv(s, W.HELLO.size)
-    magic, proto, _, nonce = W.HELLO.unpack(hello)
-    assert magic == W.MAGIC and proto == W.PROTOCOL
-    s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA))
-    return s, nonce
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    b = b""
-    while len(b) < n:
-        k = s.recv(n - len(b))
-        if not k:
-            raise EOFError(f"closed after {len(b)} of {n} bytes")
-        b += k
-    return b
-
-
-def _closed_by_peer(s: socket.socket) -> bool:
-    try:
-        s.settimeout(20)
-        while True:
-            if not s.recv(1 << 16):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-
-
-def _open_body(spec: RefSpec, nonce: bytes, handle: int) -> bytes:
-    tok = credential_token(spec)
-    return tok + credential_proof(spec.key, nonce + struct.pack("<H", handle), tok)
-
-
-def _endpoint(rt, ref) -> str:
-    return rt.core.resolve(ref.spec).remote.endpoint
+_connect, _recv, _closed_by_peer, _open_body, _endpoint = R.connect, R.recv_exact, R.closed_by_peer, R.open_body, \
+    R.endpoint_of
 
 
 def test_oversize_put_on_an_unopened_handle_is_not_read(owner, rt):

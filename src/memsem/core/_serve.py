@@ -52,7 +52,6 @@ from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva import (
     Mint,
     RefSpec,
-    WindowState,
     credential_proof,
     mint_mac,
     mint_valid,

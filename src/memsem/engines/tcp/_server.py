@@ -5,9 +5,10 @@ One thread serves every connection. A connection costs a socket and a small sess
 per open handle. Nothing a peer does holds a thread, a copy bracket or memory past a bound of
 :class:`~memsem.engines.tcp._wire.Bounds`:
 
-* **before authentication**: the hello and a credential that verifies within ``grace_s``; at
-  most ``max_preauth`` such connections (a new one closes the oldest), so floods of
-  unauthenticated connections never lock out a consumer that authenticates;
+* **before authentication**: the hello and a credential that verifies within ``grace_s``
+  (whatever the peer sends or fails to send meanwhile); at most ``max_preauth`` such
+  connections (a new one closes the oldest), so floods of unauthenticated connections never
+  lock out a consumer that authenticates;
 * **a request** whose first byte arrived must arrive whole within ``stall_s`` (a stall at any
   byte counts); a PUT's payload must make progress every ``stall_s``;
 * **a reply** must make progress every ``send_s``. A copy bracket is held only around one
@@ -229,12 +230,10 @@ class Server:
     def _sweep(self, now: float) -> None:
         b = self.bounds
         for s in list(self.sessions.values()):
-            if s.job is not None:
+            if not s.authed and (s.job is None or s.want != PARK):
+                d, why = s.born + b.grace_s, "grace"  # everything before authentication
+            elif s.job is not None:
                 d, why = s.deadline, s.why
-            elif not s.authed:
-                d, why = s.born + b.grace_s, "grace"
-                if s.got:
-                    d = min(d, s.started + b.stall_s)
             elif s.got:
                 d, why = s.started + b.stall_s, "stall"
             elif s.kind == W.KIND_WATCH and s.subs:
@@ -386,8 +385,6 @@ class Server:
             self._arm(s, _IN | _RDHUP)
             return
         s.want = want
-        if not s.authed:
-            deadline = min(deadline, s.born + self.bounds.grace_s)
         s.deadline = deadline
         s.why = "stall" if want == READ else "send" if want == WRITE else "wait"
         self._arm(s, _IN | _RDHUP if want == READ else _OUT | _RDHUP if want == WRITE else _RDHUP)
