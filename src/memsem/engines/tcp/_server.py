@@ -23,8 +23,9 @@ per open handle. Nothing a peer does holds a thread, a copy bracket or memory pa
 * beyond ``max_connections`` a new connection is answered FULL (naming the cap), never
   silently closed.
 
-A request in progress is a generator (its *job*) that yields what it waits for: readable,
-writable, or parked, with the deadline of that wait. Replies leave in request order.
+A request in progress is a generator (its *job*, made by its handler in
+:mod:`memsem.engines.tcp._requests`, dispatched by op) that yields what it waits for:
+readable, writable, or parked, with the deadline of that wait. Replies leave in request order.
 """
 from __future__ import annotations
 
@@ -37,36 +38,21 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import Any
 
-from memsem._errors import AccessDeniedError, MemsemError
+from memsem._errors import MemsemError
 from memsem.engines.tcp import _wire as W
+from memsem.engines.tcp._requests import AGAIN, PARK, READ, WAIT, WRITE, Job, Requests
 from memsem.native import ffi as _ffi
-from memsem.native import lib as _lib
-from memsem.native import memcpy as _memcpy
 
 log = logging.getLogger(__name__)
 
 _IN, _OUT, _RDHUP = select.EPOLLIN, select.EPOLLOUT, select.EPOLLRDHUP
 _GONE = select.EPOLLERR | select.EPOLLHUP | select.EPOLLRDHUP
-#: what a job waits for (with a deadline)
-READ, WRITE, PARK = 1, 2, 3
-_AGAIN, _WAIT = 1, 2
-#: native statuses the server acts on (it carries every other one as is)
-_OK, _GEN_BEFORE, _GEN_AFTER, _BUSY, _TORN = (
-    _lib.MEMSEM_OK, _lib.MEMSEM_RC_GEN_BEFORE, _lib.MEMSEM_RC_GEN_AFTER, _lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_TORN)
 #: the deadline sweep's period (seconds): bounds are kept to within this
 SWEEP_S = 0.05
 _INF = float("inf")
-#: zeros sent in place of the rest of a reply whose bytes stopped being valid mid-way
-_ZEROS = memoryview(bytes(W.CHUNK_BYTES))
-
-Job = Generator[tuple[int, float], None, None]
-
-
-def _buffer(address: int, nbytes: int) -> Any:
-    return _ffi.buffer(_ffi.cast("char *", address), nbytes)
 
 
 class Session:
@@ -122,20 +108,20 @@ class Server:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()
         self._ep.register(self._wake, _IN)
-        self._posted: collections.deque[Session | None] = collections.deque()
+        #: sessions to resume or push to, flush events, None (stop): from other threads
+        self._posted: collections.deque[Any] = collections.deque()
         self.sessions: dict[int, Session] = {}
         #: sessions not authenticated yet, oldest first
         self._preauth: dict[int, Session] = {}
         #: one reply buffer of the loop: small GETs are copied into it and sent from it
-        self._scratch = bytearray(2 * W.REP.size + W.SMALL_BYTES)
-        self._smv = memoryview(self._scratch)
-        self._saddr = int(_ffi.cast("uintptr_t", _ffi.from_buffer(self._scratch)))
+        self.scratch = bytearray(2 * W.REP.size + W.SMALL_BYTES)
+        self.smv = memoryview(self.scratch)
+        self.saddr = int(_ffi.cast("uintptr_t", _ffi.from_buffer(self.scratch)))
         #: events counted by kind (what closed a connection, refusals, parks)
         self.stats: collections.Counter[str] = collections.Counter()
-        self._ops: dict[int, Callable[..., Job | None]] = {
-            W.OP_OPEN: self._open, W.OP_CLOSE: self._close_handle, W.OP_GET: self._get, W.OP_PUT: self._put,
-            W.OP_MARK: self._mark, W.OP_CLEAR: self._mark, W.OP_WATCH: self._watch, W.OP_UNWATCH: self._unwatch,
-        }
+        self.requests = Requests(self)
+        self._ops = self.requests.table
+        self._get = self.requests.get
         self._stop = False
         #: the loop's clock, read once per batch of events
         self.now = time.monotonic()
@@ -172,7 +158,7 @@ class Server:
             log.exception("memsem tcp server %s: the event loop failed", self.endpoint)
         finally:
             for s in list(sessions.values()):
-                self._end(s, "")
+                self.end(s, "")
             self._ep.close()
             with self._wake_lock:
                 os.close(self._wake)
@@ -180,7 +166,7 @@ class Server:
 
     def _event(self, s: Session, ev: int) -> None:
         if ev & _GONE:
-            return self._end(s, "peer_closed")
+            return self.end(s, "peer_closed")
         if s.job is None:
             if ev & _IN:
                 self._read(s)
@@ -191,7 +177,7 @@ class Server:
         if not isinstance(exc, (W.Closed, OSError)):
             log.exception("memsem tcp server %s: connection from %s failed", self.endpoint, s.addr,
                           exc_info=exc)
-        self._end(s, "peer_closed" if isinstance(exc, (W.Closed, OSError)) else "failed")
+        self.end(s, "peer_closed" if isinstance(exc, (W.Closed, OSError)) else "failed")
 
     def post(self, s: Session | None) -> None:
         """From any thread: resume ``s``'s parked job or push its watches (None: stop)."""
@@ -203,6 +189,15 @@ class Server:
                 except OSError:
                     pass
 
+    def flush(self, timeout: float) -> None:
+        """From another thread: return once the loop handled everything posted before (pushes
+        started: small frames are in the kernel by then), at most ``timeout`` s."""
+        if threading.current_thread() is self.thread or self._stop:
+            return
+        done = threading.Event()
+        self.post(done)  # type: ignore[arg-type]
+        done.wait(timeout)
+
     def _drain_posted(self) -> None:
         try:
             os.eventfd_read(self._wake)
@@ -213,6 +208,9 @@ class Server:
             if s is None:
                 self._stop = True
                 return
+            if isinstance(s, threading.Event):  # a flush: what was posted before it was done
+                s.set()
+                continue
             if s.closed:
                 continue
             try:
@@ -221,7 +219,7 @@ class Server:
                 elif not s.subs:
                     continue  # a commit with nothing parked (a grant's commit watch outlives its wait)
                 elif s.job is None:
-                    self._start(s, self._push(s))
+                    self.start(s, self.requests.push(s))
                 else:
                     s.push = True  # after the job in progress
             except Exception as exc:  # noqa: BLE001
@@ -248,7 +246,7 @@ class Server:
                 except Exception as exc:  # noqa: BLE001
                     self._fail(s, exc)
             else:
-                self._end(s, why)
+                self.end(s, why)
 
     # -- connections ------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -272,7 +270,7 @@ class Server:
                 old = next(iter(self._preauth.values()), None)
                 if old is not None:
                     self._refuse_full(old)
-                    self._end(old, "preauth_evicted")
+                    self.end(old, "preauth_evicted")
                 elif len(self.sessions) >= self.cap:
                     self.stats["full"] += 1
                     W.send_some(sock, W.HELLO.pack(W.MAGIC, W.PROTOCOL, W.HELLO_FULL,
@@ -297,7 +295,7 @@ class Server:
         except OSError:
             pass
 
-    def _end(self, s: Session, why: str) -> None:
+    def end(self, s: Session, why: str) -> None:
         """Close a connection and everything its session holds."""
         if s.closed:
             return
@@ -349,7 +347,7 @@ class Server:
         if s.hello:
             magic, proto, kind = W.CHELLO.unpack_from(s.hdr)
             if magic != W.MAGIC or proto != W.PROTOCOL or kind not in (W.KIND_DATA, W.KIND_WATCH):
-                return self._end(s, "protocol")
+                return self.end(s, "protocol")
             s.hello = False
             s.kind = kind
             return
@@ -360,12 +358,12 @@ class Server:
         else:
             fn = self._ops.get(op)
             if fn is None:
-                return self._end(s, "protocol")
+                return self.end(s, "protocol")
             job = fn(s, op, handle, rid, off, n, arg, wait_ms)
         if job is not None:
-            self._start(s, job)
+            self.start(s, job)
 
-    def _start(self, s: Session, job: Job) -> None:
+    def start(self, s: Session, job: Job) -> None:
         s.job = job
         self._resume(s)
 
@@ -381,7 +379,7 @@ class Server:
             if s.push:
                 s.push = False
                 if s.subs:
-                    return self._start(s, self._push(s))
+                    return self.start(s, self.requests.push(s))
             self._arm(s, _IN | _RDHUP)
             return
         s.want = want
@@ -389,8 +387,14 @@ class Server:
         s.why = "stall" if want == READ else "send" if want == WRITE else "wait"
         self._arm(s, _IN | _RDHUP if want == READ else _OUT | _RDHUP if want == WRITE else _RDHUP)
 
+    def authenticated(self, s: Session) -> None:
+        """``s`` showed a credential that verifies: the grace bound no longer applies to it."""
+        if not s.authed:
+            s.authed = True
+            self._preauth.pop(s.fd, None)
+
     # -- replies ----------------------------------------------------------------------------------
-    def _send(self, s: Session, data: Any) -> Job:
+    def send(self, s: Session, data: Any) -> Job:
         """A job sending ``data`` whole (each wait bounded by ``send_s`` of no progress)."""
         mv = memoryview(data)
         sent = 0
@@ -400,42 +404,42 @@ class Server:
                 return
             yield WRITE, time.monotonic() + self.bounds.send_s
 
-    def _reply(self, s: Session, status: int, handle: int, rid: int, value: int = 0, text: str = "",
+    def reply(self, s: Session, status: int, handle: int, rid: int, value: int = 0, text: str = "",
                flags: int = 0) -> Job | None:
         """Send one reply now; a job for the rest when the socket takes less."""
         body = text.encode()[:W.MAX_ERROR_TEXT]
-        return self._send_now(s, W.REP.pack(status, flags, handle, rid, value, len(body)) + body)
+        return self.send_now(s, W.REP.pack(status, flags, handle, rid, value, len(body)) + body)
 
-    def _send_now(self, s: Session, data: Any) -> Job | None:
+    def send_now(self, s: Session, data: Any) -> Job | None:
         try:
             k = s.sock.send(data)
         except (BlockingIOError, InterruptedError):
             k = 0
         if k == len(data):
             return None
-        return self._send(s, bytes(data[k:]))  # the rest, copied: ``data`` may be the loop's buffer
+        return self.send(s, bytes(data[k:]))  # the rest, copied: ``data`` may be the loop's buffer
 
-    def _outcome(self, s: Session, handle: int, rid: int, status: int, value: int) -> Job | None:
+    def outcome(self, s: Session, handle: int, rid: int, status: int, value: int) -> Job | None:
         """The owner's native outcome, carried as is (status in ``flags``, its value)."""
-        return self._reply(s, W.OUTCOME, handle, rid, value, flags=status)
+        return self.reply(s, W.OUTCOME, handle, rid, value, flags=status)
 
-    def _deny(self, s: Session, handle: int, rid: int, text: str, close: bool) -> Job | None:
+    def deny(self, s: Session, handle: int, rid: int, text: str, close: bool) -> Job | None:
         """A DENIED reply; ``close``: then end the connection (a request that cannot be skipped,
         or a peer that is not honest)."""
         self.stats["denied"] += 1
-        job = self._reply(s, W.DENIED, handle, rid, 0, text)
+        job = self.reply(s, W.DENIED, handle, rid, 0, text)
         if not close:
             return job
-        return self._then_close(s, job, "denied")
+        return self.then_close(s, job, "denied")
 
-    def _then_close(self, s: Session, job: Job | None, why: str) -> Job:
+    def then_close(self, s: Session, job: Job | None, why: str) -> Job:
         if job is not None:
             yield from job
-        self._end(s, why)
+        self.end(s, why)
         return
         yield  # noqa: B901 - a generator even when nothing is left to send
 
-    def _body(self, s: Session, n: int) -> Generator[tuple[int, float], None, bytearray]:
+    def body(self, s: Session, n: int) -> Generator[tuple[int, float], None, bytearray]:
         """Read a request's body of ``n`` (bounded) bytes within the request's stall bound."""
         body = bytearray(n)
         mv = memoryview(body)
@@ -447,308 +451,24 @@ class Server:
                 yield READ, deadline
         return body
 
-    def _park_until(self, wait_ms: int) -> float:
+    def park_until(self, wait_ms: int) -> float:
         return time.monotonic() + min(wait_ms / 1000.0, self.max_wait_s)
 
-    def _park(self, s: Session, g: Any, deadline: float) -> int:
+    def park(self, s: Session, g: Any, deadline: float) -> int:
         """Whether a request of ``s`` that met an open write section (BUSY) waits: 0 no (the
-        wait ran out, or the window is gone: answer now), ``_AGAIN`` (just subscribed to the
+        wait ran out, or the window is gone: answer now), ``AGAIN`` (just subscribed to the
         commits of ``g``'s window: try once more at once, so a commit before the subscription
-        is not missed), ``_WAIT`` (park until a commit or ``deadline``)."""
+        is not missed), ``WAIT`` (park until a commit or ``deadline``)."""
         if time.monotonic() >= deadline:
             return 0
         if g.commit_watched:
             self.stats["parked"] += 1
-            return _WAIT
+            return WAIT
         try:
             g.on_commit(lambda: self.post(s))
         except MemsemError:
             return 0
-        return _AGAIN
-
-    # -- ops --------------------------------------------------------------------------------------
-    def _open(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, arg: int, wait_ms: int) -> Job:
-        if n > W.MAX_OPEN_BODY or n < 16:
-            return self._deny(s, handle, rid, f"a credential of {n} bytes (16 to {W.MAX_OPEN_BODY})", True)
-        return self._open_job(s, handle, rid, n)
-
-    def _open_job(self, s: Session, handle: int, rid: int, n: int) -> Job:
-        body = yield from self._body(s, n)
-        try:
-            g = self.context.serve_open(bytes(body[:n - 16]), s.nonce + W.H16.pack(handle), bytes(body[n - 16:]))
-        except AccessDeniedError as exc:  # one guess per connection
-            yield from self._deny(s, handle, rid, str(exc), True)
-            return
-        except MemsemError as exc:
-            job = self._reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}")
-            if job is not None:
-                yield from job
-            return
-        old = s.handles.pop(handle, None)
-        if old is not None:
-            old.close()
-        if len(s.handles) >= W.MAX_HANDLES:
-            g.close()
-            job = self._reply(s, W.ERROR, handle, rid, 0, f"{W.MAX_HANDLES} credentials are open on this "
-                              f"connection to {self.endpoint} already (close some)")
-        else:
-            s.handles[handle] = g
-            if not s.authed:
-                s.authed = True
-                self._preauth.pop(s.fd, None)
-            job = self._reply(s, W.OK, handle, rid)
-        if job is not None:
-            yield from job
-
-    def _close_handle(self, s: Session, op: int, handle: int, *_: int) -> None:
-        sub = s.subs.pop(handle, None)
-        if sub is not None:
-            sub.close()
-        g = s.handles.pop(handle, None)
-        if g is not None:
-            g.close()
-
-    def _grant(self, s: Session, handle: int, rid: int) -> tuple[Any, Job | None]:
-        g = s.handles.get(handle)
-        if g is None:
-            return None, self._deny(s, handle, rid, f"handle {handle} is not open on this connection", True)
-        return g, None
-
-    def _get(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int,
-             wait_ms: int) -> Job | None:
-        g = s.handles.get(handle)
-        if g is not None and n <= W.SMALL_BYTES and g.lo <= off and off + n <= g.hi:
-            # The common small get: bracket and copy in one native call into the loop's buffer,
-            # one send of header, bytes and trailer.
-            v = g.copy(False, off, self._saddr + W.REP.size, n, version)
-            if v is not None:
-                buf, size = self._scratch, W.REP.size
-                W.REP.pack_into(buf, 0, W.DATA, 0, handle, rid, 0, n)
-                W.REP.pack_into(buf, size + n, W.OK, 0, handle, rid, v, 0)
-                return self._send_now(s, self._smv[:2 * size + n])
-        g, refused = self._grant(s, handle, rid)
-        if g is None:
-            return refused
-        try:
-            g.check(False, off, n)
-        except (ValueError, AccessDeniedError) as exc:
-            return self._deny(s, handle, rid, str(exc), False)
-        return self._get_job(s, g, handle, rid, off, n, version, self._park_until(wait_ms))
-
-    def _get_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, version: int,
-                 wait_until: float) -> Job:
-        """A GET straight from the window: each non-blocking send is one bracket of its own, all
-        of one version (the first one's); the trailer says whether the bytes are valid."""
-        sock = s.sock
-        head = memoryview(W.REP.pack(W.DATA, 0, handle, rid, 0, n))
-        hs = done = 0
-        v = version
-        fixed = bool(version)
-
-        def io(address: int, k: int) -> int:
-            nonlocal hs
-            if hs < len(head):
-                m = sock.sendmsg([head[hs:], _buffer(address, k)])
-                took = min(m, len(head) - hs)
-                hs += took
-                return m - took
-            return sock.send(_buffer(address, k))
-
-        def sent(address: int, k: int) -> int:
-            try:
-                return io(address, k)
-            except (BlockingIOError, InterruptedError):
-                return 0
-
-        while hs < len(head) or done < n:
-            o, k = g.move(False, off + done, n - done, v, sent)
-            status, value = int(o.status), o.value
-            done += k  # on the wire, valid or not
-            if status == _OK:
-                if hs and not fixed:
-                    v, fixed = value, True  # the version every later bracket must see
-                if hs < len(head) or done < n:
-                    yield WRITE, time.monotonic() + self.bounds.send_s
-                continue
-            if not hs:  # nothing sent: a clean answer (or a wait)
-                if status == _BUSY:
-                    p = self._park(s, g, wait_until)
-                    if p:
-                        if p == _WAIT:
-                            yield PARK, wait_until
-                        continue
-                if status == _TORN:  # a section opened under a send that took nothing
-                    yield WRITE, time.monotonic() + self.bounds.send_s
-                    continue
-                yield from self._outcome(s, handle, rid, status, value) or ()
-                return
-            # Bytes of the reply are out already: zeros for the rest, then the outcome
-            # (the generation moved, or the version's bytes are no longer whole: asked again).
-            if status not in (_GEN_BEFORE, _GEN_AFTER):
-                status, value = _TORN, 0
-            else:
-                status = _GEN_AFTER
-            while hs < len(head) or done < n:
-                if hs < len(head):
-                    hs += W.send_some(sock, head[hs:])
-                else:
-                    done += W.send_some(sock, _ZEROS[:min(n - done, len(_ZEROS))])
-                if hs < len(head) or done < n:
-                    yield WRITE, time.monotonic() + self.bounds.send_s
-            yield from self._outcome(s, handle, rid, status, value) or ()
-            return
-        yield from self._reply(s, W.OK, handle, rid, v) or ()
-
-    def _put(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, arg: int,
-             wait_ms: int) -> Job | None:
-        g, refused = self._grant(s, handle, rid)
-        if g is None:
-            return refused
-        if n > W.MAX_PUT_BYTES:
-            return self._deny(s, handle, rid, f"a put request carries at most {W.MAX_PUT_BYTES} bytes, "
-                              f"not {n}", True)
-        try:
-            g.check(True, off, n)
-        except (ValueError, AccessDeniedError) as exc:
-            # A consumer checks range and access itself: nothing of the payload is read.
-            return self._deny(s, handle, rid, str(exc), True)
-        wait_until = self._park_until(wait_ms)
-        if n <= W.SMALL_BYTES:
-            return self._small_put_job(s, g, handle, rid, off, n, wait_until)
-        return self._put_job(s, g, handle, rid, off, n, wait_until)
-
-    def _small_put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int,
-                       wait_until: float) -> Job:
-        """A small PUT: the payload received whole first (into the loop's buffer when it is all
-        there, else into one of its own), then one native copy."""
-        k = W.recv_some(s.sock, self._smv[:n]) if n else 0
-        if k == n:
-            v = g.copy(True, off, self._saddr, n)
-            if v is not None:
-                yield from self._reply(s, W.OK, handle, rid, v) or ()
-                return
-        buf = bytearray(n)
-        buf[:k] = self._scratch[:k]
-        mv = memoryview(buf)
-        while k < n:
-            yield READ, time.monotonic() + self.bounds.stall_s
-            k += W.recv_some(s.sock, mv[k:])
-        src = int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf))) if n else 0
-        while True:
-            o, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
-            if int(o.status) == _BUSY:
-                p = self._park(s, g, wait_until)
-                if p:
-                    if p == _WAIT:
-                        yield PARK, wait_until
-                    continue
-            break
-        if int(o.status) == _OK:
-            yield from self._reply(s, W.OK, handle, rid, o.value) or ()
-        else:
-            yield from self._outcome(s, handle, rid, int(o.status), o.value) or ()
-
-    def _put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, wait_until: float) -> Job:
-        """A large PUT straight into the window: each non-blocking receive is one bracket of its
-        own, all of one version; a failure part-way reads the rest of the payload into the
-        loop's buffer and answers the outcome (the consumer puts again)."""
-        sock = s.sock
-        done = v = 0
-        fixed = False
-
-        def recv(address: int, k: int) -> int:
-            return W.recv_some(sock, _buffer(address, k))
-
-        status = value = 0
-        while done < n:
-            o, k = g.move(True, off + done, n - done, v, recv)
-            status, value = int(o.status), o.value
-            done += k  # off the wire, valid or not
-            if status == _OK:
-                if k and not fixed:
-                    v, fixed = value, True
-                if done < n and not k:
-                    yield READ, time.monotonic() + self.bounds.stall_s
-                continue
-            if not done and status == _BUSY:
-                p = self._park(s, g, wait_until)
-                if p:
-                    if p == _WAIT:
-                        yield PARK, wait_until
-                    continue
-            if done and status not in (_GEN_BEFORE, _GEN_AFTER):
-                status, value = _TORN, 0
-            while done < n:  # the rest of the payload, read and dropped
-                k = W.recv_some(sock, self._smv[:min(n - done, len(self._smv))])
-                done += k
-                if done < n and not k:
-                    yield READ, time.monotonic() + self.bounds.stall_s
-            break
-        if status == _OK:
-            yield from self._reply(s, W.OK, handle, rid, v) or ()
-        else:
-            yield from self._outcome(s, handle, rid, status, value) or ()
-
-    def _mark(self, s: Session, op: int, handle: int, rid: int, tile: int, *_: int) -> Job | None:
-        g, refused = self._grant(s, handle, rid)
-        if g is None:
-            return refused
-        try:
-            o = g.set_ready(tile, op == W.OP_MARK)
-        except (ValueError, AccessDeniedError) as exc:
-            return self._deny(s, handle, rid, str(exc), False)
-        if int(o.status) != _OK:
-            return self._outcome(s, handle, rid, int(o.status), o.value)
-        return self._reply(s, W.OK, handle, rid)
-
-    def _watch(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, *_: int) -> Job | None:
-        if s.kind != W.KIND_WATCH or n > W.MAX_WATCH_TARGETS * W.TGT.size or n % W.TGT.size:
-            return self._deny(s, handle, rid, "watch request refused (not a watch connection, or a "
-                              "malformed target list)", True)
-        return self._watch_job(s, handle, rid, n)
-
-    def _watch_job(self, s: Session, handle: int, rid: int, n: int) -> Job:
-        body = yield from self._body(s, n)
-        g = s.handles.get(handle)
-        if g is None:
-            yield from self._deny(s, handle, rid, f"handle {handle} is not open on this connection", True)
-            return
-        targets = [W.TGT.unpack_from(body, i) for i in range(0, n, W.TGT.size)]
-        old = s.subs.pop(handle, None)
-        if old is not None:
-            old.close()
-        if g.closed:
-            yield from self._outcome(s, handle, rid, _GEN_BEFORE, g.current()) or ()
-            return
-        try:
-            sub = g.watch(targets, lambda: self.post(s))
-        except ValueError as exc:
-            yield from self._deny(s, handle, rid, str(exc), False) or ()
-            return
-        except MemsemError as exc:
-            yield from self._reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
-            return
-        s.subs[handle] = sub
-        sub.dirty = False  # the current values, then OK: the consumer starts in step
-        yield from self._send_now(s, W.events(handle, sub.collect()) + W.REP.pack(W.OK, 0, handle, rid, 0, 0)) or ()
-
-    def _unwatch(self, s: Session, op: int, handle: int, *_: int) -> None:
-        sub = s.subs.pop(handle, None)
-        if sub is not None:
-            sub.close()
-
-    def _push(self, s: Session) -> Job:
-        """What changed in the words of ``s``'s subscriptions (each collect returns only what
-        changed since the last one, so a slow reader costs one snapshot, never a queue)."""
-        frames = []
-        for handle, sub in list(s.subs.items()):
-            if sub.dirty:
-                sub.dirty = False
-                changes = sub.collect()
-                if changes:
-                    frames.append(W.events(handle, changes))
-        if frames:
-            yield from self._send_now(s, b"".join(frames)) or ()
+        return AGAIN
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> None:
