@@ -99,3 +99,55 @@ def test_public_runtime_shows_no_internal_names():
     shown = {n for n in dir(memsem.Runtime) if not n.startswith("_")}
     assert not shown & internal, sorted(shown & internal)
     assert issubclass(memsem.Runtime, object) and not issubclass(memsem.Runtime, memsem.core.RuntimeCore)
+
+
+def _private_definitions(tree: ast.AST) -> set[str]:
+    """Private names a module defines: its own functions, classes and module-level names, the
+    ``self._x`` attributes and ``__slots__`` of its classes."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+            names.add(node.name)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_")
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name) and t.id.startswith("_"):
+                    names.add(t.id)
+                if isinstance(t, ast.Name) and t.id == "__slots__" and isinstance(node.value, (ast.Tuple, ast.List)):
+                    names.update(e.value for e in node.value.elts
+                                 if isinstance(e, ast.Constant) and isinstance(e.value, str))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id.startswith("_"):
+            names.add(node.target.id)
+    return names
+
+
+def test_no_module_touches_another_modules_private_names():
+    """Parts are given what they use and call each other's public methods: ``x._name`` is only
+    ever a private name of the module's own classes (never ``core.transfers._failure``,
+    ``lease._views``, ``rt._forked``, ``batch._settle``...)."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        own = _private_definitions(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and node.attr not in own
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                bad.append(f"{path.relative_to(SRC)}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "private names of other modules:\n" + "\n".join(bad)
+
+
+def test_other_layers_import_only_public_core_names():
+    """Above the core (pipeline, refs, integrations, cli...), modules import ``memsem.core``'s
+    public names, never its private modules."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "core":
+            continue
+        for mod in _imports(path):
+            if mod.startswith("memsem.core._"):
+                bad.append(f"{rel} imports {mod}")
+    assert not bad, bad

@@ -112,7 +112,7 @@ def test_a_copy_outlives_its_resolution_and_then_releases_it(rt, how):
     try:
         cref = cons.ref(ref.to_bytes())
         res = cons.core.resolve(ref.spec)
-        seg = res.remote._real.segment  # the host engine's mapping under the scripted engine
+        seg = res.remote.real.segment  # the host engine's mapping under the scripted engine
         c = cref.get_async()
         assert gate.entered.wait(30)
         if how == "drop":

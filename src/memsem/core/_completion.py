@@ -248,7 +248,8 @@ class Batch:
         if not self._left:
             self._event.set()
 
-    def _settle(self, r: RangeResult, state: OpState, error: BaseException | None = None) -> None:
+    def settle(self, r: RangeResult, state: OpState, error: BaseException | None = None) -> None:
+        """(The runtime's) range ``r`` ended in ``state`` (final): once only."""
         with self._lock:
             if r.state.final:
                 return  # settled once only (a cancel can race the range's own end)
@@ -260,6 +261,10 @@ class Batch:
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
+
+    def track(self, fut: "cf.Future[Any]") -> None:
+        """(The runtime's) a worker task running ranges of this batch: cancelled with them."""
+        self._futures.append(fut)
 
     def _add_done_callback(self, cb: Callable[[Any], None]) -> None:
         """Call ``cb(batch)`` once every range is final (now, if already so)."""
@@ -321,8 +326,8 @@ class Batch:
             raise MemsemError(f"xcopy: {len(errs)} of {len(self.results)} ranges failed; first, "
                               f"range {first}: {errs[first]}") from errs[first]
 
-    def _start(self, r: RangeResult) -> bool:
-        """Mark range ``r`` RUNNING, unless it was cancelled (or settled) first: False then, and
+    def start(self, r: RangeResult) -> bool:
+        """(The runtime's) mark range ``r`` RUNNING, unless it was cancelled (or settled) first: False then, and
         the worker skips it."""
         with self._lock:
             if r.state != OpState.PENDING:
@@ -340,7 +345,7 @@ class Batch:
                     if r.state != OpState.PENDING:
                         continue
                     r.state = OpState.RUNNING  # claimed for settling, never run
-                self._settle(r, OpState.CANCELLED)
+                self.settle(r, OpState.CANCELLED)
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel the ranges not started and wait up to ``timeout`` s (default: the runtime's

@@ -200,9 +200,23 @@ class Lease:
         cb.pin()
         return cb.unpin
 
-    def release(self) -> None:
-        """Give the lease back. Safe twice. Raises MemsemError while views taken under it live."""
+    def add_view(self) -> None:
+        """(The runtime's) a zero-copy view taken under this lease now lives: ``release`` is
+        refused until ``drop_view``."""
         with self._lock:
+            self._views += 1
+
+    def drop_view(self) -> None:
+        """(The runtime's) a view taken under this lease was collected."""
+        with self._lock:
+            self._views = max(0, self._views - 1)
+
+    def release(self, *, force: bool = False) -> None:
+        """Give the lease back. Safe twice. Raises MemsemError while views taken under it live,
+        unless ``force`` (the runtime's close: the views keep their mappings, not the lease)."""
+        with self._lock:
+            if force:
+                self._views = 0
             if self._views:
                 raise MemsemError(f"lease on {self.spec.label} still backs {self._views} view(s); "
                                   "drop them before release()")

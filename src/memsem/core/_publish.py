@@ -408,18 +408,11 @@ class Publisher:
         d = core.directory
         if not owned.retiring:
             cb.set_word(W_STATE, WindowState.CLOSING)
-            while True:
-                leases = _lease.blocking_leases(cb)
-                holders = [(pid, left) for pid, left, _ in leases]
-                if d.holds_leases:  # leases of other nodes (closing: no new ones)
-                    holders += d.lease_holders(owned.info.gva, closing=True)
-                if not holders:
-                    break
-                if wait.expired:
-                    if force:
-                        warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning,
-                                      stacklevel=3)
-                        break
+            holders = self._wait_unleased(owned, wait, closing=True)
+            if holders:
+                if force:
+                    warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning, stacklevel=3)
+                else:
                     cb.set_word(W_STATE, WindowState.LIVE)
                     if d.holds_leases:
                         d.reopen_window(owned.info.gva)
@@ -427,12 +420,6 @@ class Publisher:
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                         "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
-                if leases:  # asleep on the lease ending first: its release (or expiry) wakes us
-                    _pid, left, a = min(leases, key=lambda h: h[1])
-                    wait.nap(lambda sl, a=a, v=native.load_acquire(a), left=left:
-                             native.futex_wait(a, v & 0xFFFFFFFF, min(sl, left + 1e-3)) if v else None)
-                else:
-                    wait.nap(time.sleep)  # leases held in another node's directory: no word here
             owned.generation = cb.bump_generation()
             owned.retiring = True
             native.futex_wake(cb.latest_addr)  # version waiters see the generation move now
@@ -481,6 +468,36 @@ class Publisher:
             owned.slots_segment.unlink()
             owned.slots_segment.close()  # unmapped when the last export/holder lets go
             owned.slots_segment = None
+
+    def _wait_unleased(self, owned: Owned, wait: Wait, *, closing: bool = False) -> list[tuple[int, float]]:
+        """Wait (within ``wait``'s deadline) until no live process holds an unexpired lease on
+        ``owned``'s window: asleep on the id word of the lease ending first (its release wakes
+        us; its expiry bounds the sleep), or for leases held in another node's directory a
+        plain slice (no word here). Returns the holders left at the deadline (empty: none)."""
+        cb, d = owned.cb, self._core.directory
+        while True:
+            leases = _lease.blocking_leases(cb)
+            holders = [(pid, left) for pid, left, _ in leases]
+            if d.holds_leases:  # leases of other nodes (closing: no new ones)
+                holders += d.lease_holders(owned.info.gva, closing=closing)
+            if not holders:
+                return []
+            if leases:
+                _pid, left, a = min(leases, key=lambda h: h[1])
+                v = native.load_acquire(a)
+                slept = wait.nap(lambda sl: native.futex_wait(a, v & 0xFFFFFFFF, min(sl, left + 1e-3)) if v else None)
+            else:
+                slept = wait.nap(time.sleep)
+            if not slept:
+                return holders
+
+    def wait_unleased(self, spec: RefSpec, timeout: float) -> list[tuple[int, float]]:
+        """Owner: wait up to ``timeout`` s until no live process holds an unexpired lease on
+        ``spec``'s window (without closing it to new leases). Returns ``(pid, seconds left)``
+        of the leases still held at the deadline (empty: none)."""
+        owned = self.owned_for(spec)
+        return self._wait_unleased(owned, Wait(f"the leases on {owned.label}", timeout,
+                                               telemetry=self._core.telemetry))
 
     def _release_cb(self, cb: ControlBlock) -> None:
         try:

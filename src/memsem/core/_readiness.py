@@ -13,6 +13,7 @@ such a window go to its owner (``Engine.set_ready``), which checks the ref like 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,28 @@ class Readiness:
         t = _args.timeout_or(timeout, core.timeout)
         with self._held(spec) as (res, cb):
             self._wait(spec, res, cb, _args.index(tile, "tile", cb.n_ready, of=spec.label), t)
+
+    async def wait_async(self, spec: RefSpec, tile: int, timeout: float | None = None,
+                         loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """``wait`` for asyncio: the tile's ready word is awaited through the runtime's native
+        word waiter (the event loop is never blocked or polled); a window on another node is
+        awaited on its mirror by a worker thread. Cancelling the awaiting task ends the wait.
+
+        Raises:
+            As ``wait``.
+        """
+        core = self._core
+        t = _args.timeout_or(timeout, core.timeout)
+        loop = loop or asyncio.get_running_loop()
+        res = core.resolver.resolve(spec)
+        if res.cb is None:  # a mirror: its waits block on its words, in a thread
+            await loop.run_in_executor(None, lambda: self.wait(spec, tile, t))
+            return
+        res, cb = self._checked(spec, res)
+        i = _args.index(tile, "tile", cb.n_ready, of=spec.label)
+        gen = spec.generation
+        w = self._word_wait(spec, res, cb, f"tile {i} of {spec.label}", t, state="not ready", during=f"tile {i}")
+        await w.until_async(cb.ready_addr(i), lambda v: v == gen, core.word_waiter(), res, loop)
 
     def _wait(self, spec: RefSpec, res: Resolution, cb: Any, tile: int, t: float) -> None:
         gen = spec.generation

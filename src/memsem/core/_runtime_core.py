@@ -126,8 +126,11 @@ class RuntimeCore:
         self.prefer = prefer
         self.identity = ProcessIdentity.current()
         self._pid = os.getpid()
-        self._closed = False
-        self._forked = False
+        #: True once closed, and in a process forked from the one that made this runtime (plain
+        #: attributes: the hot path of every get reads ``closed``)
+        self.closed = False
+        #: True in a process forked from the one that made this runtime (it owns nothing here)
+        self.forked = False
         #: the user-facing ``memsem.Runtime`` wrapping this core (weak), set by the refs layer
         self.facade: Any = None
         self._lock = threading.RLock()
@@ -167,7 +170,7 @@ class RuntimeCore:
         self.readiness = Readiness(self, self.mirrors)
         self.versions = Versions(self)
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
-        self.transfers = Transfers(self, self.resolver, self._pool, self.mirrors)
+        self.transfers = Transfers(self, self.resolver, self._pool, self.mirrors, workers)
         self._word_waiter: AsyncWordWaiter | None = None
         self.staging = StagingPool()
         self._token: contextvars.Token | None = None
@@ -192,20 +195,10 @@ class RuntimeCore:
             self._token = None
         self.close()
 
-    @property
-    def closed(self) -> bool:
-        """True once closed, and in a process forked from the one that made it."""
-        return self._closed
-
-    @property
-    def forked(self) -> bool:
-        """True in a process forked from the one that made this runtime (it owns nothing here)."""
-        return self._forked
-
     def check_open(self) -> None:
         """Raise RuntimeClosedError when closed (or inherited through fork)."""
-        if self._closed:
-            if self._forked:
+        if self.closed:
+            if self.forked:
                 raise RuntimeClosedError(
                     f"this memsem runtime (rank {self.rank}) belongs to pid {self._pid}; this process "
                     f"(pid {os.getpid()}) was forked from it and owns nothing of it: create a new "
@@ -267,6 +260,13 @@ class RuntimeCore:
         self.check_open()
         return self.publisher.lease_holders(spec)
 
+    def wait_unleased(self, spec: RefSpec, timeout: float) -> list[tuple[int, float]]:
+        """Owner: wait up to ``timeout`` s for every lease on ``spec``'s window to end; returns
+        the holders left (``(pid, seconds left)``; empty: none). The window stays open to new
+        leases."""
+        self.check_open()
+        return self.publisher.wait_unleased(spec, _args.timeout(timeout, "timeout"))
+
     # -- consumer side ---------------------------------------------------------------------------
     def resolve(self, spec: RefSpec) -> Resolution:
         return self.resolver.resolve(spec)
@@ -317,6 +317,23 @@ class RuntimeCore:
     def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
         self.readiness.wait(spec, tile, timeout)
 
+    def n_tiles(self, spec: RefSpec) -> int:
+        """Ready words (tiles) of ``spec``'s window (0: published without tiles)."""
+        return self.readiness.n_tiles(spec)
+
+    async def wait_tile_async(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
+        await self.readiness.wait_async(spec, tile, timeout)
+
+    # -- the owner's windows ---------------------------------------------------------------------
+    def owns(self, spec: RefSpec) -> bool:
+        """Whether this runtime publishes ``spec``'s window (any generation)."""
+        return spec.gva in self.publisher.owned
+
+    def mint(self, spec: RefSpec) -> RefSpec:
+        """``spec`` minted by its owner (this runtime) for its own range and access: the
+        capability an owner-checked route serves (see ``Server.mint``)."""
+        return self.server.mint(spec)
+
     def word_waiter(self) -> AsyncWordWaiter:
         """This runtime's native word waiter for asyncio waits (one background thread for all
         awaited words), made on first use and closed by ``close`` before anything is unmapped.
@@ -325,7 +342,7 @@ class RuntimeCore:
             MemsemError: the runtime is closed.
         """
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise MemsemError("runtime is closed")
             w = self._word_waiter
             if w is None or w.closed:
@@ -346,7 +363,7 @@ class RuntimeCore:
         by a copy or a view is released by its last user. Safe twice; in a forked child it only
         marks the inherited runtime closed.
         """
-        if self._closed:
+        if self.closed:
             return  # closed before, or inherited through fork (a child touches nothing shared)
         t = CLOSE_TIMEOUT if timeout is None else _args.timeout(timeout, "timeout")
         t = min(t, self.timeout) if timeout is None else t
@@ -357,15 +374,13 @@ class RuntimeCore:
             except Exception:
                 log.warning("closing %r failed", child, exc_info=True)
         with self._lock:
-            self._closed = True
+            self.closed = True
             self._pool.shutdown(wait=False, cancel_futures=True)  # queued work ends CANCELLED
             # Running tasks get the close deadline to finish; later, each holds what it uses
             # (its resolution's mappings) and fails with RuntimeClosedError at its next step.
             self.transfers.wait_idle(max(0.0, deadline - time.monotonic()))
             for lease in list(self.leases):
-                with lease._lock:
-                    lease._views = 0
-                    lease.release()
+                lease.release(force=True)
             self.publisher.close(deadline)
             self.server.close()
             busy = self.resolver.close(max(0.0, deadline - time.monotonic()))
@@ -386,7 +401,7 @@ class RuntimeCore:
                 self.directory.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_closed", True):
+        if getattr(self, "closed", True):
             return
         pub = getattr(self, "publisher", None)
         if pub is not None and pub.owned:
@@ -420,8 +435,8 @@ def _after_fork_in_child() -> None:
     # Only flags (other threads of the parent may have held locks at fork time): every inherited
     # runtime becomes closed-and-forked, so the child never retires, unlinks or bumps anything.
     for r in list(_instances):
-        r._forked = True
-        r._closed = True
+        r.forked = True
+        r.closed = True
     _current.set(None)
 
 

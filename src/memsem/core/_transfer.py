@@ -62,7 +62,7 @@ class Transfers:
     """The data path of one runtime (get/put/xcopy); see the module docstring."""
 
     def __init__(self, core: "RuntimeCore", resolver: Resolver, pool: cf.ThreadPoolExecutor,
-                 mirrors: RemoteWords) -> None:
+                 mirrors: RemoteWords, workers: int) -> None:
         self._core = core
         self._resolver = resolver
         #: the mirrors of remote windows' control words (a retry sleeps on their words)
@@ -72,7 +72,7 @@ class Transfers:
         #: tasks of the pool running right now (close waits for them within its deadline)
         self._running = 0
         self._idle = threading.Condition()
-        self._xcopier = XCopier(self, resolver, pool)
+        self._xcopier = XCopier(core, self, resolver, pool, workers)
 
     def counted(self, fn: Any) -> Any:
         """``fn`` wrapped so that the runtime's close can wait for it while it runs."""

@@ -69,8 +69,7 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
         raise
     finally:
         res.leave()
-    with lease._lock:
-        lease._views += 1
+    lease.add_view()
     # The lease is tied to the object under every array derived from this view (a slice or
     # reshape of ``arr`` outlives ``arr`` itself and must keep the lease).
     holder = raw.base if raw.base is not None and not isinstance(raw.base, np.ndarray) else raw
@@ -80,8 +79,7 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
 
 
 def _view_gone(lease: Lease, own: bool, pin: Lease | None) -> None:
-    with lease._lock:
-        lease._views = max(0, lease._views - 1)
+    lease.drop_view()
     for held in ((lease,) if own else ()) + ((pin,) if pin is not None else ()):
         try:
             held.release()

@@ -27,6 +27,7 @@ from memsem.core._lease import Lease
 from memsem.core._resolve import Resolution, Resolver, remote_slots
 
 if TYPE_CHECKING:
+    from memsem.core._runtime_core import RuntimeCore
     from memsem.core._transfer import Transfers
 
 _hot_copy = _hot.copy
@@ -43,9 +44,11 @@ class XCopier:
     """The xcopy of one runtime: given the runtime's transfers (each range is one of their
     transfers), its resolver and its worker pool."""
 
-    def __init__(self, transfers: "Transfers", resolver: Resolver, pool: cf.ThreadPoolExecutor) -> None:
+    def __init__(self, core: "RuntimeCore", transfers: "Transfers", resolver: Resolver, pool: cf.ThreadPoolExecutor,
+                 workers: int) -> None:
         self._tx = transfers
-        self._core = transfers._core
+        self._core = core
+        self._workers = workers
         self._resolver = resolver
         self._cache = resolver.cache
         self._pool = pool
@@ -114,22 +117,22 @@ class XCopier:
 
         def run(chunk: list[tuple[RangeResult, Any, Any]]) -> None:
             for r, src, dst in chunk:
-                if not batch._start(r):
+                if not batch.start(r):
                     continue  # cancelled before it started
                 if core.closed:  # closing: what has not started ends CANCELLED
-                    batch._settle(r, State.CANCELLED)
+                    batch.settle(r, State.CANCELLED)
                     continue
                 try:
                     self._copy_one(src, dst, lease)
                 except BaseException as exc:
-                    batch._settle(r, State.FAILED, exc)
+                    batch.settle(r, State.FAILED, exc)
                 else:
-                    batch._settle(r, State.DONE)
+                    batch.settle(r, State.DONE)
 
         def run_group(group: list[tuple[RangeResult, Any, Any]]) -> None:
             self._copy_batch(group, batch, lease)
 
-        for chunk in _chunks(single, self._pool._max_workers):
+        for chunk in _chunks(single, self._workers):
             self._queue(batch, [j[0] for j in chunk], run, chunk)
         for group in grouped.values():
             self._queue(batch, [g[0] for g in group], run_group, group)
@@ -170,10 +173,10 @@ class XCopier:
         def dropped(f: cf.Future, ranges: list[RangeResult] = ranges) -> None:
             if f.cancelled():  # dropped by the pool (runtime closing) before it ran
                 for r in ranges:
-                    batch._settle(r, State.CANCELLED)
+                    batch.settle(r, State.CANCELLED)
 
         fut.add_done_callback(dropped)
-        batch._futures.append(fut)
+        batch.track(fut)
 
     def _batchable(self, src: Any, dst: Any) -> Resolution | None:
         """The resolution when one side is a ref reached through a batching engine (not a
@@ -194,7 +197,7 @@ class XCopier:
         own bracket."""
         ops: list[tuple[RangeResult, RefSpec, Op, Any]] = []
         for r, src, dst in group:
-            if not batch._start(r):
+            if not batch.start(r):
                 continue
             try:
                 spec, local, put = (src, dst, False) if isinstance(src, RefSpec) else (dst, src, True)
@@ -216,7 +219,7 @@ class XCopier:
                 op = Op(OpKind.PUT if put else OpKind.GET, res.remote, spec.offset, flat)
                 ops.append((r, spec, op, (res, b, put)))
             except BaseException as exc:
-                batch._settle(r, State.FAILED, exc)
+                batch.settle(r, State.FAILED, exc)
         if not ops:
             return
         eng = ops[0][3][0].engine
@@ -225,7 +228,7 @@ class XCopier:
             req.wait(self._core.timeout)
         except MemsemTimeoutError as exc:
             for r, spec, op, (res, st, put) in ops:
-                batch._settle(r, State.FAILED, exc)
+                batch.settle(r, State.FAILED, exc)
             # The hardware still owns the buffers: close the brackets when the ops end.
             self._pool.submit(_close_late, req, [o[3] for o in ops], self._core.timeout)
             return
@@ -233,17 +236,17 @@ class XCopier:
             o = b.close(failed=op.state != OpState.DONE)
             if op.state == OpState.DONE and o.ok:
                 if lease is not None and lease.spec.gva == spec.gva and lease.expired():
-                    batch._settle(r, State.FAILED, tr.lease_expired(spec, "during the transfer"))
+                    batch.settle(r, State.FAILED, tr.lease_expired(spec, "during the transfer"))
                 else:
-                    batch._settle(r, State.DONE)
+                    batch.settle(r, State.DONE)
             elif op.state == OpState.DONE:
-                batch._settle(r, State.FAILED, failure(o, res, spec, put=put))
+                batch.settle(r, State.FAILED, failure(o, res, spec, put=put))
             else:
                 err = op.error or MemsemError(f"xcopy range {r.index}: engine op ended {op.state.name}")
                 if isinstance(err, MemsemError) and not isinstance(err, EngineError):
-                    batch._settle(r, State.FAILED, err)
+                    batch.settle(r, State.FAILED, err)
                 else:
-                    batch._settle(r, State.FAILED, tr.chain(tr.engine_failure(err, spec, res.peer, "xcopy"), err))
+                    batch.settle(r, State.FAILED, tr.chain(tr.engine_failure(err, spec, res.peer, "xcopy"), err))
 
     def _copy_one(self, src: Any, dst: Any, lease: Lease | None) -> None:
         t0 = time.perf_counter_ns()

@@ -270,7 +270,8 @@ class Request:
         self.ops = list(ops)
         self._done = threading.Event()
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """(Engines') every op of the request reached a final state: wake its waiters."""
         self._done.set()
 
     def poll(self) -> bool:
@@ -523,7 +524,7 @@ class Engine(abc.ABC):
                     op.error = exc
                     op.state = OpState.FAILED
         finally:
-            req._finish()
+            req.finish()
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

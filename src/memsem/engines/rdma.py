@@ -849,7 +849,7 @@ class RdmaEngine(Engine):
         try:
             self._execute([op for op in req.ops if op.state != OpState.CANCELLED])
         finally:
-            req._finish()
+            req.finish()
 
     def _execute(self, ops: list[Op]) -> None:
         """Run ``ops`` (grouped by connection, each group posted as one list of work requests);

@@ -87,8 +87,6 @@ CHECKPOINT_SUBDIR = "memsem_storage"
 CHECKPOINT_INDEX = "index.json"
 CHECKPOINT_FORMAT = "memsem-transferqueue-storage"
 CHECKPOINT_VERSION = 1
-#: seconds between looks at a region's leases while a clear waits for its readers
-LEASE_POLL_S = 0.005
 
 
 def _lease_holders(rt: Any, ref: Any) -> list[tuple[int, float]]:
@@ -365,14 +363,15 @@ class Agent:
     # -- internals -------------------------------------------------------------------------------
     def _wait_unleased(self, region: _Region, deadline: float) -> None:
         t0 = time.monotonic()
-        waited = False
-        while _lease_holders(self.rt, region.ref):
-            waited = True
-            if time.monotonic() >= deadline:
+        waited = bool(_lease_holders(self.rt, region.ref))
+        if waited:
+            try:  # asleep on the leases' own words (woken by their release), within the deadline
+                left = self.rt.core.wait_unleased(region.ref.spec, max(0.0, deadline - t0))
+            except memsem.WindowNotFoundError:
+                left = []
+            if left:
                 # Readers that still hold a lease fail their after-copy check: never old bytes.
                 log.info("clear of region %d proceeds with leases still held after the timeout", region.rid)
-                break
-            time.sleep(LEASE_POLL_S)
         if waited:
             with self._lock:
                 self.counters["clear_waits"] += 1

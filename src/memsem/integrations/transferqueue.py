@@ -682,7 +682,7 @@ def _install_close_hook() -> None:
     import transfer_queue.interface as _iface
 
     orig = _iface.close
-    if getattr(orig, "_memsem_wrapped", False):
+    if getattr(orig, "__memsem_wrapped__", False):
         return
 
     @functools.wraps(orig)
@@ -695,7 +695,7 @@ def _install_close_hook() -> None:
             if ours is not None:
                 stop_agents()
 
-    close._memsem_wrapped = True  # type: ignore[attr-defined]
+    close.__memsem_wrapped__ = True  # type: ignore[attr-defined]
     _iface.close = close
     if getattr(_tq, "close", None) is orig:
         _tq.close = close

@@ -51,7 +51,6 @@ from verl.checkpoint_engine.base import (
 )
 
 import memsem
-from memsem.core._async import word_waiter
 
 #: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes
 _HEAD = struct.Struct("<8sQQqI")
@@ -222,23 +221,18 @@ class MemsemCheckpointEngine(CheckpointEngine):
         (its word of that slot is marked), awaited on the words, which are then cleared.
         Returns the seconds waited."""
         core = self.runtime.core
-        owned = core.publisher.owned[self._acks.spec.gva]
-        gen = self._acks.generation
         slot = (FIRST_BUCKET_VERSION + bucket) % 2
-        waiter = word_waiter(core)
         t0 = loop.time()
         deadline = t0 + self.timeout
-        n = owned.cb.n_ready // 2
+        n = core.n_tiles(self._acks.spec) // 2
         for i in range(n):
-            a = owned.cb.ready_addr(2 * i + slot)
-            while memsem.native.load_acquire(a) != gen:
-                left = deadline - loop.time()
-                if left <= 0:
-                    what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
-                    raise memsem.MemsemTimeoutError(f"rollout rank {i + 1} did not {what} of {self._name} in "
-                                                    f"{self.timeout} s", what=f"rollout {i + 1}", timeout=self.timeout)
-                await waiter.wait(a, memsem.native.load_acquire(a), left, loop, what=f"rollout {i + 1}",
-                                  keep=owned)
+            try:
+                await core.wait_tile_async(self._acks.spec, 2 * i + slot, max(0.0, deadline - loop.time()))
+            except memsem.MemsemTimeoutError as exc:
+                what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
+                raise memsem.MemsemTimeoutError(f"rollout rank {i + 1} did not {what} of {self._name} in "
+                                                f"{self.timeout:g} s", what=f"rollout {i + 1}",
+                                                timeout=self.timeout) from exc
         for i in range(n):
             core.clear_ready(self._acks.spec, 2 * i + slot)
         return loop.time() - t0 if bucket >= 2 else 0.0  # joining is not blocking by readers

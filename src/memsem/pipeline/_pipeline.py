@@ -51,7 +51,7 @@ import numpy as np
 
 from memsem import _args, _dtypes, native
 from memsem._buffers import array_address, as_byte_array
-from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
+from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
 from memsem.gva import RefSpec
 from memsem.core import ATTENTION, Lease, RuntimeCore, settle
 

@@ -54,7 +54,7 @@ class Runtime:
         self._core.facade = weakref.ref(self)
 
     @classmethod
-    def _wrap(cls, core: RuntimeCore) -> "Runtime":
+    def of_core(cls, core: RuntimeCore) -> "Runtime":
         """The facade of ``core`` (the existing one, or a new one around the same core)."""
         f = core.facade() if core.facade is not None else None
         if f is None:
@@ -115,7 +115,7 @@ class Runtime:
 
     def __repr__(self) -> str:
         c = self._core
-        state = "closed" if c.closed else f"{len(c.publisher.owned)} window(s)"
+        state = "closed" if c.closed else f"{c.stats().windows_published} window(s)"
         return f"<memsem.Runtime rank {c.rank} {c.directory.url} {state}>"
 
     # -- publish ---------------------------------------------------------------------------------

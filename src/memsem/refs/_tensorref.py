@@ -8,7 +8,7 @@ import numpy as np
 
 from memsem import _args, _dtypes
 from memsem._buffers import as_byte_array, check_buffer
-from memsem._errors import MemsemError, RuntimeClosedError
+from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.core import Completion, Lease, RuntimeCore, current_core
 
@@ -39,9 +39,9 @@ def usable_core(rt: RuntimeCore | None) -> RuntimeCore:
     """The core a ref bound to ``rt`` works through: ``rt``; the current or default runtime when
     unbound or when ``rt`` was inherited through fork. Raises RuntimeClosedError when ``rt``
     was closed (never a silent fallback to another runtime)."""
-    if rt is None or rt._forked:
+    if rt is None or rt.forked:
         return _default_core()
-    if rt._closed:
+    if rt.closed:
         rt.check_open()
     return rt
 
@@ -76,11 +76,11 @@ class TensorRef:
         when unbound). Raises RuntimeClosedError when its runtime was closed."""
         from memsem.refs._runtime import Runtime
 
-        return Runtime._wrap(usable_core(self._rt))
+        return Runtime.of_core(usable_core(self._rt))
 
     def _core(self) -> RuntimeCore:
         rt = self._rt
-        if rt is None or rt._closed:
+        if rt is None or rt.closed:
             return usable_core(rt)
         return rt
 
@@ -213,7 +213,7 @@ class TensorRef:
                 quantized, meta or not on the CPU (the message says which and how to fix it).
         """
         rt = self._rt
-        if rt is None or rt._closed:
+        if rt is None or rt.closed:
             rt = usable_core(rt)
         if out is not None:
             return rt.transfers.get(self.spec, out, lease, version)
@@ -275,7 +275,7 @@ class TensorRef:
                 for ``get``'s ``out``).
         """
         rt = self._rt
-        if rt is None or rt._closed:
+        if rt is None or rt.closed:
             rt = usable_core(rt)
         rt.transfers.put(self.spec, src, lease)
 
@@ -409,9 +409,9 @@ class TensorRef:
 def narrowed(rt: RuntimeCore | None, spec: RefSpec) -> RefSpec:
     """``spec`` minted for its own range when ``rt`` owns its window (the owner narrows the
     capability it hands out), else ``spec`` as is."""
-    if rt is None or rt._closed or spec.gva not in rt.publisher.owned:
+    if rt is None or rt.closed or not rt.owns(spec):
         return spec
-    return rt.server.mint(spec)
+    return rt.mint(spec)
 
 
 def _check_before_alloc(rt: RuntimeCore, spec: RefSpec) -> None:

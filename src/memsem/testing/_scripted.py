@@ -17,6 +17,15 @@ from memsem._errors import EngineError
 from memsem.engines._base import ControlWords, Descriptor, Engine, LocalRegion, Op, RemoteRegion, Request, WatchMode
 
 
+class _ScriptedRemote(RemoteRegion):
+    """A remote region of the inner engine, reached through the script (no DirectAccess)."""
+
+    def __init__(self, engine: "ScriptedEngine", nbytes: int, real: RemoteRegion) -> None:
+        super().__init__(engine, nbytes, None)
+        #: the inner engine's own region
+        self.real = real
+
+
 class ScriptedEngine(Engine):
     """Delegates to ``inner`` with scripted behaviour.
 
@@ -61,31 +70,29 @@ class ScriptedEngine(Engine):
         self.inner.on_publish(descriptor, n_tiles, gva, words)
 
     def can_watch(self, remote: RemoteRegion) -> WatchMode:
-        return self.inner.can_watch(remote._real)  # type: ignore[attr-defined]
+        return self.inner.can_watch(remote.real)
 
     def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:
         self._step("read_words", index, count)
-        return self.inner.read_words(remote._real, kind, index, count)  # type: ignore[attr-defined]
+        return self.inner.read_words(remote.real, kind, index, count)
 
     def watch(self, remote: RemoteRegion, targets: Sequence[tuple[int, int, int]],
               on_update: Callable[[list[tuple[int, int, int]]], None], on_lost: Callable[[str], None],
               timeout: float) -> Any:
-        return self.inner.watch(remote._real, targets, on_update, on_lost, timeout)  # type: ignore[attr-defined]
+        return self.inner.watch(remote.real, targets, on_update, on_lost, timeout)
 
     def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
-        self.inner.set_ready(remote._real, tile, ready)  # type: ignore[attr-defined]
+        self.inner.set_ready(remote.real, tile, ready)
 
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         # No DirectAccess: the runtime must come through get/put so the script applies.
-        remote = RemoteRegion(self, nbytes, None)
-        remote._real = self.inner.attach(descriptor, nbytes, credential)  # type: ignore[attr-defined]
-        return remote
+        return _ScriptedRemote(self, nbytes, self.inner.attach(descriptor, nbytes, credential))
 
     def detach(self, remote: RemoteRegion) -> None:
-        remote._real.close()  # type: ignore[attr-defined]
+        remote.real.close()
 
     def view(self, remote: RemoteRegion) -> np.ndarray:
-        return self.inner.view(remote._real)  # type: ignore[attr-defined]
+        return self.inner.view(remote.real)
 
     def bind(self, context) -> None:
         super().bind(context)
@@ -104,11 +111,11 @@ class ScriptedEngine(Engine):
 
     def get(self, remote: RemoteRegion, offset: int, dst: np.ndarray) -> None:
         self._step("get", offset, dst.nbytes)
-        self.inner.get(remote._real, offset, dst)  # type: ignore[attr-defined]
+        self.inner.get(remote.real, offset, dst)
 
     def put(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> None:
         self._step("put", offset, src.nbytes)
-        self.inner.put(remote._real, offset, src)  # type: ignore[attr-defined]
+        self.inner.put(remote.real, offset, src)
 
     def submit(self, ops: Sequence[Op]) -> Request:
         """Run the batch's ops (in a random order with ``reorder``); every op ends final."""

@@ -142,7 +142,7 @@ class MteEngine(Engine):
             self._stream = team.ffi.cast("void *", team.acl.ffi.cast("uintptr_t", p[0]))
         self._regs: dict[int, tuple[SymmetricAllocation | None, int, int]] = {}
         self._lock = threading.Lock()
-        team._engines.add(self)
+        team.add_engine(self)
 
     # -- allocation (collective) -------------------------------------------------------------
     def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:
@@ -174,9 +174,8 @@ class MteEngine(Engine):
             a = obj
         else:
             addr = obj.__array_interface__["data"][0] if hasattr(obj, "__array_interface__") else None
-            with self.team._lock:
-                a = self.team._allocs.get(addr) if addr is not None else None
-            if a is None or a is self.team._sig:
+            a = self.team.own_allocation(addr) if addr is not None else None
+            if a is None:
                 raise ValueError("obj is not a block from MteEngine.alloc_array/malloc")
         self.team.free(a)
 
@@ -245,7 +244,7 @@ class MteEngine(Engine):
         sym = t.heap_base + offset
         t.ensure_thread()
         p = t.lib.aclshmem_ptr(t.ffi.cast("void *", sym), pe)
-        code, msg = t._emu_error()
+        code, msg = t.emu_error()
         if p == t.ffi.NULL:
             raise EngineError(f"mte: the heap of peer PE {pe} is not mapped in this process "
                               f"(aclshmem_ptr returned NULL{': ' + msg if msg else ''})",
@@ -348,7 +347,7 @@ class MteEngine(Engine):
                     if not op.state.final:
                         op.error, op.state = exc, OpState.FAILED
             finally:
-                req._finish()
+                req.finish()
 
         threading.Thread(target=run, daemon=True, name="memsem-mte-submit").start()
         return req
@@ -429,7 +428,7 @@ class MteEngine(Engine):
         if t.test_double:
             t.lib.aclshmemx_emu_set_wait_timeout_ms(max(1, int(timeout * 1000)))
             t.lib.aclshmem_signal_wait_until(word, t.lib.ACLSHMEM_CMP_EQ, int(value))
-            code, msg = t._emu_error()
+            code, msg = t.emu_error()
             if code == t.lib.ACLSHMEM_TIMEOUT_ERROR:
                 raise MemsemTimeoutError(f"{what} not {value} after {timeout} s", what=what, timeout=timeout)
             if code:

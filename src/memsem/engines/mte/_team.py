@@ -159,7 +159,9 @@ class ShmemTeam:
             raise
 
     # -- error plumbing -----------------------------------------------------------------------
-    def _emu_error(self) -> tuple[int, str]:
+    def emu_error(self) -> tuple[int, str]:
+        """The emulator's recorded error of the last call ``(code, message)``; ``(0, "")`` on
+        real Ascend SHMEM (its data-plane calls return void)."""
         if not self.test_double:
             return 0, ""
         from memsem.engines.mte._binding import emu_last_error
@@ -167,14 +169,14 @@ class ShmemTeam:
         return emu_last_error(self.ffi, self.lib)
 
     def _check_rc(self, rc: int, func: str) -> None:
-        code, msg = self._emu_error()
+        code, msg = self.emu_error()
         if rc != 0:
             raise EngineError(f"{func} failed" + (f": {msg}" if msg else ""), code=int(rc), name=func)
 
     def check(self, func: str) -> None:
         """Raise the error the emulator recorded for the last call (no-op on libshmem.so,
         whose data-plane calls return void: memsem checks their arguments beforehand)."""
-        code, msg = self._emu_error()
+        code, msg = self.emu_error()
         if code:
             if code == self.lib.ACLSHMEM_TIMEOUT_ERROR:
                 raise MemsemTimeoutError(f"{func} timed out: {msg}", what=func)
@@ -214,7 +216,7 @@ class ShmemTeam:
             func, p = "aclshmem_calloc", lib.aclshmem_calloc(1, int(nbytes))
         else:
             func, p = "aclshmem_malloc", lib.aclshmem_malloc(int(nbytes))
-        code, msg = self._emu_error()
+        code, msg = self.emu_error()
         if p == ffi.NULL:
             if code in (0, lib.ACLSHMEM_MALLOC_FAILED):
                 raise OutOfMemoryError(f"{func}({nbytes}) failed: the {self.heap_bytes}-byte symmetric "
@@ -239,6 +241,16 @@ class ShmemTeam:
         self.ensure_thread()
         self.lib.aclshmem_free(self.ffi.cast("void *", alloc.address))
         self.check("aclshmem_free")
+
+    def add_engine(self, engine: Any) -> None:
+        """An MteEngine that moves bytes on this team (closed with it)."""
+        self._engines.add(engine)
+
+    def own_allocation(self, address: int) -> SymmetricAllocation | None:
+        """The allocation of ``malloc`` starting at ``address`` (never the team's signal slots)."""
+        with self._lock:
+            a = self._allocs.get(address)
+        return None if a is self._sig else a
 
     def allocation_of(self, address: int, nbytes: int) -> SymmetricAllocation | None:
         with self._lock:
