@@ -219,12 +219,12 @@ def idle_connections(ref: Any, n: int) -> list[socket.socket]:
     """``n`` connections to the owner of ``ref`` (on another node), each authenticated with the
     ref's credential (OPEN) and used for one get of its bytes, then left idle: what a job's
     consumers cost an owner between transfers. Raw protocol (``memsem.engines.tcp._wire``)."""
-    from memsem.core._resolve import owner_credential
     from memsem.engines.tcp import _wire as W
+    from memsem.gva import credential_proof, credential_token
 
     res = ref.runtime.core.resolve(ref.spec)
     host, port = W.split_endpoint(res.remote.endpoint)
-    cred = owner_credential(ref.spec)
+    token = credential_token(ref.spec)
     socks = []
     try:
         for _ in range(n):
@@ -232,7 +232,7 @@ def idle_connections(ref: Any, n: int) -> list[socket.socket]:
             socks.append(s)
             hello = _recv_exact(s, W.HELLO.size)
             nonce = W.HELLO.unpack(hello)[3]
-            body = cred.token + cred.prove(nonce + W.H16.pack(1))
+            body = token + credential_proof(ref.spec.key, nonce + W.H16.pack(1), token)
             s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA)
                       + W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body
                       + W.REQ.pack(W.OP_GET, 0, 1, 2, ref.spec.offset, ref.spec.nbytes, 0, 1000))

@@ -66,8 +66,8 @@ class Connection:
         self._mv = memoryview(self._buf)
         self._lo = self._hi = 0
         #: between slices of a send, and of a receive: the deadline and the owner's liveness
-        self._waited = self._recv_waited = lambda d: engine._waited(remote, d)
-        self.sock = engine._connect(remote, deadline)
+        self._waited = self._recv_waited = lambda d: engine.waited(remote, d)
+        self.sock = engine.open_socket(remote, deadline)
         try:
             W.configure(self.sock, engine.bounds, W.POLL_SLICE)
             magic, proto, status, nonce = W.HELLO.unpack(self.take(W.HELLO.size, deadline))
@@ -76,7 +76,7 @@ class Connection:
                                   f"(hello {magic!r}, protocol {proto})")
             if status == W.HELLO_FULL:
                 cap, count = W.FULL_INFO.unpack(nonce)
-                raise engine._full(remote, cap, count)
+                raise engine.full_error(remote, cap, count)
             self.nonce = nonce
             self.send(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, kind), deadline)
         except BaseException:
@@ -446,7 +446,7 @@ class WatchConnection(Connection):
                     on_lost(reason)
                 except Exception:  # noqa: BLE001 - one subscriber must not keep others uninformed
                     log.exception("memsem tcp watch: on_lost failed")
-        self.engine._forget_watch(self)
+        self.engine.forget_watch(self)
         super().close()
 
     def close(self) -> None:

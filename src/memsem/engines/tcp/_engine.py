@@ -250,7 +250,7 @@ class TcpEngine(Engine):
         for attempt in range(ATTEMPTS):
             if attempt:
                 time.sleep(RETRY_PAUSE_S[attempt])
-                self._waited(remote, deadline)
+                self.waited(remote, deadline)
                 wait_ms = max(0, min(0xFFFFFFFF, int((deadline - time.monotonic()) * 1000)))
             c = None
             keep = False
@@ -296,8 +296,8 @@ class TcpEngine(Engine):
         if conns is not None and conns.get(c.endpoint) is c:
             del conns[c.endpoint]
 
-    def _connect(self, remote: TcpRemote, deadline: float) -> socket.socket:
-        """A connected socket to the owner.
+    def open_socket(self, remote: TcpRemote, deadline: float) -> socket.socket:
+        """A connected socket to the owner (for the engine's connections).
 
         Raises:
             PeerLostError: refused or unreachable (nothing listens there: the owner is gone).
@@ -305,7 +305,7 @@ class TcpEngine(Engine):
         """
         left = deadline - time.monotonic()
         if left <= 0:
-            self._waited(remote, deadline)
+            self.waited(remote, deadline)
         try:
             return socket.create_connection((remote.host, remote.port), timeout=min(max(left, 0.05), 10.0))
         except OSError as exc:
@@ -359,14 +359,16 @@ class TcpEngine(Engine):
             self._watch_conns[remote.endpoint] = wc
         return wc
 
-    def _forget_watch(self, wc: WatchConnection) -> None:
+    def forget_watch(self, wc: WatchConnection) -> None:
+        """A watch connection ended: the next watch makes a new one."""
         with self._lock:
             if self._watch_conns.get(wc.endpoint) is wc:
                 del self._watch_conns[wc.endpoint]
 
     # -- errors and liveness ----------------------------------------------------------------------
-    def _waited(self, remote: TcpRemote, deadline: float) -> None:
-        """A receive or send slice passed with nothing: the owner's liveness, then the deadline."""
+    def waited(self, remote: TcpRemote, deadline: float) -> None:
+        """A receive or send slice of a connection passed with nothing: the owner's liveness,
+        then the deadline (raises PeerLostError, MemsemTimeoutError, or EngineError once closed)."""
         if not self._peer_alive(remote):
             raise PeerLostError(f"{remote.label()} is dead: its heartbeat expired during the request")
         if time.monotonic() >= deadline:
@@ -384,7 +386,8 @@ class TcpEngine(Engine):
         return PeerLostError(f"{remote.label()} is unreachable: {len(failures)} connection(s) failed "
                              f"under the request ({why})")
 
-    def _full(self, remote: TcpRemote, cap: int, count: int) -> EngineError:
+    def full_error(self, remote: TcpRemote, cap: int, count: int) -> EngineError:
+        """The error of an owner that answered FULL: it names the owner and its cap."""
         return EngineError(f"{remote.label()} refused the connection: it serves its maximum of {cap} "
                            f"connections ({count} open; MEMSEM_TCP_MAX_CONNECTIONS on the owner)", name="FULL")
 
