@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 _INF = float("inf")
 #: the receive buffer of a connection: a small GET's reply (header, bytes, trailer) fits whole
 RECV_BYTES = 2 * W.REP.size + W.SMALL_BYTES
+_REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
+_pack_req, _unpack_rep = W.REQ.pack, W.REP.unpack_from
 
 
 class Lost(Exception):
@@ -118,10 +120,10 @@ class Connection:
 
     def reply(self, rid: int, deadline: float) -> tuple[int, int, int, int]:
         """The next reply header ``(status, flags, value, nbytes)``; it must answer ``rid``."""
-        if self._hi - self._lo < W.REP.size:
-            self._fill(W.REP.size, deadline)
-        status, flags, _, got, value, nbytes = W.REP.unpack_from(self._buf, self._lo)
-        self._lo += W.REP.size
+        if self._hi - self._lo < _REP_SIZE:
+            self._fill(_REP_SIZE, deadline)
+        status, flags, _, got, value, nbytes = _unpack_rep(self._buf, self._lo)
+        self._lo += _REP_SIZE
         if got != rid and status != W.FULL:
             raise EngineError(f"tcp reply from {self.endpoint} answers request {got}, not {rid}: "
                               "the connection is out of step")
@@ -241,22 +243,22 @@ class Connection:
         n = len(mv)
         op = W.OP_PUT if put else W.OP_GET
         what = "put" if put else "get"
-        if n <= W.SMALL_BYTES:  # one request (the common case, kept short)
+        if n <= _SMALL:  # one request (the common case, kept short)
             rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
-            head = W.REQ.pack(op, 0, h, rid, offset, n, version, wait_ms)
+            head = _pack_req(op, 0, h, rid, offset, n, version, wait_ms)
             self.send(head + mv if put else head, deadline)
             lo = self._lo
-            if self._hi - lo < W.REP.size:
-                self._fill(W.REP.size, deadline)  # whatever has arrived: mostly the whole reply
+            if self._hi - lo < _REP_SIZE:
+                self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
                 lo = self._lo
-            if not put and self._hi - lo >= 2 * W.REP.size + n:  # header, bytes and trailer are here
+            if not put and self._hi - lo >= 2 * _REP_SIZE + n:  # header, bytes and trailer are here
                 buf = self._buf
-                status, _, _, got, _, nbytes = W.REP.unpack_from(buf, lo)
-                if status == W.DATA and got == rid and nbytes == n:
-                    status, flags, _, got, value, nbytes = W.REP.unpack_from(buf, lo + W.REP.size + n)
-                    if status == W.OK and got == rid:
-                        mv[:] = self._mv[lo + W.REP.size:lo + W.REP.size + n]
-                        self._lo = lo + 2 * W.REP.size + n
+                status, _, _, got, _, nbytes = _unpack_rep(buf, lo)
+                if status == _DATA and got == rid and nbytes == n:
+                    status, flags, _, got, value, nbytes = _unpack_rep(buf, lo + _REP_SIZE + n)
+                    if status == _OK and got == rid:
+                        mv[:] = self._mv[lo + _REP_SIZE:lo + _REP_SIZE + n]
+                        self._lo = lo + 2 * _REP_SIZE + n
                         return value
             status, flags, value, nbytes = self.reply(rid, deadline)
             if status == W.DATA and not put:

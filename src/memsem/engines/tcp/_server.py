@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 _IN, _OUT, _RDHUP = select.EPOLLIN, select.EPOLLOUT, select.EPOLLRDHUP
 _GONE = select.EPOLLERR | select.EPOLLHUP | select.EPOLLRDHUP
+_REQ_SIZE, _REP_SIZE, _SMALL, _OP_GET, _DATA, _OK = W.REQ.size, W.REP.size, W.SMALL_BYTES, W.OP_GET, W.DATA, W.OK
+_unpack_req, _pack_rep = W.REQ.unpack_from, W.REP.pack_into
 #: the deadline sweep's period (seconds): bounds are kept to within this
 SWEEP_S = 0.05
 _INF = float("inf")
@@ -121,7 +123,6 @@ class Server:
         self.stats: collections.Counter[str] = collections.Counter()
         self.requests = Requests(self)
         self._ops = self.requests.table
-        self._get = self.requests.get
         self._stop = False
         #: the loop's clock, read once per batch of events
         self.now = time.monotonic()
@@ -330,38 +331,60 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------------------
     def _read(self, s: Session) -> None:
-        """Bytes of the hello or of the next request header; dispatch when whole."""
-        need = W.CHELLO.size if s.hello else W.REQ.size
+        """Bytes of the next request header; dispatch when whole. The common small GET is
+        answered here: bracket and copy in one native call into the loop's reply buffer, one
+        send of header, bytes and trailer (anything unusual goes to its handler)."""
+        if s.hello:
+            return self._hello(s)
+        got = s.got
         try:
-            k = s.sock.recv_into(s.hmv[s.got:need] if s.got else s.hdr, need)
+            k = s.sock.recv_into(s.hmv[got:] if got else s.hdr, _REQ_SIZE - got)
         except (BlockingIOError, InterruptedError):
             return
         if not k:
             raise W.Closed("the peer closed the connection")
-        if not s.got:
-            s.started = self.now
+        if got + k < _REQ_SIZE:
+            if not got:
+                s.started = self.now
+            s.got = got + k
+            return
+        s.got = 0
+        op, _, handle, rid, off, n, arg, wait_ms = _unpack_req(s.hdr)
+        s.last = self.now
+        if op == _OP_GET and n <= _SMALL:
+            g = s.handles.get(handle)
+            if g is not None and g.lo <= off and off + n <= g.hi:
+                v = g.copy(False, off, self.saddr + _REP_SIZE, n, arg)
+                if v is not None:
+                    buf = self.scratch
+                    _pack_rep(buf, 0, _DATA, 0, handle, rid, 0, n)
+                    _pack_rep(buf, _REP_SIZE + n, _OK, 0, handle, rid, v, 0)
+                    job = self.send_now(s, self.smv[:2 * _REP_SIZE + n])
+                    if job is not None:
+                        self.start(s, job)
+                    return
+        fn = self._ops.get(op)
+        if fn is None:
+            return self.end(s, "protocol")
+        job = fn(s, op, handle, rid, off, n, arg, wait_ms)
+        if job is not None:
+            self.start(s, job)
+
+    def _hello(self, s: Session) -> None:
+        """Bytes of the consumer's hello (before any request)."""
+        need = W.CHELLO.size
+        k = W.recv_some(s.sock, s.hmv[s.got:need])
+        if not k:
+            return
         s.got += k
         if s.got < need:
             return
         s.got = 0
-        if s.hello:
-            magic, proto, kind = W.CHELLO.unpack_from(s.hdr)
-            if magic != W.MAGIC or proto != W.PROTOCOL or kind not in (W.KIND_DATA, W.KIND_WATCH):
-                return self.end(s, "protocol")
-            s.hello = False
-            s.kind = kind
-            return
-        op, _, handle, rid, off, n, arg, wait_ms = W.REQ.unpack_from(s.hdr)
-        s.last = self.now
-        if op == W.OP_GET:
-            job = self._get(s, op, handle, rid, off, n, arg, wait_ms)
-        else:
-            fn = self._ops.get(op)
-            if fn is None:
-                return self.end(s, "protocol")
-            job = fn(s, op, handle, rid, off, n, arg, wait_ms)
-        if job is not None:
-            self.start(s, job)
+        magic, proto, kind = W.CHELLO.unpack_from(s.hdr)
+        if magic != W.MAGIC or proto != W.PROTOCOL or kind not in (W.KIND_DATA, W.KIND_WATCH):
+            return self.end(s, "protocol")
+        s.hello = False
+        s.kind = kind
 
     def start(self, s: Session, job: Job) -> None:
         s.job = job
