@@ -132,6 +132,34 @@ class Owner:
             return {"rss": -1}
         if op == "stats":
             return {"stats": rt.stats().as_dict()}
+        if op == "tcp_stats":  # the owner's tcp server counters, and this process's threads
+            return {"tcp": rt.engine("tcp").server_stats(), "threads": threading.active_count(),
+                    "os_threads": len(os.listdir("/proc/self/task"))}
+        if op == "publish_many":  # n small windows, value i in window i
+            refs = []
+            for i in range(cmd["n"]):
+                a = np.full(cmd.get("len", 8), i, dtype=np.int64)
+                self.arrays[f"many{i}"] = a
+                refs.append(rt.publish(a, name=f"many{i}").to_bytes().hex())
+            return {"refs": refs}
+        if op == "bytes_many":  # owner-minted sub-ranges of ``nbytes`` each, consecutive
+            w, nb = self.wins[cmd["name"]], cmd["nbytes"]
+            return {"refs": [w.bytes(i * nb, nb).to_bytes().hex() for i in range(cmd["n"])]}
+        if op == "hold_section":  # a write section left open until release_section
+            self.section = rt.write_section(self.wins[cmd["name"]])
+            self.section.__enter__()
+            return {}
+        if op == "release_section":
+            self.section.__exit__(None, None, None)
+            self.section = None
+            return {}
+        if op == "hold_fds":  # an owner holding many open files (its exit takes longer)
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            self.fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(min(cmd["n"], hard - 256))]
+            return {"held": len(self.fds)}
         raise ValueError(f"unknown op {op}")
 
 

@@ -18,6 +18,11 @@ Figures (medians; GB/s = 1e9 bytes/s):
 ``socket_rtt_64B_us_loopback``  the same plain-socket round trip to a server process on the
                            consumer's own loopback (veth runs only): where the baseline's swing
                            comes from
+``tcp_owner_rss_MiB_1000_idle``  growth of the owner's RSS with 1,000 idle connections (each
+                           authenticated and used for one 64 B get, then silent)
+``tcp_owner_threads_1000_idle``  the owner process's threads meanwhile
+``tcp_owner_rss_MiB_2000_unauth``  growth of the owner's RSS with 2,000 connections that never
+                           authenticate (half stall before the hello, half after it)
 =========================  ===================================================================
 
 Ratios (``RATIO_KEYS``) are medians of per-round ratios: the sides run interleaved in rounds of
@@ -25,7 +30,8 @@ Ratios (``RATIO_KEYS``) are medians of per-round ratios: the sides run interleav
 ``[p10, p90]`` of the per-round ratios, ``<abs key>_spread`` of the per-round medians.
 
 Goals (issues 14, 24; not tests): tcp 64 B get <= 1.3 x the socket round trip; 64 MiB >= 1.0 x
-the socket's throughput; remote first tile <= 3 x one tile get.
+the socket's throughput; remote first tile <= 3 x one tile get (issue 21: the owner's RSS grows by
+at most 32 MiB with 1,000 idle connections).
 
 Run alone: ``python -m memsem.cli._bench_tcp [--quick] [--json]``.
 """
@@ -56,9 +62,13 @@ GOALS = {
     "tcp_get_64B_us": "<= 1.3 x socket_rtt_64B_us",
     "tcp_get_64MiB_GBps": ">= 1.0 x socket_64MiB_GBps",
     "remote_first_tile_ratio": "<= 3",
+    "tcp_owner_rss_MiB_1000_idle": "<= 32",
 }
 KEYS = ("tcp_get_64B_us", "socket_rtt_64B_us", "tcp_get_64MiB_GBps", "socket_64MiB_GBps",
-        "remote_first_tile_ratio", "tcp_link")
+        "remote_first_tile_ratio", "tcp_owner_rss_MiB_1000_idle", "tcp_owner_threads_1000_idle",
+        "tcp_owner_rss_MiB_2000_unauth", "tcp_link")
+IDLE_CONNECTIONS = 1000
+UNAUTH_CONNECTIONS = 2000
 #: ratios of rounds (each with a ``<key>_spread`` of [p10, p90]); the socket's own ratio
 #: veth / loopback says how much of the baseline is the link
 RATIO_KEYS = ("tcp_get_64B_vs_socket", "tcp_get_64B_vs_socket_loopback", "socket_veth_vs_loopback",
@@ -143,6 +153,7 @@ def _producer() -> None:
     import memsem
 
     host = os.environ.get("MEMSEM_TCP_HOST", "127.0.0.1")
+    _raise_nofile(IDLE_CONNECTIONS + 512)  # the owner serves at most its open-file limit
     with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=60) as rt:
         small = rt.publish(np.arange(SMALL, dtype=np.uint8), name="bench/small")
         big = rt.publish((np.arange(BIG, dtype=np.uint32) % 251).astype(np.uint8), name="bench/big")
@@ -157,7 +168,7 @@ def _producer() -> None:
         got.wait(30)
         print(json.dumps({"small": small.to_bytes().hex(), "big": big.to_bytes().hex(),
                           "tile": tile.to_bytes().hex(), "pipe": pipe.to_bytes().hex(),
-                          "host": host, "socket_port": port_box[0],
+                          "host": host, "socket_port": port_box[0], "pid": os.getpid(),
                           "link": os.environ.get("MEMSEM_BENCH_LINK", "loopback")}), flush=True)
         sys.stdin.readline()
 
@@ -210,6 +221,127 @@ def _ratios(num: list[float], den: list[float]) -> dict[str, Any]:
 
     st = ratio_of_rounds(num, den)
     return {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
+
+
+# -- the owner's cost of connections -------------------------------------------------------------------
+def _raise_nofile(n: int) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n and hard != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY else min(hard, max(n, soft)),
+                                                    hard))
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """``VmRSS`` (bytes) and ``Threads`` of a process."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k == "VmRSS":
+                out["rss"] = int(v.split()[0]) * 1024
+            elif k == "Threads":
+                out["threads"] = int(v)
+    return out
+
+
+def _settled(pid: int) -> dict[str, int]:
+    """The owner's status once its RSS stopped moving (its loop has served every connection)."""
+    last = _proc_status(pid)
+    for _ in range(50):
+        time.sleep(0.1)
+        now = _proc_status(pid)
+        if now["rss"] == last["rss"]:
+            return now
+        last = now
+    return last
+
+
+def idle_connections(ref: Any, n: int) -> list[socket.socket]:
+    """``n`` connections to the owner of ``ref`` (on another node), each authenticated with the
+    ref's credential (OPEN) and used for one get of its bytes, then left idle: what a job's
+    consumers cost an owner between transfers. Raw protocol (``memsem.engines.tcp._wire``)."""
+    from memsem.engines.tcp import _wire as W
+    from memsem.gva import credential_proof, credential_token
+
+    res = ref.runtime.core.resolve(ref.spec)
+    host, port = W.split_endpoint(res.remote.endpoint)
+    token = credential_token(ref.spec)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, port), timeout=30)
+            socks.append(s)
+            hello = _recv_exact(s, W.HELLO.size)
+            nonce = W.HELLO.unpack(hello)[3]
+            body = token + credential_proof(ref.spec.key, nonce + W.H16.pack(1), token)
+            s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA)
+                      + W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body
+                      + W.REQ.pack(W.OP_GET, 0, 1, 2, ref.spec.offset, ref.spec.nbytes, 0, 1000))
+            st = W.REP.unpack(_recv_exact(s, W.REP.size))
+            if st[0] != W.OK:
+                raise RuntimeError(f"the owner refused idle connection {len(socks)}: status {st[0]}")
+            _recv_exact(s, 2 * W.REP.size + ref.spec.nbytes)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def unauthenticated_connections(ref: Any, n: int) -> list[socket.socket]:
+    """``n`` connections that never authenticate: half send nothing, half only the hello."""
+    from memsem.engines.tcp import _wire as W
+
+    host, port = W.split_endpoint(ref.runtime.core.resolve(ref.spec).remote.endpoint)
+    socks = []
+    for i in range(n):
+        s = socket.create_connection((host, port), timeout=30)
+        if i % 2:
+            s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA))
+        socks.append(s)
+    return socks
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    b = bytearray()
+    while len(b) < n:
+        k = s.recv(n - len(b))
+        if not k:
+            raise EOFError(f"the owner closed the connection after {len(b)} of {n} bytes")
+        b += k
+    return bytes(b)
+
+
+def connection_costs(ref: Any, owner_pid: int) -> dict[str, Any]:
+    """The owner's RSS growth (MiB) and threads with ``IDLE_CONNECTIONS`` idle connections,
+    and its RSS growth with ``UNAUTH_CONNECTIONS`` that never authenticate."""
+    _raise_nofile(UNAUTH_CONNECTIONS + 512)
+    out: dict[str, Any] = {}
+    base = _settled(owner_pid)
+    socks = idle_connections(ref, IDLE_CONNECTIONS)
+    try:
+        now = _settled(owner_pid)
+        out["tcp_owner_rss_MiB_1000_idle"] = (now["rss"] - base["rss"]) / (1 << 20)
+        out["tcp_owner_threads_1000_idle"] = now["threads"]
+    finally:
+        for s in socks:
+            s.close()
+    base = _settled(owner_pid)
+    socks = unauthenticated_connections(ref, UNAUTH_CONNECTIONS)
+    try:
+        ref.get()  # an honest consumer still gets in
+        now = _settled(owner_pid)
+        out["tcp_owner_rss_MiB_2000_unauth"] = (now["rss"] - base["rss"]) / (1 << 20)
+    finally:
+        for s in socks:
+            s.close()
+    return out
+
+
+def _median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1e3
 
 
 def _consumer(quick: bool) -> None:
@@ -291,7 +423,8 @@ def _consumer(quick: bool) -> None:
         if lo_proc is not None:
             lo.quit()
             lo_proc.wait(10)
-        res: dict[str, Any] = {
+        costs = connection_costs(small, info["pid"])
+        res: dict[str, Any] = {**costs,
             "route": route, "intact": intact,
             "tcp_get_64B_us": med(per["tcp"]) / 1e3, "socket_rtt_64B_us": med(per["socket"]) / 1e3,
             "tcp_get_64MiB_GBps": BIG / med(mem_t), "socket_64MiB_GBps": BIG / med(sock_t),
@@ -445,9 +578,11 @@ def goals_met(fig: dict[str, Any]) -> dict[str, bool | None]:
     rbw = fig.get("tcp_get_64MiB_vs_socket")
     rbw = ratio("tcp_get_64MiB_GBps", "socket_64MiB_GBps") if rbw is None else rbw
     ft = fig.get("remote_first_tile_ratio")
+    rss = fig.get("tcp_owner_rss_MiB_1000_idle")
     return {"tcp_get_64B_us": None if r64 is None else r64 <= 1.3,
             "tcp_get_64MiB_GBps": None if rbw is None else rbw >= 1.0,
-            "remote_first_tile_ratio": None if ft is None else ft <= 3}
+            "remote_first_tile_ratio": None if ft is None else ft <= 3,
+            "tcp_owner_rss_MiB_1000_idle": None if rss is None else rss <= 32}
 
 
 def main(argv: list[str] | None = None) -> int:
