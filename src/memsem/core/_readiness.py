@@ -24,6 +24,7 @@ from memsem.engines import WatchMode
 from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
 from memsem.core import _translate as tr
 from memsem.core._remote import RemoteControl, RemoteWords
+from memsem.core._bracket import engine_failure
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
@@ -87,8 +88,8 @@ class Readiness:
         except StaleReferenceError:
             self._core.resolver.drop(spec.gva, res)
             raise
-        except EngineError as exc:
-            raise tr.chain(tr.engine_failure(exc, spec, res.peer, "ready mark"), exc) from exc
+        except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
+            raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""

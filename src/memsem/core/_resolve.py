@@ -276,9 +276,6 @@ class Resolver:
         #: (bounded): once its records are reaped, a re-resolve still says PeerLostError, not
         #: WindowNotFoundError. Keyed by generation too: a new owner may reuse the GVA.
         self._dead: dict[tuple[int, int], Peer] = {}
-        #: gva -> a direct resolution of a window this runtime owns, for serving it to other
-        #: nodes (``resolve_direct``) when the cached one takes another route (``prefer``)
-        self._direct: dict[int, Resolution] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec) -> Resolution:
@@ -316,32 +313,23 @@ class Resolver:
             return res
 
     def resolve_direct(self, spec: RefSpec) -> Resolution:
-        """A resolution of ``spec`` whose plan reaches the window's memory from this process
-        (``direct``): what the owner's side of an owner-checked engine (tcp) copies through.
-        The cached resolution when it is direct, else one made without the runtime's
-        ``prefer`` (which may force this process's own window onto the tcp route), kept until
-        the window is dropped.
+        """A new resolution of ``spec`` whose plan reaches the window's memory from this process
+        (``direct``), made without the runtime's ``prefer`` (which may force this process's own
+        window onto the tcp route): what the owner's side of an owner-checked engine (tcp)
+        serves through. Never cached: the caller owns it and closes it (no cache bound or
+        eviction closes it under a copy).
 
         Raises:
             As ``resolve``; MemsemError when the window cannot be reached directly from here.
         """
-        res = self.resolve(spec)
-        if res.direct:
-            return res
         with self._lock:
-            d = self._direct.get(spec.gva)
-            if d is not None and not d.closed and d.generation == spec.generation and d.key == spec.key:
-                return d
-            if d is not None:
-                del self._direct[spec.gva]
-                d.close()
+            self._core.check_open()
             d = self._make(spec, prefer=None)
-            if not d.direct:
-                d.close()
-                raise MemsemError(f"{spec.label}: no direct route from its owner's own process "
-                                  f"(route {d.route.kind}); cannot serve it")
-            self._direct[spec.gva] = d
-            return d
+        if not d.direct:
+            d.close()
+            raise MemsemError(f"{spec.label}: no direct route from its owner's own process "
+                              f"(route {d.route.kind}); cannot serve it")
+        return d
 
     def generation_now(self, spec: RefSpec) -> int | None:
         """The generation the directory records for ``spec``'s window now (None: not published):
@@ -370,12 +358,6 @@ class Resolver:
     def drop(self, gva: int, res: Resolution | None = None) -> None:
         """Forget the resolution of ``gva`` (only ``res`` if given); it is released when idle."""
         with self._lock:
-            d = self._direct.get(gva)
-            if d is not None and (res is None or d is res):
-                del self._direct[gva]
-                d.close()
-                if res is not None:
-                    return
             cur = self.cache.get(gva)
             if cur is None or (res is not None and cur is not res):
                 return
@@ -390,9 +372,8 @@ class Resolver:
         """Drop every resolution and wait up to ``timeout`` s for copies running through them;
         returns the ones still busy (they release themselves when their last copy ends)."""
         with self._lock:
-            all_ = list(self.cache.values()) + list(self._direct.values())
+            all_ = list(self.cache.values())
             self.cache.clear()
-            self._direct.clear()
         for r in all_:
             r.close()
         deadline = native.monotonic_ns() + int(timeout * 1e9)

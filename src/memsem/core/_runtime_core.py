@@ -93,11 +93,6 @@ class _Context(EngineContext):
         c.check_open()
         return c.server.open(token, challenge, proof)
 
-    def serve_sweep(self) -> None:
-        c = self._core()
-        if c is not None and not c.closed:
-            c.server.sweep()
-
     def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
         return self._c().peers.alive(pid, start, node, rank)
 

@@ -6,16 +6,21 @@ and watches of control words pushed to remote consumers.
 mint: range, access and the owner's MAC over them) and a *proof*: an HMAC under the window's
 access key of the engine's per-connection challenge (a fresh nonce) and the token. The access
 key never crosses the wire, and a proof sniffed on one connection is worth nothing on another.
-``Server.open`` checks, before any byte moves: the window is owned here and LIVE at the token's
-generation, the proof matches the key, the mint's MAC verifies under this owner's secret (a ref
-edited to widen its range or add write access is refused), and returns a :class:`Grant`.
+``Server.open`` checks, before any byte moves and before anything about the window is told:
+the window is served here at the token's generation and the proof matches its key (a window not
+served here is refused exactly like a wrong proof: one message, the same work); then the mint's
+MAC verifies under this owner's secret (a ref edited to widen its range or add write access is
+refused), and it returns a :class:`Grant`.
 
-**Grants** are cached per token. A grant holds a claim on the owner's own resolution of the
-window (the control block stays mapped and every copy is counted in this process's in-flight
-slot); requests must lie inside the mint's range, puts need a writable mint of a writable
-window. Every copy runs inside the native seqlock bracket (``enter``/``leave``): a request
-racing an unpublish gets a stale error, a write section makes it wait (bounded) or retry.
-Retiring the window evicts its grants.
+**Grants** belong to the session (connection handle) that opened them and live until it closes
+them; no cache holds them. A grant holds a claim on the window's *serving resolution* (the
+owner's own memory; one per window, owned by the :class:`Server`, closed only when the window
+retires), so the control block stays mapped and every copy is counted in this process's
+in-flight slot. Requests must lie inside the mint's range; puts and ready marks need a writable
+mint of a writable window, and a mark's tile must lie inside the minted range. Every copy runs
+inside the native seqlock bracket, held only around one call that never waits for a peer
+(``move``: one non-blocking send or receive), and yields the native outcome, which the engine
+carries to the consumer as is.
 
 **Watches.** A grant can subscribe a consumer to control words of its window (the ready words,
 the latest-version word): one hub thread per runtime blocks in the native multi-word waiter on
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import errno as _errno
 import hmac
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -40,7 +46,7 @@ from memsem._errors import (
     EngineError,
     MemsemError,
     MemsemTimeoutError,
-    WindowNotFoundError,
+    StaleReferenceError,
 )
 from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva import (
@@ -62,8 +68,6 @@ if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
     from memsem.core._publish import Owned
 
-#: grants cached per runtime; past this the cache is emptied (grants are cheap to remake)
-GRANT_LIMIT = 4096
 #: header words of a control block a remote consumer may watch
 WATCHABLE_HEADER = (W_GENERATION, W_STATE, W_LATEST, W_SEQ0, W_SEQ1)
 #: targets of one watch, and subscriptions of one runtime
@@ -89,16 +93,17 @@ class Token:
 
 
 class Grant:
-    """A checked credential of remote consumers for one window generation of this runtime.
+    """A checked credential of one remote consumer's session for one window generation of
+    this runtime: it lives as long as the session (the connection's handle) that opened it.
 
     Attributes:
         gva, generation: the window. nbytes: its size. writable: the mint and the window allow
         puts (and ready marks). lo, hi: the minted byte range (requests must lie inside it).
-        n_ready: ready words of the window. spec: the owner's ref (labels in messages).
+        n_ready, tile_bytes: ready words of the window. spec: the owner's ref (labels).
     """
 
-    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "spec", "_res",
-                 "_server", "_closed")
+    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "tile_bytes", "spec",
+                 "_res", "_server", "_closed", "_commits")
 
     def __init__(self, server: "Server", res: Resolution, owned: "Owned", mint: Mint) -> None:
         self._server = server
@@ -109,7 +114,9 @@ class Grant:
         self.lo, self.hi = mint.offset, mint.offset + mint.nbytes
         self.writable = mint.access == "rw" and owned.info.access == "rw"
         self.n_ready = owned.cb.n_ready
+        self.tile_bytes = owned.info.tile_bytes
         self._closed = False
+        self._commits: Subscription | None = None
 
     @property
     def closed(self) -> bool:
@@ -124,8 +131,8 @@ class Grant:
         """A request's range and direction against the mint.
 
         Raises:
-            ValueError: the range is not inside the minted range. AccessDeniedError: a put or
-            a ready mark through a read-only mint or to a read-only window.
+            ValueError: the range is not inside the minted range. AccessDeniedError: a put
+            through a read-only mint or to a read-only window.
         """
         if offset < self.lo or nbytes < 0 or offset + nbytes > self.hi:
             raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside the range "
@@ -133,6 +140,25 @@ class Grant:
         if put and not self.writable:
             raise AccessDeniedError(f"write to window gva {self.gva:#x}: the ref was minted read-only "
                                     "or the window was published read-only")
+
+    def check_tile(self, tile: int) -> None:
+        """A ready mark's tile against the mint, like a put's range: the tile's bytes must lie
+        inside the minted range, and the mint and the window must be writable.
+
+        Raises:
+            AccessDeniedError: read-only, or the tile lies (partly) outside the minted range.
+            ValueError: the window has no such tile.
+        """
+        if not self.writable:
+            raise AccessDeniedError(f"ready mark on window gva {self.gva:#x}: the ref was minted read-only "
+                                    "or the window was published read-only; readiness is the producer's to set")
+        if not 0 <= tile < self.n_ready:
+            raise ValueError(f"tile {tile} of window gva {self.gva:#x}: it has {self.n_ready} tiles")
+        lo = tile * self.tile_bytes
+        hi = min(lo + self.tile_bytes, self.nbytes)
+        if lo < self.lo or hi > self.hi:
+            raise AccessDeniedError(f"ready mark of tile {tile} (bytes [{lo}, {hi})) of window gva "
+                                    f"{self.gva:#x}: the ref was minted for bytes [{self.lo}, {self.hi}) only")
 
     def open_bracket(self, put: bool, offset: int, nbytes: int, version: int = 0,
                      wait_s: float = 0.0) -> tuple[Token | None, Outcome]:
@@ -224,24 +250,76 @@ class Grant:
         """Flat uint8 array over the bytes of an open bracket (valid until ``leave``)."""
         return address_view(token.address, token.nbytes, self._res)
 
-    def set_ready(self, tile: int, ready: bool) -> None:
-        """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
-        ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers).
+    def move(self, put: bool, offset: int, nbytes: int, version: int,
+             io: Callable[[int, int], int]) -> tuple[Outcome, int]:
+        """One seqlock bracket around ``io(address, nbytes)``, a call that moves at most
+        ``nbytes`` bytes at ``address`` (the window's bytes at ``offset`` in the slot of
+        ``version``, 0 the latest) and returns how many it moved without waiting (one
+        non-blocking send or receive). The bracket is held only during that call, so it never
+        depends on a remote peer's progress.
+
+        Returns ``(outcome, moved)``: the bracket's outcome (OK: ``value`` is the version moved;
+        else the native status and its value, which an owner-checked engine carries to its
+        consumer as is) and the bytes ``io`` moved (valid only when the outcome is OK). A closed
+        serving resolution (the window was retired) is GEN_BEFORE with the generation found.
 
         Raises:
-            AccessDeniedError: read-only mint or window. ValueError: no such tile.
-            StaleReferenceError: the generation moved.
+            Whatever ``io`` raises (the bracket is closed as failed first).
         """
-        if not self.writable:
-            raise AccessDeniedError(f"ready mark on window gva {self.gva:#x}: the ref was minted read-only "
-                                    "or the window was published read-only; readiness is the producer's to set")
-        if self.current() != self.generation:
-            raise tr.stale(self.spec, self.current() or None)
+        b = Bracket(self._res)
+        o = b.open(put, offset, nbytes, version)
+        if not o.ok:
+            if o.status is Status.CLOSED:
+                o = Outcome(Status.GEN_BEFORE, self.current())
+            return o, 0
+        moved = 0
+        failed = True
+        try:
+            moved = io(b.address, nbytes)
+            failed = False
+        finally:
+            o = b.close(failed)
+        return o, moved
+
+    def set_ready(self, tile: int, ready: bool) -> Outcome:
+        """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
+        ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers). Returns the
+        outcome: OK, or GEN_BEFORE with the generation found (0: gone).
+
+        Raises:
+            AccessDeniedError / ValueError: as :meth:`check_tile`.
+        """
+        self.check_tile(tile)
+        cur = self.current()
+        if cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
         core = self._server.core
-        if ready:
-            core.readiness.mark(self.spec, tile)
+        try:
+            if ready:
+                core.readiness.mark(self.spec, tile)
+            else:
+                core.readiness.clear(self.spec, tile)
+        except StaleReferenceError as exc:  # retired between the check and the mark
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        return Outcome(Status.OK, 0)
+
+    @property
+    def commit_watched(self) -> bool:
+        """``on_commit`` was called (and the grant is open)."""
+        return self._commits is not None
+
+    def on_commit(self, notify: Callable[[], None]) -> None:
+        """Call ``notify()`` (from the hub's thread; it must not block) whenever a version of
+        the window is committed or its generation moves, until the grant closes: what a
+        request parked on an open write section waits for.
+
+        Raises:
+            StaleReferenceError: the window is gone. MemsemError: too many subscriptions.
+        """
+        if self._commits is None:
+            self._commits = self._server.hub.subscribe(self, [(WATCH_HEADER, W_LATEST, 1)], notify)
         else:
-            core.readiness.clear(self.spec, tile)
+            self._commits.notify = notify
 
     def watch(self, targets: Sequence[tuple[int, int, int]], notify: Callable[[], None]) -> "Subscription":
         """Subscribe to control words of this window (see the module docstring). ``notify()``
@@ -266,9 +344,12 @@ class Grant:
         return cb
 
     def close(self) -> None:
-        """Drop the grant's claim on the resolution (safe twice)."""
+        """Drop the grant's claim on the serving resolution (safe twice)."""
         if not self._closed:
             self._closed = True
+            if self._commits is not None:
+                self._commits.close()
+                self._commits = None
             self._res.leave()
 
 
@@ -525,12 +606,23 @@ def _check_targets(grant: Grant, targets: Sequence[tuple[int, int, int]]) -> lis
 
 
 class Server:
-    """Grants, mints and watches of one runtime (the owner side of owner-checked engines)."""
+    """Mints, credentials, serving resolutions and watches of one runtime (the owner side of
+    owner-checked engines).
+
+    Grants belong to the sessions that opened them (no cache: a grant lives until its
+    session closes it). Each window served has one *serving resolution* of the owner's own
+    memory, owned here and never cached (no cache bound or eviction closes it under a grant):
+    made at the first grant of the window, closed when the window retires (``evict``).
+    """
 
     def __init__(self, core: "RuntimeCore") -> None:
         self.core = core
-        self._grants: dict[bytes, Grant] = {}
+        #: gva -> the serving resolution of the window's live generation
+        self._serving: dict[int, Resolution] = {}
         self._lock = threading.Lock()
+        #: the key a proof is checked against when the window named is not served here, so
+        #: that an unowned GVA costs and answers exactly what a wrong proof does
+        self._decoy = secrets.token_bytes(16)
         self.hub = WatchHub(core)
 
     # -- mints ------------------------------------------------------------------------------------
@@ -549,31 +641,30 @@ class Server:
 
     # -- opening ----------------------------------------------------------------------------------
     def open(self, token: bytes, challenge: bytes, proof: bytes) -> Grant:
-        """Check a remote consumer's credential for a window this runtime owns (see the module
-        docstring) and return its grant.
+        """Check a remote consumer's credential (see the module docstring) and return a new
+        grant for its session (the caller closes it).
+
+        Nothing about the window is told before the proof verifies: a malformed token, a
+        window not served here (never published, unpublished, retiring, another generation)
+        and a wrong proof are one refusal, with one message. After the proof: a ref without a
+        mint, or whose mint's MAC does not verify (an edited ref), is refused by name.
 
         Raises:
-            AccessDeniedError: malformed token, wrong proof (key), no mint, a mint whose MAC does
-                not verify (an edited ref). WindowNotFoundError: not owned here (any more).
-                StaleReferenceError: another generation, or the window is not LIVE.
+            AccessDeniedError: refused (the engine closes the connection).
+            RuntimeClosedError / MemsemError: the runtime is closing, or cannot serve the window.
         """
+        core = self.core
         try:
             gva, gen, mint = parse_token(token)
-        except ValueError as exc:
-            raise AccessDeniedError(f"malformed credential: {exc}") from None
-        core = self.core
+        except ValueError:
+            gva, gen, mint = -1, -1, None
         owned = core.publisher.owned.get(gva)
-        if owned is None or owned.retiring:
-            raise WindowNotFoundError(f"window gva {gva:#x} is not published by this runtime (unpublished, "
-                                      "or never): the ref is stale", expected=gen)
+        live = owned is not None and not owned.retiring and owned.generation == gen
+        key = owned.key if live else self._decoy
+        good = hmac.compare_digest(credential_proof(key, challenge, bytes(token)), bytes(proof))
+        if not (live and good):
+            raise AccessDeniedError(REFUSED)
         spec = owned.spec()
-        if gen != owned.generation:
-            raise tr.stale(RefSpec(gva, gen, spec.key, spec.access, 0, spec.nbytes, spec.dtype_code, spec.shape,
-                                   spec.byte_offset, spec.framework, spec.name), owned.generation)
-        if not hmac.compare_digest(credential_proof(owned.key, challenge, token), bytes(proof)):
-            raise AccessDeniedError(f"wrong access key for {spec.label}: the credential's proof does not "
-                                    "match (a ref not minted by its owner, or a proof replayed from another "
-                                    "connection)")
         if mint is None:
             raise AccessDeniedError(f"the ref to {spec.label} carries no mint (built by hand, or by an older "
                                     "memsem): ask its owner for a ref (publish, lookup)")
@@ -581,51 +672,39 @@ class Server:
             raise AccessDeniedError(f"the ref to {spec.label} was altered: its minted range/access "
                                     f"[{mint.offset}, {mint.offset + mint.nbytes}) {mint.access!r} does "
                                     "not verify under the owner's MAC")
-        cb = owned.cb
-        if cb.generation != gen or cb.word(W_STATE) != WindowState.LIVE:
-            raise tr.stale(spec, cb.generation)
-        token = bytes(token)
         with self._lock:
-            g = self._grants.get(token)
-            if g is not None and not g.closed and g.current() == g.generation:
-                return g
-            if g is not None:
-                del self._grants[token]
-                g.close()
-            res = core.resolver.resolve_direct(spec)  # the owner's own memory, whatever the route preference
+            res = self._serving.get(gva)
+            if res is not None and (res.closed or res.generation != gen):
+                del self._serving[gva]
+                res.close()
+                res = None
+            if res is None:
+                # the owner's own memory, whatever the route preference; owned here, not cached
+                res = self._serving[gva] = core.resolver.resolve_direct(spec)
             if not res.enter():  # the grant's claim
-                raise tr.stale(spec, cb.generation)
-            g = Grant(self, res, owned, mint)
-            if len(self._grants) >= GRANT_LIMIT:
-                self._evict(lambda g: True)
-            self._grants[token] = g
-            return g
+                raise AccessDeniedError(REFUSED)
+            return Grant(self, res, owned, mint)
 
     # -- lifetime ---------------------------------------------------------------------------------
-    def sweep(self) -> None:
-        """Drop cached grants of windows whose generation moved."""
-        with self._lock:
-            self._evict(lambda g: g.current() != g.generation)
-
     def evict(self, gva: int) -> None:
-        """Drop every grant of window ``gva`` (it is being retired) and tell its watchers."""
+        """Window ``gva`` is retired: close its serving resolution (grants still held by
+        sessions answer GEN_BEFORE from then on) and tell its watchers."""
         with self._lock:
-            self._evict(lambda g: g.gva == gva)
+            res = self._serving.pop(gva, None)
+        if res is not None:
+            res.close()
         self.hub.changed(gva)
 
     def close(self) -> None:
         self.hub.close()
         with self._lock:
-            self._evict(lambda g: True)
-
-    def _evict(self, which: Any) -> None:
-        for tok, g in list(self._grants.items()):
-            if which(g):
-                del self._grants[tok]
-                try:
-                    g.close()
-                except MemsemError:
-                    pass
+            all_, self._serving = list(self._serving.values()), {}
+        for r in all_:
+            r.close()
 
 
-__all__ = ["GRANT_LIMIT", "Grant", "MemsemTimeoutError", "Server", "Subscription", "Token", "WatchHub"]
+#: the one refusal of a credential before its proof verified (whatever was wrong)
+REFUSED = ("credential refused: its proof does not verify for a window this owner serves (wrong "
+           "access key, a proof replayed from another connection, or no such window here)")
+
+__all__ = ["REFUSED", "Grant", "MemsemTimeoutError", "Server", "Subscription", "Token", "WatchHub"]

@@ -575,14 +575,12 @@ class EngineContext(abc.ABC):
     def serve_open(self, token: bytes, challenge: bytes, proof: bytes) -> Any:
         """Owner side of engines whose ``enforces_generation`` is "owner": a remote consumer
         shows ``token`` (a :class:`Credential`'s) and ``proof`` (its ``prove(challenge)``) for
-        the ``challenge`` this engine issued on that connection. Returns a grant (see
-        ``memsem.core._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
-        ``set_ready``, ``watch``) or raises the memsem error saying why not (AccessDeniedError,
-        StaleReferenceError, WindowNotFoundError)."""
-
-    @abc.abstractmethod
-    def serve_sweep(self) -> None:
-        """Drop cached grants of windows whose generation moved."""
+        the ``challenge`` this engine issued on that connection. Returns a new grant for that
+        session, which the engine closes when the session ends or closes the handle (see
+        ``memsem.core._serve.Grant``: ``check``/``check_tile``, ``copy`` and ``move`` (one
+        bracket around one non-blocking call, yielding the owner's native outcome),
+        ``set_ready``, ``watch``, ``on_commit``, ``close``), or raises AccessDeniedError (the
+        credential is refused; nothing about the window is said) or another MemsemError."""
 
     @abc.abstractmethod
     def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
