@@ -11,13 +11,16 @@ from memsem._errors import (
     LeaseHeldError,
     MemsemError,
     MemsemTimeoutError,
+    NameHeldError,
     NotSupportedError,
     OutOfMemoryError,
     OwnerWriteError,
     PeerLostError,
     RuntimeClosedError,
     StaleReferenceError,
+    VersionGoneError,
     WindowNotFoundError,
+    WindowRetiredError,
 )
 from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
@@ -27,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
     "Lease", "LeaseExpiredError",
-    "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
+    "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NameHeldError", "NotSupportedError", "OutOfMemoryError",
     "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",
-    "WindowNotFoundError", "WriteSection", "default_runtime", "__version__",
+    "VersionGoneError", "WindowNotFoundError", "WindowRetiredError", "WriteSection", "default_runtime", "__version__",
 ]

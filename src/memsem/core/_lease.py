@@ -11,7 +11,7 @@ from memsem._errors import (
     LeaseExpiredError,
     MemsemError,
     RuntimeClosedError,
-    StaleReferenceError,
+    WindowRetiredError,
 )
 from memsem.gva import ControlBlock, RefSpec, lease_slots as _lease
 from memsem.core import _translate as tr
@@ -78,7 +78,7 @@ class Lease:
         """Claim the lease.
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or of another generation.
+            WindowRetiredError: the window is gone, closing, or of another generation.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
             MemsemError: no free lease slot. RuntimeClosedError: the runtime is closed.
         """
@@ -96,8 +96,8 @@ class Lease:
             try:
                 slot, lid = _lease.acquire(cb, me.pid, me.start_time, self._ttl_ns(self.ttl), self.version)
             except _lease.WindowClosing:
-                raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
-                                          window=self.spec.name, expected=self.spec.generation) from None
+                raise WindowRetiredError(f"{self.spec.label} is closing or closed: no new leases",
+                                         window=self.spec.name, generation=self.spec.generation) from None
             except _lease.LeaseSlotsFull:
                 raise MemsemError(f"{self.spec.label}: all {cb.n_lease} lease slots are held") from None
             if cb.generation != self.spec.generation:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
-from memsem._errors import NotSupportedError, StaleReferenceError
+from memsem._errors import NotSupportedError, VersionGoneError
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_WRITER
 from memsem.core import _translate as tr
@@ -269,10 +269,10 @@ class Versions:
                     got = tx.transfer(spec, False, off, addr, n, keep, lease, v)
                     v = v or got
                 return v
-            except StaleReferenceError as exc:
+            except VersionGoneError as exc:
                 # the latest version moved on between ranges (it names the version it wanted):
                 # start again from the new latest; anything else is the caller's error
-                if version or not v or exc.expected != v or exc.found is None:
+                if version or not v or exc.wanted != v:
                     raise
         raise tr.busy_timeout(spec, self._core.timeout)
 

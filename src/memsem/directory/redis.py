@@ -42,7 +42,7 @@ import threading
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
+from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, WindowRetiredError
 from memsem.directory._base import Directory, check_entry_key, secret_keys, seal_key, unseal_key
 from memsem.directory.local import default_job
 
@@ -384,7 +384,7 @@ class RedisDirectory(Directory):
         released, reaped when the holder's rank expires).
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or at another generation.
+            WindowRetiredError: the window is gone, closing, or at another generation.
         """
         member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
                  f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
@@ -397,7 +397,7 @@ class RedisDirectory(Directory):
             return member
         why = {-1: "is not published (or its owner's heartbeat expired)", -2: "is closing: no new leases",
                -3: "moved to another generation"}.get(int(rc), f"refused the lease ({rc})")
-        raise StaleReferenceError(f"window gva {gva:#x} {why}", expected=generation)
+        raise WindowRetiredError(f"window gva {gva:#x} {why}", generation=generation)
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (server clock); False when it was lost."""
