@@ -555,9 +555,9 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
     return ref
 
 
-def lookup_state_dict(core: RuntimeCore, name: str) -> StateDictRef:
+def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0) -> StateDictRef:
     """See ``memsem.Runtime.lookup_state_dict``."""
-    spec = core.lookup_spec(name)
+    spec = core.lookup_spec(name, timeout)
     if spec.dtype_code != _UINT8:
         raise ValueError(f"window {name!r} is not a state-dict window (dtype {_dtypes.name_of(spec.dtype_code)})")
     ref = StateDictRef(spec, core)
