@@ -22,15 +22,28 @@ from memsem._errors import (
     WindowNotFoundError,
     WindowRetiredError,
 )
-from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
+from memsem.refs import (
+    FieldRef,
+    FieldSchema,
+    FieldSet,
+    Followable,
+    Follower,
+    Runtime,
+    StateDictLayout,
+    StateDictRef,
+    StreamBucket,
+    TensorRef,
+    Versioned,
+    default_runtime,
+)
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
+    "AccessDeniedError", "Batch", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet", "Followable", "Follower",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NameHeldError", "NotSupportedError", "OutOfMemoryError",
-    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",
-    "VersionGoneError", "WindowNotFoundError", "WindowRetiredError", "WriteSection", "default_runtime", "__version__",
+    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "StreamBucket", "TensorRef",
+    "VersionGoneError", "Versioned", "WindowNotFoundError", "WindowRetiredError", "WriteSection", "default_runtime", "__version__",
 ]

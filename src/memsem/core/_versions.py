@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from memsem import _args, native
 from memsem._errors import NotSupportedError, VersionGoneError
 from memsem.gva import RefSpec
-from memsem.gva._control_block import W_LATEST, W_WRITER
+from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
 from memsem.core._lease import Lease
@@ -195,7 +195,12 @@ class Versions:
                 wait = Wait(f"{spec.label}: the write section overwriting version {v}", t,
                             telemetry=core.telemetry, state="stayed open",
                             recheck=window_checks(res, spec, cb, during=f"a pin of version {v}"))
-            wait.sleep_word(cb.latest_addr, cb.latest)
+            if not version and seq == (v << 1 | 1):
+                # the latest word says v, its slot's sequence is stored next (the commit's two
+                # stores): the sequence word moves, the latest word does not
+                wait.sleep_word(cb.addr(W_SEQ0 + cb.slot_of(v)), seq)
+            else:
+                wait.sleep_word(cb.latest_addr, cb.latest)
 
     # -- one bracket, many ranges -----------------------------------------------------------------
     def gather(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], *, version: int = 0,

@@ -284,8 +284,8 @@ class Runtime:
         Args:
             pairs: ``(src, dst)`` pairs; each side is a TensorRef (a window or a range of one,
                 see ``TensorRef.bytes``/``tile``) or a local buffer with the same byte count
-                (C-contiguous CPU memory of a plain numeric or bool dtype; a destination must be
-                writable). At least one side of each pair is a ref. Ref-to-ref copies go straight between
+                (C-contiguous CPU memory of a plain numeric or bool dtype: the ref's dtype, or
+                uint8 for raw bytes; a destination must be writable). At least one side of each pair is a ref. Ref-to-ref copies go straight between
                 mapped memories when the source route allows, else through a bounce buffer
                 (counted in ``stats().bounce_bytes``).
             lease: optional lease checked for the ranges of its window.
@@ -315,9 +315,9 @@ class Runtime:
                 if not d_ref and not isinstance(dst, RefSpec):
                     raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref, got "
                                     f"{type(src).__name__} and {type(dst).__name__}")
-                check_buffer(src, f"pairs[{i}] src", writable=False)
+                check_buffer(src, f"pairs[{i}] src", writable=False, dtype_code=dst.dtype_code)
             elif not d_ref and not isinstance(dst, RefSpec):
-                check_buffer(dst, f"pairs[{i}] dst", writable=True)
+                check_buffer(dst, f"pairs[{i}] dst", writable=True, dtype_code=src.dtype_code)
             specs.append((src, dst))
         return self._core.xcopy_specs(specs, lease=lease)
 
@@ -402,6 +402,45 @@ class Runtime:
         from memsem.refs._state_dict import lookup_state_dict
 
         return lookup_state_dict(self._core, name, timeout=timeout)
+
+    def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
+               pin: bool = True, pin_ttl: float | None = 10.0):
+        """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
+        ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
+        that version (bit-exact). See :mod:`memsem.refs._follow`.
+
+        Example::
+
+            for version, params in rt.follow("policy", into=model.state_dict(), timeout=60):
+                rollout(params)
+
+        Args:
+            source: a window name (a state dict's or a tensor's; looked up, waiting for it),
+                a ``TensorRef`` / ``StateDictRef``, or a followable object (``version()``,
+                ``wait_version(v, timeout)``, ``load(into, version=, timeout=)``: a
+                ``memsem.Relay``).
+            into: the existing tensors each version is loaded into: a mapping of name to
+                tensor for a state dict (``load``'s ``into``), an array / tensor for a tensor
+                window (``get``'s ``out``); None: allocated at the first load and reused
+                (allocated again after a republish). Needed for a followable source.
+            timeout: seconds each step may wait in all (for the name, a commit, a new owner,
+                the load), default the runtime's; then ``MemsemTimeoutError``.
+            after: yield only versions after this one (0: the latest at once).
+            pin: pin each version while it is loaded (a lease at the owner), so a trainer that
+                commits every step never overwrites it under the load; the owner waits for the
+                pin, at most ``pin_ttl`` seconds. Routes that offer no pins load unpinned.
+
+        Returns:
+            A :class:`memsem.refs._follow.Follower` (``version``, ``generation``, ``loads``,
+            ``skipped``, ``recovered``; ``close()``).
+
+        Raises:
+            TypeError / ValueError: a bad source, name, timeout, after or pin_ttl (at once);
+            the iterator raises as :meth:`memsem.refs._follow.Follower.next`.
+        """
+        from memsem.refs._follow import follow
+
+        return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):

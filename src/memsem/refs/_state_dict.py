@@ -40,7 +40,7 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import buffer_info, empty_arena
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.refs._tensorref import TensorRef, as_core
+from memsem.refs._tensorref import TensorRef, Versioned, as_core
 from memsem.core import Lease, RuntimeCore
 
 #: first 8 bytes of a state-dict window (then u32 header bytes, u32 JSON bytes, the JSON)
@@ -268,6 +268,28 @@ class StateDictSection:
         self.section.__exit__(exc_type, *exc)
 
 
+class StreamBucket(tuple):
+    """One bucket of ``StateDictRef.stream``: the pair ``(index, {name: tensor})`` (it unpacks
+    as before), and ``version``: the version the stream's bytes belong to (one for the whole
+    stream, pinned while it runs)."""
+
+    def __new__(cls, index: int, tensors: dict[str, Any], version: int) -> "StreamBucket":
+        obj = super().__new__(cls, (index, tensors))
+        obj.version = version
+        return obj
+
+    @property
+    def index(self) -> int:
+        return self[0]
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"StreamBucket(index={self[0]}, {len(self[1])} tensors, version={self.version})"
+
+
 class StateDictRef(TensorRef):
     """A ref to a state-dict window: many named tensors, one window, one layout.
 
@@ -407,18 +429,23 @@ class StateDictRef(TensorRef):
         return {e.name: a for e, a in zip(lay.entries, arrs)}
 
     def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
-            version: int = 0) -> Any:  # type: ignore[override]
+            version: int = 0, with_version: bool = False) -> Any:  # type: ignore[override]
         """A new dict of every tensor of one version (``framework``: "numpy" or "torch"; default
-        what was published); with ``out`` (a mapping), the same as ``load(out)`` and returns it."""
+        what was published); with ``out`` (a mapping), the same as ``load(out)`` and returns it.
+        ``with_version``: return ``Versioned(version, dict)`` (the version whose bytes it holds)."""
+        if with_version is not False and with_version is not True:
+            raise TypeError(f"with_version must be True or False, got {with_version!r}")
         dst = out if out is not None else self.empty_like(framework)
-        self.load(dst, version=version, lease=lease)
-        return dst
+        v = self.load(dst, version=version, lease=lease)
+        return Versioned(v, dst) if with_version else dst
 
     def stream(self, into: Mapping[str, Any] | None = None, *, depth: int = 2, ttl: float | None = 60.0,
-               timeout: float | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+               timeout: float | None = None) -> Iterator["StreamBucket"]:
         """Yield ``(bucket index, {name: tensor})`` bucket by bucket, every bucket of one
         version (pinned by a lease while the stream runs), while up to ``depth - 1`` next
         buckets move in the background: the caller uses bucket i while bucket i+1 moves.
+        Each item is a :class:`StreamBucket`: it unpacks as that pair, and ``.version`` is
+        the version its bytes (every bucket's) belong to.
 
         ``into`` (default: new tensors) receives the bytes (the yielded dicts are its tensors).
         The stream pins the latest committed version when it starts; the owner may write the
@@ -456,7 +483,7 @@ class StateDictRef(TensorRef):
                 if b + depth < len(per_bucket):
                     start(b + depth)
                 i, j = lay.buckets[b]
-                yield b, {e.name: dst[e.name] for e in lay.entries[i:j]}
+                yield StreamBucket(b, {e.name: dst[e.name] for e in lay.entries[i:j]}, v)
         finally:
             for f in futs.values():
                 try:
@@ -565,5 +592,5 @@ def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0) -> 
     return ref
 
 
-__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "TensorEntry", "lookup_state_dict",
-           "publish_state_dict"]
+__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "StreamBucket", "TensorEntry",
+           "lookup_state_dict", "publish_state_dict"]
