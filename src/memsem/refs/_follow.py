@@ -42,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from memsem import _args, _dtypes
 from memsem._errors import (
+    LeaseExpiredError,
+    MemsemTimeoutError,
     NotSupportedError,
     PeerLostError,
     VersionGoneError,
@@ -159,8 +161,16 @@ class Follower:
         """
         what = f"a version after {self.version} of {self._label()}"
         wait = Wait(what, self.timeout, telemetry=self._core.telemetry, state="not loaded")
-        if self._source is not None:
-            return self._next_followable(wait)
+        try:
+            if self._source is not None:
+                return self._next_followable(wait)
+            return self._next_window(wait)
+        except MemsemTimeoutError as exc:
+            if exc.what == what:
+                raise
+            raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
+
+    def _next_window(self, wait: Wait) -> tuple[int, Any]:
         while True:
             wait.check()
             try:
@@ -170,7 +180,7 @@ class Follower:
                 want = max(want, self._after + 1) if self.version == 0 else want
                 self.ref.wait_version(want, timeout=wait.left())
                 v = self._load(wait)
-            except VersionGoneError as exc:
+            except (VersionGoneError, LeaseExpiredError) as exc:
                 self._note("load again", exc)  # overwritten under the load: load the latest again
                 continue
             except (WindowRetiredError, PeerLostError) as exc:

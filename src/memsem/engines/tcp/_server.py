@@ -134,6 +134,7 @@ class Server:
         self._ops: dict[int, Callable[..., Job | None]] = {
             W.OP_OPEN: self._open, W.OP_CLOSE: self._close_handle, W.OP_GET: self._get, W.OP_PUT: self._put,
             W.OP_MARK: self._mark, W.OP_CLEAR: self._mark, W.OP_WATCH: self._watch, W.OP_UNWATCH: self._unwatch,
+            W.OP_PIN: self._pin, W.OP_UNPIN: self._unpin,
         }
         self._stop = False
         #: the loop's clock, read once per batch of events
@@ -703,6 +704,41 @@ class Server:
         if int(o.status) != _OK:
             return self._outcome(s, handle, rid, int(o.status), o.value)
         return self._reply(s, W.OK, handle, rid)
+
+    def _pin(self, s: Session, op: int, handle: int, rid: int, ttl_ms: int, n: int, version: int,
+             wait_ms: int) -> Job | None:
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        return self._pin_job(s, g, handle, rid, version, ttl_ms / 1000.0, self._park_until(wait_ms))
+
+    def _pin_job(self, s: Session, g: Any, handle: int, rid: int, version: int, ttl: float,
+                 wait_until: float) -> Job:
+        """A reservation of ``version`` for the session (the grant holds it): a write section
+        overwriting the version is waited for like a GET's (parked until a commit)."""
+        while True:
+            try:
+                o = g.reserve(version, ttl)
+            except MemsemError as exc:
+                yield from self._reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
+                return
+            status, value = int(o.status), o.value
+            if status == _BUSY:
+                p = self._park(s, g, wait_until)
+                if p:
+                    if p == _WAIT:
+                        yield PARK, wait_until
+                    continue
+            if status == _OK:
+                yield from self._reply(s, W.OK, handle, rid, value) or ()
+            else:
+                yield from self._outcome(s, handle, rid, status, value) or ()
+            return
+
+    def _unpin(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int, *_: int) -> None:
+        g = s.handles.get(handle)
+        if g is not None:
+            g.drop_reservation(version)
 
     def _watch(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, *_: int) -> Job | None:
         if s.kind != W.KIND_WATCH or n > W.MAX_WATCH_TARGETS * W.TGT.size or n % W.TGT.size:
