@@ -77,7 +77,32 @@ def digest(sd: dict[str, Any], names: list[str]) -> str:
 
 
 # -- memsem: trainer + rollouts ---------------------------------------------------------------------
+def _follower(idx: int, name: str, versions: int, verify: bool, results: Any, job: str) -> None:
+    """A rollout that is the follower loop (``Runtime.follow``): in lockstep with the trainer,
+    it loads every version (pinned while it loads), checks it, and reports it."""
+    os.environ["MEMSEM_JOB"] = job
+    import memsem
+
+    try:
+        with memsem.Runtime(timeout=300.0) as rt:
+            sd = rt.lookup_state_dict(name, timeout=300)
+            into = sd.empty_like("numpy")
+            names = list(sd.keys())
+            results.put(("joined", idx))
+            for v, tensors in rt.follow(sd, into=into, timeout=300):
+                t_end = time.monotonic()
+                ok = digest(tensors, names) if verify else ""
+                e = rt.stats().errors
+                results.put(("loaded", idx, v, t_end, ok, e.get("torn", 0) + e.get("busy", 0)))
+                if v >= versions:
+                    break
+    except BaseException as exc:
+        results.put(("error", idx, f"{type(exc).__name__}: {exc}"))
+
+
 def _rollout(idx: int, name: str, versions: int, verify: bool, results: Any, job: str) -> None:
+    """A rollout that loads *every* version however fast the trainer commits: it reserves the
+    next two versions ahead (pins of versions not written yet), so the trainer waits for it."""
     os.environ["MEMSEM_JOB"] = job
     import memsem
 
@@ -135,7 +160,9 @@ def memsem_sync(sd: dict[str, np.ndarray], rollouts: int, versions: int, *, veri
             ref = rt.publish_state_dict(sd, name="policy", bucket_bytes=bucket_bytes)
             nbytes = sum(a.nbytes for a in sd.values())
             results = _CTX.Queue()
-            procs = [_CTX.Process(target=_rollout, args=(i, "policy", versions, verify, results, job), daemon=True)
+            # in lockstep each rollout is the follower loop; otherwise it reserves versions ahead
+            target = _follower if lockstep else _rollout
+            procs = [_CTX.Process(target=target, args=(i, "policy", versions, verify, results, job), daemon=True)
                      for i in range(rollouts)]
             for p in procs:
                 p.start()

@@ -229,6 +229,11 @@ class Publisher:
         if write_guard not in WRITE_GUARDS:
             raise ValueError(f"write_guard must be None, 'protect' or 'checksum', got {write_guard!r}")
         info = buffer_info(obj, "obj")
+        if info.nbytes == 0 and not info.address:
+            # An empty tensor may have no memory at all (torch.empty(0).data_ptr() == 0): the
+            # window gets a byte of its own, so every route maps something (it moves 0 bytes).
+            spare = np.zeros(1, np.uint8)
+            info = dataclasses.replace(info, address=spare.ctypes.data, keepalive=(info.keepalive, spare))
         if access is None:
             access = "r" if (info.readonly or slots == 2) else "rw"
         if access not in ("r", "rw"):

@@ -308,6 +308,11 @@ class RuntimeCore:
     def mark_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.mark(spec, tile)
 
+    def add_rows(self, spec: RefSpec, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` written rows of tile ``tile`` (of ``total``); the write that completes
+        the tile marks it (see ``Readiness.add_rows``). Returns the rows written so far."""
+        return self.readiness.add_rows(spec, tile, rows, total)
+
     def clear_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.clear(spec, tile)
 
@@ -331,6 +336,21 @@ class RuntimeCore:
     def owns(self, spec: RefSpec) -> bool:
         """Whether this runtime publishes ``spec``'s window (any generation)."""
         return spec.gva in self.publisher.owned
+
+    def window_memory(self, spec: RefSpec) -> np.ndarray:
+        """Owner: the memory of a single-slot window this runtime publishes, as a flat uint8
+        array over it (no copy): what its write sections change in place.
+
+        Raises:
+            WindowNotFoundError / WindowRetiredError: not a live window of this runtime.
+            ValueError: a double-buffered window (its versions alternate between two slots).
+        """
+        self.check_open()
+        owned = self.publisher.owned_for(spec)
+        if owned.n_slots != 1:
+            raise ValueError(f"{owned.label} is double-buffered (slots=2): its memory alternates between "
+                             "two slots; publish it with slots=1 to change it in place")
+        return owned.slot_array(0).reshape(-1).view(np.uint8)
 
     def mint(self, spec: RefSpec) -> RefSpec:
         """``spec`` minted by its owner (this runtime) for its own range and access: the

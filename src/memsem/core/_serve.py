@@ -308,6 +308,23 @@ class Grant:
             return Outcome(Status.GEN_BEFORE, exc.found or 0)
         return Outcome(Status.OK, 0)
 
+    def add_rows(self, tile: int, rows: int, total: int) -> Outcome:
+        """Count ``rows`` of tile ``tile``'s ``total`` written by the remote producer, as the
+        owner's own ``Readiness.add_rows`` would (the tile is marked once complete). Returns OK
+        (value: the rows written so far), or GEN_BEFORE with the generation found.
+
+        Raises:
+            AccessDeniedError / ValueError: as :meth:`check_tile`; rows written twice.
+        """
+        self.check_tile(tile)
+        cur = self.current()
+        if cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
+        try:
+            return Outcome(Status.OK, self._server.core.readiness.add_rows(self.spec, tile, rows, total))
+        except StaleReferenceError as exc:
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+
     @property
     def commit_watched(self) -> bool:
         """``on_commit`` was called (and the grant is open)."""

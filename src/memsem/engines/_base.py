@@ -519,6 +519,12 @@ class Engine(abc.ABC):
         the credential's write access and writes the word as its own ``mark_ready`` does."""
         raise NotSupportedError(f"engine {self.name!r} cannot mark tiles of a remote window")
 
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` written rows of tile ``tile`` (of ``total``) at the owner, whose runtime
+        marks the tile ready when the count completes it; returns the rows written so far."""
+        raise NotSupportedError(f"engine {self.name!r} cannot count the rows of a remote window's tiles: "
+                                "write whole tiles, or mark them with mark_rows once complete")
+
     def submit(self, ops: Sequence[Op]) -> Request:
         """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op.
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _args, _dtypes, native
-from memsem._buffers import array_address, as_byte_array
+from memsem._buffers import array_address, as_byte_array, check_dtype
 from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, RuntimeClosedError
 from memsem.gva import RefSpec
 from memsem.core import ATTENTION, Lease, RuntimeCore, settle
@@ -691,6 +691,7 @@ class Pipeline:
             flat, binfo = as_byte_array(out, "out", writable=True)
             if binfo.nbytes != spec.nbytes:
                 raise ValueError(f"out holds {binfo.nbytes} bytes; the ref is {spec.nbytes} bytes")
+            check_dtype("out", binfo.dtype_code, spec.dtype_code)  # uint8 (raw bytes) or the ref's
             self._base = flat
         else:
             self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)

@@ -32,8 +32,14 @@ that has ``version()``, ``wait_version(version, timeout)`` and ``load(into, vers
 (returning the version loaded, at least the one asked for): the fan-out's ``memsem.Relay``
 fits as it is, and recovers from its own failures (the loop only waits and loads through it).
 
-Async: ``async for version, params in rt.follow(...)`` runs the same loop's step in a worker
-thread (the event loop never blocks).
+**Every version, in order** (``every=True``): a stream whose versions each carry their own
+data (a bucket stream: verl's buckets), where the owner keeps every version readable until the
+follower is done with it (flow control, or pins of versions ahead). Each step waits for exactly
+the next version and loads exactly it; a version gone, a retired window or a dead owner break
+the stream and are raised (never skipped over).
+
+Async: ``async for version, params in rt.follow(...)`` (or ``await follower.next_async()``)
+runs the same loop's step in a worker thread (the event loop never blocks).
 """
 from __future__ import annotations
 
@@ -85,12 +91,16 @@ class Follower:
     """
 
     def __init__(self, core: RuntimeCore, source: Any, *, into: Any = None, timeout: float | None = None,
-                 after: int = 0, pin: bool = True, pin_ttl: float | None = DEFAULT_PIN_TTL) -> None:
+                 after: int = 0, pin: bool = True, pin_ttl: float | None = DEFAULT_PIN_TTL,
+                 every: bool = False) -> None:
         self._core = core
         self.timeout = _args.timeout_or(timeout, core.timeout, "timeout")
         self._after = _args.version(after, "after")
         if not isinstance(pin, bool):
             raise TypeError(f"pin must be True or False, got {pin!r}")
+        if not isinstance(every, bool):
+            raise TypeError(f"every must be True or False, got {every!r}")
+        self.every = every
         self._pin = pin
         self._pin_ttl = _args.ttl(pin_ttl, "pin_ttl")
         self._source: Followable | None = None
@@ -132,7 +142,11 @@ class Follower:
     async def __anext__(self) -> tuple[int, Any]:
         if self._closed:
             raise StopAsyncIteration
-        return await asyncio.get_running_loop().run_in_executor(None, self.next)
+        return await self.next_async()
+
+    async def next_async(self, into: Any = None) -> tuple[int, Any]:
+        """``next`` for asyncio: the step runs in a worker thread (the loop never blocks)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.next, into)
 
     def close(self) -> None:
         """End the iteration (a blocked step ends by its timeout). Safe twice."""
@@ -149,9 +163,10 @@ class Follower:
         return f"<memsem.Follower of {what} at version {self.version} ({self.loads} loads)>"
 
     # -- one step ---------------------------------------------------------------------------------
-    def next(self) -> tuple[int, Any]:
+    def next(self, into: Any = None) -> tuple[int, Any]:
         """Block until a version newer than the last one yielded is loaded into the tensors;
-        return ``(version, tensors)``.
+        return ``(version, tensors)``. ``into``: load this step into these tensors instead
+        (e.g. two buffers used in turn); ``every``: exactly the next version.
 
         Raises:
             MemsemTimeoutError: no newer version could be loaded within ``timeout`` s (no name,
@@ -163,14 +178,14 @@ class Follower:
         wait = Wait(what, self.timeout, telemetry=self._core.telemetry, state="not loaded")
         try:
             if self._source is not None:
-                return self._next_followable(wait)
-            return self._next_window(wait)
+                return self._next_followable(wait, into)
+            return self._next_window(wait, into)
         except MemsemTimeoutError as exc:
             if exc.what == what:
                 raise
             raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
 
-    def _next_window(self, wait: Wait) -> tuple[int, Any]:
+    def _next_window(self, wait: Wait, into: Any) -> tuple[int, Any]:
         while True:
             wait.check()
             try:
@@ -179,12 +194,14 @@ class Follower:
                 want = (self.version if self.ref.spec.generation == self.generation else 0) + 1
                 want = max(want, self._after + 1) if self.version == 0 else want
                 self.ref.wait_version(want, timeout=wait.left())
-                v = self._load(wait)
+                v = self._load(wait, want if self.every else 0, into)
             except (VersionGoneError, LeaseExpiredError) as exc:
+                if self.every:
+                    raise  # the stream lost a version: never skipped over
                 self._note("load again", exc)  # overwritten under the load: load the latest again
                 continue
             except (WindowRetiredError, PeerLostError) as exc:
-                if not self._name:
+                if not self._name or self.every:
                     raise
                 self._note("look up again", exc)
                 self.ref = None
@@ -196,24 +213,27 @@ class Follower:
             self.generation = self.ref.spec.generation
             self.version = v
             self.loads += 1
-            return v, self._into
+            return v, into if into is not None else self._into
 
-    def _next_followable(self, wait: Wait) -> tuple[int, Any]:
+    def _next_followable(self, wait: Wait, into: Any) -> tuple[int, Any]:
         src = self._source
+        dst = into if into is not None else self._into
         want = max(self.version, self._after) + 1
         while True:
             wait.check()
             try:
                 src.wait_version(want, timeout=wait.left())
-                v = src.load(self._into, version=want, timeout=wait.left())
+                v = src.load(dst, version=want, timeout=wait.left())
             except VersionGoneError as exc:
+                if self.every:
+                    raise
                 self._note("load again", exc)
                 continue
             if self.version:
                 self.skipped += max(0, v - self.version - 1)
             self.version = v
             self.loads += 1
-            return v, self._into
+            return v, dst
 
     # -- helpers -----------------------------------------------------------------------------------
     def _label(self) -> str:
@@ -239,25 +259,28 @@ class Follower:
             self._into = None  # another generation may have another layout: allocate again
         self.ref = ref
 
-    def _load(self, wait: Wait) -> int:
+    def _load(self, wait: Wait, exact: int, into: Any) -> int:
+        """Load the latest version (``exact`` 0; pinned while it loads), or exactly ``exact``,
+        into ``into`` (else the follower's tensors); returns the version loaded."""
         ref = self.ref
         is_sd = isinstance(ref, StateDictRef)
-        if self._into is None:
+        dst = into if into is not None else self._into
+        if dst is None:
             if not is_sd:  # the first load allocates the tensor the next ones fill
-                v, self._into = ref.get(with_version=True)
+                v, self._into = ref.get(version=exact, with_version=True)
                 return v
-            self._into = ref.empty_like()
+            dst = self._into = ref.empty_like()
         lease = None
         if self._pin:
             try:
-                lease = ref.pin(0, ttl=self._pin_ttl, timeout=wait.left())
+                lease = ref.pin(exact, ttl=self._pin_ttl, timeout=wait.left())
             except NotSupportedError:
                 self._pin = False  # the route offers no pins: unpinned loads from now on
         try:
-            version = lease.version if lease is not None else 0
+            version = lease.version if lease is not None else exact
             if is_sd:
-                return ref.load(self._into, version=version, lease=lease)
-            return ref.get(self._into, version=version, lease=lease, with_version=True).version
+                return ref.load(dst, version=version, lease=lease)
+            return ref.get(dst, version=version, lease=lease, with_version=True).version
         finally:
             if lease is not None:
                 lease.release()

@@ -365,16 +365,26 @@ class Runtime:
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
     def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
-                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None):
+                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None,
+                           replace: bool = False):
         """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
         versioned window; returns its :class:`memsem.StateDictRef`.
+
+        What it costs: the tensors are **copied** into one window memsem allocates (a layout
+        header, then every tensor at an ``align`` boundary), in the segment directory
+        (``/dev/shm``): ``slots`` times the state dict's bytes (twice with the default
+        ``slots=2``), plus one copy of every tensor now and at each ``update``. The in-place
+        form: publish with ``slots=1`` and make the model's parameters the window's own
+        tensors (``ref.tensors()``), changed inside ``ref.write_section()``: one copy of the
+        model, no copy per step (readers wait while a section is open).
 
         Args:
             state_dict: name -> C-contiguous CPU tensor/array of any dtype memsem supports
                 (bf16, fp8...), 0-d and empty ones included. Its values are copied into version
                 1 of the window (the owner publishes later values with ``ref.update(sd)`` or
                 ``ref.write_section()``).
-            name: window name, for ``lookup_state_dict`` in any process of the job.
+            name: window name, for ``lookup_state_dict`` in any process of the job (one owner:
+                see ``publish``; ``replace`` takes it over).
             slots: 2 (default): double-buffered, readers of version v are never blocked while
                 v+1 is written; 1: one slot in a shared segment (readers wait while a section
                 is open).
@@ -393,7 +403,7 @@ class Runtime:
         from memsem.refs._state_dict import publish_state_dict
 
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
-                                  bucket_bytes=bucket_bytes, write_guard=write_guard)
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
 
     def lookup_state_dict(self, name: str, *, timeout: float = 0.0):
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
@@ -404,7 +414,7 @@ class Runtime:
         return lookup_state_dict(self._core, name, timeout=timeout)
 
     def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
-               pin: bool = True, pin_ttl: float | None = 10.0):
+               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False):
         """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
         ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
         that version (bit-exact). See :mod:`memsem.refs._follow`.
@@ -429,6 +439,10 @@ class Runtime:
             pin: pin each version while it is loaded (a lease at the owner), so a trainer that
                 commits every step never overwrites it under the load; the owner waits for the
                 pin, at most ``pin_ttl`` seconds. Routes that offer no pins load unpinned.
+            every: yield every version in order, each loaded exactly (a stream whose versions
+                each carry their own data, whose owner keeps every version readable until the
+                follower is done with it); a version gone, a retired window or a dead owner
+                are raised, never skipped over.
 
         Returns:
             A :class:`memsem.refs._follow.Follower` (``version``, ``generation``, ``loads``,
@@ -440,7 +454,8 @@ class Runtime:
         """
         from memsem.refs._follow import follow
 
-        return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl)
+        return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
+                      every=every)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):

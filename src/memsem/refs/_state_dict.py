@@ -225,6 +225,18 @@ def _torch_view(arr: np.ndarray, code: int) -> Any:
     return t.view(_dtypes.torch_dtype(code)).reshape(arr.shape)
 
 
+def _tensors_over(layout: StateDictLayout, flat: np.ndarray) -> dict[str, Any]:
+    """Every tensor of ``layout`` as an array (torch tensor for torch layouts) over ``flat``,
+    the bytes of one slot of the window."""
+    h = layout.header_bytes
+    out: dict[str, Any] = {}
+    torch_out = layout.framework == "torch" and "torch" in sys.modules
+    for e in layout.entries:
+        a = flat[h + e.offset:h + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+        out[e.name] = _torch_view(a, e.dtype_code) if torch_out else a
+    return out
+
+
 class StateDictSection:
     """An open write section on a state-dict window (``StateDictRef.write_section``).
 
@@ -236,16 +248,8 @@ class StateDictSection:
     def __init__(self, ref: "StateDictRef", section: Any) -> None:
         self.ref = ref
         self.section = section
-        layout = ref.layout
-        flat = section.array()
-        self.flat = flat
-        h = layout.header_bytes
-        out: dict[str, Any] = {}
-        torch_out = layout.framework == "torch" and "torch" in sys.modules
-        for e in layout.entries:
-            a = flat[h + e.offset:h + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
-            out[e.name] = _torch_view(a, e.dtype_code) if torch_out else a
-        self.tensors = out
+        self.flat = section.array()
+        self.tensors = _tensors_over(ref.layout, self.flat)
 
     @property
     def version(self) -> int:
@@ -493,6 +497,20 @@ class StateDictRef(TensorRef):
             lease.release()
 
     # -- owner -----------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, Any]:
+        """Owner of a single-slot window (``publish_state_dict(..., slots=1)``): every tensor
+        as an array (torch tensor for a torch state dict) over the window's own memory, no
+        copy: the in-place form. Make the model's parameters these tensors (torch:
+        ``param.data = tensors[name]``) and change them only inside ``write_section()`` (its
+        ``tensors`` are the same memory), so each step's update is published with no copy at
+        all; readers wait the section out (one slot).
+
+        Raises:
+            ValueError: a double-buffered window (slots=2: its versions alternate between two
+                slots). WindowNotFoundError: this runtime does not publish the window.
+        """
+        return _tensors_over(self.layout, self._core().window_memory(self.spec))
+
     def write_section(self, *, copy: bool = True, timeout: float | None = None) -> StateDictSection:
         """Owner: open a write section (see ``Runtime.write_section``); ``section.tensors`` are
         the tensors of the version being written (filled with the latest version when ``copy``)."""
@@ -550,8 +568,10 @@ def _torch_ok() -> bool:
 
 def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name: str | None = None,
                        slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       write_guard: str | None = None) -> StateDictRef:
+                       write_guard: str | None = None, replace: bool = False) -> StateDictRef:
     """See ``memsem.Runtime.publish_state_dict``."""
+    if name is not None:
+        name = _args.window_name(name, "name")  # before anything is allocated or copied
     if not isinstance(state_dict, Mapping) or not state_dict:
         raise ValueError("state_dict must be a non-empty mapping of name to tensor")
     align = _args.count(align, "align", minimum=1, maximum=1 << 20, unit="bytes")
@@ -576,7 +596,7 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
     for (k, info), e in zip(infos, lay.entries):
         if e.nbytes:
             native.memcpy(base + e.offset, info.address, e.nbytes)
-    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard)
+    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard, replace=replace)
     ref = StateDictRef(spec, core)
     _layouts[_cache_key(spec)] = lay
     return ref

@@ -227,6 +227,14 @@ class Connection:
         status, flags, value, nbytes = self.reply(rid, deadline)
         return self.answer(status, flags, value, nbytes, deadline, what)
 
+    def count_rows(self, h: int, deadline: float, wait_ms: int, tile: int, rows: int, total: int) -> int:
+        """A MARK of ``rows`` of tile ``tile``'s ``total`` (arg: ``rows | total << 32``): the rows
+        the owner counts as written so far."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_MARK, 0, h, rid, tile, 0, rows | total << 32, 0), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "row count")
+
     def pin(self, h: int, deadline: float, wait_ms: int, version: int, ttl_ms: int) -> int:
         """A reservation of ``version`` (0: the latest) held by this connection's session for
         ``ttl_ms`` at most: the version the owner holds."""

@@ -246,6 +246,12 @@ class TcpEngine(Engine):
         lie inside the ref's minted range). Raises as ``get``."""
         self._call(remote, Connection.request, W.OP_MARK if ready else W.OP_CLEAR, tile, "ready mark")
 
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` of tile ``tile``'s ``total`` at the owner (a MARK carrying the count:
+        the owner's runtime counts for every producer and marks the tile once complete);
+        returns the rows written so far. Raises as ``get``."""
+        return self._call(remote, Connection.count_rows, tile, rows, total)
+
     def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(connection, handle, deadline, wait_ms, *args)`` on this thread's connection to
         the owner, the engine's one error boundary. A connection that failed under it is dropped

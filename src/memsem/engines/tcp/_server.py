@@ -693,17 +693,20 @@ class Server:
         else:
             yield from self._outcome(s, handle, rid, status, value) or ()
 
-    def _mark(self, s: Session, op: int, handle: int, rid: int, tile: int, *_: int) -> Job | None:
+    def _mark(self, s: Session, op: int, handle: int, rid: int, tile: int, n: int, arg: int, *_: int) -> Job | None:
         g, refused = self._grant(s, handle, rid)
         if g is None:
             return refused
         try:
-            o = g.set_ready(tile, op == W.OP_MARK)
+            if op == W.OP_MARK and arg:
+                o = g.add_rows(tile, arg & 0xFFFFFFFF, arg >> 32)
+            else:
+                o = g.set_ready(tile, op == W.OP_MARK)
         except (ValueError, AccessDeniedError) as exc:
             return self._deny(s, handle, rid, str(exc), False)
         if int(o.status) != _OK:
             return self._outcome(s, handle, rid, int(o.status), o.value)
-        return self._reply(s, W.OK, handle, rid)
+        return self._reply(s, W.OK, handle, rid, o.value)
 
     def _pin(self, s: Session, op: int, handle: int, rid: int, ttl_ms: int, n: int, version: int,
              wait_ms: int) -> Job | None:

@@ -19,7 +19,9 @@ Little endian throughout::
 Ops: OPEN (handle: the consumer's number for a credential on this connection; the body is the
 credential's token and its proof for the challenge ``nonce | handle``), CLOSE (no reply), GET
 (arg: the version asked for, 0 the latest; wait_ms: how long the owner may wait for an open
-write section, capped by the owner), PUT, MARK / CLEAR (offset: the tile), WATCH / UNWATCH
+write section, capped by the owner), PUT, MARK / CLEAR (offset: the tile; a MARK whose arg is
+``rows | total << 32`` counts rows of the tile instead, reply OK with the rows written so far:
+the owner marks it once complete), WATCH / UNWATCH
 (watch connections; UNWATCH has no reply), PIN (arg: the version to hold, 0 the latest;
 offset: the ttl in ms, capped by the owner; wait_ms as for GET; reply OK with the version
 held: the owner's writer does not overwrite it until UNPIN, the ttl, or the end of the
