@@ -38,6 +38,13 @@ class Owner:
 
     def publish(self, name: str, n: int, dtype: str = "int64", kind: str = "arange", access: str = "rw",
                 tile_bytes: int | None = None, value: float = 0) -> str:
+        if kind == "torch_empty":  # an empty tensor with no memory at all (data_ptr 0)
+            import torch
+
+            ref = self.rt.publish(torch.empty(0), name=name, access=access)
+            self.wins[name] = ref
+            self.arrays[name] = np.empty(0, np.float32)
+            return ref.to_bytes().hex()
         if kind == "arange":
             a = np.arange(n, dtype=dtype)
         elif kind == "full":

@@ -155,3 +155,49 @@ def test_a_follower_over_tcp_keeps_up_with_a_trainer_committing_every_step(owner
     finally:
         sections = owner("writer_stop")["sections"]
     assert sections >= versions[-1] - versions[0]  # the trainer committed every version meanwhile
+
+
+@pytest.mark.parametrize("kind", ["arange", "torch_empty"])
+def test_zero_size_windows_over_tcp(redis_url, job, rt, kind):
+    owner = Owner(redis_url, job, ttl=60)  # (importing torch in the owner may stall it past a short ttl)
+    try:
+        _zero_size_over_tcp(owner, rt, kind)
+    finally:
+        owner.close()
+
+
+def _zero_size_over_tcp(owner, rt, kind):
+    w = rt.lookup(owner("publish", name="e", n=0, kind=kind, dtype="float32") and "e")
+    assert rt.route(w).kind == "tcp"
+    assert w.get().shape == (0,)
+    v, got = w.get(np.empty(0, np.float32), with_version=True)
+    assert v == 1 and got.shape == (0,)
+    w.put(np.empty(0, np.float32))
+    (r,) = rt.xcopy([(w, np.empty(0, np.float32))]).wait(10)
+    assert r.state.name == "DONE", r
+    assert sum(t.array.size for t in rt.pipeline(w)) == 0
+    with w.pin() as lease:
+        assert lease.version == 1
+
+
+def test_producers_on_another_node_complete_a_tile_in_parts(owner, rt):
+    """Two producers of another node each write half of a tile: the owner counts their rows
+    and marks the tile once both halves are in."""
+    fsb = owner("fields", name="fs", fields={"lp": [[128, 4], "float32"]}, tile_rows=64)["set"]
+    with memsem.Runtime(directory=rt.core.directory.url, job=rt.core.directory.job, engines=ENGINES,
+                        timeout=20) as other:
+        fa = memsem.FieldSet.from_bytes(bytes.fromhex(fsb), rt)["lp"]
+        fb = memsem.FieldSet.from_bytes(bytes.fromhex(fsb), other)["lp"]
+        assert rt.route(fa).kind == "tcp"
+        first = fa.put_rows(0, np.full((32, 4), 1, np.float32))
+        assert list(first) == [] and first.partial == {0: (32, 64)}
+        assert owner("ready_words", set="fs", field="lp")["words"][0] != owner(
+            "ready_words", set="fs", field="lp")["generation"]
+        second = fb.put_rows(32, np.full((32, 4), 2, np.float32))
+        assert list(second) == [0]
+        fa.wait_rows(0, 64, timeout=20)
+        words = owner("ready_words", set="fs", field="lp")
+        assert words["words"][0] == words["generation"]
+        assert fb.put_rows(64, np.ones((40, 4), np.float32)).partial == {1: (40, 64)}
+        with pytest.raises(ValueError, match="written twice"):
+            fa.put_rows(80, np.ones((30, 4), np.float32))  # rows 80..104 written again

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
 from memsem._errors import AccessDeniedError, EngineError, StaleReferenceError
-from memsem.engines import WatchMode
+from memsem.engines import RemoteOutcome, WatchMode
 from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
 from memsem.core import _translate as tr
 from memsem.core._remote import RemoteControl, RemoteWords
-from memsem.core._bracket import engine_failure
+from memsem.core._bracket import Status, engine_failure
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
@@ -137,6 +137,11 @@ class Readiness:
                     raise ValueError(f"{spec.label}: {exc}") from None
             try:
                 return res.engine.add_rows(res.remote_for(spec), t, rows, total)
+            except RemoteOutcome as exc:
+                if exc.status == Status.RANGE:
+                    raise ValueError(f"{spec.label}: tile {t}: {rows} more rows would pass its {total} at the "
+                                     "owner: rows written twice") from None
+                raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
             except StaleReferenceError:
                 self._core.resolver.drop(spec.gva, res)
                 raise

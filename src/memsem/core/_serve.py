@@ -324,6 +324,8 @@ class Grant:
             return Outcome(Status.OK, self._server.core.readiness.add_rows(self.spec, tile, rows, total))
         except StaleReferenceError as exc:
             return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        except ValueError:  # rows counted twice: the word was left as it was
+            return Outcome(Status.RANGE, 0)
 
     @property
     def commit_watched(self) -> bool:
