@@ -316,6 +316,15 @@ def test_a_followable_source_such_as_a_relay(rt):
         rt.follow(src)
 
 
+from tests.test_primitives import BAD_VERSIONS  # noqa: E402
+
+
+@pytest.mark.parametrize("bad,exc", BAD_VERSIONS)
+def test_follow_refuses_bad_versions_at_the_door(rt, bad, exc):
+    with pytest.raises(exc, match="after"):
+        rt.follow("x", after=bad)
+
+
 @pytest.mark.parametrize("kw,exc", [({"timeout": -1}, ValueError), ({"timeout": True}, TypeError),
                                     ({"after": -1}, ValueError), ({"after": 1.5}, TypeError),
                                     ({"pin": 1}, TypeError), ({"pin_ttl": 0}, ValueError)])

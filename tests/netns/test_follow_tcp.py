@@ -65,6 +65,15 @@ def test_a_pin_across_nodes_is_held_at_the_owner(owner, rt):
     with pytest.raises(memsem.VersionGoneError) as ei:
         ref.pin(1)
     assert ei.value.wanted == 1 and ei.value.found == 3
+    from tests.test_primitives import BAD_VERSIONS
+
+    for bad, exc in BAD_VERSIONS:  # the door holds across nodes too
+        with pytest.raises(exc, match="version"):
+            ref.pin(bad)
+        with pytest.raises(exc, match="version"):
+            rt.lease(ref, version=bad)
+        with pytest.raises(exc, match="version"):
+            ref.get(version=bad)
 
 
 def _pin_and_wait(conn, url: str, job: str, hexref: str) -> None:

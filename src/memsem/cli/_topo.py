@@ -36,9 +36,9 @@ def run_topo(args) -> int:
         "engines": engines, "routes": {},
     }
     with Runtime() as rt:
-        priv = rt.publish(np.zeros(1 << 20, np.uint8), name="topo-private")
+        priv = rt.publish(np.zeros(1 << 20, np.uint8))  # unnamed: two topo runs of one job never meet
         shm = rt.alloc(1 << 20, np.uint8)
-        shared = rt.publish(shm, name="topo-shared")
+        shared = rt.publish(shm)
         routes = {"same process": rt.route(priv)}
         # What a same-node process would get: reason from the other side's point of view.
         from memsem.topology import Location, choose_route

@@ -722,6 +722,9 @@ class Server:
         while True:
             try:
                 o = g.reserve(version, ttl)
+            except ValueError as exc:  # a version beyond the largest a window has
+                yield from self._deny(s, handle, rid, str(exc), False) or ()
+                return
             except MemsemError as exc:
                 yield from self._reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
                 return
