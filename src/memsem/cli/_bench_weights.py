@@ -82,7 +82,32 @@ def digest(sd: dict[str, Any], names: list[str]) -> str:
 
 
 # -- memsem: trainer + rollouts ---------------------------------------------------------------------
+def _follower(idx: int, name: str, versions: int, verify: bool, results: Any, job: str) -> None:
+    """A rollout that is the follower loop (``Runtime.follow``): in lockstep with the trainer,
+    it loads every version (pinned while it loads), checks it, and reports it."""
+    os.environ["MEMSEM_JOB"] = job
+    import memsem
+
+    try:
+        with memsem.Runtime(timeout=300.0) as rt:
+            sd = rt.lookup_state_dict(name, timeout=300)
+            into = sd.empty_like("numpy")
+            names = list(sd.keys())
+            results.put(("joined", idx))
+            for v, tensors in rt.follow(sd, into=into, timeout=300):
+                t_end = time.monotonic()
+                ok = digest(tensors, names) if verify else ""
+                e = rt.stats().errors
+                results.put(("loaded", idx, v, t_end, ok, e.get("torn", 0) + e.get("busy", 0)))
+                if v >= versions:
+                    break
+    except BaseException as exc:
+        results.put(("error", idx, f"{type(exc).__name__}: {exc}"))
+
+
 def _rollout(idx: int, name: str, versions: int, verify: bool, results: Any, job: str) -> None:
+    """A rollout that loads *every* version however fast the trainer commits: it reserves the
+    next two versions ahead (pins of versions not written yet), so the trainer waits for it."""
     os.environ["MEMSEM_JOB"] = job
     import memsem
 
@@ -125,8 +150,10 @@ class SyncRun:
     loading version ``versions``)."""
 
     def __init__(self, sd: dict[str, np.ndarray], rollouts: int, versions: int, *, verify: bool = False,
-                 timeout: float = 600.0, bucket_bytes: int = 64 << 20) -> None:
+                 timeout: float = 600.0, bucket_bytes: int = 64 << 20, follower: bool = False) -> None:
         self.sd, self.rollouts, self.versions, self.verify = sd, rollouts, versions, verify
+        #: each rollout is the follower loop (``Runtime.follow``, lockstep) instead of reserving ahead
+        self.follower = follower
         self.timeout, self.bucket_bytes = timeout, bucket_bytes
         self.names = list(sd)
         self.nbytes = sum(a.nbytes for a in sd.values())
@@ -149,7 +176,7 @@ class SyncRun:
             self._rt = memsem.Runtime(timeout=self.timeout, job=self.job)
             self.ref = self._rt.publish_state_dict(self.sd, name="policy", bucket_bytes=self.bucket_bytes)
             self._results = _CTX.Queue()
-            self._procs = [_CTX.Process(target=_rollout, args=(i, "policy", self.versions, self.verify,
+            self._procs = [_CTX.Process(target=_follower if self.follower else _rollout, args=(i, "policy", self.versions, self.verify,
                                                                self._results, self.job), daemon=True)
                            for i in range(self.rollouts)]
             for p in self._procs:
@@ -263,7 +290,8 @@ def memsem_sync(sd: dict[str, np.ndarray], rollouts: int, versions: int, *, veri
     ``verify``, hashed) version v, so ``seconds`` is the load alone, with every rollout loading
     at once; otherwise the trainer commits as fast as it can and the rollouts follow (a version's
     time then includes whatever the rollouts were still doing with the one before)."""
-    with SyncRun(sd, rollouts, versions, verify=verify, timeout=timeout, bucket_bytes=bucket_bytes) as run:
+    with SyncRun(sd, rollouts, versions, verify=verify, timeout=timeout, bucket_bytes=bucket_bytes,
+                 follower=lockstep) as run:
         if lockstep:
             run.wait_loaded(1)
         for _ in range(2, versions + 1):

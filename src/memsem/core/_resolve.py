@@ -30,6 +30,7 @@ from memsem._errors import (
     RuntimeClosedError,
     WindowNotFoundError,
 )
+from memsem.directory.local import job_is_derived
 from memsem.engines import Credential, Engine, GenerationCheck, RemoteRegion, WatchMode
 from memsem.gva import (
     ControlBlock,
@@ -404,8 +405,12 @@ class Resolver:
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
                     raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+                d = core.directory
+                hint = (f"; or it is published in another job (this runtime's job {d.job!r} was derived "
+                        "from its process group: set MEMSEM_JOB to the same name in every process that "
+                        "shares refs)") if job_is_derived(getattr(d, "job", "")) else ""
                 raise WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
-                                          "exited): the ref is stale", window=spec.name,
+                                          f"exited): the ref is stale{hint}", window=spec.name,
                                           expected=spec.generation)
             info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
             cb, own_cb = None, False

@@ -41,6 +41,7 @@ from memsem._errors import (
     MemsemError,
     MemsemTimeoutError,
     StaleReferenceError,
+    VersionGoneError,
 )
 from memsem.engines import WATCH_HEADER
 from memsem.gva import (
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 FLUSH_S = 1.0
 #: owner-side wait of one request for an open write section, per slice (seconds)
 BUSY_SLICE_S = 0.05
+#: versions one grant (a remote consumer's session) may hold reserved at once
+MAX_RESERVATIONS = 8
 
 _ffi = native.ffi
 _lib = native.lib
@@ -94,7 +97,7 @@ class Grant:
     """
 
     __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "tile_bytes", "spec",
-                 "_res", "_server", "_closed", "_commits")
+                 "_res", "_server", "_closed", "_commits", "_reservations")
 
     def __init__(self, server: "Server", res: Resolution, owned: "Owned", mint: Mint) -> None:
         self._server = server
@@ -108,6 +111,8 @@ class Grant:
         self.tile_bytes = owned.info.tile_bytes
         self._closed = False
         self._commits: Subscription | None = None
+        #: versions held for the session (``reserve``): version -> the owner's pinned lease
+        self._reservations: dict[int, Any] = {}
 
     @property
     def closed(self) -> bool:
@@ -294,6 +299,25 @@ class Grant:
             return Outcome(Status.GEN_BEFORE, exc.found or 0)
         return Outcome(Status.OK, 0)
 
+    def add_rows(self, tile: int, rows: int, total: int) -> Outcome:
+        """Count ``rows`` of tile ``tile``'s ``total`` written by the remote producer, as the
+        owner's own ``Readiness.add_rows`` would (the tile is marked once complete). Returns OK
+        (value: the rows written so far), or GEN_BEFORE with the generation found.
+
+        Raises:
+            AccessDeniedError / ValueError: as :meth:`check_tile`; rows written twice.
+        """
+        self.check_tile(tile)
+        cur = self.current()
+        if cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
+        try:
+            return Outcome(Status.OK, self._server.core.readiness.add_rows(self.spec, tile, rows, total))
+        except StaleReferenceError as exc:
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        except ValueError:  # rows counted twice: the word was left as it was
+            return Outcome(Status.RANGE, 0)
+
     @property
     def commit_watched(self) -> bool:
         """``on_commit`` was called (and the grant is open)."""
@@ -334,10 +358,67 @@ class Grant:
             raise tr.stale(self.spec, None) from None
         return cb
 
+    # -- reservations: versions held for the session ----------------------------------------------
+    def reserve(self, version: int, ttl: float) -> Outcome:
+        """Hold ``version`` (0: the latest committed one) of the window for this grant's
+        session: a lease of this runtime pinning it (``Versions.pin_now``), so the owner's write
+        sections do not overwrite it until ``drop_reservation``, ``ttl`` seconds (capped by the
+        runtime's timeout: a remote consumer never holds the writer longer), or the session's
+        end (``close``). A reservation of a version held already is renewed. Never waits.
+
+        Returns:
+            OK (value: the version held), BUSY (a write section is overwriting it: ask again
+            after a commit), VERSION_GONE (value: the version found), GEN_BEFORE (value: the
+            generation found; 0: gone).
+
+        Raises:
+            MemsemError: ``MAX_RESERVATIONS`` versions are held already.
+        """
+        core = self._server.core
+        cur = self.current()
+        if self.closed or cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
+        ttl = min(max(float(ttl), 1e-3), core.timeout)
+        held = self._reservations.get(version) if version else None
+        if held is not None and held.held:
+            try:
+                held.renew(ttl)
+                return Outcome(Status.OK, version)
+            except MemsemError:
+                self._reservations.pop(version, None)
+        if len(self._reservations) >= MAX_RESERVATIONS:
+            for v in [v for v, le in self._reservations.items() if not le.held or le.expired()]:
+                self._reservations.pop(v).release()
+            if len(self._reservations) >= MAX_RESERVATIONS:
+                raise MemsemError(f"{self.spec.label}: {MAX_RESERVATIONS} versions are reserved on this "
+                                  "connection already (drop some)")
+        try:
+            lease = core.versions.pin_now(self.spec, version, ttl)
+        except VersionGoneError as exc:
+            return Outcome(Status.VERSION_GONE, exc.found or 0)
+        except StaleReferenceError as exc:
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        if lease is None:
+            return Outcome(Status.BUSY, 0)
+        old = self._reservations.pop(lease.version, None)
+        if old is not None:
+            old.release()
+        self._reservations[lease.version] = lease
+        return Outcome(Status.OK, lease.version)
+
+    def drop_reservation(self, version: int) -> None:
+        """Give back the reservation of ``version`` (a no-op when none is held)."""
+        lease = self._reservations.pop(version, None)
+        if lease is not None:
+            lease.release()
+
     def close(self) -> None:
-        """Drop the grant's claim on the serving resolution (safe twice)."""
+        """Drop the grant's reservations and its claim on the serving resolution (safe twice)."""
         if not self._closed:
             self._closed = True
+            for lease in self._reservations.values():
+                lease.release(force=True)
+            self._reservations.clear()
             if self._commits is not None:
                 self._commits.close()
                 self._commits = None

@@ -13,7 +13,7 @@ import hmac
 import re
 import secrets
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from memsem import _args
 from memsem._errors import NotSupportedError
@@ -177,8 +177,9 @@ class Directory(abc.ABC):
         ``key`` (where ``seals_keys``): the access key, stored sealed for the job's members."""
 
     @abc.abstractmethod
-    def remove_window(self, gva: int, name: str) -> None:
-        """Remove a window record and its name alias if it still points at ``gva``."""
+    def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
+        """Remove a window record and its name record if it still points at ``gva`` (never a
+        successor's). ``pause``: the caller's wait, called while the directory is busy."""
 
     @abc.abstractmethod
     def get_window(self, gva: int) -> dict[str, Any] | None:
@@ -187,6 +188,21 @@ class Directory(abc.ABC):
     @abc.abstractmethod
     def lookup(self, name: str) -> int | None:
         """GVA of the window published under ``name``, or None."""
+
+    # -- names: one owner each ---------------------------------------------------------------
+    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
+                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Bind ``name`` to window ``gva`` of ``holder`` (``pid``, ``start``, ``node``, ``rank``
+        of the publishing runtime), atomically: when no record holds the name, ``holder`` does,
+        its holder is dead (or its runtime closed), or ``replace``. Returns None when bound,
+        else the live holder's record (nothing changed). ``pause``: the caller's wait, called
+        while the directory is busy for a moment (it raises at its deadline)."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} cannot claim names")
+
+    def name_record(self, name: str) -> dict[str, Any] | None:
+        """The record of ``name``: ``gva`` (hex) of its window and its holder, or None."""
+        gva = self.lookup(name)
+        return None if gva is None else {"name": name, "gva": f"{gva:016x}"}
 
     @abc.abstractmethod
     def windows(self) -> list[dict[str, Any]]:

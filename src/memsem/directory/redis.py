@@ -14,7 +14,9 @@ key                      value
 ``incarnation``          counter: each new runtime's claim takes the next value
 ``w:<gva hex>``          window record (WindowInfo JSON), same TTL, refreshed by the heartbeat,
                          so a dead node's windows disappear within the TTL
-``n:<name hex>``         name -> gva alias, same TTL
+``n:<name hex>``         name record (the name, its window's gva, its holder: pid, start, node,
+                         rank, the holder runtime's token), same TTL; claimed atomically (a Lua
+                         script): refused while the holder's rank key still holds its token
 ``e:<entry key>``        engine rendezvous entries (RDMA QP numbers), same TTL
 ``ev:<entry key>``       pub/sub channel (no key): ``put_entry`` publishes an empty message on
                          it; a watch (``watch_entries``) subscribes to ``ev:<prefix>*``
@@ -74,7 +76,7 @@ import time
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
+from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, WindowRetiredError
 from memsem.directory._base import (
     Directory,
     EntryWatch,
@@ -161,6 +163,38 @@ end
 return out
 """
 
+# Lua: claim a name. KEYS: name key. ARGV: new value, rank key prefix, holder token, ttl ms,
+# "1" to replace, the value a dead holder's record had ("" for none: a replace of exactly that
+# record). Returns nil when bound, else the value of the live holder's record (unchanged). A
+# holder is live while its rank key exists and still holds its token (its runtime is open).
+_CLAIM_NAME = """
+local raw = redis.call('GET', KEYS[1])
+if raw and ARGV[5] ~= '1' and raw ~= ARGV[6] then
+  local ok, rec = pcall(cjson.decode, raw)
+  if ok and type(rec) == 'table' and type(rec.v) == 'table' and rec.v.token ~= ARGV[3] then
+    local r = rec.v.rank
+    if r ~= nil then
+      local held = redis.call('GET', ARGV[2] .. tostring(r))
+      if held and rec.v.token and string.find(held, rec.v.token, 1, true) then return raw end
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[4]))
+return nil
+"""
+
+# Lua: remove a name record while it still points at a window. KEYS: name key. ARGV: gva hex.
+_DROP_NAME = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, rec = pcall(cjson.decode, raw)
+if ok and type(rec) == 'table' and type(rec.v) == 'table' and rec.v.gva == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
 # Lua helper: the token of a stored rank value (nil when it is not a memsem rank value).
 _TOKEN_OF = """
 local function token_of(raw)
@@ -230,7 +264,9 @@ class RedisDirectory(Directory):
     Args:
         url: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path?db=N``.
         job: namespace (``MEMSEM_JOB``, default "default").
-        alive: unused here (liveness is the rank key's TTL); kept for the common signature.
+        alive: ``alive(record) -> bool`` of a process on this node: a name held by a dead process
+            of this node is taken over before its heartbeat expires (other liveness is the rank
+            key's TTL).
         ttl: heartbeat TTL in seconds (``MEMSEM_HEARTBEAT_TTL``, default 10): a node silent for
             this long is dead, its ranks, windows and entries expire.
         secret: job secret (``MEMSEM_JOB_SECRET``); bytes or str. None: entries are unsigned.
@@ -293,6 +329,7 @@ class RedisDirectory(Directory):
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
         self._mac_key, self._seal_key = secret_keys(secret)
         self._redis = redis
+        self._alive = alive
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=30)
         try:
@@ -309,6 +346,8 @@ class RedisDirectory(Directory):
         self._claim = self.client.register_script(_CLAIM)
         self._beat = self.client.register_script(_BEAT)
         self._release = self.client.register_script(_RELEASE)
+        self._claim_name = self.client.register_script(_CLAIM_NAME)
+        self._drop_name = self.client.register_script(_DROP_NAME)
         self._lock = threading.Lock()
         #: records this runtime wrote and refreshes (windows, names, entries): key -> stored value
         self._own: dict[str, str] = {}
@@ -609,7 +648,7 @@ class RedisDirectory(Directory):
         values = {wkey: self._encode(wkey, record, key)}
         if name:
             nkey = self._k("n", name.encode().hex())
-            values[nkey] = self._encode(nkey, f"{gva:016x}")
+            values[nkey] = self._encode(nkey, self._name_value(name, gva, record))
         pipe = self.client.pipeline(transaction=True)
         for k, value in values.items():
             pipe.set(k, value, px=self._ttl_ms)
@@ -618,15 +657,61 @@ class RedisDirectory(Directory):
         with self._lock:
             self._own.update(values)
 
-    def remove_window(self, gva: int, name: str) -> None:
+    def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
+        """Remove window ``gva``'s record (and its leases' keys), and ``name``'s record while it
+        still points at ``gva`` (atomically: a successor's name is never removed)."""
         wkey = self._k("w", f"{gva:016x}")
         keys = [wkey, self._k("l", f"{gva:016x}"), self._k("c", f"{gva:016x}")]
-        if name and self.lookup(name) == gva:
+        if name:
             keys.append(self._k("n", name.encode().hex()))
         with self._lock:  # first: the heartbeat writes no removed record again
             for k in keys:
                 self._own.pop(k, None)
-        self._call(self.client.delete, *keys)
+        if name:  # the name only while it still points at this window (a successor's is kept)
+            self._call(self._drop_name, keys=[keys[3]], args=[f"{gva:016x}"])
+        self._call(self.client.delete, *keys[:3])
+
+    # -- names ------------------------------------------------------------------------------------
+    def _name_value(self, name: str, gva: int, holder: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "gva": f"{gva:016x}", "pid": holder.get("owner_pid", holder.get("pid")),
+                "start": holder.get("owner_start", holder.get("start")), "node": holder.get("node", ""),
+                "rank": holder.get("rank"), "token": self._token}
+
+    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
+                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Bind ``name`` to window ``gva`` of ``holder`` (this runtime): atomically, when no
+        record holds it, this runtime does, its holder's rank key expired or holds another
+        token (its runtime closed or its node died), or ``replace``. Returns None when bound,
+        else the live holder's record."""
+        nkey = self._k("n", name.encode().hex())
+        value = self._encode(nkey, self._name_value(name, gva, holder))
+        dead = ""
+        for _ in range(2):
+            raw = self._call(self._claim_name, keys=[nkey], args=[value, self._k("rank", ""), self._token, self._ttl_ms,
+                                                            "1" if replace else "0", dead])
+            if raw is None:
+                with self._lock:
+                    self._own[nkey] = value
+                return None
+            val = self._decode(nkey, raw, strict=False)
+            held = dict(val["v"]) if val is not None and isinstance(val["v"], dict) else {"name": name}
+            # A holder on this node is dead when its process is (its heartbeat may not have
+            # expired yet): take over exactly that record, unless it changed meanwhile.
+            if self._alive is None or held.get("node") != holder.get("node") or \
+                    self._alive({"pid": held.get("pid"), "start": held.get("start"), "node": held.get("node")}):
+                return held
+            dead = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return held
+
+    def name_record(self, name: str) -> dict[str, Any] | None:
+        """The record of ``name`` (``gva`` hex and its holder), or None."""
+        val = self._get(self._k("n", name.encode().hex()))
+        if val is None:
+            return None
+        v = val["v"]
+        if isinstance(v, str):  # a record of an older memsem: the gva alone
+            return {"name": name, "gva": v}
+        return v if isinstance(v, dict) and isinstance(v.get("gva"), str) else None
 
     def get_window(self, gva: int) -> dict[str, Any] | None:
         val = self._get(self._k("w", f"{gva:016x}"))
@@ -654,8 +739,13 @@ class RedisDirectory(Directory):
             return val["v"], None
 
     def lookup(self, name: str) -> int | None:
-        val = self._get(self._k("n", name.encode().hex()))
-        return None if val is None else int(val["v"], 16)
+        rec = self.name_record(name)
+        if rec is None:
+            return None
+        try:
+            return int(rec["gva"], 16)
+        except ValueError:
+            return None
 
     def windows(self) -> list[dict[str, Any]]:
         out = []
@@ -673,7 +763,7 @@ class RedisDirectory(Directory):
         released, reaped when the holder's rank expires).
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or at another generation.
+            WindowRetiredError: the window is gone, closing, or at another generation.
         """
         member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
                  f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
@@ -686,7 +776,7 @@ class RedisDirectory(Directory):
             return member
         why = {-1: "is not published (or its owner's heartbeat expired)", -2: "is closing: no new leases",
                -3: "moved to another generation"}.get(int(rc), f"refused the lease ({rc})")
-        raise StaleReferenceError(f"window gva {gva:#x} {why}", expected=generation)
+        raise WindowRetiredError(f"window gva {gva:#x} {why}", generation=generation)
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (server clock); False when it was lost."""

@@ -354,6 +354,9 @@ class Engine(abc.ABC):
     #: True when the owner checks versions for this engine: it implements ``get_version`` and
     #: ``put_version`` (the owner brackets each request and says which version it moved)
     versions: ClassVar[bool] = False
+    #: True when the owner holds reservations of versions for this engine's consumers
+    #: (``reserve_version`` / ``drop_reservation``): what a pin of a remote window is
+    reserves: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> Availability:
@@ -462,6 +465,23 @@ class Engine(abc.ABC):
         """
         raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
 
+    def reserve_version(self, remote: RemoteRegion, version: int, ttl: float) -> int:
+        """Ask the owner to hold version ``version`` (0: its latest) of ``remote``'s window for
+        ``ttl`` seconds at most (its writer does not overwrite it meanwhile; the owner caps the
+        ttl): a reservation of this engine's session with the owner, gone with it. Returns the
+        version held. Blocking, bounded by the engine's timeout (the owner may wait for a write
+        section that is overwriting the version to commit).
+
+        Raises:
+            RemoteOutcome: the owner's outcome (the version is gone, the generation moved, a
+                write section stayed open). NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} cannot reserve versions at the owner")
+
+    def drop_reservation(self, remote: RemoteRegion, version: int) -> None:
+        """Give back a reservation of ``reserve_version`` (does not wait for an answer)."""
+        raise NotSupportedError(f"engine {self.name!r} cannot reserve versions at the owner")
+
     def can_signal(self, remote: RemoteRegion) -> bool:
         """Whether ``put_signal`` can set the window's tile signal words with the data."""
         return False
@@ -498,6 +518,12 @@ class Engine(abc.ABC):
         """Mark (or clear) tile ``tile``'s ready word at the owner; the owner's runtime checks
         the credential's write access and writes the word as its own ``mark_ready`` does."""
         raise NotSupportedError(f"engine {self.name!r} cannot mark tiles of a remote window")
+
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` written rows of tile ``tile`` (of ``total``) at the owner, whose runtime
+        marks the tile ready when the count completes it; returns the rows written so far."""
+        raise NotSupportedError(f"engine {self.name!r} cannot count the rows of a remote window's tiles: "
+                                "write whole tiles, or mark them with mark_rows once complete")
 
     def submit(self, ops: Sequence[Op]) -> Request:
         """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op.

@@ -31,16 +31,18 @@ How it moves weights (bucketed, double-buffered, versions checked):
   again once it has copied the bucket out of slot s. Before the trainer writes a bucket into
   slot s it waits for word s of every rollout, then clears them: the trainer is at most two
   buckets ahead of the slowest rollout and never overwrites a bucket someone still needs.
-* Waiting on a rollout's word is a memsem wait on that rollout's window, so a rollout that dies
+* A rollout follows the window's versions with the follower loop (``Runtime.follow(...,
+  every=True)``: each bucket is exactly the next version, waited for on the window's
+  latest-version word; a gone version raises ``VersionGoneError`` naming both), copying each
+  bucket (its slot: metadata and bytes of that one version) into one of two local buffers
+  while the previous bucket's tensors are being consumed, and checks the bucket's index and
+  step.
+* Awaiting a rollout's word is a memsem wait on that rollout's window, so a rollout that dies
   is reported by memsem's liveness (its process on the same node; its connection and heartbeat
   across nodes) as ``PeerLostError`` naming the rollout, within the library's liveness bound,
   not after ``timeout``. A rollout whose receive fails (or whose consumer stops) writes the
   error into its status window and marks "failed" and both slot words: the trainer raises it at
   once, naming the rollout (``PeerLostError``: the rollout left the sync).
-* A rollout awaits each version on the window's latest-version word, copies the bucket
-  (metadata and bytes, both of exactly that version: a gone version raises
-  ``StaleReferenceError`` naming both) into one of two local buffers while the previous
-  bucket's tensors are being consumed, and checks the bucket's index and step.
 
 Errors are exceptions (``memsem.MemsemError`` subclasses, ``MemsemTimeoutError``), never an
 ``exit``. Every wait is bounded by ``timeout``. Same node: route host/shm; across nodes the
@@ -354,36 +356,25 @@ class MemsemCheckpointEngine(CheckpointEngine):
             pass
 
     async def _chunks(self, global_steps: int | None) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
-        core = self.runtime.core
+        rt = self.runtime
         win, status = self._window, self._status
         v = FIRST_BUCKET_VERSION
         status.mark_ready(W_SLOT0)  # joined: both slots may be written
         status.mark_ready(W_SLOT1)
         cap = self.meta_bytes + self.bucket_size
         bufs = [np.empty(cap, np.uint8) for _ in range(2)]
-        spec = win.spec
+        # every bucket in order, exactly its version (the ready words keep it readable)
+        follower = rt.follow(win, timeout=self.timeout, every=True, pin=False, after=v - 1)
 
         async def fetch(version: int, buf: np.ndarray) -> tuple[dict, int]:
-            await core.wait_version_async(spec, version, self.timeout)
-
-            def copy() -> tuple[int, int, int, int]:
-                head = buf[:_HEAD.size]
-                core.transfer(spec, "get", 0, head, version=version)
-                magic, index, last, step, mlen = _HEAD.unpack(head.tobytes())
-                if magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
-                    raise memsem.MemsemError(f"{win.spec.label}: version {version} is not a memsem verl bucket")
-                core.transfer(spec, "get", _HEAD.size, buf[_HEAD.size:_HEAD.size + mlen], version=version)
-                return index, last, step, mlen
-
-            index, last, step, mlen = await core.submit(f"bucket header v{version}", copy)
+            got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
+            magic, index, last, step, mlen = _HEAD.unpack(buf[:_HEAD.size].tobytes())
+            if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
+                raise memsem.MemsemError(f"{win.spec.label}: version {got} is not memsem verl bucket {version}")
             meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
             used = max((e[5] + e[4] for e in meta), default=0)
             if used > self.bucket_size:
                 raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
-            if used:
-                await core.submit(f"bucket v{version}", lambda: core.transfer(
-                    spec, "get", self.meta_bytes, buf[self.meta_bytes:self.meta_bytes + used],
-                    version=version))
             if index != version - FIRST_BUCKET_VERSION:
                 raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
             if global_steps is not None and step != int(global_steps):
@@ -409,6 +400,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         finally:
             if not task.done():
                 task.cancel()
+            follower.close()
 
 
 def _await_word(status: Any, slot: int, timeout: float) -> bool:

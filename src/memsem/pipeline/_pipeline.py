@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _args, _dtypes
-from memsem._buffers import as_byte_array
+from memsem._buffers import as_byte_array, check_dtype
 from memsem._errors import MemsemError, NotSupportedError
 from memsem.core import Lease, RuntimeCore
 from memsem.gva import RefSpec
@@ -269,6 +269,7 @@ class Pipeline:
             flat, binfo = as_byte_array(out, "out", writable=True)
             if binfo.nbytes != nbytes:
                 raise ValueError(f"out holds {binfo.nbytes} bytes; the ref is {nbytes} bytes")
+            check_dtype("out", binfo.dtype_code, spec.dtype_code)  # uint8 (raw bytes) or the ref's
             self._base = flat
         else:
             self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)

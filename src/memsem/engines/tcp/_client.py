@@ -229,6 +229,26 @@ class Connection:
         status, flags, value, nbytes = self.reply(rid, deadline)
         return self.answer(status, flags, value, nbytes, deadline, what)
 
+    def count_rows(self, h: int, deadline: float, wait_ms: int, tile: int, rows: int, total: int) -> int:
+        """A MARK of ``rows`` of tile ``tile``'s ``total`` (arg: ``rows | total << 32``): the rows
+        the owner counts as written so far."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_MARK, 0, h, rid, tile, 0, rows | total << 32, 0), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "row count")
+
+    def pin(self, h: int, deadline: float, wait_ms: int, version: int, ttl_ms: int) -> int:
+        """A reservation of ``version`` (0: the latest) held by this connection's session for
+        ``ttl_ms`` at most: the version the owner holds."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_PIN, 0, h, rid, ttl_ms, 0, version, wait_ms), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "pin")
+
+    def unpin(self, h: int, deadline: float, wait_ms: int, version: int) -> None:
+        """Give a reservation back (no reply: sent now, not with the next request)."""
+        self.send(W.REQ.pack(W.OP_UNPIN, 0, h, 0, 0, 0, version, 0), deadline)
+
     def transfer(self, h: int, deadline: float, wait_ms: int, put: bool, offset: int, mv: memoryview,
                  version: int) -> int:
         """Move ``len(mv)`` bytes at ``offset``: one request, or chunks of ``CHUNK_BYTES`` with

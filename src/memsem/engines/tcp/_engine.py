@@ -72,6 +72,7 @@ class TcpEngine(Engine):
     name = "tcp"
     enforces_generation = GenerationCheck.OWNER
     versions = True
+    reserves = True
 
     @classmethod
     def probe(cls) -> Availability:
@@ -229,10 +230,27 @@ class TcpEngine(Engine):
         mv = memoryview(src).cast("B") if src.ndim != 1 or src.dtype != np.uint8 else memoryview(src)
         return self._call(remote, Connection.transfer, True, offset, mv, 0)
 
+    def reserve_version(self, remote: RemoteRegion, version: int, ttl: float) -> int:
+        """A reservation of ``version`` (0: the latest) at the owner for ``ttl`` s at most (see
+        ``Engine.reserve_version``), held by this thread's connection's session: it ends with
+        ``drop_reservation``, the ttl, or that connection. Raises as ``get``."""
+        ttl_ms = max(1, min(0xFFFFFFFF, int(ttl * 1000)))
+        return self._call(remote, Connection.pin, version, ttl_ms)
+
+    def drop_reservation(self, remote: RemoteRegion, version: int) -> None:
+        """Give a reservation back (the owner's writer may overwrite the version from now)."""
+        self._call(remote, Connection.unpin, version)
+
     def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
         """Mark (or clear) tile ``tile`` at the owner, which checks it like a put (the tile must
         lie inside the ref's minted range). Raises as ``get``."""
         self._call(remote, Connection.request, W.OP_MARK if ready else W.OP_CLEAR, tile, "ready mark")
+
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` of tile ``tile``'s ``total`` at the owner (a MARK carrying the count:
+        the owner's runtime counts for every producer and marks the tile once complete);
+        returns the rows written so far. Raises as ``get``."""
+        return self._call(remote, Connection.count_rows, tile, rows, total)
 
     def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(connection, handle, deadline, wait_ms, *args)`` on this thread's connection to

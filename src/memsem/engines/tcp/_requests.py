@@ -52,6 +52,7 @@ class Requests:
         self.table: dict[int, Callable[..., Job | None]] = {
             W.OP_OPEN: self.open, W.OP_CLOSE: self.close_handle, W.OP_GET: self.get, W.OP_PUT: self.put,
             W.OP_MARK: self.mark, W.OP_CLEAR: self.mark, W.OP_WATCH: self.watch, W.OP_UNWATCH: self.unwatch,
+            W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin,
         }
 
     # -- ops --------------------------------------------------------------------------------------
@@ -266,17 +267,62 @@ class Requests:
         else:
             yield from self.srv.outcome(s, handle, rid, status, value) or ()
 
-    def mark(self, s: Session, op: int, handle: int, rid: int, tile: int, *_: int) -> Job | None:
+    def mark(self, s: Session, op: int, handle: int, rid: int, tile: int, n: int, arg: int, *_: int) -> Job | None:
+        """MARK / CLEAR of a tile's ready word; a MARK with ``arg`` (rows << 32 | rows per tile)
+        counts rows of a tile written in part (the write that completes the tile marks it)."""
         g, refused = self._grant(s, handle, rid)
         if g is None:
             return refused
         try:
-            o = g.set_ready(tile, op == W.OP_MARK)
+            if op == W.OP_MARK and arg:
+                o = g.add_rows(tile, arg & 0xFFFFFFFF, arg >> 32)
+            else:
+                o = g.set_ready(tile, op == W.OP_MARK)
         except (ValueError, AccessDeniedError) as exc:
             return self.srv.deny(s, handle, rid, str(exc), False)
         if int(o.status) != _OK:
             return self.srv.outcome(s, handle, rid, int(o.status), o.value)
-        return self.srv.reply(s, W.OK, handle, rid)
+        return self.srv.reply(s, W.OK, handle, rid, o.value)
+
+    def pin(self, s: Session, op: int, handle: int, rid: int, ttl_ms: int, n: int, version: int,
+            wait_ms: int) -> Job | None:
+        """PIN: a reservation of ``version`` held at the owner for the session."""
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        return self._pin_job(s, g, handle, rid, version, ttl_ms / 1000.0, self.srv.park_until(wait_ms))
+
+    def _pin_job(self, s: Session, g: Any, handle: int, rid: int, version: int, ttl: float,
+                 wait_until: float) -> Job:
+        """A reservation of ``version`` for the session (the grant holds it): a write section
+        overwriting the version is waited for like a GET's (parked until a commit)."""
+        while True:
+            try:
+                o = g.reserve(version, ttl)
+            except ValueError as exc:  # a version beyond the largest a window has
+                yield from self.srv.deny(s, handle, rid, str(exc), False) or ()
+                return
+            except MemsemError as exc:
+                yield from self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
+                return
+            status, value = int(o.status), o.value
+            if status == _BUSY:
+                p = self.srv.park(s, g, wait_until)
+                if p:
+                    if p == WAIT:
+                        yield PARK, wait_until
+                    continue
+            if status == _OK:
+                yield from self.srv.reply(s, W.OK, handle, rid, value) or ()
+            else:
+                yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            return
+
+    def unpin(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int, *_: int) -> None:
+        """UNPIN: drop the session's reservation of ``version`` (no reply)."""
+        g = s.handles.get(handle)
+        if g is not None:
+            g.drop_reservation(version)
 
     def watch(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, *_: int) -> Job | None:
         if s.kind != W.KIND_WATCH or n > W.MAX_WATCH_TARGETS * W.TGT.size or n % W.TGT.size:

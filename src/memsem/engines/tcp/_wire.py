@@ -19,8 +19,13 @@ Little endian throughout::
 Ops: OPEN (handle: the consumer's number for a credential on this connection; the body is the
 credential's token and its proof for the challenge ``nonce | handle``), CLOSE (no reply), GET
 (arg: the version asked for, 0 the latest; wait_ms: how long the owner may wait for an open
-write section, capped by the owner), PUT, MARK / CLEAR (offset: the tile), WATCH / UNWATCH
-(watch connections; UNWATCH has no reply).
+write section, capped by the owner), PUT, MARK / CLEAR (offset: the tile; a MARK whose arg is
+``rows | total << 32`` counts rows of the tile instead, reply OK with the rows written so far:
+the owner marks it once complete), WATCH / UNWATCH
+(watch connections; UNWATCH has no reply), PIN (arg: the version to hold, 0 the latest;
+offset: the ttl in ms, capped by the owner; wait_ms as for GET; reply OK with the version
+held: the owner's writer does not overwrite it until UNPIN, the ttl, or the end of the
+session that holds it), UNPIN (arg: the version; no reply).
 
 Statuses: OK (value: the version moved), DATA, OUTCOME (the owner's native outcome: ``flags``
 is its ``MEMSEM_RC_*`` status, ``value`` the value that comes with it; the engine carries it
@@ -57,7 +62,9 @@ TGT = struct.Struct("<B3xII")
 EVT = struct.Struct("<B3xIQ")
 H16 = struct.Struct("<H")
 
-OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH = range(1, 9)
+OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH, OP_PIN, OP_UNPIN = range(1, 11)
+#: reservations (PIN) one grant holds at once
+MAX_PINS = 8
 OK, DATA, OUTCOME, DENIED, FULL, ERROR, EVENT = range(7)
 #: the native status an engine reports for chunks of one transfer that saw two versions
 TORN_STATUS = _lib.MEMSEM_RC_TORN
