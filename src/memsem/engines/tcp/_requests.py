@@ -55,6 +55,15 @@ class Requests:
             W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin,
         }
 
+    def _parked(self, s: Session, g: Any, wait_until: float) -> Generator[tuple[int, float], None, bool]:
+        """A BUSY answer (a write section is open): park the job until the section ends or
+        ``wait_until`` (``Server.park``); True when the request is to be tried again, False
+        when its wait is over (the caller answers BUSY)."""
+        p = self.srv.park(s, g, wait_until)
+        if p == WAIT:
+            yield PARK, wait_until
+        return bool(p)
+
     # -- ops --------------------------------------------------------------------------------------
     def open(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, arg: int, wait_ms: int) -> Job:
         if n > W.MAX_OPEN_BODY or n < 16:
@@ -149,12 +158,8 @@ class Requests:
                     yield WRITE, time.monotonic() + self.srv.bounds.send_s
                 continue
             if not hs:  # nothing sent: a clean answer (or a wait)
-                if status == _BUSY:
-                    p = self.srv.park(s, g, wait_until)
-                    if p:
-                        if p == WAIT:
-                            yield PARK, wait_until
-                        continue
+                if status == _BUSY and (yield from self._parked(s, g, wait_until)):
+                    continue
                 if status == _TORN:  # a section opened under a send that took nothing
                     yield WRITE, time.monotonic() + self.srv.bounds.send_s
                     continue
@@ -214,12 +219,8 @@ class Requests:
         src = int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf))) if n else 0
         while True:
             o, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
-            if int(o.status) == _BUSY:
-                p = self.srv.park(s, g, wait_until)
-                if p:
-                    if p == WAIT:
-                        yield PARK, wait_until
-                    continue
+            if int(o.status) == _BUSY and (yield from self._parked(s, g, wait_until)):
+                continue
             break
         if int(o.status) == _OK:
             yield from self.srv.reply(s, W.OK, handle, rid, o.value) or ()
@@ -248,12 +249,8 @@ class Requests:
                 if done < n and not k:
                     yield READ, time.monotonic() + self.srv.bounds.stall_s
                 continue
-            if not done and status == _BUSY:
-                p = self.srv.park(s, g, wait_until)
-                if p:
-                    if p == WAIT:
-                        yield PARK, wait_until
-                    continue
+            if not done and status == _BUSY and (yield from self._parked(s, g, wait_until)):
+                continue
             if done and status not in (_GEN_BEFORE, _GEN_AFTER):
                 status, value = _TORN, 0
             while done < n:  # the rest of the payload, read and dropped
@@ -306,12 +303,8 @@ class Requests:
                 yield from self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
                 return
             status, value = int(o.status), o.value
-            if status == _BUSY:
-                p = self.srv.park(s, g, wait_until)
-                if p:
-                    if p == WAIT:
-                        yield PARK, wait_until
-                    continue
+            if status == _BUSY and (yield from self._parked(s, g, wait_until)):
+                continue
             if status == _OK:
                 yield from self.srv.reply(s, W.OK, handle, rid, value) or ()
             else:
