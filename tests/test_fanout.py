@@ -248,3 +248,50 @@ def test_auto_plan_is_made_from_the_trainers_sizes(rt, source):
         relay.prepare()
         assert (relay.plan.kind, relay.plan.degree) == (want.kind, want.degree) and want.kind == "tree"
         assert relay.load(version=1, timeout=WAIT) == 1
+
+
+# -- waits: one primitive, each with its timeout, each ended by close() --------------------------------------
+def _follower_alive(rank: int) -> bool:
+    return any(t.name == f"memsem-relay{rank}" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("where", ["the parent's name", "the trainer's next version"])
+def test_close_ends_the_followers_wait_whatever_it_waits_for(rt, source, where):
+    """The follower's waits run far longer than close() waits for its thread (attach_timeout of
+    an hour: a parent that never appears; or no next commit): close() must end them through
+    the stop check, leaving no follower thread behind."""
+    gate = threading.Event()
+
+    class Seen(memsem.Relay):
+        def _on_event(self, event, version, chunk, data):
+            if event == "complete":
+                gate.set()
+
+    if where == "the parent's name":  # rank 1 of a chain whose rank 0 never starts
+        relay = Seen(rt, "policy", rank=1, world=2, plan="chain", attach_timeout=3600.0, timeout=WAIT)
+    else:  # holds version 1, then waits for version 2, which never comes
+        relay = Seen(rt, "policy", rank=0, world=1, attach_timeout=3600.0, timeout=WAIT)
+        assert gate.wait(WAIT) and relay.held() == [1]
+    assert _follower_alive(relay.rank)
+    relay.close()
+    assert not _follower_alive(relay.rank)
+    with pytest.raises(memsem.RuntimeClosedError):
+        relay.load(version=1, timeout=WAIT)
+
+
+def test_a_parent_that_never_appears_is_passed_over_with_one_named_timeout(rt, source):
+    with memsem.Relay(rt, "policy", rank=1, world=2, plan="chain", attach_timeout=0.2, timeout=WAIT) as relay:
+        into = fresh()
+        assert relay.load(into, version=1, timeout=WAIT) == 1 and sha(into) == sha(model(1))
+        (v, frm, to, reason), = relay.stats().reattached
+        assert (v, frm, to) == (1, 0, TRAINER)
+        assert reason.startswith("MemsemTimeoutError: an offer of version >= 1 by relay rank 0 of 'policy' "
+                                 "not made after 0.2 s"), reason
+
+
+def test_load_times_out_naming_the_version_and_what_the_relay_holds(rt, source):
+    with memsem.Relay(rt, "policy", rank=0, world=1, timeout=WAIT) as relay:
+        relay.load(version=1, timeout=WAIT)
+        with pytest.raises(memsem.MemsemTimeoutError, match=r"not held after 0.2 s \(holds \[1\]\)") as ei:
+            relay.load(version=9, timeout=0.2)
+        assert ei.value.what == "version 9 at relay rank 0 of 'policy'"

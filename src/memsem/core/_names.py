@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from memsem import _args
@@ -55,8 +56,9 @@ class Names:
         d = self._core.directory
         return f"job {getattr(d, 'job', '?')!r} ({d.url})"
 
-    def _wait(self, what: str, timeout: float, state: str = "not reached") -> Wait:
-        return Wait(what, timeout, telemetry=self._core.telemetry, state=state)
+    def _wait(self, what: str, timeout: float, state: str = "not reached",
+              stop: Callable[[], None] | None = None) -> Wait:
+        return Wait(what, timeout, telemetry=self._core.telemetry, state=state, stop=stop)
 
     # -- owner side -------------------------------------------------------------------------------
     def claim(self, name: str, gva: int, *, replace: bool = False) -> None:
@@ -96,9 +98,10 @@ class Names:
         self._core.directory.remove_window(gva, name, pause=wait.pause if wait is not None else None)
 
     # -- lookup -----------------------------------------------------------------------------------
-    def lookup(self, name: str, timeout: float = 0.0) -> RefSpec:
+    def lookup(self, name: str, timeout: float = 0.0, *, stop: Callable[[], None] | None = None) -> RefSpec:
         """RefSpec of the live window published under ``name`` in this job (see
         ``memsem.Runtime.lookup``); ``timeout`` seconds to wait for one to appear (0: read once).
+        ``stop``: the caller's check after every slice of that wait (``Wait``'s ``stop``).
 
         Raises:
             WindowNotFoundError: no live window holds the name (``timeout`` 0). PeerLostError:
@@ -118,7 +121,8 @@ class Names:
                 if t == 0:
                     raise
                 if wait is None:
-                    wait = self._wait(f"a live window named {name!r} in {self._job()}", t, state="not published")
+                    wait = self._wait(f"a live window named {name!r} in {self._job()}", t, state="not published",
+                                      stop=stop)
                 if wait.expired:
                     raise wait.error() from exc
                 wait.pause()

@@ -164,8 +164,10 @@ class Readiness:
         with self._held(spec, words=False) as (res, _):
             return res.info.n_ready
 
-    def wait(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
-        """Block until tile ``tile`` is marked ready for the ref's generation.
+    def wait(self, spec: RefSpec, tile: int, timeout: float | None = None, *,
+             stop: Callable[[], None] | None = None) -> None:
+        """Block until tile ``tile`` is marked ready for the ref's generation. ``stop``: the
+        caller's check after every slice (it raises to end the wait early).
 
         Raises:
             MemsemTimeoutError: not ready within ``timeout`` s (names the window and tile).
@@ -176,7 +178,7 @@ class Readiness:
         core = self._core
         t = _args.timeout_or(timeout, core.timeout)
         with self._held(spec) as (res, cb):
-            self._wait(spec, res, cb, _args.index(tile, "tile", cb.n_ready, of=spec.label), t)
+            self._wait(spec, res, cb, _args.index(tile, "tile", cb.n_ready, of=spec.label), t, stop)
 
     async def wait_async(self, spec: RefSpec, tile: int, timeout: float | None = None,
                          loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -200,24 +202,26 @@ class Readiness:
         w = self._word_wait(spec, res, cb, f"tile {i} of {spec.label}", t, state="not ready", during=f"tile {i}")
         await w.until_async(cb.ready_addr(i), lambda v: v == gen, core.word_waiter(), res, loop)
 
-    def _wait(self, spec: RefSpec, res: Resolution, cb: Any, tile: int, t: float) -> None:
+    def _wait(self, spec: RefSpec, res: Resolution, cb: Any, tile: int, t: float,
+              stop: Callable[[], None] | None = None) -> None:
         gen = spec.generation
         self._word_wait(spec, res, cb, f"tile {tile} of {spec.label}", t, state="not ready",
-                        during=f"tile {tile}").until(cb.ready_addr(tile), lambda v: v == gen,
+                        during=f"tile {tile}", stop=stop).until(cb.ready_addr(tile), lambda v: v == gen,
                                                      mirror=cb if isinstance(cb, RemoteControl) else None)
 
     def _word_wait(self, spec: RefSpec, res: Resolution, cb: Any, what: str, t: float, *, state: str,
-                   during: str, detail: Callable[[], str] | None = None) -> Wait:
+                   during: str, detail: Callable[[], str] | None = None,
+                   stop: Callable[[], None] | None = None) -> Wait:
         """The one wait on words of ``spec``'s window (``cb``: its control block here, or the mirror
         of a remote one), re-checking the generation and the owner's liveness every slice."""
         remote = isinstance(cb, RemoteControl)
         check = (lambda: self.mirrors.check(res, spec, cb)) if remote else None
-        return Wait(what, t, telemetry=self._core.telemetry, state=state, detail=detail,
+        return Wait(what, t, telemetry=self._core.telemetry, state=state, detail=detail, stop=stop,
                     recheck=window_checks(res, spec, cb, remote_check=check, during=during))
 
     # -- any control word ---------------------------------------------------------------------------
     def wait_word(self, spec: RefSpec, word: int, until: Callable[[int], bool], timeout: float | None = None,
-                  *, what: str | None = None) -> int:
+                  *, what: str | None = None, stop: Callable[[], None] | None = None) -> int:
         """Block until ``until(value)`` holds for header word ``word`` of the window's control
         block (``memsem.gva._control_block.W_LATEST``: the latest committed version; ``W_SEQ0``...),
         on this node or, through its mirror, on another; returns that value.
@@ -235,7 +239,7 @@ class Readiness:
             remote = isinstance(cb, RemoteControl)
             a = cb.addr(word)
             w = self._word_wait(spec, res, cb, label, t, state="not reached", during=label,
-                                detail=lambda: f"it is {native.load_acquire(a)}")
+                                detail=lambda: f"it is {native.load_acquire(a)}", stop=stop)
             return w.until(a, until, mirror=cb if remote else None,
                            sync=cb.sync if remote and cb.mode == WatchMode.READ else None)
 

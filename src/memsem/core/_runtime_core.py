@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -233,8 +233,9 @@ class RuntimeCore:
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         self.publisher.unpublish(spec_or_name, timeout=timeout)
 
-    def lookup_spec(self, name: str, timeout: float = 0.0) -> RefSpec:
-        return self.names.lookup(name, timeout)
+    def lookup_spec(self, name: str, timeout: float = 0.0, *, stop: Callable[[], None] | None = None) -> RefSpec:
+        """``stop``: the caller's check after every slice of the wait (``Wait``'s ``stop``)."""
+        return self.names.lookup(name, timeout, stop=stop)
 
     def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
         self.check_open()
@@ -244,9 +245,10 @@ class RuntimeCore:
     def latest_version(self, spec: RefSpec) -> int:
         return self.versions.latest(spec)
 
-    def wait_version(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
+    def wait_version(self, spec: RefSpec, at_least: int, timeout: float | None = None, *,
+                     stop: Callable[[], None] | None = None) -> int:
         """The one consumer-side version wait (cross-node routes plug in behind it)."""
-        return self.versions.wait(spec, at_least, timeout)
+        return self.versions.wait(spec, at_least, timeout, stop=stop)
 
     async def wait_version_async(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
         return await self.versions.wait_async(spec, at_least, timeout)
@@ -322,8 +324,9 @@ class RuntimeCore:
     def ready_tiles(self, spec: RefSpec) -> list[int]:
         return self.readiness.ready_tiles(spec)
 
-    def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
-        self.readiness.wait(spec, tile, timeout)
+    def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None, *,
+                  stop: Callable[[], None] | None = None) -> None:
+        self.readiness.wait(spec, tile, timeout, stop=stop)
 
     def n_tiles(self, spec: RefSpec) -> int:
         """Ready words (tiles) of ``spec``'s window (0: published without tiles)."""

@@ -24,7 +24,7 @@ its latest-version word is mirrored here by the route's engine (``memsem.core._r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
@@ -55,13 +55,14 @@ class Versions:
     def _resolve(self, spec: RefSpec) -> Resolution:
         return self._core.resolver.resolve(spec)
 
-    def _version_wait(self, spec: RefSpec, res: Resolution, at_least: int, t: float, words: Any) -> Wait:
+    def _version_wait(self, spec: RefSpec, res: Resolution, at_least: int, t: float, words: Any,
+                      stop: Callable[[], None] | None = None) -> Wait:
         return Wait(f"version {at_least} of {spec.label}", t, telemetry=self._core.telemetry, state="not committed",
-                    detail=lambda: f"latest is {words.word(W_LATEST)}",
+                    detail=lambda: f"latest is {words.word(W_LATEST)}", stop=stop,
                     recheck=window_checks(res, spec, words, during=f"version {at_least}"))
 
     def _remote(self, res: Resolution, spec: RefSpec, what: str, *, at_least: int = 0, timeout: float = 0.0,
-                loop: asyncio.AbstractEventLoop | None = None) -> Any:
+                loop: asyncio.AbstractEventLoop | None = None, stop: Callable[[], None] | None = None) -> Any:
         """Versions of a window with no control block here (another node). The one place the
         cross-node implementation plugs in: the window's latest-version word is read from its
         mirror here (``memsem.core._remote``: pushed by the owner over tcp, read one-sidedly
@@ -80,7 +81,7 @@ class Versions:
         if what == "waiting for a version":
             label = f"version {at_least} of {spec.label}"
             if loop is None:
-                return readiness.wait_word(spec, W_LATEST, lambda v: v >= at_least, timeout, what=label)
+                return readiness.wait_word(spec, W_LATEST, lambda v: v >= at_least, timeout, what=label, stop=stop)
             return loop.run_in_executor(  # a thread waits on the mirror; the loop is never blocked
                 None, lambda: readiness.wait_word(spec, W_LATEST, lambda v: v >= at_least, timeout, what=label))
         raise NotSupportedError(f"{what} of {spec.label} on route {res.route.kind}: a pinned version is a lease "
@@ -108,12 +109,14 @@ class Versions:
         return res.cb.latest
 
     # -- waiting ----------------------------------------------------------------------------------
-    def wait(self, spec: RefSpec, at_least: int, timeout: float | None = None) -> int:
+    def wait(self, spec: RefSpec, at_least: int, timeout: float | None = None, *,
+             stop: Callable[[], None] | None = None) -> int:
         """Block until the latest committed version is ``>= at_least``; returns it.
 
         A futex wait on the latest-version word, woken by the owner's commit; between slices of
         at most ``WAIT_SLICE_S`` it re-checks the generation and the owner's liveness (the
-        runtime's one wait, ``memsem.core._wait``).
+        runtime's one wait, ``memsem.core._wait``), and calls ``stop`` (the caller's check: it
+        raises to end the wait early).
 
         Raises:
             MemsemTimeoutError: not reached within ``timeout`` s (default the runtime's).
@@ -126,14 +129,14 @@ class Versions:
         for _ in range(3):
             res = self._resolve(spec)
             if res.cb is None:
-                return self._remote(res, spec, "waiting for a version", at_least=at_least, timeout=t)
+                return self._remote(res, spec, "waiting for a version", at_least=at_least, timeout=t, stop=stop)
             if res.enter():  # held: nothing unmaps the word while we sleep on it
                 break
         else:
             raise tr.stale(spec, None)
         try:
             cb = res.cb
-            return self._version_wait(spec, res, at_least, t, cb).until(cb.latest_addr, lambda v: v >= at_least)
+            return self._version_wait(spec, res, at_least, t, cb, stop).until(cb.latest_addr, lambda v: v >= at_least)
         finally:
             res.leave()
 

@@ -11,8 +11,10 @@ it), leases to be released, copies in flight to drain, a pinned version to be le
   the owner's push, or read one-sidedly with a bounded back-off); a plain pause only where no
   word exists (a lease held in another node's directory);
 * sleeps at most ``WAIT_SLICE_S`` at a time and after every slice runs its re-checks: the
-  window's generation (``StaleReferenceError``; the resolution is dropped) and the owner's
-  liveness (``PeerLostError``), so a wait never outlives what it waits on;
+  caller's ``stop`` (a closing part, e.g. a relay's follower thread: its own error ends the
+  wait within a slice), the window's generation (``StaleReferenceError``; the resolution is
+  dropped) and the owner's liveness (``PeerLostError``), so a wait never outlives what it
+  waits on or who waits;
 * ends in one ``MemsemTimeoutError`` naming what it waited for and for how long, counted once in
   the runtime's telemetry (kind "timeout").
 """
@@ -50,12 +52,15 @@ class Wait:
         recheck: called after every slice; raises when the wait must end (stale, peer lost);
             ``rechecking`` replaces it (a retry loop that resolved its ref again).
         detail: called for the timeout message's last words ("latest is 2").
+        stop: the caller's own check, called after every slice before the re-checks; raises
+            to end the wait early (a part that is closing). Kept by ``rechecking``.
     """
 
-    __slots__ = ("what", "timeout", "state", "_end", "_recheck", "_telemetry", "_detail", "slices")
+    __slots__ = ("what", "timeout", "state", "_end", "_recheck", "_telemetry", "_detail", "_stop", "slices")
 
     def __init__(self, what: str, timeout: float, *, telemetry: "Telemetry", state: str = "not reached",
-                 recheck: Callable[[], None] | None = None, detail: Callable[[], str] | None = None) -> None:
+                 recheck: Callable[[], None] | None = None, detail: Callable[[], str] | None = None,
+                 stop: Callable[[], None] | None = None) -> None:
         self.what = what
         self.state = state
         self.timeout = timeout
@@ -63,6 +68,7 @@ class Wait:
         self._recheck = recheck
         self._telemetry = telemetry
         self._detail = detail
+        self._stop = stop
         #: slices slept so far (tests count them)
         self.slices = 0
 
@@ -98,6 +104,8 @@ class Wait:
 
     def recheck(self) -> None:
         """Everything the wait re-checks after a slice (raises when the wait must end)."""
+        if self._stop is not None:
+            self._stop()
         if self._recheck is not None:
             self._recheck()
 

@@ -1,10 +1,8 @@
 """Weight sync that scales with rollout nodes: rollouts re-serve what they loaded (docs/fanout.md).
 
-The trainer publishes its state dict through a :class:`FanoutSource`: the usual versioned
-state-dict window (``publish_state_dict``) plus a small *digest window* named ``<name>@digests``
-holding, for each of the last ``history`` versions, one digest (sha256 by default) of every
-*chunk* of ``chunk_bytes`` bytes of the state-dict window. Every commit writes the data version
-``v`` and then its digests as version ``v`` of the digest window, so the two stay in step.
+The trainer publishes its state dict through a :class:`FanoutSource`
+(:mod:`memsem.refs._fanout_source`: the state-dict window plus a digest window holding one
+digest of every chunk of ``chunk_bytes`` bytes, for each of the last versions).
 
 Each rollout runs a :class:`Relay` with its ``rank`` among ``world`` rollouts and a plan
 (:mod:`memsem.refs._fanout_plan`: star, chain or tree, chosen from ``world`` and a link model).
@@ -12,6 +10,7 @@ A relay's background thread follows its *upstream* (its parent relay, or the tra
 new version ``v`` it
 
 1. reads ``v``'s chunk digests from the trainer's digest window (never through a relay);
+   finding the trainer, a parent's offer and re-attaching are :mod:`memsem.refs._relay_upstream`;
 2. publishes a *data window* of its own for ``v`` (owner-checked, one ready word per chunk) and
    offers it in its *manifest* (``<name>@relay.<rank>``, a double-buffered window listing the
    versions it holds and the read-only refs of their data windows);
@@ -48,11 +47,7 @@ from __future__ import annotations
 import concurrent.futures as _futures
 import contextlib
 import dataclasses
-import hashlib
-import json
 import logging
-import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -65,182 +60,30 @@ from memsem._buffers import array_address
 from memsem._errors import (
     DigestMismatchError,
     MemsemError,
-    MemsemTimeoutError,
     RuntimeClosedError,
     StaleReferenceError,
-    WindowNotFoundError,
+    VersionGoneError,
 )
+from memsem.core import Wait
 from memsem.gva import RefSpec
 from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, plan as make_plan
-from memsem.refs._state_dict import (
-    DEFAULT_ALIGN,
-    DEFAULT_BUCKET_BYTES,
-    StateDictRef,
-    StateDictSection,
-    lookup_state_dict,
-    publish_state_dict,
+from memsem.refs._fanout_source import Digests, digest_of
+from memsem.refs._relay_upstream import (
+    MANIFEST_BYTES,
+    RelayClosing,
+    Upstream,
+    UpstreamGone,
+    Upstreams,
+    manifest_bytes,
+    manifest_name,
 )
+from memsem.refs._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
 log = logging.getLogger(__name__)
 
-#: default bytes per chunk (the unit of digests, ready words and pipelining)
-DEFAULT_CHUNK_BYTES = 2 << 20
-#: versions whose digests the digest window keeps
-DEFAULT_HISTORY = 8
-#: digest algorithms (hashlib names): sha256 is the fastest cryptographic one here (SHA
-#: extensions; docs/fanout.md has the figures), blake2b where those are absent
-DIGESTS = ("sha256", "blake2b", "sha1")
-DIGEST_MAGIC = b"MSFDIG01"
-_DHEAD = struct.Struct("<8sQQQII16s")  # magic, chunk_bytes, n_chunks, window bytes, digest size, history, algo
-MANIFEST_BYTES = 16 << 10
-#: a slice of every blocking wait of the follower thread (seconds): how quickly close() is seen
-SLICE_S = 0.5
-
-
-def _suffix_digests(name: str) -> str:
-    return f"{name}@digests"
-
-
-def _suffix_relay(name: str, rank: int) -> str:
-    return f"{name}@relay.{rank}"
-
-
-def _digest(algo: str, data: Any, size: int) -> bytes:
-    return hashlib.new(algo, data).digest()[:size]
-
-
-def _chunks(nbytes: int, chunk: int) -> int:
-    return max(1, -(-nbytes // chunk))
-
-
-# ------------------------------------------------------------------------------------------------
-class FanoutSource:
-    """The trainer's side: a state dict published for fan-out (data window plus digests).
-
-    Args:
-        runtime: the trainer's ``memsem.Runtime``.
-        state_dict: name -> tensor (see ``Runtime.publish_state_dict``); its values are version 1.
-        name: the state dict's window name (relays find it and ``<name>@digests`` by name).
-        chunk_bytes: bytes per chunk: the unit of digests, of relays' ready words and of the
-            pipelining (smaller: the last rollout finishes sooner after the first; larger:
-            fewer requests). slots / align / bucket_bytes / write_guard: as
-            ``publish_state_dict``.
-        digest: a hashlib algorithm of :data:`DIGESTS`. history: versions whose digests are
-            kept (a relay that starts a version more than ``history`` commits late drops it).
-
-    Commit versions with :meth:`update` or :meth:`write_section` (not with ``ref.update``:
-    the digests would not follow). Blocking like ``StateDictRef.update``, plus the digests
-    (computed in parallel threads; docs/fanout.md gives their cost).
-
-    Raises:
-        ValueError / TypeError: as ``publish_state_dict``; a bad chunk_bytes, digest or history.
-    """
-
-    def __init__(self, runtime: Any, state_dict: Mapping[str, Any], *, name: str,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, digest: str = "sha256", history: int = DEFAULT_HISTORY,
-                 slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 write_guard: str | None = None) -> None:
-        core = usable_core(as_core(runtime))
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
-        self.chunk_bytes = _args.count(chunk_bytes, "chunk_bytes", minimum=4096, unit="bytes")
-        if digest not in DIGESTS:
-            raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
-        self.history = _args.count(history, "history", minimum=2, maximum=1024)
-        self.digest = digest
-        self.digest_size = min(32, hashlib.new(digest).digest_size)
-        self._core = core
-        self.ref: StateDictRef = publish_state_dict(core, state_dict, name=name, slots=slots, align=align,
-                                                    bucket_bytes=bucket_bytes, write_guard=write_guard)
-        self.name = name
-        self.nbytes = self.ref.spec.nbytes
-        self.n_chunks = _chunks(self.nbytes, self.chunk_bytes)
-        self._rec = 8 + -(-self.n_chunks * self.digest_size // 8) * 8
-        self._pool = _futures.ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
-                                                 thread_name_prefix="memsem-digest")
-        self.digest_s = 0.0  #: seconds the last version's digests took
-        try:
-            first = np.empty(self.nbytes, np.uint8)
-            core.transfer(self.ref.spec, "get", 0, first)  # the window's bytes, padding included
-            buf = np.zeros(_DHEAD.size + self.history * self._rec, np.uint8)
-            buf[:_DHEAD.size] = np.frombuffer(_DHEAD.pack(DIGEST_MAGIC, self.chunk_bytes, self.n_chunks, self.nbytes,
-                                                          self.digest_size, self.history, digest.encode()), np.uint8)
-            v = self.ref.version()
-            self._write_record(buf, v, self._digest_all(first))
-            del first
-            self.digests = TensorRef(core.publish_spec(buf, name=_suffix_digests(name), access="r", slots=2), core)
-        except BaseException:
-            self._pool.shutdown()
-            core.unpublish_spec(self.ref.spec)
-            raise
-
-    def _digest_all(self, flat: np.ndarray) -> list[bytes]:
-        t0 = time.perf_counter()
-        c, ds, algo = self.chunk_bytes, self.digest_size, self.digest
-        out = list(self._pool.map(lambda k: _digest(algo, flat[k * c:(k + 1) * c], ds), range(self.n_chunks)))
-        self.digest_s = time.perf_counter() - t0
-        return out
-
-    def _write_record(self, arr: np.ndarray, version: int, digests: list[bytes]) -> None:
-        off = _DHEAD.size + (version % self.history) * self._rec
-        arr[off:off + 8] = np.frombuffer(struct.pack("<Q", version), np.uint8)
-        body = b"".join(digests)
-        arr[off + 8:off + 8 + len(body)] = np.frombuffer(body, np.uint8)
-
-    def _publish_digests(self, version: int, digests: list[bytes]) -> None:
-        with self._core.write_section(self.digests.spec, copy=True) as sec:
-            self._write_record(sec.array().reshape(-1).view(np.uint8), version, digests)
-        if sec.version != version:
-            raise MemsemError(f"{self.name}@digests is at version {sec.version}, its state dict at {version}: "
-                              "a version was committed without FanoutSource (ref.update): relays cannot check it")
-
-    def version(self) -> int:
-        """The latest committed version (with its digests)."""
-        return self.digests.version()
-
-    def update(self, state_dict: Mapping[str, Any], *, timeout: float | None = None) -> int:
-        """Publish ``state_dict``'s values as the next version, then its digests; returns the
-        version. Raises as ``StateDictRef.update``."""
-        srcs = self.ref.sources(state_dict)
-        with self.ref.write_section(copy=False, timeout=timeout) as sec:
-            self.ref.fill(sec, srcs)
-            digests = self._digest_all(sec.flat)
-        self._publish_digests(sec.version, digests)
-        return sec.version
-
-    @contextlib.contextmanager
-    def write_section(self, *, copy: bool = True, timeout: float | None = None) -> Iterator[StateDictSection]:
-        """A write section on the state dict (``StateDictRef.write_section``): change
-        ``section.tensors`` in place; leaving the block digests the slot, commits the version,
-        then its digests. A body that raises commits nothing."""
-        sec = self.ref.write_section(copy=copy, timeout=timeout)
-        try:
-            yield sec
-            digests = self._digest_all(sec.flat)
-        except BaseException:
-            sec.abort()
-            raise
-        v = sec.version
-        sec.commit()
-        self._publish_digests(v, digests)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Unpublish both windows (relays then see the trainer gone). Safe twice."""
-        if self._pool is None:
-            return
-        self._pool.shutdown()
-        self._pool = None
-        for spec in (self.digests.spec, self.ref.spec):
-            with contextlib.suppress(MemsemError):
-                self._core.unpublish_spec(spec, timeout=timeout)
-
-    def __enter__(self) -> "FanoutSource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+#: the follower thread's pause after an error before it tries again (seconds; a close ends it)
+RETRY_S = 0.5
 
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -266,14 +109,6 @@ class RelayStats:
     digest_s: float = 0.0
 
 
-class _Gone(Exception):
-    """Version ``v`` can no longer be had upstream: follow the newest one instead."""
-
-
-class _Closed(Exception):
-    """The relay is closing."""
-
-
 @dataclasses.dataclass
 class _Held:
     version: int
@@ -283,26 +118,6 @@ class _Held:
     have: set[int] = dataclasses.field(default_factory=set)
     complete: bool = False
     holds: int = 0
-
-
-class _Upstream:
-    """Where chunks come from: the trainer (``rank`` -1) or a relay's data window of one version."""
-
-    def __init__(self, rank: int, label: str, spec: RefSpec | None) -> None:
-        self.rank = rank
-        self.label = label
-        self.spec = spec  # the relay's data window of the version (None: the trainer)
-
-
-@dataclasses.dataclass
-class _Digests:
-    version: int
-    chunk_bytes: int
-    n_chunks: int
-    nbytes: int
-    algo: str
-    size: int
-    values: list[bytes]
 
 
 class Relay:
@@ -342,11 +157,11 @@ class Relay:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         world = _args.count(world, "world", minimum=1)
         self.rank = _args.index(rank, "rank", world, of=f"{world} rollouts")
-        self._auto_link: LinkModel | None = None
+        auto_link: LinkModel | None = None
         if plan == "auto" and link is not None:
             if not isinstance(link, LinkModel):
                 raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
-            self._auto_link = link  # the plan is made once the trainer's sizes are known
+            auto_link = link  # the plan is made once the trainer's sizes are known
             plan = make_plan(world, kind="chain")
         elif isinstance(plan, str):
             plan = make_plan(world, kind=plan)
@@ -356,7 +171,6 @@ class Relay:
             raise ValueError(f"on_mismatch must be 'raise' or 'bypass', got {on_mismatch!r}")
         self.name = name
         self.world = world
-        self.plan = plan
         self.slots = _args.count(slots, "slots", minimum=2, maximum=16)
         self.depth = _args.count(depth, "depth", minimum=1, maximum=64)
         self.attach_timeout = _args.timeout(attach_timeout, "attach_timeout", positive=True)
@@ -371,20 +185,23 @@ class Relay:
         self._error: BaseException | None = None
         self._pending: DigestMismatchError | None = None
         self._stop = threading.Event()
-        self._refs_lock = threading.Lock()  # one lookup of the trainer's windows (and the auto plan)
         self._thread: threading.Thread | None = None
-        self._trainer: StateDictRef | None = None
-        self._digests_ref: TensorRef | None = None
-        self._mrefs: dict[int, TensorRef] = {}
+        self._up = Upstreams(core, name, rank=self.rank, world=world, plan=plan, auto_link=auto_link,
+                             attach_timeout=self.attach_timeout, timeout=self.timeout, stop=self._check_stop,
+                             on_reattach=self._note_reattach)
         self._pool = _futures.ThreadPoolExecutor(self.depth, thread_name_prefix=f"memsem-relay{self.rank}")
-        self._layout_scatter: Any = None
         buf = np.zeros(MANIFEST_BYTES, np.uint8)
-        self._manifest = TensorRef(core.publish_spec(buf, name=_suffix_relay(name, self.rank), access="r", slots=2),
+        self._manifest = TensorRef(core.publish_spec(buf, name=manifest_name(name, self.rank), access="r", slots=2),
                                    core)
         if follow:
             self.start()
 
     # -- public --------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> FanoutPlan:
+        """The fan-out plan (final once the trainer is found: ``plan="auto"`` with ``link``)."""
+        return self._up.plan
+
     def start(self) -> None:
         """Start following (a no-op when already started)."""
         if self._thread is None:
@@ -406,16 +223,16 @@ class Relay:
     def prepare(self, timeout: float | None = None) -> None:
         """Look the trainer's windows up now (waiting for them up to ``timeout`` s), so the first
         version starts without that delay. Raises as ``lookup``."""
-        self._trainer_refs(_args.timeout_or(timeout, self.timeout))
+        self._up.trainer(_args.timeout_or(timeout, self.timeout))
 
     def version(self) -> int:
         """The trainer's latest committed version (with digests). Raises as ``TensorRef.version``."""
-        return self._trainer_refs(self.timeout)[1].version()
+        return self._up.trainer(self.timeout)[1].version()
 
     def wait_version(self, version: int, timeout: float | None = None) -> int:
         """Block until the trainer committed ``version`` (or a newer one); returns it. Raises as
         ``TensorRef.wait_version``."""
-        return self._trainer_refs(self.timeout)[1].wait_version(version, timeout)
+        return self._up.trainer(self.timeout)[1].wait_version(version, timeout)
 
     def load(self, into: Mapping[str, Any] | None = None, *, version: int = 0, timeout: float | None = None) -> int:
         """Block until this relay holds a version ``>= version`` (0: the trainer's latest now),
@@ -432,9 +249,10 @@ class Relay:
             MemsemTimeoutError: no such version within ``timeout`` s (default the relay's).
         """
         t = _args.timeout_or(timeout, self.timeout)
-        deadline = time.monotonic() + t
         scatter = self._scatter(into) if into is not None else None
         target = _args.count(version, "version") or self.version()
+        wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
+                    detail=lambda: f"holds {sorted(self._held)}")
         with self._cond:
             while True:
                 if self._pending is not None:
@@ -449,12 +267,7 @@ class Relay:
                     raise self._error
                 if self._stop.is_set():
                     raise RuntimeClosedError(f"relay {self._label} is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise MemsemTimeoutError(f"relay {self._label}: version {target} not held after {t} s "
-                                             f"(holds {sorted(self._held)})",
-                                             what=f"version {target} at relay {self._label}", timeout=t)
-                self._cond.wait(min(left, SLICE_S))
+                wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
         try:
             if scatter is not None:
                 ranges, _keep = scatter
@@ -481,7 +294,7 @@ class Relay:
                 h = self._held[max(self._held)]
             h.holds += 1
         try:
-            lay = self._trainer_refs(t)[0].layout
+            lay = self._up.trainer(t)[0].layout
             hb = lay.header_bytes
             yield h.version, {e.name: h.buf[hb + e.offset:hb + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
                               for e in lay.entries}
@@ -499,7 +312,7 @@ class Relay:
         with self._cond:
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(self.timeout + 2 * SLICE_S)
+            self._thread.join(self.timeout + 2 * RETRY_S)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -530,8 +343,9 @@ class Relay:
 
     # -- the follower ------------------------------------------------------------------------------------
     def _check_stop(self) -> None:
+        """The stop check of every wait of the follower (handed to ``Upstreams`` and each wait)."""
         if self._stop.is_set() or self._core.closed:
-            raise _Closed()
+            raise RelayClosing(f"relay {self._label} is closed")
 
     def _trainer_refs(self, t: float) -> tuple[StateDictRef, TensorRef]:
         if self._trainer is None:
@@ -539,31 +353,8 @@ class Relay:
                 return self._lookup_trainer(t)
         return self._trainer, self._digests_ref  # type: ignore[return-value]
 
-    def _lookup_trainer(self, t: float) -> tuple[StateDictRef, TensorRef]:
-        if self._trainer is None:
-            deadline = time.monotonic() + t
-            while True:
-                try:
-                    tr = lookup_state_dict(self._core, self.name)
-                    dg = TensorRef(self._core.lookup_spec(_suffix_digests(self.name)), self._core)
-                    break
-                except WindowNotFoundError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    if self._stop.wait(0.05):
-                        raise RuntimeClosedError(f"relay {self._label} is closed") from None
-            if self._auto_link is not None:  # every rank computes the same plan from the same sizes
-                head = np.empty(_DHEAD.size, np.uint8)
-                self._core.transfer(dg.spec, "get", 0, head)
-                _, chunk, _, nbytes, _, _, _ = _DHEAD.unpack(head.tobytes())
-                self.plan = make_plan(self.world, kind="auto", model_bytes=max(1, nbytes), chunk_bytes=max(1, chunk),
-                                      link=self._auto_link)
-                self._auto_link = None
-            self._trainer, self._digests_ref = tr, dg
-        return self._trainer, self._digests_ref  # type: ignore[return-value]
-
     def _scatter(self, into: Mapping[str, Any]) -> tuple[list[tuple[int, int, int]], list]:
-        tr = self._trainer_refs(self.timeout)[0]
+        tr = self._up.trainer(self.timeout)[0]
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
         return tr.ranges(into, tr.layout.entries, "into")
@@ -575,7 +366,7 @@ class Relay:
                 last = self._one(last)
                 with self._cond:
                     self._error = None
-            except _Closed:
+            except RelayClosing:
                 return
             except MemsemError as exc:  # the trainer is gone or unreachable: said by load(); retried
                 if self._stop.is_set() or self._core.closed:
@@ -584,7 +375,7 @@ class Relay:
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
-                self._stop.wait(SLICE_S)
+                self._stop.wait(RETRY_S)  # a pause on the stop event: close() ends it
             except Exception as exc:  # a bug: say it to load() and stop
                 log.exception("relay %s stopped", self._label)
                 with self._cond:
@@ -594,19 +385,19 @@ class Relay:
 
     def _one(self, last: int) -> int:
         """Get the newest version > ``last`` its upstream offers; returns the version held."""
-        self._trainer_refs(self.attach_timeout)
+        self._up.trainer(self.attach_timeout)
         while True:
             self._check_stop()
-            up, v = self._attach(last + 1)
+            up, v = self._up.attach(last + 1)
             try:
-                dg = self._read_digests(v)
-            except _Gone:
+                dg = self._up.digests(v)
+            except VersionGoneError:
                 last = max(last, v)  # too old already: a newer one is there
                 continue
             h = self._start(v, dg)
             try:
                 self._fill(h, up, dg)
-            except _Gone:
+            except UpstreamGone:
                 self._drop(v, complete=False)
                 continue
             except BaseException:
@@ -620,144 +411,14 @@ class Relay:
             return v
 
     # -- upstream ------------------------------------------------------------------------------------------
-    def _manifest_ref(self, rank: int, wait: float) -> TensorRef:
-        m = self._mrefs.get(rank)
-        if m is not None:
-            return m
-        deadline = time.monotonic() + wait
-        while True:
-            self._check_stop()
-            try:
-                m = TensorRef(self._core.lookup_spec(_suffix_relay(self.name, rank)), self._core)
-                break
-            except WindowNotFoundError:
-                if time.monotonic() >= deadline:
-                    raise
-                self._stop.wait(0.05)
-        self._mrefs[rank] = m
-        return m
-
-    def _read_manifest(self, m: TensorRef) -> tuple[int, dict[int, str]]:
-        out = np.empty(MANIFEST_BYTES, np.uint8)
-        mv = self._core.gather(m.spec, [(0, MANIFEST_BYTES, array_address(out))], keep=out)
-        raw = out.tobytes().rstrip(b"\0")
-        if not raw:
-            return mv, {}
-        try:
-            d = json.loads(raw)
-            return mv, {int(v): str(r) for v, r in d["offers"]}
-        except (ValueError, KeyError, TypeError):
-            raise MemsemError(f"relay manifest {m.spec.label} is malformed") from None
-
-    def _offer_of(self, rank: int, at_least: int, exact: bool, wait: float) -> tuple[_Upstream, int]:
-        """Attach to relay ``rank``: wait (up to ``wait`` s) for it to offer a version
-        ``>= at_least`` (``exact``: exactly ``at_least``); returns it and the version.
-
-        Raises:
-            _Gone: ``exact`` and it offers only newer ones. MemsemTimeoutError, PeerLostError,
-            StaleReferenceError...: it is not usable.
-        """
-        deadline = time.monotonic() + wait
-        m = self._manifest_ref(rank, wait)
-        try:
-            while True:
-                self._check_stop()
-                mv, offers = self._read_manifest(m)
-                good = [v for v in offers if (v == at_least if exact else v >= at_least)]
-                if good:
-                    v = max(good)
-                    spec = RefSpec.from_bytes(bytes.fromhex(offers[v]))
-                    return _Upstream(rank, f"rank {rank} of {self.name!r}", spec), v
-                if exact and any(v > at_least for v in offers):
-                    raise _Gone()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise MemsemTimeoutError(f"relay rank {rank} of {self.name!r} offered no version "
-                                             f"{'' if exact else '>= '}{at_least} within {wait} s",
-                                             what=f"an offer of rank {rank}", timeout=wait)
-                with contextlib.suppress(MemsemTimeoutError):
-                    self._core.wait_version(m.spec, mv + 1, min(left, SLICE_S))
-        except StaleReferenceError:
-            self._mrefs.pop(rank, None)  # republished (a restarted relay): looked up again next time
-            raise
-
-    def _trainer_version(self, at_least: int) -> int:
-        """Wait for the trainer's commit of a version ``>= at_least`` (as long as the relay
-        runs: a follower waits for the next version), sliced to see close()."""
-        dg = self._trainer_refs(self.timeout)[1]
-        while True:
-            self._check_stop()
-            with contextlib.suppress(MemsemTimeoutError):
-                return self._core.wait_version(dg.spec, at_least, SLICE_S)
-
-    def _attach(self, at_least: int) -> tuple[_Upstream, int]:
-        """The nearest usable upstream offering a version ``>= at_least``, and its newest one.
-        A parent is waited for (``attach_timeout``) only once the trainer committed one."""
-        newest = self._trainer_version(at_least)
-        passed: tuple[int, str] | None = None  # the first rank passed over, and why
-        for r in self.plan.upstream(self.rank):
-            try:
-                if r == TRAINER:
-                    up, v = _Upstream(TRAINER, "the trainer", None), newest
-                else:
-                    up, v = self._offer_of(r, at_least, False, self.attach_timeout)
-            except (_Closed, _Gone):
-                raise
-            except MemsemError as exc:
-                log.debug("relay %s: rank %d not usable: %s", self._label, r, exc)
-                passed = passed or (r, f"{type(exc).__name__}: {exc}")
-                continue
-            if passed is not None:
-                self._note_reattach(v, passed[0], r, passed[1])
-            return up, v
-        raise AssertionError("unreachable: the plan ends at the trainer")  # pragma: no cover
-
-    def _reattach(self, failed: _Upstream, v: int, reason: str) -> _Upstream:
-        """The next upstream above ``failed`` that offers exactly version ``v``."""
-        if failed.rank == TRAINER:
-            raise MemsemError(f"relay {self._label}: nothing above the trainer ({reason})")
-        chain = self.plan.upstream(self.rank)
-        for r in chain[chain.index(failed.rank) + 1:]:
-            self._check_stop()
-            if r == TRAINER:
-                self._note_reattach(v, failed.rank, TRAINER, reason)
-                return _Upstream(TRAINER, "the trainer", None)
-            try:
-                up, _ = self._offer_of(r, v, True, self.attach_timeout)
-                self._note_reattach(v, failed.rank, r, reason)
-                return up
-            except (_Closed, _Gone):
-                raise
-            except MemsemError as exc:
-                reason = f"{reason}; rank {r}: {type(exc).__name__}"
-        raise AssertionError("unreachable: the plan ends at the trainer")  # pragma: no cover
-
     def _note_reattach(self, v: int, frm: int, to: int, reason: str) -> None:
         with self._cond:
             self._stats.reattached.append((v, frm, to, reason))
         log.info("relay %s: version %d: re-attached from rank %d to %s (%s)", self._label, v, frm,
                  "the trainer" if to == TRAINER else f"rank {to}", reason)
 
-    def _read_digests(self, v: int) -> _Digests:
-        dg = self._trainer_refs(self.timeout)[1]
-        self._core.wait_version(dg.spec, v, self.timeout)
-        head = np.empty(_DHEAD.size, np.uint8)
-        self._core.transfer(dg.spec, "get", 0, head)
-        magic, chunk, n, nbytes, ds, hist, algo = _DHEAD.unpack(head.tobytes())
-        algo_s = algo.rstrip(b"\0").decode("ascii", "replace")
-        if magic != DIGEST_MAGIC or algo_s not in DIGESTS or not 0 < ds <= 64 or not 0 < n <= 1 << 24:
-            raise MemsemError(f"{dg.spec.label} is not a fan-out digest window")
-        rec = 8 + -(-n * ds // 8) * 8
-        body = np.empty(rec, np.uint8)
-        self._core.transfer(dg.spec, "get", _DHEAD.size + (v % hist) * rec, body)
-        tag = struct.unpack("<Q", body[:8].tobytes())[0]
-        if tag != v:
-            raise _Gone()  # overwritten by a version ``history`` commits later
-        raw = body[8:8 + n * ds].tobytes()
-        return _Digests(v, chunk, n, nbytes, algo_s, ds, [raw[k * ds:(k + 1) * ds] for k in range(n)])
-
     # -- holding versions ------------------------------------------------------------------------------------
-    def _start(self, v: int, dg: _Digests) -> _Held:
+    def _start(self, v: int, dg: Digests) -> _Held:
         """Allocate (or reuse) memory for version ``v``, publish its data window, offer it."""
         core = self._core
         victims = []
@@ -797,16 +458,14 @@ class Relay:
     def _commit_manifest(self) -> None:
         with self._cond:
             offers = sorted((v, h.offer) for v, h in self._held.items())
-        raw = json.dumps({"rank": self.rank, "offers": offers}, separators=(",", ":")).encode()
-        if len(raw) > MANIFEST_BYTES:
-            raise MemsemError(f"relay {self._label}: manifest of {len(raw)} bytes exceeds {MANIFEST_BYTES}")
+        raw = manifest_bytes(self.rank, offers)
         with self._core.write_section(self._manifest.spec, copy=False) as sec:
             arr = sec.array().reshape(-1).view(np.uint8)
             arr[:len(raw)] = np.frombuffer(raw, np.uint8)
             arr[len(raw):] = 0
 
     # -- moving chunks -------------------------------------------------------------------------------------------
-    def _fill(self, h: _Held, up: _Upstream, dg: _Digests) -> None:
+    def _fill(self, h: _Held, up: Upstream, dg: Digests) -> None:
         """Move every chunk ``h`` lacks, ``depth`` at a time, re-attaching when ``up`` fails."""
         while True:
             todo = [k for k in range(dg.n_chunks) if k not in h.have]
@@ -836,8 +495,8 @@ class Relay:
                 continue
             up = self._recover(err, up, h.version)
 
-    def _recover(self, err: BaseException, up: _Upstream, v: int) -> _Upstream:
-        if isinstance(err, (_Closed, _Gone)):
+    def _recover(self, err: BaseException, up: Upstream, v: int) -> Upstream:
+        if isinstance(err, (RelayClosing, UpstreamGone)):
             raise err
         if isinstance(err, DigestMismatchError):
             with self._cond:
@@ -848,45 +507,35 @@ class Relay:
             log.warning("%s", err)
             if up.rank == TRAINER:
                 raise err
-            return self._reattach(up, v, f"DigestMismatchError: chunk {err.chunk}")
+            return self._up.reattach(up, v, f"DigestMismatchError: chunk {err.chunk}")
         if not isinstance(err, MemsemError):
             raise err
         if up.rank == TRAINER:
             if isinstance(err, StaleReferenceError):
-                raise _Gone() from err  # the trainer's version v was overwritten
+                raise UpstreamGone() from err  # the trainer's version v was overwritten
             raise err
         if isinstance(err, StaleReferenceError):
             # retired by its relay (which moved on) or the relay is gone: its manifest says which
             try:
-                _, offers = self._read_manifest(self._manifest_ref(up.rank, self.attach_timeout))
-                if v not in offers:
-                    raise _Gone() from err
+                if not self._up.offers(up.rank, v):
+                    raise UpstreamGone() from err
             except MemsemError:
                 pass
-        return self._reattach(up, v, f"{type(err).__name__}: {err}")
+        return self._up.reattach(up, v, f"{type(err).__name__}: {err}")
 
-    def _fetch(self, up: _Upstream, h: _Held, k: int, dg: _Digests) -> None:
+    def _fetch(self, up: Upstream, h: _Held, k: int, dg: Digests) -> None:
         c = dg.chunk_bytes
         dst = h.buf[k * c:min((k + 1) * c, dg.nbytes)]
         core = self._core
         self._check_stop()
         self._on_event("fetch", h.version, k, None)
         if up.spec is None:
-            core.transfer(self._trainer_refs(self.timeout)[0].spec, "get", k * c, dst, version=h.version)
+            core.transfer(self._up.trainer(self.timeout)[0].spec, "get", k * c, dst, version=h.version)
         else:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                self._check_stop()
-                left = deadline - time.monotonic()
-                try:
-                    core.wait_tile(up.spec, k, min(SLICE_S, max(left, 0.0)))
-                    break
-                except MemsemTimeoutError:
-                    if left <= 0:
-                        raise
+            core.wait_tile(up.spec, k, self.timeout, stop=self._check_stop)  # its ready word: the parent holds it
             core.transfer(up.spec, "get", k * c, dst)
         t0 = time.perf_counter()
-        got = _digest(dg.algo, dst, dg.size)
+        got = digest_of(dg.algo, dst, dg.size)
         dt = time.perf_counter() - t0
         if got != dg.values[k]:
             raise DigestMismatchError(
@@ -903,4 +552,4 @@ class Relay:
             s.digest_s += dt
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DIGESTS", "FanoutSource", "Relay", "RelayStats"]
+__all__ = ["Relay", "RelayStats"]

@@ -463,7 +463,7 @@ class Runtime:
 
         See :meth:`memsem.refs.FieldSet.publish`.
         """
-        from memsem.refs._fields import FieldSet
+        from memsem.refs._fieldset import FieldSet
 
         return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access)
 

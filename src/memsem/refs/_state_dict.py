@@ -34,7 +34,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -618,9 +618,10 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
     return ref
 
 
-def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0) -> StateDictRef:
-    """See ``memsem.Runtime.lookup_state_dict``."""
-    spec = core.lookup_spec(name, timeout)
+def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0,
+                      stop: Callable[[], None] | None = None) -> StateDictRef:
+    """See ``memsem.Runtime.lookup_state_dict``; ``stop`` as ``RuntimeCore.lookup_spec``'s."""
+    spec = core.lookup_spec(name, timeout, stop=stop)
     if spec.dtype_code != _UINT8:
         raise ValueError(f"window {name!r} is not a state-dict window (dtype {_dtypes.name_of(spec.dtype_code)})")
     ref = StateDictRef(spec, core)
