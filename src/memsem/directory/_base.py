@@ -6,15 +6,19 @@ data. It knows nothing about what a record means: the GVA layer above parses the
 from __future__ import annotations
 
 import abc
+import dataclasses
+import enum
 import hashlib
 import hmac
+import json
+import logging
 import re
 import secrets
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import NotSupportedError
+from memsem._errors import AccessDeniedError, NotSupportedError
 
 _ENTRY_KEY = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 
@@ -53,6 +57,127 @@ def secret_keys(secret: bytes | str | None) -> tuple[bytes | None, bytes | None]
         return None, None
     return (hmac.new(secret, b"memsem-mac", hashlib.sha256).digest(),
             hmac.new(secret, b"memsem-seal", hashlib.sha256).digest())
+
+
+class RecordCodec:
+    """How directories that span nodes store a record: ``{"v": record, "s": MAC, "k": sealed
+    key}`` as compact JSON. With a job secret each value carries an HMAC-SHA256 (key derived
+    from the secret) over its storage key name, the sealed access key and the record, and a
+    window's access key is sealed for holders of the secret (``seal_key``); without one values
+    are plain ``{"v": record}`` and no access key is stored. The one codec of the ``redis`` and
+    ``ray`` directories.
+
+    Args:
+        secret: the job secret (bytes or str), or None.
+        where: the directory's name in error messages.
+    """
+
+    def __init__(self, secret: bytes | str | None, where: str) -> None:
+        self.mac_key, self.seal_key = secret_keys(secret)
+        self.where = where
+
+    @property
+    def signed(self) -> bool:
+        """True with a job secret: values are MACed and access keys can be sealed."""
+        return self.mac_key is not None
+
+    def _sign(self, key: str, payload: str, sealed: str) -> str:
+        return hmac.new(self.mac_key, f"{key}\n{sealed}\n{payload}".encode(), hashlib.sha256).hexdigest()
+
+    def encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
+        """The stored value of ``record`` under ``key`` (``access_key`` sealed in, with a secret)."""
+        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        out: dict[str, Any] = {"v": record}
+        if self.mac_key is not None:
+            sealed = ""
+            if access_key is not None:
+                sealed = seal_key(self.seal_key, key, access_key)
+                out["k"] = sealed
+            out["s"] = self._sign(key, payload, sealed)
+        return json.dumps(out, separators=(",", ":"))
+
+    def decode(self, key: str, raw: bytes | str | None, *, strict: bool = True) -> dict[str, Any] | None:
+        """The verified value stored at ``key`` (``{"v":..., "k":...}``), None when absent.
+
+        Raises:
+            AccessDeniedError: (``strict``) the value is not a memsem value or fails its MAC
+                (forged, or written without the job secret); not strict: logged, None.
+        """
+        if raw is None:
+            return None
+        try:
+            out = json.loads(raw)
+            if not isinstance(out, dict) or "v" not in out:
+                raise ValueError("not a memsem entry")
+        except ValueError:
+            return self._reject(key, "is not a memsem entry", strict)
+        if self.mac_key is not None:
+            sig = out.get("s")
+            payload = json.dumps(out["v"], sort_keys=True, separators=(",", ":"))
+            if not isinstance(sig, str) or not hmac.compare_digest(sig, self._sign(key, payload, out.get("k", ""))):
+                return self._reject(key, "fails its HMAC: forged, or written without the job secret", strict)
+        return out
+
+    def unseal(self, key: str, value: dict[str, Any]) -> bytes | None:
+        """The access key sealed in a decoded value, None when there is none (or no secret)."""
+        if self.seal_key is None or not value.get("k"):
+            return None
+        try:
+            return unseal_key(self.seal_key, key, value["k"])
+        except ValueError:
+            return None
+
+    def _reject(self, key: str, why: str, strict: bool) -> None:
+        msg = f"{self.where} directory entry {key!r} {why}"
+        if strict:
+            raise AccessDeniedError(msg)
+        logging.getLogger("memsem.directory").warning("%s; ignored", msg)
+        return None
+
+
+class MemberState(enum.IntEnum):
+    """What a directory knows of a rank's holder (see ``Directory.member``)."""
+
+    #: this directory cannot tell (it keeps no liveness of its own, or never reached the rank)
+    UNKNOWN = 0
+    #: the rank's record is there: ``Member.record`` names the process and its incarnation
+    PRESENT = 1
+    #: the record is absent, but the directory has not answered smoothly for a whole re-claim
+    #: grace since its last outage: the holder may still be re-claiming it (counted as alive)
+    SUSPECT = 2
+    #: the record is absent although the directory answered smoothly for at least the re-claim
+    #: grace: the holder stopped refreshing it (dead, stalled or cut off). Not final: a holder
+    #: that comes back and re-claims its rank with the same incarnation is PRESENT again.
+    GONE = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A directory's last-known view of one rank.
+
+    Attributes:
+        state: see :class:`MemberState`.
+        record: the rank record (``pid``, ``start``, ``node``, ``incarnation``, ...) when
+            PRESENT, else None.
+        age_s: seconds since the directory read it (the staleness of this view).
+        detail: why the state is what it is, for error messages ("" when PRESENT).
+    """
+
+    state: MemberState
+    record: dict[str, Any] | None = None
+    age_s: float = 0.0
+    detail: str = ""
+
+
+def same_process(record: dict[str, Any] | None, pid: int, start: int, node: str) -> bool:
+    """Whether a rank record names the process ``(pid, start, node)``."""
+    if not isinstance(record, dict):
+        return False
+    try:
+        return (int(record.get("pid", -1)) == int(pid) and int(record.get("start", 0)) == int(start)
+                and record.get("node") == node)
+    except (TypeError, ValueError):
+        return False
 
 
 class EntryWatch:
@@ -143,6 +268,21 @@ class Directory(abc.ABC):
     def lookup(self, name: str) -> int | None:
         """GVA of the window published under ``name``, or None."""
 
+    # -- names: one owner each ---------------------------------------------------------------
+    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
+                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Bind ``name`` to window ``gva`` of ``holder`` (``pid``, ``start``, ``node``, ``rank``
+        of the publishing runtime), atomically: when no record holds the name, ``holder`` does,
+        its holder is dead (or its runtime closed), or ``replace``. Returns None when bound,
+        else the live holder's record (nothing changed). ``pause``: the caller's wait, called
+        while the directory is busy for a moment (it raises at its deadline)."""
+        raise NotSupportedError(f"directory {self.url or type(self).__name__} cannot claim names")
+
+    def name_record(self, name: str) -> dict[str, Any] | None:
+        """The record of ``name``: ``gva`` (hex) of its window and its holder, or None."""
+        gva = self.lookup(name)
+        return None if gva is None else {"name": name, "gva": f"{gva:016x}"}
+
     @abc.abstractmethod
     def windows(self) -> list[dict[str, Any]]:
         """Every window record (for ``memsem topo``/``gc``)."""
@@ -200,10 +340,27 @@ class Directory(abc.ABC):
         """``(record, access key)`` of window ``gva``; the key is None where it is not sealed in."""
         return self.get_window(gva), None
 
+    #: seconds a reader keeps re-reading a record whose owner's rank is SUSPECT (its record
+    #: expired during a directory outage and may be re-claimed): the bound of that delay
+    reclaim_s: float = 0.0
+    #: seconds between re-reads while waiting out ``reclaim_s``
+    check_s: float = 0.05
+
+    def member(self, rank: int) -> Member:
+        """This directory's view of ``rank`` (heartbeat liveness of runtimes on other nodes).
+
+        Never blocks for long: directories that span nodes answer from a view their own thread
+        keeps current, stale by at most their check interval while the server answers (and
+        the last-known state while it does not). Default: UNKNOWN (one node: pids decide)."""
+        return Member(MemberState.UNKNOWN)
+
     def owner_alive(self, rank: int, pid: int, start: int, node: str) -> bool | None:
-        """Whether the owner of ``rank`` on another node is alive by this directory's liveness
-        (heartbeats): True/False, or None when this directory cannot tell."""
-        return None
+        """Whether ``rank`` is held now by that process, from ``member``: True/False, or None
+        when this directory cannot tell (UNKNOWN, or SUSPECT: absent, maybe re-claiming)."""
+        m = self.member(rank)
+        if m.state is MemberState.PRESENT:
+            return same_process(m.record, pid, start, node)
+        return False if m.state is MemberState.GONE else None
 
     def acquire_lease(self, gva: int, generation: int, holder: dict[str, Any], ttl: float | None) -> str:
         """A lease on a window of another node, held here; returns its member id."""
@@ -223,6 +380,11 @@ class Directory(abc.ABC):
 
     def reopen_window(self, gva: int) -> None:
         """Undo ``lease_holders(closing=True)`` when the owner gave up unpublishing."""
+
+    def advertise_host(self) -> str | None:
+        """The address of this node that processes on other nodes reach (engines that serve
+        over the network advertise it), or None where this directory does not know one."""
+        return None
 
     def close(self) -> None:
         """Release connections; safe twice."""
