@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import memsem  # noqa: E402
-from cluster import RayCluster, node_id, placed  # noqa: E402
+from cluster import node_id, placed  # noqa: E402
 from conftest import TTL  # noqa: E402
 from memsem.directory import MemberState, choose_url  # noqa: E402
 from memsem.directory.ray import ACTOR_NAMESPACE, RayDirectory  # noqa: E402

@@ -44,9 +44,6 @@ the heartbeat refreshes every TTL/3).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
@@ -55,8 +52,8 @@ import time
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, EntryWatch, check_entry_key, secret_keys, seal_key, unseal_key
+from memsem._errors import MemsemError, PeerLostError, StaleReferenceError
+from memsem.directory._base import Directory, EntryWatch, RecordCodec, check_entry_key, secret_keys, unseal_key
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
@@ -178,6 +175,7 @@ class RedisDirectory(Directory):
         if secret is None:
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
         self._mac_key, self._seal_key = secret_keys(secret)
+        self._codec = RecordCodec(secret, "redis")
         self._redis = redis
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=30)
@@ -199,45 +197,12 @@ class RedisDirectory(Directory):
         self._closed = False
         self.lost_rank = False  #: set when the heartbeat found the rank key gone (stalled > TTL)
 
-    # -- signing ----------------------------------------------------------------------------------
-    def _sign(self, key: str, payload: str, sealed: str) -> str:
-        return hmac.new(self._mac_key, f"{key}\n{sealed}\n{payload}".encode(), hashlib.sha256).hexdigest()
-
+    # -- signing (the one codec of directories that span nodes: _base.RecordCodec) ----------------
     def _encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
-        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        out: dict[str, Any] = {"v": record}
-        if self._mac_key is not None:
-            sealed = ""
-            if access_key is not None:
-                sealed = seal_key(self._seal_key, key, access_key)
-                out["k"] = sealed
-            out["s"] = self._sign(key, payload, sealed)
-        return json.dumps(out, separators=(",", ":"))
+        return self._codec.encode(key, record, access_key)
 
     def _decode(self, key: str, raw: bytes | str | None, *, strict: bool = True) -> dict[str, Any] | None:
-        """The verified value stored at ``key`` (``{"v":..., "k":...}``), None when absent.
-        A value failing verification raises AccessDeniedError (``strict``) or is skipped."""
-        if raw is None:
-            return None
-        try:
-            out = json.loads(raw)
-            if not isinstance(out, dict) or "v" not in out:
-                raise ValueError("not a memsem entry")
-        except ValueError:
-            return self._reject(key, "is not a memsem entry", strict)
-        if self._mac_key is not None:
-            sig = out.get("s")
-            payload = json.dumps(out["v"], sort_keys=True, separators=(",", ":"))
-            if not isinstance(sig, str) or not hmac.compare_digest(sig, self._sign(key, payload, out.get("k", ""))):
-                return self._reject(key, "fails its HMAC: forged, or written without the job secret", strict)
-        return out
-
-    def _reject(self, key: str, why: str, strict: bool) -> None:
-        msg = f"redis directory entry {key!r} {why}"
-        if strict:
-            raise AccessDeniedError(msg)
-        log.warning("%s; ignored", msg)
-        return None
+        return self._codec.decode(key, raw, strict=strict)
 
     def _get(self, key: str, *, strict: bool = True) -> dict[str, Any] | None:
         return self._decode(key, self._call(self.client.get, key), strict=strict)
