@@ -1,24 +1,29 @@
-"""Pipeline benchmark: the three goals of issue 3, measured in one run, printed as ratios.
+"""Pipeline benchmark: the pipeline's goals measured in one run, as ratios of figures measured
+interleaved (round by round: each side once per round, in alternating order), reported as the
+median of the per-round ratios with their spread (the 25th and 75th percentiles), so a burst of
+foreign load hits both sides of a ratio alike.
 
-1. Move time ~= compute time per tile: pipeline total vs the ideal ``fill + sum(max(move,
-   compute)) + drain`` (goal <= 1.1x), and speedup vs get-everything-then-compute on the same
-   data in the same run (goal >= 1.7x).
-2. First-tile latency of a 256 MiB ref with 1 MiB tiles vs the latency of one 1 MiB ``get()``
-   (goal <= 3x).
-3. Consumer RSS growth while streaming 1 GiB vs ``depth x tile_bytes + 64 MiB`` (goal <= 1.0x).
+1. Overlap, move time ~= compute time per tile (a 64 MiB ref, or 256 MiB in the full run, 4 MiB
+   tiles, route host/cma): per round the pipeline, get-everything-then-compute ("bulk"), the
+   ideal ``fill + sum(max(move, compute)) + drain`` from that round's own per-tile moves and
+   computes, and the **machine ceiling**: one thread copying the tiles and one computing, side by
+   side with no hand-off at all (what no pipeline can beat on this machine, at this moment).
+   Keys: ``pipeline_vs_ideal`` (goal <= 1.1), ``pipeline_speedup_vs_bulk`` (goal >= 1.7),
+   ``ceiling_speedup_vs_bulk``, ``ceiling_vs_ideal``, ``pipeline_vs_ceiling``.
+1b. Never slower than get-then-compute: for refs of 64 KiB .. 256 MiB on the host/shm and
+   host/cma routes, ``rt.pipeline(ref)`` (automatic tiles, automatic view-or-copy) with the
+   compute on each tile against one ``get`` into a preallocated array then the same compute over
+   the whole ref (compute proportional to the bytes, ~= the move). Key: ``pipeline_vs_get_min``,
+   the smallest median ratio get-then-compute / pipeline over sizes and routes (goal >= 1.0);
+   ``pipeline_vs_get_min_shm`` / ``_cma`` per route. ``pipeline_fixed_us_shm`` / ``_cma``: what a
+   one-tile pipeline costs beyond the get it makes (64 KiB, median of interleaved differences).
+2. First-tile latency of a ref with 1 MiB tiles vs one 1 MiB ``get()`` (goal <= 3x).
+3. Consumer RSS growth while streaming 1 GiB (256 MiB quick) vs ``depth x tile_bytes + 64 MiB``.
 
-The data lives in a producer process's private memory (route host/cma: one kernel copy per
-tile, nothing mapped into the consumer), so moves are real and the consumer's RSS only holds
-what the pipeline allocates. ``--quick`` shrinks the sizes (64 MiB refs, 256 MiB stream).
-
-1b. Never slower than get-then-compute (issue 15): for refs of 256 KiB .. 256 MiB, a pipeline with
-   the automatic tile choice against one get then the compute over the whole ref, the same
-   compute (proportional to the bytes, ~= the move) in both, rounds interleaved; the smallest
-   ratio is ``pipeline_vs_get_min`` (goal >= 1.0).
-
-``run(quick=True)`` returns a dict with ``pipeline_vs_ideal``, ``pipeline_speedup_vs_bulk``,
-``pipeline_vs_get_min``, ``first_tile_ratio`` and ``rss_overhead_MiB`` (RSS growth beyond
-``depth x tile_bytes``; the goal is <= 64) plus the raw figures; ``memsem bench`` calls it.
+The data lives in a producer process: private memory (route host/cma: one kernel copy per tile,
+nothing mapped into the consumer) and a shared segment (route host/shm). ``run(quick=True)``
+returns the keys above plus the raw figures and the load average before and after; ``memsem
+bench`` calls it.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,33 +44,40 @@ import memsem
 from memsem.pipeline import Pipeline
 
 MiB = 1 << 20
-#: sizes of ``pipeline_vs_get_min``: 256 KiB .. 256 MiB, powers of 4
-VS_GET_SIZES = [256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+#: sizes of ``pipeline_vs_get_min``: 64 KiB .. 256 MiB, powers of 4
+VS_GET_SIZES = [64 << 10, 256 << 10, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+#: routes of ``pipeline_vs_get_min``: window kind in the producer -> route
+ROUTES = {"private": "host/cma", "shared": "host/shm"}
 
 
 # -- processes -----------------------------------------------------------------------------------
-def _producer(conn, nbytes: int) -> None:
+def _producer(conn, nbytes: int, kinds: tuple[str, ...]) -> None:
     with memsem.Runtime() as rt:
-        data = np.empty(nbytes, np.uint8)
-        data.view(np.uint32)[:] = np.arange(nbytes // 4, dtype=np.uint32)  # touched, non-trivial
-        ref = rt.publish(data, access="r", name="bench-src")
-        conn.send(ref.to_bytes())
+        refs = {}
+        keep = []
+        for kind in kinds:
+            data = rt.alloc(nbytes, np.uint8) if kind == "shared" else np.empty(nbytes, np.uint8)
+            data.view(np.uint32)[:] = np.arange(nbytes // 4, dtype=np.uint32)  # touched, non-trivial
+            keep.append(data)
+            refs[kind] = rt.publish(data, access="r", name=f"bench-src-{kind}").to_bytes()
+        conn.send(refs)
         conn.poll(3600)
         conn.recv()
 
 
 class _Source:
-    """A producer process holding ``nbytes`` in private memory."""
+    """A producer process holding ``nbytes`` in private memory and (``kinds``) a shared segment."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, kinds: tuple[str, ...] = ("private",)) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer, args=(child, nbytes), daemon=True)
+        self.proc = ctx.Process(target=_producer, args=(child, nbytes, kinds), daemon=True)
         self.proc.start()
         child.close()
         if not self.conn.poll(120):
             raise TimeoutError("producer did not publish within 120 s")
-        self.data = self.conn.recv()
+        self.refs: dict[str, bytes] = self.conn.recv()
+        self.data = self.refs["private"]
 
     def close(self) -> None:
         try:
@@ -80,6 +93,32 @@ class _Source:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# -- interleaving --------------------------------------------------------------------------------
+def interleaved(sides: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run every side once per round (the order rotates from round to round); each side returns
+    its own time in seconds. Returns side -> the times of its rounds, in round order."""
+    names = list(sides)
+    out: dict[str, list[float]] = {k: [0.0] * rounds for k in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in (names[k:] + names[:k]) if r % 2 == 0 else (names[k:] + names[:k])[::-1]:
+            out[name][r] = sides[name]()
+    return out
+
+
+def ratio_stats(num: list[float], den: list[float]) -> dict[str, float]:
+    """Median of the per-round ratios ``num[r] / den[r]`` and their spread (25th, 75th pct)."""
+    rs = sorted(a / b for a, b in zip(num, den) if b > 0)
+    if not rs:
+        return {"median": float("nan"), "p25": float("nan"), "p75": float("nan"), "rounds": 0}
+    q = statistics.quantiles(rs, n=4) if len(rs) >= 2 else [rs[0]] * 3
+    return {"median": statistics.median(rs), "p25": q[0], "p75": q[2], "rounds": len(rs)}
 
 
 # -- compute -------------------------------------------------------------------------------------
@@ -121,67 +160,88 @@ def _median_time(fn, n: int) -> float:
     return statistics.median(ts)
 
 
-# -- 1: pipeline vs ideal and vs bulk -----------------------------------------------------------
+def _timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    def run() -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    return run
+
+
+# -- 1: pipeline vs ideal, vs bulk, vs the machine's ceiling ------------------------------------
 def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
-                  repeats: int = 3) -> dict[str, Any]:
+                  rounds: int = 9) -> dict[str, Any]:
+    """Interleaved rounds of: the ideal (this round's per-tile moves and computes, one after the
+    other), the machine ceiling (a copy thread and the compute side by side, no hand-off),
+    bulk get-then-compute, and the pipeline. Ratios are medians of per-round ratios."""
     n = ref.num_tiles(tile_bytes)
     spec = ref.spec
-    slot = np.empty(tile_bytes, np.uint8)
-    slot[:] = 0
-    # per-tile move time (sequential, warm buffer)
-    rt.core.transfer(spec, "get", 0, slot)
-    move_t = []
-    for i in range(n):
-        off = i * tile_bytes
-        t = time.perf_counter()
-        rt.core.transfer(spec, "get", off, slot[:min(tile_bytes, spec.nbytes - off)])
-        move_t.append(time.perf_counter() - t)
-    comp = _Compute(tile_bytes)
-    comp.calibrate(slot, statistics.median(move_t))
-    comp_t = []
-    for i in range(n):
-        t = time.perf_counter()
-        comp(slot)
-        comp_t.append(time.perf_counter() - t)
-    ideal = move_t[0] + sum(max(move_t[i + 1], comp_t[i]) for i in range(n - 1)) + comp_t[-1]
-
-    whole = np.empty(spec.nbytes, np.uint8)
-    whole[:] = 0  # pre-touched: bulk pays no page faults (conservative for the pipeline)
-    bulk, pipe, free, stats = [], [], [], None
+    slot = np.zeros(tile_bytes, np.uint8)
     other = np.zeros(tile_bytes, np.uint8)
-    for _ in range(repeats):
-        # The machine's ceiling: copies on one thread and compute on another with no hand-off
-        # at all. No pipeline can beat it; on 2 shared vCPUs it is far from the ideal.
-        t = time.perf_counter()
-        th = threading.Thread(target=lambda: [rt.core.transfer(spec, "get", i * tile_bytes,
-                                                           other[:min(tile_bytes, spec.nbytes - i * tile_bytes)])
-                                              for i in range(n)])
-        th.start()
+    whole = np.zeros(spec.nbytes, np.uint8)  # pre-touched: bulk pays no page faults
+    get = rt.core.transfer
+    sizes = [min(tile_bytes, spec.nbytes - i * tile_bytes) for i in range(n)]
+    get(spec, "get", 0, slot)
+    comp = _Compute(tile_bytes)
+    comp.calibrate(slot, _median_time(lambda: get(spec, "get", 0, slot), 9))
+    ideal: list[float] = []
+    move_tiles: list[float] = []
+    comp_tiles: list[float] = []
+    stats: list[Any] = []
+
+    def run_ideal() -> float:
+        mv, cp = [], []
         for i in range(n):
+            t = time.perf_counter()
+            get(spec, "get", i * tile_bytes, slot[:sizes[i]])
+            t1 = time.perf_counter()
+            comp(slot)
+            mv.append(t1 - t)
+            cp.append(time.perf_counter() - t1)
+        ideal.append(mv[0] + sum(max(mv[i + 1], cp[i]) for i in range(n - 1)) + cp[-1])
+        move_tiles.append(statistics.median(mv))
+        comp_tiles.append(statistics.median(cp))
+        return ideal[-1]
+
+    def run_ceiling() -> None:
+        th = threading.Thread(target=lambda: [get(spec, "get", i * tile_bytes, other[:sizes[i]]) for i in range(n)])
+        th.start()
+        for _ in range(n):
             comp(slot)
         th.join()
-        free.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        rt.core.transfer(spec, "get", 0, whole)
+
+    def run_bulk() -> None:
+        get(spec, "get", 0, whole)
         for i in range(n):
             comp(whole[i * tile_bytes:(i + 1) * tile_bytes])
-        bulk.append(time.perf_counter() - t)
-        t = time.perf_counter()
+
+    def run_pipe() -> None:
         with Pipeline(rt, spec, tile_bytes=tile_bytes, depth=depth, zero_copy=False) as p:
             for tile in p:
                 with tile:
                     comp(tile.raw)
-        pipe.append(time.perf_counter() - t)
-        if stats is None or pipe[-1] == min(pipe):
-            stats = p.stats
-    del whole
-    return {"tiles": n, "tile_bytes": tile_bytes, "depth": depth, "compute_units": comp.units,
-            "move_per_tile_s": statistics.median(move_t), "compute_per_tile_s": statistics.median(comp_t),
-            "ideal_s": ideal, "pipeline_s": min(pipe), "bulk_s": min(bulk),
-            "pipeline_vs_ideal": min(pipe) / ideal, "pipeline_speedup_vs_bulk": min(bulk) / min(pipe),
-            "unsynchronized_s": min(free), "ceiling_vs_ideal": min(free) / ideal,
-            "pipeline_vs_ceiling": min(pipe) / min(free),
-            "overlap_ratio": stats.overlap_ratio, "route": stats.route}
+        stats.append(p.stats)
+
+    t = interleaved({"ideal": run_ideal, "ceiling": _timed(run_ceiling), "bulk": _timed(run_bulk),
+                     "pipeline": _timed(run_pipe)}, rounds)
+    vs_ideal = ratio_stats(t["pipeline"], t["ideal"])
+    speedup = ratio_stats(t["bulk"], t["pipeline"])
+    ceil_speedup = ratio_stats(t["bulk"], t["ceiling"])
+    ceil_ideal = ratio_stats(t["ceiling"], t["ideal"])
+    vs_ceil = ratio_stats(t["pipeline"], t["ceiling"])
+    return {"tiles": n, "tile_bytes": tile_bytes, "depth": depth, "compute_units": comp.units, "rounds": rounds,
+            "move_per_tile_s": statistics.median(move_tiles), "compute_per_tile_s": statistics.median(comp_tiles),
+            "ideal_s": statistics.median(t["ideal"]), "pipeline_s": statistics.median(t["pipeline"]),
+            "bulk_s": statistics.median(t["bulk"]), "ceiling_s": statistics.median(t["ceiling"]),
+            "pipeline_vs_ideal": vs_ideal["median"], "pipeline_speedup_vs_bulk": speedup["median"],
+            "ceiling_speedup_vs_bulk": ceil_speedup["median"], "ceiling_vs_ideal": ceil_ideal["median"],
+            "pipeline_vs_ceiling": vs_ceil["median"],
+            "spread": {"pipeline_vs_ideal": vs_ideal, "pipeline_speedup_vs_bulk": speedup,
+                       "ceiling_speedup_vs_bulk": ceil_speedup, "ceiling_vs_ideal": ceil_ideal,
+                       "pipeline_vs_ceiling": vs_ceil},
+            "overlap_ratio": statistics.median(s.overlap_ratio for s in stats),
+            "caller_tiles": statistics.median(s.caller_tiles for s in stats),
+            "late_tiles": statistics.median(getattr(s, "late_tiles", 0) for s in stats), "route": stats[0].route}
 
 
 # -- 1b: never slower than get-then-compute -----------------------------------------------------
@@ -209,78 +269,106 @@ class _ByteCompute:
         self.k = max(0.0, (target_s - base) / per) / x.nbytes
 
 
-def vs_get_bench(rt: memsem.Runtime, full: memsem.TensorRef, sizes: list[int], quick: bool) -> dict[str, Any]:
-    """For each size: get-then-compute (one ``get`` into a preallocated, touched array, then the
-    compute over it) against a pipeline with the automatic tile choice (compute per tile), rounds
-    interleaved (each round runs both, in alternating order), medians. ``ratio`` = get-then-compute
-    time / pipeline time (>= 1: the pipeline does not lose). ``alloc_ratio`` uses ``ref.get()``
-    (a new array each time, as get-then-compute code usually reads) as the baseline instead."""
+def vs_get_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], sizes: list[int],
+                 quick: bool) -> dict[str, Any]:
+    """For each route and size: get-then-compute (one ``get`` into a preallocated, touched
+    array, then the compute over it) against ``rt.pipeline(ref)`` with the compute per tile,
+    interleaved rounds. ``ratio`` = median over rounds of get-then-compute / pipeline (>= 1: the
+    pipeline does not lose); ``alloc_ratio`` takes ``ref.get()`` (a new array each time, as
+    get-then-compute code usually reads) as the baseline instead."""
     out: dict[str, Any] = {}
-    for n in sizes:
-        ref = full.bytes(0, n)
-        whole = np.empty(n, np.uint8)
-        whole[:] = 0
-        ref.get(whole)
-        move = _median_time(lambda: ref.get(whole), 7)
-        comp = _ByteCompute()
-        comp.calibrate(whole, move)
-        reps = (200 if n <= MiB else 40 if n <= 16 * MiB else 9 if n <= 64 * MiB else 3) * (1 if quick else 3)
-        bulk, alloc, pipe = [], [], []
-        tiles, mover, why = 1, "", ""
-
-        def run_bulk() -> None:
-            t = time.perf_counter()
+    for kind, full in refs.items():
+        for n in sizes:
+            ref = full.bytes(0, n)
+            whole = np.empty(n, np.uint8)
+            whole[:] = 0
             ref.get(whole)
-            comp(whole)
-            bulk.append(time.perf_counter() - t)
+            comp = _ByteCompute()
+            comp.calibrate(whole, _median_time(lambda: ref.get(whole), 7))
+            rounds = (300 if n <= 256 << 10 else 100 if n <= MiB else 30 if n <= 16 * MiB else 9 if n <= 64 * MiB
+                      else 5) * (1 if quick else 3)
+            last: list[Any] = []
 
-        def run_alloc() -> None:
-            t = time.perf_counter()
-            comp(ref.get())
-            alloc.append(time.perf_counter() - t)
+            def run_bulk() -> None:
+                ref.get(whole)
+                comp(whole)
 
-        def run_pipe() -> None:
-            nonlocal tiles, mover, why
-            t = time.perf_counter()
+            def run_alloc() -> None:
+                comp(ref.get())
+
+            def run_pipe() -> None:
+                with rt.pipeline(ref) as p:
+                    for tile in p:
+                        with tile:
+                            comp(tile.raw)
+                last[:] = [p]
+
+            run_pipe()
+            t = interleaved({"bulk": _timed(run_bulk), "pipeline": _timed(run_pipe), "alloc": _timed(run_alloc)},
+                            rounds)
+            r, a = ratio_stats(t["bulk"], t["pipeline"]), ratio_stats(t["alloc"], t["pipeline"])
+            p = last[0]
+            st = p.stats
+            out[f"{ROUTES[kind]} {n}"] = {
+                "route": st.route, "bytes": n, "get_then_compute_s": statistics.median(t["bulk"]),
+                "alloc_get_then_compute_s": statistics.median(t["alloc"]),
+                "pipeline_s": statistics.median(t["pipeline"]),
+                "ratio": r["median"], "ratio_p25": r["p25"], "ratio_p75": r["p75"], "alloc_ratio": a["median"],
+                "tiles": p.n_tiles, "mode": st.mode, "mover": st.mover, "explanation": p.explanation,
+                "rounds": rounds}
+    res: dict[str, Any] = {"sizes": out,
+                           "pipeline_vs_get_min": min(v["ratio"] for v in out.values()),
+                           "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
+    for route in {v["route"] for v in out.values()}:
+        res[f"pipeline_vs_get_min_{route.split('/')[-1]}"] = min(v["ratio"] for v in out.values()
+                                                                 if v["route"] == route)
+    return res
+
+
+def fixed_cost_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], nbytes: int = 64 << 10,
+                     rounds: int = 2000) -> dict[str, Any]:
+    """What a one-tile pipeline costs beyond the one get it makes: interleaved rounds of a get of
+    ``nbytes`` into a preallocated array and of ``rt.pipeline(ref)`` over the same bytes (no
+    compute); the median of the per-round differences, in microseconds, per route."""
+    out: dict[str, Any] = {}
+    for kind, full in refs.items():
+        ref = full.bytes(0, nbytes)
+        whole = np.empty(nbytes, np.uint8)
+
+        def pipe() -> None:
             with rt.pipeline(ref) as p:
                 for tile in p:
                     with tile:
-                        comp(tile.raw)
-            pipe.append(time.perf_counter() - t)
-            tiles, mover = p.n_tiles, p.stats.mover
+                        pass
 
-        run_pipe()
-        why = rt.pipeline(ref).explanation
-        for r in range(reps):
-            order = (run_bulk, run_pipe, run_alloc) if r % 2 else (run_pipe, run_alloc, run_bulk)
-            for fn in order:
-                fn()
-        b, a, q = statistics.median(bulk), statistics.median(alloc), statistics.median(pipe)
-        out[str(n)] = {"bytes": n, "move_s": move, "get_then_compute_s": b, "alloc_get_then_compute_s": a,
-                       "pipeline_s": q, "ratio": b / q, "alloc_ratio": a / q, "tiles": tiles, "mover": mover,
-                       "explanation": why, "rounds": reps}
-    ratios = [v["ratio"] for v in out.values()]
-    return {"sizes": out, "pipeline_vs_get_min": min(ratios),
-            "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
+        pipe()
+        t = interleaved({"get": _timed(lambda: ref.get(whole)), "pipeline": _timed(pipe)}, rounds)
+        diffs = sorted(b - a for a, b in zip(t["get"], t["pipeline"]))
+        out[ROUTES[kind]] = {"get_us": statistics.median(t["get"]) * 1e6,
+                             "pipeline_us": statistics.median(t["pipeline"]) * 1e6,
+                             "fixed_us": diffs[len(diffs) // 2] * 1e6}
+    return out
 
 
 # -- 2: first tile -------------------------------------------------------------------------------
 def first_tile_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, depth: int,
-                     repeats: int = 9) -> dict[str, Any]:
+                     rounds: int = 15) -> dict[str, Any]:
     one = ref.bytes(0, tile_bytes)
     one.get()
-    gets, firsts = [], []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        one.get()  # a new 1 MiB array, as a user's get() gives
-        gets.append(time.perf_counter() - t)
+    firsts: list[float] = []
+
+    def first() -> float:
         p = Pipeline(rt, ref.spec, tile_bytes=tile_bytes, depth=depth, zero_copy=False)
         next(p)
-        firsts.append(p.stats.first_tile_s)
+        f = p.stats.first_tile_s
         p.close()
-    g, f = statistics.median(gets), statistics.median(firsts)
-    return {"ref_bytes": ref.nbytes, "tile_bytes": tile_bytes, "one_get_s": g, "first_tile_s": f,
-            "first_tile_ratio": f / g}
+        firsts.append(f)
+        return f
+
+    t = interleaved({"get": _timed(one.get), "first": first}, rounds)  # get(): a new 1 MiB array
+    r = ratio_stats(t["first"], t["get"])
+    return {"ref_bytes": ref.nbytes, "tile_bytes": tile_bytes, "one_get_s": statistics.median(t["get"]),
+            "first_tile_s": statistics.median(t["first"]), "first_tile_ratio": r["median"], "spread": r}
 
 
 # -- 3: RSS --------------------------------------------------------------------------------------
@@ -323,77 +411,123 @@ def rss_bench(data: bytes, tile_bytes: int, depth: int) -> dict[str, Any]:
 
 
 # -- driver --------------------------------------------------------------------------------------
-def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2,
-        overlap_tile_bytes: int = 4 * MiB) -> dict[str, Any]:
-    """Measure the three goals; returns the ratios and the raw figures (see module docstring).
+def run(quick: bool = True, *, tile_bytes: int = MiB, depth: int = 2, overlap_tile_bytes: int = 4 * MiB,
+        parts: tuple[str, ...] = ("overlap", "vs_get", "first_tile", "rss"),
+        sizes: list[int] | None = None) -> dict[str, Any]:
+    """Measure the goals; returns the ratios and the raw figures (see module docstring).
 
-    The overlap goal uses ``overlap_tile_bytes`` tiles (4 MiB: a tile hand-off between the mover
-    thread and the caller costs ~50 us on a 2-vCPU VM, which 1 MiB tiles moving in ~70 us cannot
-    hide); first tile and RSS use ``tile_bytes`` (1 MiB, as the issue states)."""
+    The overlap goal uses ``overlap_tile_bytes`` tiles (4 MiB); first tile and RSS use
+    ``tile_bytes`` (1 MiB). ``parts`` selects what to measure (the keys of the others are
+    absent); ``sizes`` replaces ``VS_GET_SIZES``."""
+    sizes = list(VS_GET_SIZES if sizes is None else sizes)
     ref_bytes = (64 if quick else 256) * MiB
     stream_bytes = (256 if quick else 1024) * MiB
-    out: dict[str, Any] = {"quick": quick, "cpus": len(os.sched_getaffinity(0))}
-    src = _Source(max(ref_bytes, stream_bytes))
+    src_bytes = max(ref_bytes, max(sizes) if "vs_get" in parts else 0, stream_bytes if "rss" in parts else 0)
+    out: dict[str, Any] = {"quick": quick, "cpus": len(os.sched_getaffinity(0)), "load_before": _load()}
+    src = _Source(src_bytes, tuple(ROUTES))
     try:
         with memsem.Runtime() as rt:
             full = rt.ref(src.data)
             ref = full.bytes(0, ref_bytes)
-            ov = overlap_bench(rt, ref, overlap_tile_bytes, depth, repeats=3 if quick else 5)
-            vg = vs_get_bench(rt, full, VS_GET_SIZES, quick)
-            ft = first_tile_bench(rt, ref, tile_bytes, depth)
-            rss_src = full.bytes(0, stream_bytes).to_bytes()
-        rs = rss_bench(rss_src, tile_bytes, depth)
+            if "overlap" in parts:
+                ov = out["overlap"] = overlap_bench(rt, ref, overlap_tile_bytes, depth, rounds=9 if quick else 15)
+                for k in ("pipeline_vs_ideal", "pipeline_speedup_vs_bulk", "ceiling_speedup_vs_bulk",
+                          "ceiling_vs_ideal", "pipeline_vs_ceiling"):
+                    out[k] = ov[k]
+                    sp = ov["spread"][k]  # memsem bench prints <key>_spread: [p25, p75] of the per-round ratios
+                    out[f"{k}_spread"] = [sp["p25"], sp["p75"]]
+            if "vs_get" in parts:
+                refs = {k: rt.ref(v) for k, v in src.refs.items()}
+                vg = out["vs_get"] = vs_get_bench(rt, refs, sizes, quick)
+                out.update({k: v for k, v in vg.items() if k.startswith("pipeline_vs_get")})
+                fc = out["fixed_cost"] = fixed_cost_bench(rt, refs)
+                for route, v in fc.items():
+                    out[f"pipeline_fixed_us_{route.split('/')[-1]}"] = v["fixed_us"]
+            if "first_tile" in parts:
+                ft = out["first_tile"] = first_tile_bench(rt, ref, tile_bytes, depth)
+                out["first_tile_ratio"] = ft["first_tile_ratio"]
+                out["first_tile_ratio_spread"] = [ft["spread"]["p25"], ft["spread"]["p75"]]
+            rss_src = full.bytes(0, stream_bytes).to_bytes() if "rss" in parts else b""
+        if "rss" in parts:
+            rs = out["rss"] = rss_bench(rss_src, tile_bytes, depth)
+            out["rss_overhead_MiB"] = rs["rss_overhead_MiB"]
+            out["rss_growth_vs_budget"] = rs["rss_growth_vs_budget"]
     finally:
         src.close()
-    out.update(overlap=ov, vs_get=vg, pipeline_vs_get_min=vg["pipeline_vs_get_min"],
-               pipeline_vs_get_alloc_min=vg["pipeline_vs_get_alloc_min"], first_tile=ft, rss=rs,
-               pipeline_vs_ideal=ov["pipeline_vs_ideal"], pipeline_speedup_vs_bulk=ov["pipeline_speedup_vs_bulk"],
-               first_tile_ratio=ft["first_tile_ratio"], rss_overhead_MiB=rs["rss_overhead_MiB"],
-               rss_growth_vs_budget=rs["rss_growth_vs_budget"])
+    out["load_after"] = _load()
     return out
 
 
 def report(r: dict[str, Any]) -> str:
-    ov, ft, rs = r["overlap"], r["first_tile"], r["rss"]
     ms = 1e3
 
     def fmt(n: int) -> str:
         return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
 
-    lines = [
-        f"memsem pipeline benchmark ({'quick' if r['quick'] else 'full'}, {r['cpus']} CPUs, route {ov['route']}, "
-        f"tile {ov['tile_bytes'] // MiB} MiB, depth {ov['depth']})",
-        f"  1. {ov['tiles']} tiles, move {ov['move_per_tile_s'] * ms:.3f} ms/tile, compute {ov['compute_per_tile_s'] * ms:.3f} ms/tile",
-        f"     pipeline {ov['pipeline_s'] * ms:.1f} ms | ideal {ov['ideal_s'] * ms:.1f} ms | bulk get-then-compute {ov['bulk_s'] * ms:.1f} ms"
-        f" | overlap {ov['overlap_ratio']:.2f}",
-        f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x   (goal <= 1.1)",
-        f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x   (goal >= 1.7)",
-        f"     machine ceiling: copy thread || compute, no hand-off = {ov['unsynchronized_s'] * ms:.1f} ms "
-        f"({ov['ceiling_vs_ideal']:.2f}x ideal); pipeline / ceiling = {ov['pipeline_vs_ceiling']:.3f}x",
-        "     never slower than get-then-compute (automatic tiles, compute ~= move; ratio = get-then-compute / pipeline):",
-        *[f"       {fmt(v['bytes']):>8}: {v['tiles']:>3} tile(s), mover {v['mover'] or '-':<6} get-then-compute "
-          f"{v['get_then_compute_s'] * ms:8.3f} ms | pipeline {v['pipeline_s'] * ms:8.3f} ms | ratio {v['ratio']:.3f}"
-          f" (vs a get into a new array: {v['alloc_ratio']:.3f})" for v in r["vs_get"]["sizes"].values()],
-        f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x   (goal >= 1.0)",
-        f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one {ft['tile_bytes'] // MiB} MiB get() "
-        f"{ft['one_get_s'] * ms:.3f} ms",
-        f"     first tile / one get      = {r['first_tile_ratio']:.3f}x   (goal <= 3)",
-        f"  3. streamed {rs['streamed'] // MiB} MiB in {rs['seconds']:.2f} s: RSS growth {rs['rss_growth_MiB']:.1f} MiB | budget "
-        f"depth x tile + 64 MiB = {rs['rss_budget_MiB']:.0f} MiB",
-        f"     RSS growth / budget       = {r['rss_growth_vs_budget']:.3f}x   (goal <= 1.0; overhead beyond the slots "
-        f"{r['rss_overhead_MiB']:.1f} MiB)",
-    ]
+    def sp(d: dict[str, float]) -> str:
+        return f"[{d['p25']:.2f}, {d['p75']:.2f}]"
+
+    lines = [f"memsem pipeline benchmark ({'quick' if r['quick'] else 'full'}, {r['cpus']} CPUs, load average "
+             f"{r['load_before']} -> {r['load_after']}; ratios: median of interleaved rounds [25th, 75th pct])"]
+    if "overlap" in r:
+        ov = r["overlap"]
+        s = ov["spread"]
+        lines += [
+            f"  1. route {ov['route']}: {ov['tiles']} tiles of {ov['tile_bytes'] // MiB} MiB, depth {ov['depth']}, "
+            f"{ov['rounds']} rounds; move {ov['move_per_tile_s'] * ms:.3f} ms/tile, compute "
+            f"{ov['compute_per_tile_s'] * ms:.3f} ms/tile",
+            f"     pipeline {ov['pipeline_s'] * ms:.1f} ms | ideal {ov['ideal_s'] * ms:.1f} ms | bulk get-then-compute "
+            f"{ov['bulk_s'] * ms:.1f} ms | ceiling {ov['ceiling_s'] * ms:.1f} ms | overlap {ov['overlap_ratio']:.2f} | "
+            f"tiles by the caller {ov['caller_tiles']:.0f} (taken over {ov['late_tiles']:.0f})",
+            f"     pipeline / ideal          = {r['pipeline_vs_ideal']:.3f}x {sp(s['pipeline_vs_ideal'])}"
+            "   (goal <= 1.1)",
+            f"     bulk / pipeline (speedup) = {r['pipeline_speedup_vs_bulk']:.3f}x "
+            f"{sp(s['pipeline_speedup_vs_bulk'])}   (goal >= 1.7)",
+            f"     machine ceiling (copy thread || compute, no hand-off): bulk / ceiling = "
+            f"{r['ceiling_speedup_vs_bulk']:.3f}x {sp(s['ceiling_speedup_vs_bulk'])}, ceiling / ideal = "
+            f"{r['ceiling_vs_ideal']:.3f}x; pipeline / ceiling = {r['pipeline_vs_ceiling']:.3f}x "
+            f"{sp(s['pipeline_vs_ceiling'])}",
+        ]
+    if "vs_get" in r:
+        lines.append("  1b. never slower than get-then-compute (rt.pipeline(ref), compute ~= move; "
+                     "ratio = get-then-compute / pipeline):")
+        lines += [f"     {v['route']:>8} {fmt(v['bytes']):>8}: {v['tiles']:>3} tile(s) {v['mode']:<6} mover "
+                  f"{v['mover']:<6} get-then-compute {v['get_then_compute_s'] * ms:8.3f} ms | pipeline "
+                  f"{v['pipeline_s'] * ms:8.3f} ms | ratio {v['ratio']:.3f} [{v['ratio_p25']:.2f}, "
+                  f"{v['ratio_p75']:.2f}] (vs a get into a new array: {v['alloc_ratio']:.3f})"
+                  for v in r["vs_get"]["sizes"].values()]
+        per = ", ".join(f"{k[len('pipeline_vs_get_min_'):]} {v:.3f}" for k, v in r.items()
+                        if k.startswith("pipeline_vs_get_min_"))
+        lines.append(f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x ({per})   (goal >= 1.0)")
+        lines += [f"     one-tile pipeline beyond its get ({k}, 64 KiB): {v['fixed_us']:.1f} us "
+                  f"(get {v['get_us']:.1f} us, "
+                  f"pipeline {v['pipeline_us']:.1f} us)" for k, v in r.get("fixed_cost", {}).items()]
+    if "first_tile" in r:
+        ft = r["first_tile"]
+        lines += [f"  2. first tile of a {ft['ref_bytes'] // MiB} MiB ref {ft['first_tile_s'] * ms:.3f} ms | one "
+                  f"{ft['tile_bytes'] // MiB} MiB get() {ft['one_get_s'] * ms:.3f} ms",
+                  f"     first tile / one get      = {r['first_tile_ratio']:.3f}x {sp(ft['spread'])}   (goal <= 3)"]
+    if "rss" in r:
+        rs = r["rss"]
+        lines += [f"  3. streamed {rs['streamed'] // MiB} MiB in {rs['seconds']:.2f} s: RSS growth "
+                  f"{rs['rss_growth_MiB']:.1f} MiB | budget depth x tile + 64 MiB = {rs['rss_budget_MiB']:.0f} MiB",
+                  f"     RSS growth / budget       = {r['rss_growth_vs_budget']:.3f}x   (goal <= 1.0; overhead "
+                  f"beyond the slots {r['rss_overhead_MiB']:.1f} MiB)"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="memsem pipeline benchmark (issue 3 goals)")
+    ap = argparse.ArgumentParser(description="memsem pipeline benchmark")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (64 MiB refs, 256 MiB stream)")
     ap.add_argument("--json", action="store_true", help="print the result dict as JSON too")
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--tile-mib", type=int, default=1)
+    ap.add_argument("--parts", default="overlap,vs_get,first_tile,rss",
+                    help="comma-separated: overlap, vs_get, first_tile, rss")
+    ap.add_argument("--sizes", default="", help="comma-separated byte counts for vs_get (default 64 KiB .. 256 MiB)")
     a = ap.parse_args(argv)
-    r = run(a.quick, tile_bytes=a.tile_mib * MiB, depth=a.depth)
+    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else None
+    r = run(a.quick, tile_bytes=a.tile_mib * MiB, depth=a.depth, parts=tuple(a.parts.split(",")), sizes=sizes)
     print(report(r))
     if a.json:
         print(json.dumps(r, indent=1, default=float))

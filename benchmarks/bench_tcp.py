@@ -12,8 +12,9 @@ interleaved in one run (``memsem.cli._bench_tcp``):
 * the first tile of a pipeline (``wait_ready=True``) over a remote 256 MiB window in 1 MiB
   tiles, over one 1 MiB remote get.
 
-Goals (issue 14; ratios in the same run, not tests): tcp 64 B get <= 1.3 x the socket round
-trip, 64 MiB >= 0.9 x the socket's throughput, remote first tile <= 3 x one tile get.
+Goals (issues 14, 24; ratios of interleaved rounds in the same run, not tests): tcp 64 B get
+<= 1.3 x the socket round trip, 64 MiB >= 1.0 x the socket's throughput, remote first tile <= 3 x
+one tile get.
 GB/s = 1e9 bytes/s.
 """
 from __future__ import annotations
@@ -39,17 +40,25 @@ def main() -> None:
         fig, note = B.figures(quick=not args.full, link=link)
         results[link] = {"figures": fig, "note": note, "goals": B.goals_met(fig)}
     print(f"memsem tcp vs a plain socket, same run ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
-    print(f"{'link':9} {'64 B get us':>12} {'socket us':>10} {'ratio':>6} {'64 MiB GB/s':>12} {'socket':>7} "
-          f"{'ratio':>6} {'first tile':>11}")
+    print(f"{'link':9} {'64 B get us':>12} {'socket us':>10} {'lo us':>7} {'ratio [p10..p90]':>18} "
+          f"{'64 MiB GB/s':>12} {'socket':>7} {'ratio [p10..p90]':>18} {'first tile':>11}")
+
+    def rs(f: dict, k: str) -> str:
+        sp = f.get(f"{k}_spread")
+        return f"{f[k]:.2f} [{sp[0]:.2f}..{sp[1]:.2f}]" if sp else f"{f[k]:.2f}"
+
     for link, r in results.items():
         f = r["figures"]
         if f.get("tcp_get_64B_us") is None:
             print(f"{link:9} skipped: {r['note']}")
             continue
+        lo = f.get("socket_rtt_64B_us_loopback")
         print(f"{link:9} {f['tcp_get_64B_us']:12.1f} {f['socket_rtt_64B_us']:10.1f} "
-              f"{f['tcp_get_64B_us'] / f['socket_rtt_64B_us']:6.2f} {f['tcp_get_64MiB_GBps']:12.2f} "
-              f"{f['socket_64MiB_GBps']:7.2f} {f['tcp_get_64MiB_GBps'] / f['socket_64MiB_GBps']:6.2f} "
-              f"{f['remote_first_tile_ratio']:10.2f}x")
+              f"{'-' if lo is None else f'{lo:.1f}':>7} {rs(f, 'tcp_get_64B_vs_socket'):>18} "
+              f"{f['tcp_get_64MiB_GBps']:12.2f} {f['socket_64MiB_GBps']:7.2f} {rs(f, 'tcp_get_64MiB_vs_socket'):>18} "
+              f"{rs(f, 'remote_first_tile_ratio'):>11}")
+    print("ratios: medians of per-round ratios, both sides interleaved; 'lo': the same plain socket on the "
+          "consumer's own loopback (veth runs)")
     for key, goal in B.GOALS.items():
         verdicts = ", ".join(f"{link}: {'met' if r['goals'][key] else 'NOT met' if r['goals'][key] is False else 'n/a'}"
                              for link, r in results.items())

@@ -8,8 +8,8 @@
  * the buffer protocol, then calls memsem_plan_copy, so a small get is one C call.
  *
  * It only accepts what needs no judgement: a C-contiguous buffer of exactly nbytes whose format
- * is a plain number or bool in native byte order (writable for a get; for a put, of the ref's
- * dtype or uint8 on either side). Anything else (torch tensors, DLPack producers, other dtypes,
+ * is a plain number or bool in native byte order (writable for a get), of the ref's dtype or
+ * uint8 on either side. Anything else (torch tensors, DLPack producers, other dtypes,
  * a wrong size...) returns MEMSEM_RC_BUFFER with nothing done, and the Python door
  * (memsem._buffers) accepts it or raises the error that names the argument. No check is made
  * only here: the Python door makes the same ones, this is where they run for the common case.
@@ -67,7 +67,7 @@ PyDoc_STRVAR(copy_doc,
 "copy(plan, put, offset, buf, nbytes, code, version=0, lease_slot=0, lease_id=0) -> int\n\n"
 "memsem_plan_copy of ``nbytes`` between the buffer object ``buf`` and the window of the plan at\n"
 "address ``plan`` (window byte ``offset``); ``put`` 0 reads the window into ``buf``, 1 writes it.\n"
-"``code``: the ref's dtype code a put's source must match (or uint8 on either side); -1: any\n"
+"``code``: the ref's dtype code the buffer must match (or uint8 on either side); -1: any\n"
 "plain dtype. Returns memsem_plan_copy's result, or MEMSEM_RC_BUFFER (nothing done) when ``buf``\n"
 "needs the Python door (memsem._buffers) first.");
 
@@ -99,7 +99,9 @@ static PyObject *hot_copy(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     int code = format_code(view.format, view.itemsize);
     int fits = code != 0 && (uint64_t)view.len == nbytes;
-    if (fits && put && want >= 0 && code != want && code != UINT8_CODE && want != UINT8_CODE) fits = 0;
+    /* the ref's dtype or uint8 on either side (raw bytes), for a get's destination as for a
+     * put's source: the Python door raises the TypeError naming the argument */
+    if (fits && want >= 0 && code != want && code != UINT8_CODE && want != UINT8_CODE) fits = 0;
     if (!fits) {
         PyBuffer_Release(&view);
         return PyLong_FromUnsignedLongLong(MEMSEM_RC_BUFFER);

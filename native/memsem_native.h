@@ -208,14 +208,15 @@ int memsem_protect(uint64_t addr, uint64_t nbytes, int writable);
 /* Monotonic clock in nanoseconds (CLOCK_MONOTONIC: one clock for all processes of a node). */
 uint64_t memsem_monotonic_ns(void);
 
-/* ---- pipeline copy engine (native/memsem_pipe.c) --------------------------------------------
+/* ---- pipeline movers (native/memsem_pipe.c) -------------------------------------------------
  * Staging copies of pipelines' upcoming tiles on native threads that never need the GIL
- * (memsem/pipeline/_pipeline.py). A memsem_engine is one runtime's pool of copy workers
+ * (memsem/pipeline/_movers.py). A memsem_mover_pool is one runtime's pool of copy workers
  * (created on demand, up to max_workers, parked on a futex between jobs, joined by
- * memsem_engine_shutdown). A memsem_pipe is one pipeline's job: the caller fills it (zeroed, then
- * the "set by the caller" fields), submits runs of it, and keeps everything it points at alive
- * and mapped until memsem_pipe_join returned 0: the plan (its resolution), the destination, the
- * rc/t_move arrays, the lease slot.
+ * memsem_mover_pool_shutdown); not an engine (a transport): it copies through the plan of a
+ * resolution. A memsem_pipe is one pipeline's job: the caller fills it (zeroed, then the "set by
+ * the caller" fields), submits runs of it, and keeps everything it points at alive and mapped
+ * until memsem_pipe_join returned 0: the plan (its resolution), the destination, the rc/t_move
+ * arrays, the lease slot.
  *
  * Tile i (bytes [i * tile_bytes, ...) of the ref) goes to slot i % n_slots. A run copies tiles
  * first..n_tiles-1 in order; tile i waits until the caller released tile i - n_slots
@@ -227,28 +228,37 @@ uint64_t memsem_monotonic_ns(void);
  * overlaps hold the plan's generation (at most timeout_ns per tile; holding the plan's use word,
  * so the control block stays mapped; re-checking the generation, the stop bit and, with
  * pidfd >= 0, the owner's liveness every MEMSEM_PIPE_SLICE_NS), then copies it with
- * memsem_plan_copy (every check of a get) and hands it over: rc[slot] = the copy's result (or a
- * MEMSEM_PIPE_* status), then done = i + 1. Any status but MEMSEM_OK, or MEMSEM_RC_LAST_OUT, ends
- * the run after that tile is handed over: the caller handles it (in Python, with the general
- * path's retries and errors) and may submit a new run at a later tile. */
+ * memsem_plan_copy (every check of a get; of version `version` when set: the version a pinned
+ * lease keeps) and hands it over: rc[slot] = the copy's result (or a MEMSEM_PIPE_* status), then
+ * done = i + 1. Any status but MEMSEM_OK, or MEMSEM_RC_LAST_OUT, ends the run after that tile is
+ * handed over: the caller handles it (in Python, with the general path's retries and errors) and
+ * may submit a new run at a later tile.
+ *
+ * The caller never waits long for a worker that is not running: a worker copying the tile the
+ * caller waits for for longer than the caller's patience (descheduled on a loaded machine) makes
+ * memsem_pipe_wait return MEMSEM_PIPE_LATE; memsem_pipe_take_over then ends the run (the worker
+ * finishes the copy in progress, hands that tile over and claims no other) and says whether the
+ * tile is the caller's to copy (into memory the worker does not write: its slot is the worker's
+ * until the run ended). */
 #define MEMSEM_PIPE_TIMEOUT 32    /* a ready word was not set in time (value: its window tile) */
 #define MEMSEM_PIPE_PEER_LOST 33  /* the owner's pidfd says it exited while the worker waited */
 #define MEMSEM_PIPE_STOPPED 34    /* (internal) stop was asked while the worker waited */
 #define MEMSEM_PIPE_WAITING 35    /* memsem_pipe_wait: the tile is not finished within its timeout */
 #define MEMSEM_PIPE_IDLE 36       /* memsem_pipe_wait: the run ended without finishing the tile */
 #define MEMSEM_PIPE_YOURS 37      /* memsem_pipe_wait: the tile was unclaimed; the caller claimed it */
+#define MEMSEM_PIPE_LATE 38       /* memsem_pipe_wait / take_over: the worker's copy of the tile is late */
 #define MEMSEM_PIPE_SLICE_NS 20000000   /* longest sleep of a worker between re-checks */
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
-#define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the engine's stop this often */
+#define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
 #define MEMSEM_PIPE_QUEUED 1      /* submitted, no worker took it yet */
 #define MEMSEM_PIPE_RUNNING 2     /* a worker runs it */
 
-typedef struct memsem_engine memsem_engine;  /* opaque */
+typedef struct memsem_mover_pool memsem_mover_pool;  /* opaque */
 
 typedef struct memsem_pipe {
-    /* set by the caller before memsem_engine_submit */
+    /* set by the caller before memsem_mover_pool_submit */
     memsem_plan *plan;          /* the resolution's plan the tiles are copied through */
     uint64_t ref_offset;        /* the ref's first byte in the window */
     uint64_t ref_nbytes;        /* bytes of the ref */
@@ -265,6 +275,7 @@ typedef struct memsem_pipe {
     uint64_t window_tile_bytes; /* bytes per window tile (ready word) */
     uint64_t n_ready;           /* ready words of the window */
     uint64_t timeout_ns;        /* bound of one tile's wait for its ready words */
+    uint64_t version;           /* the version every tile is read at (a pinned lease's); 0: the latest */
     uint64_t *rc;               /* n_slots words: the result of the tile in each slot */
     uint64_t *t_move;           /* 2 * n_slots words: CLOCK_MONOTONIC ns its copy started, ended */
     /* shared by the caller and the worker */
@@ -274,9 +285,12 @@ typedef struct memsem_pipe {
     uint32_t caller_waiting;    /* the caller sleeps on done */
     uint32_t state;             /* MEMSEM_PIPE_FREE / QUEUED / RUNNING (futex: join sleeps on it) */
     uint32_t claim;             /* the next tile nobody started copying (compare-and-swap) */
+    uint32_t active;            /* tile + 1 of the tile the worker is copying now, or 0 */
+    uint32_t pad_;
+    uint64_t active_since;      /* CLOCK_MONOTONIC ns that copy began */
 
     uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
-    struct memsem_pipe *next;   /* the engine's queue (under its lock) */
+    struct memsem_pipe *next;   /* the pool's queue (under its lock) */
     /* counters, read by the caller at any time */
     uint64_t move_ns;           /* time in memsem_plan_copy */
     uint64_t ready_wait_ns;     /* time waiting for ready words */
@@ -286,36 +300,48 @@ typedef struct memsem_pipe {
     uint64_t tiles_moved;
 } memsem_pipe;
 
-/* A new engine of at most max_workers workers (none started yet); NULL when out of memory. */
-memsem_engine *memsem_engine_new(uint32_t max_workers);
+/* A new mover pool of at most max_workers workers (none started yet); NULL when out of memory. */
+memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers);
 /* Queue a run of p (tiles first..n_tiles-1) for a worker; wakes a parked one or starts one
- * (signals blocked) when none is free. 0, -EBUSY (p has a run not yet joined), -EINVAL (bad
- * geometry), -ESHUTDOWN (the engine is shut down) or -errno of pthread_create (then no worker
- * exists at all: the caller moves the tiles itself). */
-int memsem_engine_submit(memsem_engine *e, memsem_pipe *p);
+ * (signals blocked) when none is free. 0, -EAGAIN (the pool's lock is held: nothing queued, the
+ * caller moves tiles itself and may submit later; never waited for), -EBUSY (p has a run not yet
+ * joined), -EINVAL (bad geometry), -ESHUTDOWN (the pool or p is shut down) or -errno of
+ * pthread_create (then no worker exists at all: the caller moves the tiles itself). Workers run
+ * under SCHED_BATCH: waking one never preempts the caller. */
+int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p);
 /* Stop every worker (they end after the copy in progress: stop each pipe first) and join them,
- * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the engine must then never
- * be freed; memsem_engine_shutdown may be called again). Later submits fail. */
-int memsem_engine_shutdown(memsem_engine *e, double timeout_s);
-/* Free a shut-down engine (after memsem_engine_shutdown returned 0). */
-void memsem_engine_free(memsem_engine *e);
+ * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the pool must then never
+ * be freed; memsem_mover_pool_shutdown may be called again). Later submits fail. */
+int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s);
+/* Free a shut-down pool (after memsem_mover_pool_shutdown returned 0). */
+void memsem_mover_pool_free(memsem_mover_pool *pool);
 /* Workers started so far (alive or joined). */
-uint32_t memsem_engine_workers(memsem_engine *e);
-/* Ask p's run to stop (sets the stop bit, wakes the worker); it ends after the copy in progress. */
+uint32_t memsem_mover_pool_workers(memsem_mover_pool *pool);
+/* Stop p for good (sets the stop and closed bits, wakes the worker): its run ends after the copy
+ * in progress and later submits of p fail with -ESHUTDOWN. */
 void memsem_pipe_stop(memsem_pipe *p);
 /* Wait at most timeout_s until no worker uses p: a queued run is taken off the queue at once;
  * a running one is waited for. 0 (also when nothing was submitted), -ETIMEDOUT (keep everything
- * alive and join later). */
-int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s);
+ * alive and join later; with timeout_s 0 also when the pool's lock is held). */
+int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
 /* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
  * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
- * it: it copies the tile itself); MEMSEM_PIPE_WAITING when not finished in time;
- * MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for tiles
- * in order, each once all earlier ones were handed to it. */
-uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s);
+ * it: it copies the tile itself); MEMSEM_PIPE_LATE when the worker has been copying it for more
+ * than patience_ns (0: wait however long it takes); MEMSEM_PIPE_WAITING when not finished in
+ * time; MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for
+ * tiles in order, each once all earlier ones were handed to it. */
+uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint64_t patience_ns);
+/* After MEMSEM_PIPE_LATE for tile: end the run (the worker claims no further tile; p may be
+ * submitted again once memsem_pipe_join returned 0). The tile's result when the worker handed it
+ * over meanwhile, else MEMSEM_PIPE_LATE: the caller copies the tile itself, not into its slot
+ * (the worker may still write there until the run ended), and ignores the worker's result for
+ * it but for MEMSEM_RC_LAST_OUT (memsem_pipe_result once the run ended). */
+uint64_t memsem_pipe_take_over(memsem_pipe *p, uint32_t tile);
+/* What the worker handed over for tile (its slot's word), once the run ended. */
+uint64_t memsem_pipe_result(memsem_pipe *p, uint32_t tile);
 /* The caller released its oldest held tile (one call per tile, in tile order). */
 void memsem_pipe_release(memsem_pipe *p);
-/* ---- end of pipeline copy engine ------------------------------------------------------------- */
+/* ---- end of pipeline movers ------------------------------------------------------------------ */
 
 /* ---- async word waiter (native/memsem_wait.c) ------------------------------------------------
  * Waits on many shared 32/64-bit words at once, for memsem.core._async.AsyncWordWaiter:

@@ -1,8 +1,9 @@
-/* memsem pipeline copy engine: staging copies of pipelines' upcoming tiles on native threads
- * that never need the GIL. See the "pipeline copy engine" block of memsem_native.h for the
- * contract; memsem/pipeline/_pipeline.py is the only user.
+/* memsem pipeline movers: staging copies of pipelines' upcoming tiles on native threads that
+ * never need the GIL. See the "pipeline movers" block of memsem_native.h for the contract;
+ * memsem/pipeline/_movers.py is the only user. (The word "engine" means a transport in memsem;
+ * this is not one: it moves through the plan of a resolution the runtime made.)
  *
- * One engine per runtime: a pool of workers started on demand and parked on a futex between
+ * One mover pool per runtime: copy workers started on demand and parked on a futex between
  * jobs. A job is one run of one pipeline: for each of its tiles, wait for the tile's staging slot
  * (the caller released the tile that used it), claim the tile (unless the caller took it), wait
  * for the window's ready words of the tile (when asked; holding the plan's use word, so the
@@ -11,50 +12,40 @@
  * and hand it over: the tile's result in its slot's word, then the count of finished tiles (a
  * futex the caller sleeps on). Any outcome but a plain success ends the run at that tile: the
  * caller handles it (retries, errors) and may submit a new run at the next tile. All waits are
- * bounded slices that re-check the stop bit. The pipe's and engine's own words use private
+ * bounded slices that re-check the stop bit. The pipe's and the pool's own words use private
  * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
+ *
+ * The caller never waits on a worker the scheduler does not run (a loaded machine): workers run
+ * under SCHED_BATCH (waking one never preempts the caller), a submit that finds the pool's lock
+ * held returns -EAGAIN instead of waiting, a copy far past its modelled time is taken over
+ * (memsem_pipe_take_over), and the Python side's close stops a run without joining it (it keeps
+ * the memory until a later join finds the run ended).
  */
 #define _GNU_SOURCE
 #include "memsem_native.h"
+#include "memsem_internal.h"
 
 #include <errno.h>
-#include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
 
-#define STOP_BIT 0x80000000u
+/* memsem_pipe.released: the count of released tiles, and two flags on top */
+#define STOP_BIT 0x80000000u    /* end the run (the worker claims no further tile) */
+#define CLOSED_BIT 0x40000000u  /* the pipe is stopped for good: no later run */
+#define COUNT_MASK 0x3fffffffu
+/* memsem_pipe_wait: with patience, a caller whose tile the worker is not copying yet re-checks
+ * this often whether it started (and then whether it is late) */
+#define RECHECK_NS 1000000ull
 
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Ready words live in segments other processes map: shared futexes. */
-static void swait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
-}
-
-static void swake(uint32_t *addr) {
-    syscall(SYS_futex, addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-}
-
-/* The pipe's and the engine's own words: private futexes. */
-static void pwait_ns(uint32_t *addr, uint32_t val, uint64_t ns) {
-    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, val, &ts, NULL, 0);
-}
-
-static void pwake(uint32_t *addr, int n) {
-    syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
-}
+/* Futexes (memsem_internal.h): ready words live in segments other processes map (shared); the
+ * pipe's and the pool's own words are private. */
+#define SHARED 1
+#define PRIVATE 0
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -79,10 +70,10 @@ static int wait_slot(memsem_pipe *p, uint32_t need) {
     for (;;) {
         uint32_t r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
         if (r & STOP_BIT) return 1;
-        if (r >= need) return 0;
+        if ((r & COUNT_MASK) >= need) return 0;
         __atomic_store_n(&p->sleeping, 1, __ATOMIC_SEQ_CST);
         r = __atomic_load_n(&p->released, __ATOMIC_SEQ_CST);
-        if (!(r & STOP_BIT) && r < need) pwait_ns(&p->released, r, MEMSEM_PIPE_SLICE_NS);
+        if (!(r & STOP_BIT) && (r & COUNT_MASK) < need) ms_futex_wait(&p->released, r, MEMSEM_PIPE_SLICE_NS, PRIVATE);
         __atomic_store_n(&p->sleeping, 0, __ATOMIC_SEQ_CST);
     }
 }
@@ -96,7 +87,7 @@ static uint64_t wait_ready(memsem_pipe *p, uint64_t first, uint64_t last) {
     memsem_plan *plan = p->plan;
     if (memsem_use_enter(&plan->use)) return MEMSEM_RC_CLOSED;
     uint64_t rc = MEMSEM_OK;
-    uint64_t deadline = now_ns() + p->timeout_ns;
+    uint64_t deadline = ms_now_ns() + p->timeout_ns;
     const uint64_t *gen = (const uint64_t *)(uintptr_t)plan->gen_addr;
     for (uint64_t w = first; w <= last && rc == MEMSEM_OK; w++) {
         uint64_t *word = (uint64_t *)(uintptr_t)(p->ready_base + 8 * w);
@@ -108,12 +99,13 @@ static uint64_t wait_ready(memsem_pipe *p, uint64_t first, uint64_t last) {
             if (g != plan->generation) { rc = MEMSEM_RC_GEN_BEFORE | (g << MEMSEM_RC_VERSION_SHIFT); break; }
             if (__atomic_load_n(&plan->use, __ATOMIC_ACQUIRE) >> MEMSEM_USE_CLOSED_BIT) { rc = MEMSEM_RC_CLOSED; break; }
             if (peer_dead(p->pidfd)) { rc = MEMSEM_PIPE_PEER_LOST; break; }
-            uint64_t t = now_ns();
+            uint64_t t = ms_now_ns();
             if (t >= deadline) { rc = MEMSEM_PIPE_TIMEOUT | (w << MEMSEM_RC_VERSION_SHIFT); break; }
             uint64_t left = deadline - t;
             __atomic_store_n(&p->sleep_addr, (uint64_t)(uintptr_t)word, __ATOMIC_SEQ_CST);
             if (!stopped(p))
-                swait_ns((uint32_t *)word, (uint32_t)v, left < MEMSEM_PIPE_SLICE_NS ? left : MEMSEM_PIPE_SLICE_NS);
+                ms_futex_wait((uint32_t *)word, (uint32_t)v, left < MEMSEM_PIPE_SLICE_NS ? left : MEMSEM_PIPE_SLICE_NS,
+                              SHARED);
             __atomic_store_n(&p->sleep_addr, 0, __ATOMIC_SEQ_CST);
         }
     }
@@ -127,13 +119,13 @@ static void hand_over(memsem_pipe *p, uint32_t tile, uint64_t rc, uint64_t t0, u
     p->t_move[2 * s] = t0;
     p->t_move[2 * s + 1] = t1;
     __atomic_store_n(&p->done, tile + 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&p->caller_waiting, __ATOMIC_SEQ_CST)) pwake(&p->done, INT32_MAX);
+    if (__atomic_load_n(&p->caller_waiting, __ATOMIC_SEQ_CST)) ms_futex_wake(&p->done, INT32_MAX, PRIVATE);
 }
 
 /* One run of one pipe (a worker's job). */
 static void run(memsem_pipe *p) {
     for (uint32_t i = p->first; i < p->n_tiles; i++) {
-        uint64_t t = now_ns();
+        uint64_t t = ms_now_ns();
         if (i >= p->n_slots) {
             __atomic_store_n(&p->hold_since, t, __ATOMIC_RELAXED);
             int stop = wait_slot(p, i - p->n_slots + 1);
@@ -142,7 +134,7 @@ static void run(memsem_pipe *p) {
         } else if (stopped(p)) {
             break;
         }
-        uint64_t t1 = now_ns();
+        uint64_t t1 = ms_now_ns();
         __atomic_fetch_add(&p->hold_ns, t1 - t, __ATOMIC_RELAXED);
         uint32_t want = i;
         if (!__atomic_compare_exchange_n(&p->claim, &want, i + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
@@ -159,7 +151,7 @@ static void run(memsem_pipe *p) {
             uint64_t last = (start + (n ? n : 1) - 1) / p->window_tile_bytes;
             if (last > p->n_ready - 1) last = p->n_ready - 1;
             uint64_t rc = wait_ready(p, first, last);
-            uint64_t t2 = now_ns();
+            uint64_t t2 = ms_now_ns();
             __atomic_fetch_add(&p->ready_wait_ns, t2 - t1, __ATOMIC_RELAXED);
             t1 = t2;
             if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_PIPE_STOPPED) break;
@@ -169,9 +161,13 @@ static void run(memsem_pipe *p) {
             }
         }
         uint64_t dst = p->slot_bytes ? p->dst + (uint64_t)(i % p->n_slots) * p->slot_bytes : p->dst + off;
-        uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, 0, p->lease_slot,
+        /* The caller may take a late copy over (memsem_pipe_take_over): it watches these. */
+        __atomic_store_n(&p->active_since, t1, __ATOMIC_RELAXED);
+        __atomic_store_n(&p->active, i + 1, __ATOMIC_SEQ_CST);
+        uint64_t rc = memsem_plan_copy(p->plan, 0, p->ref_offset + off, dst, n, p->version, p->lease_slot,
                                        p->lease_id);
-        uint64_t t2 = now_ns();
+        __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
+        uint64_t t2 = ms_now_ns();
         __atomic_fetch_add(&p->move_ns, t2 - t1, __ATOMIC_RELAXED);
         if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_OK) {
             __atomic_fetch_add(&p->bytes_moved, n, __ATOMIC_RELAXED);
@@ -182,8 +178,8 @@ static void run(memsem_pipe *p) {
     }
 }
 
-/* ---- the engine: a pool of workers and a queue of runs ------------------------------------ */
-struct memsem_engine {
+/* ---- the mover pool: copy workers and a queue of runs --------------------------------------- */
+struct memsem_mover_pool {
     pthread_mutex_t lock;       /* the queue, the counts, the worker table */
     memsem_pipe *head, *tail;   /* runs no worker took yet */
     uint32_t jobs;              /* futex parked workers sleep on: bumped per submit and at stop */
@@ -196,151 +192,159 @@ struct memsem_engine {
 };
 
 struct worker_arg {
-    memsem_engine *e;
+    memsem_mover_pool *pool;
     uint32_t index;
 };
 
 static void *worker(void *arg) {
     struct worker_arg wa = *(struct worker_arg *)arg;
     free(arg);
-    memsem_engine *e = wa.e;
-    pthread_mutex_lock(&e->lock);
+    /* Batch scheduling: waking a worker never preempts the thread that woke it (the caller, about
+     * to copy or compute); on an idle CPU the worker runs at once all the same. */
+    struct sched_param sp = {0};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+    memsem_mover_pool *pool = wa.pool;
+    pthread_mutex_lock(&pool->lock);
     for (;;) {
-        memsem_pipe *p = e->head;
+        memsem_pipe *p = pool->head;
         if (p) {
-            e->head = p->next;
-            if (!e->head) e->tail = NULL;
+            pool->head = p->next;
+            if (!pool->head) pool->tail = NULL;
             p->next = NULL;
-            e->queued--;
+            pool->queued--;
             __atomic_store_n(&p->state, MEMSEM_PIPE_RUNNING, __ATOMIC_SEQ_CST);
-            e->current[wa.index] = p;
-            pthread_mutex_unlock(&e->lock);
+            pool->current[wa.index] = p;
+            pthread_mutex_unlock(&pool->lock);
             run(p);
-            pthread_mutex_lock(&e->lock);
-            e->current[wa.index] = NULL;
+            pthread_mutex_lock(&pool->lock);
+            pool->current[wa.index] = NULL;
             /* The last touch of p: its caller may free it once it reads FREE (the private wakes
              * below need no memory of it). */
             __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
-            pwake(&p->state, INT32_MAX);
-            pwake(&p->done, INT32_MAX);
+            ms_futex_wake(&p->state, INT32_MAX, PRIVATE);
+            ms_futex_wake(&p->done, INT32_MAX, PRIVATE);
             continue;
         }
-        if (e->stop) break;
-        uint32_t seq = __atomic_load_n(&e->jobs, __ATOMIC_SEQ_CST);
-        e->idle++;
-        pthread_mutex_unlock(&e->lock);
-        pwait_ns(&e->jobs, seq, MEMSEM_PIPE_PARK_NS);
-        pthread_mutex_lock(&e->lock);
-        e->idle--;
+        if (pool->stop) break;
+        uint32_t seq = __atomic_load_n(&pool->jobs, __ATOMIC_SEQ_CST);
+        pool->idle++;
+        pthread_mutex_unlock(&pool->lock);
+        ms_futex_wait(&pool->jobs, seq, MEMSEM_PIPE_PARK_NS, PRIVATE);
+        pthread_mutex_lock(&pool->lock);
+        pool->idle--;
     }
-    pthread_mutex_unlock(&e->lock);
+    pthread_mutex_unlock(&pool->lock);
     return NULL;
 }
 
-memsem_engine *memsem_engine_new(uint32_t max_workers) {
+memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers) {
     if (max_workers == 0) max_workers = 1;
-    memsem_engine *e = calloc(1, sizeof *e);
-    if (!e) return NULL;
-    e->threads = calloc(max_workers, sizeof *e->threads);
-    e->joined = calloc(max_workers, 1);
-    e->current = calloc(max_workers, sizeof *e->current);
-    if (!e->threads || !e->joined || !e->current) {
-        free(e->threads);
-        free(e->joined);
-        free(e->current);
-        free(e);
+    memsem_mover_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return NULL;
+    pool->threads = calloc(max_workers, sizeof *pool->threads);
+    pool->joined = calloc(max_workers, 1);
+    pool->current = calloc(max_workers, sizeof *pool->current);
+    if (!pool->threads || !pool->joined || !pool->current) {
+        free(pool->threads);
+        free(pool->joined);
+        free(pool->current);
+        free(pool);
         return NULL;
     }
-    pthread_mutex_init(&e->lock, NULL);
-    e->max_workers = max_workers;
-    return e;
+    pthread_mutex_init(&pool->lock, NULL);
+    pool->max_workers = max_workers;
+    return pool;
 }
 
-uint32_t memsem_engine_workers(memsem_engine *e) {
-    pthread_mutex_lock(&e->lock);
-    uint32_t n = e->n_workers;
-    pthread_mutex_unlock(&e->lock);
+uint32_t memsem_mover_pool_workers(memsem_mover_pool *pool) {
+    pthread_mutex_lock(&pool->lock);
+    uint32_t n = pool->n_workers;
+    pthread_mutex_unlock(&pool->lock);
     return n;
 }
 
-/* Under e->lock. 0 or -errno of pthread_create. */
-static int start_worker(memsem_engine *e) {
+/* Under pool->lock. 0 or -errno of pthread_create. */
+static int start_worker(memsem_mover_pool *pool) {
     struct worker_arg *wa = malloc(sizeof *wa);
     if (!wa) return -ENOMEM;
-    wa->e = e;
-    wa->index = e->n_workers;
+    wa->pool = pool;
+    wa->index = pool->n_workers;
     /* Workers take no signals: they are the interpreter's, in its own threads. */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int err = pthread_create(&e->threads[e->n_workers], NULL, worker, wa);
+    int err = pthread_create(&pool->threads[pool->n_workers], NULL, worker, wa);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         free(wa);
         return -err;
     }
-    e->n_workers++;
+    pool->n_workers++;
     return 0;
 }
 
-int memsem_engine_submit(memsem_engine *e, memsem_pipe *p) {
+int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
     if (p->n_slots == 0 || p->tile_bytes == 0 || p->first >= p->n_tiles || p->plan == NULL ||
         p->rc == NULL || p->t_move == NULL ||
         (p->ready_base && (p->window_tile_bytes == 0 || p->n_ready == 0)))
         return -EINVAL;
-    pthread_mutex_lock(&e->lock);
-    if (e->stop) {
-        pthread_mutex_unlock(&e->lock);
+    /* Never wait for the pool's lock: a worker descheduled while holding it (a loaded machine)
+     * would hold the caller for a scheduler period; the caller copies the tile itself instead. */
+    if (pthread_mutex_trylock(&pool->lock)) return -EAGAIN;
+    if (pool->stop || (__atomic_load_n(&p->released, __ATOMIC_SEQ_CST) & CLOSED_BIT)) {
+        pthread_mutex_unlock(&pool->lock);
         return -ESHUTDOWN;
     }
     if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) != MEMSEM_PIPE_FREE) {
-        pthread_mutex_unlock(&e->lock);
+        pthread_mutex_unlock(&pool->lock);
         return -EBUSY;
     }
+    __atomic_fetch_and(&p->released, ~STOP_BIT, __ATOMIC_SEQ_CST);  /* a run the caller ended */
+    __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->done, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->claim, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->state, MEMSEM_PIPE_QUEUED, __ATOMIC_SEQ_CST);
     p->next = NULL;
-    if (e->tail) e->tail->next = p;
-    else e->head = p;
-    e->tail = p;
-    e->queued++;
+    if (pool->tail) pool->tail->next = p;
+    else pool->head = p;
+    pool->tail = p;
+    pool->queued++;
     int rc = 0;
-    if (e->queued > e->idle && e->n_workers < e->max_workers) {
-        rc = start_worker(e);
-        if (rc && e->n_workers > 0) rc = 0;  /* the workers there are will take it */
+    if (pool->queued > pool->idle && pool->n_workers < pool->max_workers) {
+        rc = start_worker(pool);
+        if (rc && pool->n_workers > 0) rc = 0;  /* the workers there are will take it */
     }
     if (rc) {  /* no worker at all (none could start): take the run back */
-        e->head = e->tail = NULL;
-        e->queued = 0;
+        pool->head = pool->tail = NULL;
+        pool->queued = 0;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
     } else {
-        __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
     }
-    pthread_mutex_unlock(&e->lock);
-    if (!rc) pwake(&e->jobs, 1);
+    pthread_mutex_unlock(&pool->lock);
+    if (!rc) ms_futex_wake(&pool->jobs, 1, PRIVATE);
     return rc;
 }
 
-int memsem_engine_shutdown(memsem_engine *e, double timeout_s) {
-    pthread_mutex_lock(&e->lock);
-    e->stop = 1;
+int memsem_mover_pool_shutdown(memsem_mover_pool *pool, double timeout_s) {
+    pthread_mutex_lock(&pool->lock);
+    pool->stop = 1;
     /* Runs nobody took are dropped; runs in progress are asked to stop. */
-    for (memsem_pipe *p = e->head; p;) {
+    for (memsem_pipe *p = pool->head; p;) {
         memsem_pipe *n = p->next;
         p->next = NULL;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
-        pwake(&p->state, INT32_MAX);
+        ms_futex_wake(&p->state, INT32_MAX, PRIVATE);
         p = n;
     }
-    e->head = e->tail = NULL;
-    e->queued = 0;
-    for (uint32_t i = 0; i < e->n_workers; i++)
-        if (e->current[i]) memsem_pipe_stop(e->current[i]);
-    __atomic_fetch_add(&e->jobs, 1, __ATOMIC_SEQ_CST);
-    uint32_t n = e->n_workers;
-    pthread_mutex_unlock(&e->lock);
-    pwake(&e->jobs, INT32_MAX);
+    pool->head = pool->tail = NULL;
+    pool->queued = 0;
+    for (uint32_t i = 0; i < pool->n_workers; i++)
+        if (pool->current[i]) memsem_pipe_stop(pool->current[i]);
+    __atomic_fetch_add(&pool->jobs, 1, __ATOMIC_SEQ_CST);
+    uint32_t n = pool->n_workers;
+    pthread_mutex_unlock(&pool->lock);
+    ms_futex_wake(&pool->jobs, INT32_MAX, PRIVATE);
     struct timespec abs;
     clock_gettime(CLOCK_REALTIME, &abs);
     uint64_t ns = (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
@@ -351,54 +355,80 @@ int memsem_engine_shutdown(memsem_engine *e, double timeout_s) {
         abs.tv_nsec -= 1000000000L;
     }
     for (uint32_t i = 0; i < n; i++) {
-        if (e->joined[i]) continue;
-        int err = pthread_timedjoin_np(e->threads[i], NULL, &abs);
+        if (pool->joined[i]) continue;
+        int err = pthread_timedjoin_np(pool->threads[i], NULL, &abs);
         if (err == ETIMEDOUT) return -ETIMEDOUT;
-        e->joined[i] = 1;
+        pool->joined[i] = 1;
     }
     return 0;
 }
 
-void memsem_engine_free(memsem_engine *e) {
-    pthread_mutex_destroy(&e->lock);
-    free(e->threads);
-    free(e->joined);
-    free(e->current);
-    free(e);
+void memsem_mover_pool_free(memsem_mover_pool *pool) {
+    pthread_mutex_destroy(&pool->lock);
+    free(pool->threads);
+    free(pool->joined);
+    free(pool->current);
+    free(pool);
 }
 
 /* ---- the pipe, caller side ------------------------------------------------------------------ */
-void memsem_pipe_stop(memsem_pipe *p) {
-    __atomic_fetch_or(&p->released, STOP_BIT, __ATOMIC_SEQ_CST);
-    pwake(&p->released, INT32_MAX);
+static void end_run(memsem_pipe *p, uint32_t bits) {
+    __atomic_fetch_or(&p->released, bits, __ATOMIC_SEQ_CST);
+    ms_futex_wake(&p->released, INT32_MAX, PRIVATE);
     uint64_t a = __atomic_load_n(&p->sleep_addr, __ATOMIC_SEQ_CST);
-    if (a) swake((uint32_t *)(uintptr_t)a);  /* a ready word: waking its other waiters is harmless */
+    if (a) ms_futex_wake((uint32_t *)(uintptr_t)a, INT32_MAX, SHARED);  /* a ready word: waking its other waiters is harmless */
 }
 
-int memsem_pipe_join(memsem_engine *e, memsem_pipe *p, double timeout_s) {
-    pthread_mutex_lock(&e->lock);
+void memsem_pipe_stop(memsem_pipe *p) {
+    end_run(p, STOP_BIT | CLOSED_BIT);
+}
+
+uint64_t memsem_pipe_take_over(memsem_pipe *p, uint32_t tile) {
+    /* The stop bit first, then the count: a worker that had not handed the tile over when the
+     * bit became visible claims nothing after it (it checks the bit before every claim). */
+    end_run(p, STOP_BIT);
+    if (__atomic_load_n(&p->done, __ATOMIC_SEQ_CST) > tile) return p->rc[tile % p->n_slots];
+    return MEMSEM_PIPE_LATE;
+}
+
+uint64_t memsem_pipe_result(memsem_pipe *p, uint32_t tile) {
+    return p->rc[tile % p->n_slots];
+}
+
+int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s) {
+    uint32_t st0 = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
+    if (st0 == MEMSEM_PIPE_FREE) return 0;
+    if (st0 == MEMSEM_PIPE_QUEUED) {
+        /* Off the queue (under the lock: a worker may be taking it). Without a timeout, a lock
+         * held by a descheduled worker is not waited for: join again later. */
+        if (timeout_s > 0) pthread_mutex_lock(&pool->lock);
+        else if (pthread_mutex_trylock(&pool->lock)) return -ETIMEDOUT;
+    } else {
+        goto wait;
+    }
     if (__atomic_load_n(&p->state, __ATOMIC_SEQ_CST) == MEMSEM_PIPE_QUEUED) {
-        memsem_pipe **at = &e->head, *prev = NULL;
+        memsem_pipe **at = &pool->head, *prev = NULL;
         while (*at && *at != p) {
             prev = *at;
             at = &(*at)->next;
         }
         if (*at) {
             *at = p->next;
-            if (e->tail == p) e->tail = prev;
-            e->queued--;
+            if (pool->tail == p) pool->tail = prev;
+            pool->queued--;
         }
         p->next = NULL;
         __atomic_store_n(&p->state, MEMSEM_PIPE_FREE, __ATOMIC_SEQ_CST);
     }
-    pthread_mutex_unlock(&e->lock);
-    uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    pthread_mutex_unlock(&pool->lock);
+wait:;
+    uint64_t deadline = ms_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     for (;;) {
         uint32_t st = __atomic_load_n(&p->state, __ATOMIC_SEQ_CST);
         if (st == MEMSEM_PIPE_FREE) return 0;
-        uint64_t t = now_ns();
+        uint64_t t = ms_now_ns();
         if (t >= deadline) return -ETIMEDOUT;
-        pwait_ns(&p->state, st, deadline - t);
+        ms_futex_wait(&p->state, st, deadline - t, PRIVATE);
     }
 }
 
@@ -408,17 +438,28 @@ static int take(memsem_pipe *p, uint32_t tile) {
            __atomic_compare_exchange_n(&p->claim, &want, tile + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
-uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
+/* 1 when the worker has been copying tile for longer than patience_ns; else 0, and *left the ns
+ * until it would be (or RECHECK_NS when it is not copying the tile). */
+static int late(memsem_pipe *p, uint32_t tile, uint64_t patience_ns, uint64_t now, uint64_t *left) {
+    *left = RECHECK_NS;
+    if (!patience_ns || __atomic_load_n(&p->active, __ATOMIC_SEQ_CST) != tile + 1) return 0;
+    uint64_t since = __atomic_load_n(&p->active_since, __ATOMIC_RELAXED);
+    if (now >= since + patience_ns) return 1;
+    *left = since + patience_ns - now;
+    return 0;
+}
+
+uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint64_t patience_ns) {
     uint32_t d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE);
     if (d > tile) return p->rc[tile % p->n_slots];
     if (take(p, tile)) return MEMSEM_PIPE_YOURS;
     /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for. */
-    uint64_t t0 = now_ns();
+    uint64_t t0 = ms_now_ns(), left;
     while ((d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
-           __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
+           __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && ms_now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
         for (int k = 0; k < 64; k++) cpu_relax();
     if (d <= tile) {
-        uint64_t deadline = now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+        uint64_t deadline = ms_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
         __atomic_store_n(&p->caller_waiting, 1, __ATOMIC_SEQ_CST);
         for (;;) {
             d = __atomic_load_n(&p->done, __ATOMIC_SEQ_CST);
@@ -429,12 +470,18 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return take(p, tile) ? MEMSEM_PIPE_YOURS : MEMSEM_PIPE_IDLE;
             }
-            uint64_t t = now_ns();
+            uint64_t t = ms_now_ns();
+            if (late(p, tile, patience_ns, t, &left)) {
+                __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
+                return MEMSEM_PIPE_LATE;
+            }
             if (t >= deadline) {
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return MEMSEM_PIPE_WAITING;
             }
-            pwait_ns(&p->done, d, deadline - t);
+            uint64_t ns = deadline - t;
+            if (patience_ns && left < ns) ns = left;
+            ms_futex_wait(&p->done, d, ns, PRIVATE);
         }
         __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
     }
@@ -443,5 +490,5 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s) {
 
 void memsem_pipe_release(memsem_pipe *p) {
     __atomic_fetch_add(&p->released, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) pwake(&p->released, INT32_MAX);
+    if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) ms_futex_wake(&p->released, INT32_MAX, PRIVATE);
 }

@@ -43,12 +43,32 @@ def test_telemetry_counts_gets_and_puts():
 def test_goal_checks():
     fig = {"get_64B_us": 1.5, "mpi_sendrecv_64B_us": 2.0, "get_64MiB_GBps": 9.0, "copyto_64MiB_GBps": 10.0,
            "view_64MiB_us": 25.0, "pipeline_vs_ideal": None, "bounce_bytes_host": 0}
-    assert _bench.goal_met("get_64B_us", fig) is True
+    assert _bench.goal_met("get_64B_us", fig) is True  # no ratio of rounds: the two medians
     assert _bench.goal_met("get_64MiB_GBps", fig) is True
     assert _bench.goal_met("view_64MiB_us", fig) is False
     assert _bench.goal_met("pipeline_vs_ideal", fig) is None
     assert _bench.goal_met("bounce_bytes_host", fig) is True
     assert _bench.goal_met("get_64B_us", {"get_64B_us": 1.0}) is None  # peer missing: no verdict
+    # the ratio of rounds decides where it exists, also for the older absolute key
+    fig["get_64B_vs_mpi_sendrecv"] = 1.2
+    assert _bench.goal_met("get_64B_us", fig) is False
+    assert _bench.goal_met("get_64B_vs_mpi_sendrecv", fig) is False
+    assert _bench.goal_met("get_64B_us_16_consumers_ratio", {"get_64B_us_16_consumers_ratio": 9.0}) is None
+
+
+def test_ratio_of_rounds_is_the_median_of_per_round_ratios():
+    num = [10.0, 20.0, 30.0, 40.0, 1000.0]
+    den = [10.0, 10.0, 10.0, 10.0, 10.0]
+    st = M.ratio_of_rounds(num, den)
+    assert st.value == 3.0 and st.rounds == 5  # the outlier round moves p90, not the median
+    assert st.p10 < st.value < st.p90
+    assert st.keys("k") == {"k": 3.0, "k_spread": st.spread()}
+    assert M.RatioStat.of([]).keys("k") == {"k": None, "k_spread": None}
+    assert M.round_medians([1, 2, 3, 10, 20, 30], 3) == [2, 20]
+    with pytest.raises(ValueError, match="per_round"):
+        M.round_medians([1], 0)
+    with pytest.raises(ValueError, match="one value per round"):
+        M.ratio_of_rounds([1.0], [1.0, 2.0])
 
 
 def test_sizes_and_paired_sampling():
@@ -58,4 +78,110 @@ def test_sizes_and_paired_sampling():
     calls = []
     out = M.paired({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, per_round=2)
     assert len(out["a"]) == len(out["b"]) == 6
-    assert calls[2:] == ["a", "a", "b", "b"] * 3  # interleaved round by round, after one warm-up each
+    # one warm-up each, then interleaved round by round, the order reversed every other round
+    assert calls[2:] == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    calls.clear()
+    M.paired({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, per_round=1,
+             alternate=False)
+    assert calls[2:] == ["a", "b", "a", "b"]
+
+
+def _fake_figures() -> dict:
+    fig = {g.key: 1.0 for g in _bench.GOALS_LIST}
+    fig.update({f"{g.key}_spread": [0.9, 1.1] for g in _bench.GOALS_LIST})
+    fig["gloo_vs_weight_sync_4r"] = None  # a peer missing: skipped, with its reason
+    fig["get_64B_us_16_consumers_ratio"] = 1.05
+    fig["scale_cpus"] = 2
+    return fig
+
+
+def test_verdicts_name_the_reason_of_a_skip():
+    fig = _fake_figures()
+    reasons = {"gloo_broadcast_4r_s": "torch is not installed in /x/python"}
+    by = {g.key: g for g in _bench.GOALS_LIST}
+    assert _bench.verdict(by["gloo_vs_weight_sync_4r"], fig, reasons) == ("skipped", reasons["gloo_broadcast_4r_s"])
+    assert _bench.verdict(by["gloo_vs_weight_sync_4r"], fig, {})[0] == "skipped"
+    assert _bench.verdict(by["get_64B_us_16_consumers_ratio"], fig, {}) == ("reported", "2 cores")
+    assert _bench.verdict(by["get_64B_vs_copyto"], fig, {}) == ("met", "")
+    fig["get_64B_vs_copyto"] = 3.0
+    assert _bench.verdict(by["get_64B_vs_copyto"], fig, {}) == ("not met", "")
+
+
+def test_console_shows_every_table_and_goal_and_escapes_markup(tmp_path):
+    from rich.console import Console
+
+    fig = _fake_figures()
+    fig.update(weight_sync_4r_s=0.2, tcp_get_64B_us=90.0, tcp_link="veth", get_64B_us_at_10k_windows=600.0,
+               telemetry_ns_per_op=40.0)
+    reasons = {"gloo_broadcast_4r_s": "torch is not installed [torch]"}
+    goals = {g.key: dict(zip(("state", "why"), _bench.verdict(g, fig, reasons)), goal=g.text, table=g.table,
+                         value=fig.get(g.key), spread=fig.get(f"{g.key}_spread")) for g in _bench.GOALS_LIST}
+    s = M.Series("memsem get host/shm", "get", "host/shm", {64: [1000, 1100], 64 << 20: [5_000_000]})
+    console = Console(width=100, record=True)
+    notes = ["a hint: pip install 'memsem[bench]'"]
+    _bench._tables(console, [s], [64, 64 << 20], fig, goals, notes, [], 1.0, tmp_path)
+    text = console.export_text()
+    for title in ("median latency", "bandwidth", "weight sync", "tcp route", "cost as the work grows", "goals"):
+        assert title in text, title
+    for g in _bench.GOALS_LIST:
+        assert g.key in text, g.key
+    assert "gloo_vs_weight_sync_4r: torch is not installed [torch]" in text  # the reason, markup kept
+    assert "pip install 'memsem[bench]'" in text
+    assert "reported, 2 cores" in text
+    assert "met" in text and "issue 2" not in text
+
+
+@pytest.mark.timeout(1800)  # some 40 processes start (MPI, namespaces, rollouts, gloo, 16 consumers)
+def test_smoke_run_prints_every_key_and_one_json_line_last(tmp_path):
+    """``memsem bench --quick --json`` end to end with every measurement at its smallest
+    (MEMSEM_BENCH_SMOKE=1): the last line of stdout is one JSON object holding every goal key
+    and its spread, bench.json holds a verdict per goal and a reason per null; nothing is timed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import signal
+
+    env = dict(os.environ, MEMSEM_BENCH_SMOKE="1")
+    # its own session: on a timeout the whole group goes (rollouts, gloo ranks, owners), not
+    # only the bench process
+    p = subprocess.Popen([sys.executable, "-m", "memsem.cli", "bench", "--quick", "--json", "--out", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=1700)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    assert p.returncode == 0, err[-3000:]
+    last = out.strip().splitlines()[-1]
+    fig = json.loads(last)
+    assert isinstance(fig, dict)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["figures"] == fig and report["smoke"] is True
+    for key in ("get_64B_us", "mpi_sendrecv_64B_us", "get_64MiB_GBps", "copyto_64MiB_GBps", "view_64MiB_us",
+                "tcp_get_64B_us", "socket_rtt_64B_us", "socket_rtt_64B_us_loopback", "tcp_link",
+                "weight_sync_4r_s", "gloo_broadcast_4r_s", "ray_object_store_4r_s", "copyto_2stream_GBps",
+                "weight_sync_trainer_blocked_ms", "get_64B_us_at_10k_windows", "publish_unpublish_us",
+                "publish_unpublish_us_at_10k_windows", "get_64B_us_16_consumers", "lookup_us_redis",
+                "lookup_us_redis_10k_names", "scale_cpus"):
+        assert key in fig, key
+    for g in _bench.GOALS_LIST:
+        assert g.key in fig, g.key
+        if g.key != "bounce_bytes_host":
+            assert f"{g.key}_spread" in fig, g.key
+        if fig[g.key] is not None and g.key not in ("bounce_bytes_host", "rss_overhead_MiB"):
+            sp = fig[f"{g.key}_spread"]
+            assert isinstance(sp, list) and len(sp) == 2 and sp[0] <= sp[1], (g.key, sp)
+        state = report["goals"][g.key]["state"]
+        assert state in ("met", "not met", "reported", "skipped"), (g.key, state)
+        if state == "skipped":
+            assert report["goals"][g.key]["why"], g.key
+    # the same-node figures always run; the scale figures run with this install's own windows
+    for key in ("get_64B_us", "get_64B_vs_copyto", "get_64B_us_at_10k_windows_ratio",
+                "publish_unpublish_us_at_10k_windows_ratio", "get_64B_us_16_consumers_ratio"):
+        assert isinstance(fig[key], float), (key, fig[key])
+    for name in ("goals", "weight sync", "tcp route", "cost as the work grows"):
+        assert name in err, name
+    assert {"latency.png", "bandwidth.png", "ops.png", "goals.png"} <= {f.name for f in tmp_path.iterdir()}

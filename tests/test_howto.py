@@ -23,9 +23,62 @@ def test_share_and_follow_versions_of_a_state_dict(memsem_runtime):
         v2 = sd.update(model)
         assert v2 == v + 1
         assert rsd.wait_version(v + 1, timeout=10) >= v + 1
-        assert rsd.load(local, version=v + 1) == v + 1
+        with rsd.pin(version=v + 1) as lease:
+            assert rsd.load(local, version=v + 1, lease=lease) == v + 1
         assert (local["w"] == model["w"]).all() and int(local["step"]) == 8
         assert rt.lookup_state_dict("policy").keys() == ("w", "step")
+
+
+def test_follow_versions_with_the_follower_loop(memsem_runtime):
+    """The recipe's loop: a trainer updating, a rollout following by name into its tensors."""
+    import threading
+
+    rt = memsem_runtime
+    model = {"w": np.zeros((3, 4), np.float32), "step": np.array(0, np.int64)}
+    sd = rt.publish_state_dict(model, name="policy", slots=2)
+    seen = []
+    with memsem.Runtime(timeout=10.0) as rollout:
+        local = {k: np.zeros_like(v) for k, v in model.items()}
+        follower = rollout.follow("policy", into=local, timeout=30)
+        v, params = next(follower)
+        assert params is local and v == 1
+        done = threading.Event()
+
+        def trainer():
+            for step in range(1, 6):
+                model["w"][:] = step
+                model["step"][()] = step
+                sd.update(model)
+            done.set()
+
+        t = threading.Thread(target=trainer)
+        t.start()
+        for version, params in follower:
+            assert (params["w"] == params["step"]).all()  # one version, bit-exact
+            assert int(params["step"]) == version - 1
+            seen.append(version)
+            if version == 6:
+                break
+        t.join(30)
+    assert seen[-1] == 6 and seen == sorted(seen)
+    # the in-place form: the trainer's tensors are the window's own memory (slots=1)
+    inplace = rt.publish_state_dict(model, name="inplace", slots=1)
+    params = inplace.tensors()
+    with inplace.write_section() as sec:
+        sec.tensors["w"][:] = 42  # the same memory as params["w"]
+    assert (params["w"] == 42).all() and inplace.get()["w"][0, 0] == 42
+    with pytest.raises(ValueError, match="slots=2"):
+        sd.tensors()
+
+
+def test_names_have_one_owner_in_a_job(memsem_runtime):
+    rt = memsem_runtime
+    rt.publish(np.ones(4), name="policy")
+    with memsem.Runtime(timeout=10.0) as other:
+        with pytest.raises(memsem.NameHeldError, match="replace=True"):
+            other.publish(np.zeros(4), name="policy")
+        other.publish(np.zeros(4), name="policy", replace=True)
+        assert (rt.lookup("policy", timeout=10).get() == 0).all()
 
 
 def test_stream_a_batch_of_fields(memsem_runtime):

@@ -7,6 +7,7 @@ pipeline variant of the SIGKILLed producer. Every wait has a timeout; children u
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import memsem
 from memsem import MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError, StaleReferenceError
 from memsem.pipeline import Pipeline, PipelineStats
-from memsem.pipeline import _pipeline as pipeline_mod
+from memsem.pipeline import _movers, _tiling
 
 from tests._proc import idle_producer as _idle_producer, recv, reap, spawn
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,8 @@ def test_staging_slots_are_preallocated_and_reused():
             for tile in p:
                 with tile:
                     addrs.add(tile.raw.ctypes.data)
-        assert len(addrs) == 3, f"tiles landed in {len(addrs)} buffers, expected the 3 slots"
+        # the 3 slots, and the spare when a late worker's copy was taken over (a loaded machine)
+        assert len(addrs) == 3 + (p.stats.late_tiles > 0), f"tiles landed in {len(addrs)} buffers"
 
 
 def test_slot_not_reused_before_release():
@@ -175,12 +177,15 @@ def test_abandoned_pipeline_stops_its_mover():
         ref = rt.publish(pattern(64 * 4096))
         p = rt.pipeline(ref, tile_bytes=4096, zero_copy=False, timeout=10)
         next(p)
-        mover = p._mover
+        mover = p._handoff.mover
         assert mover.running()
         del p
         import gc
 
-        gc.collect()  # the finalizer stops and joins the engine's thread
+        gc.collect()  # the finalizer stops the mover's worker: it claims no tile, its run ends
+        end = time.monotonic() + 20  # a bound on the wait, not a timing assertion
+        while mover.running() and time.monotonic() < end:
+            time.sleep(0.001)
         assert not mover.running()
 
 
@@ -437,12 +442,12 @@ def test_sigkilled_producer_ends_pipeline_with_peer_lost():
 
                 def waiting() -> str:
                     """Who waits on tile 1's ready word: the caller (its liveness checks count
-                    up) or the native copy engine's worker (asleep on the word)."""
+                    up) or a native copy worker (asleep on the word)."""
                     if peer.checks > checks0 + 1:
                         return "caller"
-                    m = pipe._mover
+                    m = pipe._handoff.mover if pipe._handoff is not None else None
                     if m is not None and getattr(m, "_p", None) is not None and int(m._p.sleep_addr):
-                        return "engine"
+                        return "worker"
                     return ""
 
                 end = time.monotonic() + 60  # a bound on the spin, not a timing assertion
@@ -488,9 +493,9 @@ def test_rl_dataflow_example_small():
     assert "result matches the whole-data computation" in r.stdout
 
 
-# -- the native copy engine ------------------------------------------------------------------------
-def test_engine_copies_without_the_gil():
-    """The engine's thread never needs the GIL: with a switch interval no Python thread could
+# -- the native movers ------------------------------------------------------------------------------
+def test_native_mover_copies_without_the_gil():
+    """The native mover's worker never needs the GIL: with a switch interval no Python thread could
     get the GIL through, it still moves every tile ahead while this thread spins in Python."""
     data = pattern(8 * 65536, 7)
     with memsem.Runtime() as rt:
@@ -498,37 +503,37 @@ def test_engine_copies_without_the_gil():
         with rt.pipeline(ref, tile_bytes=65536, depth=8, zero_copy=False, timeout=10) as p:
             t0 = next(p)
             assert p.stats.mover == "native"
-            engine = p._mover._p
+            mover = p._handoff.mover
             old = sys.getswitchinterval()
             sys.setswitchinterval(100.0)
             try:
                 end = time.monotonic() + 20  # a bound on the spin, not a timing assertion
-                while engine.done < 8 and time.monotonic() < end:
+                while mover.done < 8 and time.monotonic() < end:
                     pass
             finally:
                 sys.setswitchinterval(old)
-            assert engine.done == 8
+            assert mover.done == 8
             got = [t0.raw.copy()] + [t.raw.copy() for t in p]
         assert np.array_equal(np.concatenate(got), data)
 
 
-def test_write_section_mid_stream_is_waited_for_then_the_engine_goes_on():
-    """A tile the engine meets inside an open write section is moved by the caller once the
-    section closes (the new version's bytes); the engine then takes the remaining tiles."""
+def test_write_section_mid_stream_is_waited_for_then_the_mover_goes_on():
+    """A tile the native mover meets inside an open write section is moved by the caller once the
+    section closes (the new version's bytes); the mover then takes the remaining tiles."""
     with memsem.Runtime() as rt:
         a = rt.alloc(8 * 4096, np.uint8)
         a[:] = 1
         ref = rt.publish(a, access="rw", name="ws")
         with rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=10) as p:
-            got = [int(next(p).raw[0])]  # tile 0; the engine moves tile 1, then waits for a slot
+            got = [int(next(p).raw[0])]  # tile 0; the mover moves tile 1, then waits for a slot
             end = time.monotonic() + 20
-            while p._mover._p.done < 2 and time.monotonic() < end:
+            while p._handoff.mover.done < 2 and time.monotonic() < end:
                 time.sleep(0.001)
-            assert p._mover._p.done == 2
+            assert p._handoff.mover.done == 2
             ws = rt.write_section(ref)
             ws.__enter__()
             a[:] = 2
-            got.append(int(next(p).raw[0]))  # tile 1 (moved before); releasing 0 lets the engine try 2
+            got.append(int(next(p).raw[0]))  # tile 1 (moved before); releasing 0 lets the mover try 2
             timer = threading.Timer(0.2, ws.__exit__, (None, None, None))
             timer.start()
             got += [int(t.raw[0]) for t in p]
@@ -563,7 +568,7 @@ def test_lease_released_mid_stream_fails_the_stream():
                     pass
 
 
-def test_runtime_close_joins_the_engine():
+def test_runtime_close_joins_the_movers():
     rt = memsem.Runtime()
     ref = rt.publish(pattern(64 * 4096))
     p = rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=10)
@@ -582,7 +587,7 @@ def test_automatic_tiles_small_is_one_get_large_overlaps():
         assert p.explanation.startswith("one tile (a plain get)")
         big = rt.publish(np.zeros(256 << 20, np.uint8))
         with rt.pipeline(big, zero_copy=False) as p:
-            assert 2 <= len(p) <= pipeline_mod.AUTO_MAX_TILES
+            assert 2 <= len(p) <= _tiling.AUTO_MAX_TILES
             assert "automatic" in p.explanation
             n = sum(t.nbytes for t in p)
         assert n == big.nbytes and p.stats.mover == "native"
@@ -600,9 +605,9 @@ def test_given_tile_bytes_are_honoured_and_their_cost_explained():
 
 def test_tiles_auto_rows():
     """Automatic tiles cover whole rows when rows are smaller than a tile."""
-    tile, why = pipeline_mod.auto_tiles(64 << 20, 1e-6, 8e9, row_bytes=3000, itemsize=4)
+    tile, why = _tiling.auto_tiles(64 << 20, 1e-6, 8e9, row_bytes=3000, itemsize=4)
     assert tile % 3000 == 0 and "tiles of" in why
-    tile, why = pipeline_mod.auto_tiles(64 << 10, 1e-6, 8e9, row_bytes=3000, itemsize=4)
+    tile, why = _tiling.auto_tiles(64 << 10, 1e-6, 8e9, row_bytes=3000, itemsize=4)
     assert tile == 64 << 10 and why.startswith("one tile")
 
 
@@ -614,7 +619,7 @@ def _fork_child_iterates(conn, data):
         p = rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=5)
         next(p)
         pid = os.fork()
-        if pid == 0:  # the child: no copy engine here; it says so at once and closes cleanly
+        if pid == 0:  # the child: no copy workers here; it says so at once and closes cleanly
             code = 1
             try:
                 next(p)
@@ -633,7 +638,7 @@ def _fork_child_iterates(conn, data):
 
 
 @pytest.mark.multiproc
-def test_forked_child_has_no_engine():
+def test_forked_child_has_no_movers():
     p, conn = spawn(_fork_child_iterates, pattern(8 * 4096))
     try:
         code, rest = recv(conn, 60)
@@ -642,8 +647,8 @@ def test_forked_child_has_no_engine():
         reap([p])
 
 
-def test_one_engine_per_runtime_serves_concurrent_pipelines_and_is_joined_at_close():
-    """Two pipelines streaming at once share the runtime's copy engine (its workers are
+def test_one_mover_pool_per_runtime_serves_concurrent_pipelines_and_is_joined_at_close():
+    """Two pipelines streaming at once share the runtime's mover pool (its workers are
     started on demand, at most one per CPU); closing the runtime joins them."""
     rt = memsem.Runtime()
     a = rt.publish(pattern(32 * 4096, 1))
@@ -656,10 +661,250 @@ def test_one_engine_per_runtime_serves_concurrent_pipelines_and_is_joined_at_clo
         got_b.append(tb.raw.copy())
     assert np.array_equal(np.concatenate(got_a), pattern(32 * 4096, 1))
     assert np.array_equal(np.concatenate(got_b), pattern(32 * 4096, 2))
-    engine = pipeline_mod.copy_engine(rt.core)
-    assert pa._mover is None or pa._mover._engine is engine
-    assert 1 <= engine.workers <= min(pipeline_mod.MAX_WORKERS, os.cpu_count() or 1)
+    pool = _movers.mover_pool(rt.core)
+    assert pa._handoff is None or pa._handoff.mover is None or pa._handoff.mover.pool is pool
+    assert 1 <= pool.workers <= min(_movers.MAX_WORKERS, os.cpu_count() or 1)
     rt.close()
-    assert engine._shut  # every worker joined
-    with memsem.Runtime() as rt2:  # a new runtime gets a new engine
-        assert pipeline_mod.copy_engine(rt2.core) is not engine
+    assert pool.shut  # every worker joined
+    with memsem.Runtime() as rt2:  # a new runtime gets a new pool
+        assert _movers.mover_pool(rt2.core) is not pool
+
+
+# -- double-buffered (versioned, slots=2) windows ---------------------------------------------------
+@pytest.mark.parametrize("where", ["same runtime", "other runtime"])
+@pytest.mark.parametrize("tile_bytes", [None, 4096])
+def test_pipeline_over_a_double_buffered_window_copies_instead_of_raising(where, tile_bytes):
+    """A slots=2 window cannot be viewed (its owner rewrites the slots): a pipeline that was not
+    asked for views copies its tiles (the default, automatic or given tiles alike); one asked for
+    views says why not."""
+    data = np.arange(8 * 1024, dtype=np.int32)
+    with memsem.Runtime() as rt, memsem.Runtime() as other:
+        ref = rt.publish(data, slots=2)
+        crt, cref = (rt, ref) if where == "same runtime" else (other, other.ref(ref.to_bytes()))
+        with crt.pipeline(cref, tile_bytes=tile_bytes, timeout=10) as p:
+            assert p.mode == "staged"
+            tiles = [(t.version, t.array.copy()) for t in p]
+        assert np.array_equal(np.concatenate([a.reshape(-1) for _, a in tiles]), data)
+        assert {v for v, _ in tiles} == {1}
+        assert p.stats.bytes_moved == data.nbytes
+        with pytest.raises(NotSupportedError, match="double-buffered"):
+            crt.pipeline(cref, tile_bytes=tile_bytes, zero_copy=True)
+
+
+def test_pinned_lease_makes_every_tile_the_pinned_version_while_the_owner_commits():
+    """With lease=ref.pin(), every tile is a copy of the pinned version, also the tiles moved
+    after the owner committed a newer version into the other slot; without a pin each tile is
+    the latest version at its copy, and says so (labels agree with the bytes)."""
+    n = 8 * 1024
+    with memsem.Runtime() as rt, memsem.Runtime(timeout=10) as other:
+        ref = rt.publish(np.full(n, 1, np.int32), slots=2, name="pinned")
+        r = other.ref(ref.to_bytes())
+        with r.pin() as lease:
+            assert lease.version == 1
+            with other.pipeline(r, tile_bytes=4096, lease=lease, timeout=10) as p:
+                seen = [(next(p).version, 1)]
+                with rt.write_section(ref) as s:  # version 2, into the slot the pin does not hold
+                    s.array()[:] = 2
+                assert r.version() == 2
+                seen += [(t.version, int(t.array.max())) for t in p if int(t.array.min()) == int(t.array.max())]
+            assert len(seen) == 8 and set(seen) == {(1, 1)}
+            assert p.stats.mover in ("native", "caller")
+        # no pin: each tile is the latest version when it was copied, labelled with it
+        with other.pipeline(r, tile_bytes=4096, timeout=10) as p:
+            first = next(p)
+            got = [(first.version, int(first.array.min()), int(first.array.max()))]
+            with rt.write_section(ref) as s:
+                s.array()[:] = 3
+            got += [(t.version, int(t.array.min()), int(t.array.max())) for t in p]
+        assert got[0] == (2, 2, 2) and got[-1] == (3, 3, 3)
+        assert all(v == lo == hi for v, lo, hi in got)
+        assert [v for v, _, _ in got] == sorted(v for v, _, _ in got)
+
+
+def test_views_carry_no_version_and_copies_carry_the_windows():
+    with memsem.Runtime() as rt:
+        ref = rt.publish(pattern(4 * 4096))
+        with rt.pipeline(ref, tile_bytes=4096, zero_copy=True) as p:
+            assert {t.version for t in p} == {None}
+        with rt.pipeline(ref, tile_bytes=4096, zero_copy=False) as p:
+            versions = {t.version for t in p}
+        assert len(versions) == 1 and versions.pop() == ref.version()
+
+
+# -- automatic view-or-copy -----------------------------------------------------------------------
+def test_automatic_tiling_copies_a_ref_whose_copy_costs_less_than_a_view():
+    """With no tile size given, a small ref on a route that could view it is copied in one tile
+    (a view's lease and checks cost more); a large one is viewed; tile_bytes= keeps views."""
+    with memsem.Runtime() as rt:
+        small = rt.publish(pattern(64 << 10))
+        big = rt.publish(np.zeros(64 << 20, np.uint8))
+        route = rt.route(small)
+        assert route.zero_copy
+        assert not _tiling.prefer_view(small.nbytes, route.alpha, route.beta)
+        assert _tiling.prefer_view(big.nbytes, route.alpha, route.beta)
+        with rt.pipeline(small) as p:
+            assert p.mode == "staged" and len(p) == 1
+            assert "copied, not viewed" in p.explanation
+            assert np.array_equal(np.concatenate([t.raw.copy() for t in p]), small.get())
+        assert p.stats.bytes_moved == small.nbytes
+        with rt.pipeline(big) as p:
+            assert p.mode == "view"
+        with rt.pipeline(small, tile_bytes=4096) as p:
+            assert p.mode == "view"
+
+
+# -- the caller never waits for a worker that does not run ----------------------------------------
+def _raw_pipe(n_tiles=4, n_slots=2):
+    """A memsem_pipe filled by hand (no pool, no worker): the caller's side of the protocol."""
+    ffi = memsem.native.ffi
+    p = ffi.new("memsem_pipe *")
+    keep = (ffi.new("uint64_t[]", n_slots), ffi.new("uint64_t[]", 2 * n_slots))
+    p.rc, p.t_move = keep
+    p.n_tiles, p.n_slots, p.tile_bytes = n_tiles, n_slots, 4096
+    return p, keep
+
+
+def test_a_worker_copying_past_the_callers_patience_is_reported_late_and_taken_over():
+    lib = memsem.native.lib
+    p, _keep = _raw_pipe()
+    # tile 0 handed over; a worker claimed tile 1 and has been copying it for a second
+    p.done, p.claim, p.state = 1, 2, lib.MEMSEM_PIPE_RUNNING
+    p.active, p.active_since = 2, memsem.native.monotonic_ns() - 10**9
+    assert lib.memsem_pipe_wait(p, 1, 5.0, 10**6) == lib.MEMSEM_PIPE_LATE  # patience 1 ms
+    assert lib.memsem_pipe_wait(p, 1, 0.01, 0) == lib.MEMSEM_PIPE_WAITING  # no patience: it waits
+    # a copy that began just now is not late
+    p.active_since = memsem.native.monotonic_ns()
+    assert lib.memsem_pipe_wait(p, 1, 0.01, 10**9) == lib.MEMSEM_PIPE_WAITING
+    # taking it over ends the run (stop bit; the pipe is not closed: it may run again)
+    assert lib.memsem_pipe_take_over(p, 1) == lib.MEMSEM_PIPE_LATE
+    assert p.released & 0x80000000 and not p.released & 0x40000000
+    # the worker finishing meanwhile wins: its result is the tile's
+    p.rc[1], p.done = lib.MEMSEM_OK | (7 << memsem.native.lib.MEMSEM_RC_VERSION_SHIFT), 2
+    assert lib.memsem_pipe_take_over(p, 1) == p.rc[1]
+    assert lib.memsem_pipe_result(p, 1) == p.rc[1]
+    # an unclaimed tile is the caller's at once, late or not
+    p.claim = 3
+    assert lib.memsem_pipe_wait(p, 3, 0.01, 10**6) == lib.MEMSEM_PIPE_YOURS
+
+
+def test_a_stopped_pipe_takes_no_run_a_taken_over_one_does():
+    lib = memsem.native.lib
+    with memsem.Runtime() as rt:
+        ref = rt.publish(pattern(4 * 4096))
+        res = rt.core.resolve(ref.spec)
+        pool = _movers.MoverPool(1)
+        try:
+            p, _keep = _raw_pipe()
+            p.plan, p.ref_nbytes, p.first = res.plan, ref.nbytes, 1
+            dst = np.zeros(2 * 4096, np.uint8)
+            p.dst = dst.ctypes.data
+            p.slot_bytes = 4096
+            lib.memsem_pipe_take_over(p, 1)  # the caller ended a run: the pipe may run again
+            assert lib.memsem_mover_pool_submit(pool._pool, p) == 0
+            for i in (1, 2, 3):
+                got = lib.memsem_pipe_wait(p, i, 10.0, 0)
+                assert got == lib.MEMSEM_PIPE_YOURS or got & 0xFF == lib.MEMSEM_OK
+                lib.memsem_pipe_release(p)
+            assert lib.memsem_pipe_join(pool._pool, p, 10.0) == 0
+            lib.memsem_pipe_stop(p)  # stopped for good
+            p.first = 1
+            assert lib.memsem_mover_pool_submit(pool._pool, p) == -errno.ESHUTDOWN
+            del dst
+        finally:
+            pool.close()
+
+
+def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
+    """Forced order: the worker's copy of tile 2 is declared late. The caller copies it into a
+    spare slot (not the slot the worker writes), ends the worker's run, copies the tiles after it
+    itself until that run has ended, then hands the rest to a new run; every byte is right."""
+    data = pattern(16 * 65536, 5)
+    real_wait = _movers.NativeMover.wait
+    calls = {"late": 0}
+
+    def wait(self, tile, timeout):
+        if tile == 2 and not calls["late"]:
+            calls["late"] += 1
+            return memsem.native.lib.MEMSEM_PIPE_LATE
+        return real_wait(self, tile, timeout)
+
+    real_take = _movers.NativeMover.take_over
+    real_start = _movers.NativeMover.start
+    starts = []
+    monkeypatch.setattr(_movers.NativeMover, "wait", wait)
+    monkeypatch.setattr(_movers.NativeMover, "take_over",
+                        lambda self, tile: (real_take(self, tile), memsem.native.lib.MEMSEM_PIPE_LATE)[1])
+    monkeypatch.setattr(_movers.NativeMover, "start",
+                        lambda self, first, res: (starts.append(first), real_start(self, first, res))[1])
+    with memsem.Runtime() as rt:
+        ref = rt.publish(data)
+        with rt.pipeline(ref, tile_bytes=65536, depth=2, zero_copy=False, timeout=10) as p:
+            got = []
+            for t in p:
+                if t.index == 2:
+                    assert p._handoff.spare is not None and np.shares_memory(t.raw, p._handoff.spare)
+                    assert not np.shares_memory(t.raw, p._slots)
+                    end = time.monotonic() + 20  # a bound on the wait for the ended run
+                    while p._handoff.mover.running() and time.monotonic() < end:
+                        time.sleep(0.001)
+                    assert not p._handoff.mover.running()  # the run ended at the take-over
+                got.append(t.raw.copy())
+            st = p.stats
+            mover = p._handoff.mover
+        assert np.array_equal(np.concatenate(got), data)
+        assert calls["late"] == 1 and st.late_tiles == 1
+        assert starts == [1, 3] and st.mover == "native"  # a new run from the tile after the late one
+        end = time.monotonic() + 20  # a bound on the wait for the last run to end
+        while mover.running() and time.monotonic() < end:
+            time.sleep(0.001)
+        _movers.reap_unjoined()
+        assert rt.core.staging._pooled >= 3 * 65536  # the spare and the slots went back to the pool
+
+
+def test_a_busy_pool_is_not_waited_for_the_run_is_submitted_again(monkeypatch):
+    """The pool's lock held (a descheduled worker): the submit is refused at once (EAGAIN); the
+    caller moves that tile itself and submits again at the next one."""
+    real_start = _movers.NativeMover.start
+    starts = []
+
+    def start(self, first, res):
+        starts.append(first)
+        return None if len(starts) == 1 else real_start(self, first, res)
+
+    monkeypatch.setattr(_movers.NativeMover, "start", start)
+    data = pattern(8 * 4096, 9)
+    with memsem.Runtime() as rt:
+        ref = rt.publish(data)
+        with rt.pipeline(ref, tile_bytes=4096, zero_copy=False, timeout=10) as p:
+            got = [t.raw.copy() for t in p]
+        assert np.array_equal(np.concatenate(got), data)
+        assert starts[:2] == [1, 1] and p.stats.mover == "native"
+
+
+def test_close_does_not_wait_for_a_worker_but_keeps_what_it_writes():
+    """close() stops the worker and returns; the slots it may still write go back to the
+    staging pool only once it has ended (at once, or at a later join)."""
+    tile = 32 << 20
+    with memsem.Runtime() as rt:
+        ref = rt.publish(np.zeros(4 * tile, np.uint8))
+        staging = rt.core.staging
+        for _ in range(3):
+            p = rt.pipeline(ref, tile_bytes=tile, depth=2, zero_copy=False, timeout=30)
+            next(p)
+            mover = p._handoff.mover
+            end = time.monotonic() + 20  # a bound on the wait for the worker to start tile 1
+            while mover._p.active != 2 and mover.done < 2 and time.monotonic() < end:
+                pass
+            before = staging._pooled
+            p.close()
+            if mover.running():  # still copying: its slots are not handed to anyone
+                assert staging._pooled == before
+                assert any(m is mover for m, _ in _movers._UNJOINED)
+            end = time.monotonic() + 30
+            while mover.running() and time.monotonic() < end:
+                time.sleep(0.001)
+            assert not mover.running()
+            _movers.reap_unjoined()
+            assert staging._pooled == before + 2 * tile
+            assert not any(m is mover for m, _ in _movers._UNJOINED)
+            staging.clear()

@@ -117,6 +117,16 @@ class Mismatch(AssertionError):
                   + "\n  ".join(TRACE[-25:]), file=sys.stderr, flush=True)
 
 
+def _names_of(cls: type) -> set[str]:
+    """The names of ``cls`` and its subclasses (an error sent by name is one of them)."""
+    out, todo = set(), [cls]
+    while todo:
+        c = todo.pop()
+        out.add(c.__name__)
+        todo.extend(c.__subclasses__())
+    return out
+
+
 def _fmt(outcome: tuple[str, Any]) -> str:
     if outcome[0] == "ok":
         return "ok"
@@ -464,7 +474,8 @@ class MemsemMachine(RuleBasedStateMachine):
                 if (state, err) != want:
                     raise Mismatch(f"{what}: range {k} is {state} {err}, model says {want}")
             else:
-                ok = {c.__name__ for c in errs} | {"WindowNotFoundError"} | ({"ValueError"} if k == bad else set())
+                ok = {n for c in errs for n in _names_of(c)} | {"WindowNotFoundError"} | \
+                    ({"ValueError"} if k == bad else set())
                 if state != "FAILED" or err not in ok:
                     raise Mismatch(f"{what}: range {k} is {state} {err}, model says FAILED with one of {ok}")
 

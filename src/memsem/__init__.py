@@ -12,25 +12,41 @@ from memsem._errors import (
     LeaseHeldError,
     MemsemError,
     MemsemTimeoutError,
+    NameHeldError,
     NotSupportedError,
     OutOfMemoryError,
     OwnerWriteError,
     PeerLostError,
     RuntimeClosedError,
     StaleReferenceError,
+    VersionGoneError,
     WindowNotFoundError,
+    WindowRetiredError,
+)
+from memsem.refs import (
+    FieldRef,
+    FieldSchema,
+    FieldSet,
+    Followable,
+    Follower,
+    Runtime,
+    StateDictLayout,
+    StateDictRef,
+    StreamBucket,
+    TensorRef,
+    Versioned,
+    default_runtime,
 )
 from memsem.refs import FanoutPlan, FanoutSource, LinkModel, Relay, RelayStats, fanout_plan, model_time
-from memsem.refs import FieldRef, FieldSchema, FieldSet, Runtime, StateDictLayout, StateDictRef, TensorRef, default_runtime
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError", "Batch", "DigestMismatchError", "FanoutPlan", "FanoutSource", "LinkModel", "Relay",
-    "RelayStats", "fanout_plan", "model_time", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet",
+    "RelayStats", "fanout_plan", "model_time", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet", "Followable", "Follower",
     "Lease", "LeaseExpiredError",
-    "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NotSupportedError", "OutOfMemoryError",
-    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "TensorRef",
-    "WindowNotFoundError", "WriteSection", "default_runtime", "__version__",
+    "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NameHeldError", "NotSupportedError", "OutOfMemoryError",
+    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "StreamBucket", "TensorRef",
+    "VersionGoneError", "Versioned", "WindowNotFoundError", "WindowRetiredError", "WriteSection", "default_runtime", "__version__",
 ]

@@ -36,8 +36,11 @@ MAX_NDIM = 64
 #: word carries a version in 48 bits, a slot's sequence word holds ``version << 1``)
 VERSION_MAX = (1 << 48) - 1
 
-__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "DEFAULT_TIMEOUT_S", "MAX_BYTES", "MAX_NDIM", "VERSION_MAX", "timeout",
-           "timeout_or", "ttl", "count", "index", "shape", "version"]
+#: the longest window name (bytes of its UTF-8 encoding): what every directory stores whole
+NAME_MAX_BYTES = 255
+
+__all__ = ["MAX_WAIT_S", "MAX_TTL_S", "DEFAULT_TIMEOUT_S", "MAX_BYTES", "MAX_NDIM", "NAME_MAX_BYTES", "VERSION_MAX",
+           "timeout", "timeout_or", "ttl", "count", "index", "shape", "version", "window_name"]
 
 
 def _real(value: Any, name: str, what: str) -> float:
@@ -168,3 +171,30 @@ def version(value: Any, name: str = "version") -> int:
         raise ValueError(f"{name} must be an int in [0, {VERSION_MAX}] (0: the latest; a window holds at "
                          f"most {VERSION_MAX} versions), got {value!r}")
     return v
+
+
+def window_name(value: Any, name: str = "name") -> str:
+    """A window name: a non-empty ``str`` of at most ``NAME_MAX_BYTES`` (255) bytes of UTF-8,
+    without control characters. The one door of every call that takes a name (publish, lookup,
+    state dicts, followers), so what publish accepts works in every directory, and what it
+    refuses is refused before anything is created.
+
+    Raises:
+        TypeError: not a ``str``.
+        ValueError: empty, not encodable as UTF-8 (a lone surrogate), longer than
+            ``NAME_MAX_BYTES`` bytes, or holding a control character (``\\x00``-``\\x1f``, ``\\x7f``).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str (a window name), got {value!r:.80} ({type(value).__name__})")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty str of at most {NAME_MAX_BYTES} bytes of UTF-8, got ''")
+    try:
+        n = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be valid UTF-8 text (it holds a lone surrogate), got {value!r:.80}") from None
+    if n > NAME_MAX_BYTES:
+        raise ValueError(f"{name} must be at most {NAME_MAX_BYTES} bytes of UTF-8 (NAME_MAX_BYTES), got "
+                         f"{len(value)} characters of {n} bytes ({value[:24]!r}...)")
+    if any(c < " " or c == "\x7f" for c in value):
+        raise ValueError(f"{name} must not hold control characters, got {value!r:.80}")
+    return value

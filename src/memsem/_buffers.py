@@ -338,18 +338,39 @@ def buffer_info(obj: Any, argname: str = "obj") -> BufferInfo:
     return from_buffer_protocol(obj, argname)
 
 
-def check_buffer(obj: Any, argname: str, *, writable: bool) -> None:
-    """Refuse, now, a buffer that a later (e.g. asynchronous) copy would refuse: the same checks
-    as :func:`as_byte_array` without building the view (a dtype lookup for C-contiguous numpy).
+_UINT8_CODE = 3
+
+
+def check_dtype(argname: str, code: int, ref_code: int) -> None:
+    """A local buffer's dtype (wire code) against a ref's: the same, or uint8 on either side
+    (raw bytes). Anything else would reinterpret the bytes.
 
     Raises:
-        TypeError / ValueError: as :func:`buffer_info`, or ``writable`` and the buffer is read-only.
+        TypeError: naming ``argname`` and both dtypes.
+    """
+    if code != ref_code and code != _UINT8_CODE and ref_code != _UINT8_CODE:
+        raise TypeError(f"{argname} dtype {_dtypes.name_of(code)} differs from the ref's "
+                        f"{_dtypes.name_of(ref_code)}; view it as uint8 to copy raw bytes")
+
+
+def check_buffer(obj: Any, argname: str, *, writable: bool, dtype_code: int | None = None) -> None:
+    """Refuse, now, a buffer that a later (e.g. asynchronous) copy would refuse: the same checks
+    as :func:`as_byte_array` without building the view (a dtype lookup for C-contiguous numpy).
+    ``dtype_code``: the ref's dtype the buffer must have (:func:`check_dtype`).
+
+    Raises:
+        TypeError / ValueError: as :func:`buffer_info`, or ``writable`` and the buffer is read-only,
+        or (TypeError) its dtype differs from ``dtype_code``.
     """
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype in _dtypes.NUMPY_CODES:
         if writable and not obj.flags.writeable:
             raise ValueError(f"{argname} is read-only; a writable destination is needed")
+        if dtype_code is not None:
+            check_dtype(argname, _dtypes.NUMPY_CODES[obj.dtype], dtype_code)
         return
-    as_byte_array(obj, argname, writable=writable)
+    _flat, info = as_byte_array(obj, argname, writable=writable)
+    if dtype_code is not None:
+        check_dtype(argname, info.dtype_code, dtype_code)
 
 
 def as_array(obj: Any, argname: str, *, writable: bool = False) -> np.ndarray:

@@ -12,6 +12,9 @@ import os
 __all__ = [
     "MemsemError",
     "StaleReferenceError",
+    "VersionGoneError",
+    "WindowRetiredError",
+    "NameHeldError",
     "LeaseExpiredError",
     "LeaseHeldError",
     "PeerLostError",
@@ -40,8 +43,61 @@ class StaleReferenceError(MemsemError):
         self.found = found
 
 
-class WindowNotFoundError(StaleReferenceError):
-    """No window is published at that GVA or name (any more)."""
+class VersionGoneError(StaleReferenceError):
+    """The version asked for was overwritten: the window lives on (same generation, the ref is
+    good), it holds a newer version now. A follower catches up: it reads the latest version
+    (``version=0``) or ``found``. A pinned lease keeps a version readable.
+
+    Attributes:
+        wanted: the version asked for. found: the version the window (that slot) holds now.
+        window: the window's name ("" or None when unnamed). ``expected`` / ``found`` of
+        :class:`StaleReferenceError` hold the same two versions.
+    """
+
+    def __init__(self, message: str, *, window: str | None = None, wanted: int | None = None,
+                 found: int | None = None) -> None:
+        super().__init__(message, window=window, expected=wanted, found=found)
+        self.wanted = wanted
+
+
+class WindowRetiredError(StaleReferenceError):
+    """The window's generation the ref was minted for is retired: the window was unpublished,
+    republished, resized or reused (or its owner exited). The ref will never work again; a
+    follower looks the name up again (``Runtime.lookup(name, timeout=...)``) for the new one.
+
+    Attributes:
+        generation: the ref's generation. found: the generation the window has now, or None
+        when it is gone. window: its name. ``expected`` / ``found`` of
+        :class:`StaleReferenceError` hold the same two generations.
+    """
+
+    def __init__(self, message: str, *, window: str | None = None, generation: int | None = None,
+                 found: int | None = None, expected: int | None = None) -> None:
+        g = generation if generation is not None else expected
+        super().__init__(message, window=window, expected=g, found=found)
+        self.generation = g
+
+
+class WindowNotFoundError(WindowRetiredError):
+    """No window is published at that GVA or under that name (any more, or not yet): for a ref,
+    its window was retired and its record is gone; for a name, nothing holds it now
+    (``Runtime.lookup(name, timeout=...)`` waits for it to appear). Never a version error."""
+
+
+class NameHeldError(MemsemError):
+    """A live process of the job already publishes a window under that name: a name has one
+    owner. Publish under another name, or take it over explicitly (``publish(...,
+    replace=True)``).
+
+    Attributes:
+        name: the name. holder: what the directory records of its owner (``pid``, ``node``,
+        ``rank``; ``gva`` of its window).
+    """
+
+    def __init__(self, message: str, *, name: str, holder: dict | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.holder = dict(holder or {})
 
 
 class LeaseExpiredError(MemsemError):

@@ -38,6 +38,13 @@ class Owner:
 
     def publish(self, name: str, n: int, dtype: str = "int64", kind: str = "arange", access: str = "rw",
                 tile_bytes: int | None = None, value: float = 0) -> str:
+        if kind == "torch_empty":  # an empty tensor with no memory at all (data_ptr 0)
+            import torch
+
+            ref = self.rt.publish(torch.empty(0), name=name, access=access)
+            self.wins[name] = ref
+            self.arrays[name] = np.empty(0, np.float32)
+            return ref.to_bytes().hex()
         if kind == "arange":
             a = np.arange(n, dtype=dtype)
         elif kind == "full":
@@ -60,6 +67,21 @@ class Owner:
             v += 1
             with self.rt.write_section(self.wins[name]):
                 a[:] = v
+            self.sections += 1
+
+    def versioned_loop(self, name: str, seconds: float) -> None:
+        """Write sections back to back, each filling the window (or every tensor of a state
+        dict) with its own version: the bytes name the version they belong to."""
+        ref = self.wins[name]
+        end = time.monotonic() + seconds
+        while not self.writer_stop.is_set() and time.monotonic() < end:
+            if isinstance(ref, memsem.StateDictRef):
+                with ref.write_section(copy=False) as sec:
+                    for t in sec.tensors.values():
+                        t[...] = sec.version
+            else:
+                with self.rt.write_section(ref, copy=False) as sec:
+                    sec.array()[...] = sec.version
             self.sections += 1
 
     def handle(self, cmd: dict) -> dict:
@@ -97,6 +119,30 @@ class Owner:
             self.writer = threading.Thread(target=self.write_loop, args=(cmd["name"], cmd["seconds"]), daemon=True)
             self.writer.start()
             return {}
+        if op == "publish_versioned":  # a window whose bytes are its version (1 at publish)
+            if cmd.get("state_dict"):
+                sd = {f"t{i}": np.ones(cmd["n"], np.int64) for i in range(cmd.get("tensors", 4))}
+                ref = rt.publish_state_dict(sd, name=cmd["name"], slots=cmd.get("slots", 2))
+            else:
+                self.arrays[cmd["name"]] = a = np.ones(cmd["n"], np.int64)
+                ref = rt.publish(a, name=cmd["name"], access="r", slots=cmd.get("slots", 1))
+            self.wins[cmd["name"]] = ref
+            return {"ref": ref.to_bytes().hex()}
+        if op == "versioned_writer":
+            self.writer_stop.clear()
+            self.sections = 0
+            self.writer = threading.Thread(target=self.versioned_loop, args=(cmd["name"], cmd["seconds"]),
+                                           daemon=True)
+            self.writer.start()
+            return {}
+        if op == "commit":  # one write section: its version, or the error that ended it
+            ref = self.wins[cmd["name"]]
+            try:
+                with rt.write_section(ref, copy=False, timeout=cmd.get("wait", 1.0)) as sec:
+                    sec.array()[...] = sec.version
+                return {"version": sec.version, "blocked_s": sec.blocked_s}
+            except memsem.MemsemError as exc:
+                return {"error": type(exc).__name__, "msg": str(exc)}
         if op == "writer_stop":
             self.writer_stop.set()
             if self.writer is not None:
@@ -132,6 +178,34 @@ class Owner:
             return {"rss": -1}
         if op == "stats":
             return {"stats": rt.stats().as_dict()}
+        if op == "tcp_stats":  # the owner's tcp server counters, and this process's threads
+            return {"tcp": rt.engine("tcp").server_stats(), "threads": threading.active_count(),
+                    "os_threads": len(os.listdir("/proc/self/task"))}
+        if op == "publish_many":  # n small windows, value i in window i
+            refs = []
+            for i in range(cmd["n"]):
+                a = np.full(cmd.get("len", 8), i, dtype=np.int64)
+                self.arrays[f"many{i}"] = a
+                refs.append(rt.publish(a, name=f"many{i}").to_bytes().hex())
+            return {"refs": refs}
+        if op == "bytes_many":  # owner-minted sub-ranges of ``nbytes`` each, consecutive
+            w, nb = self.wins[cmd["name"]], cmd["nbytes"]
+            return {"refs": [w.bytes(i * nb, nb).to_bytes().hex() for i in range(cmd["n"])]}
+        if op == "hold_section":  # a write section left open until release_section
+            self.section = rt.write_section(self.wins[cmd["name"]])
+            self.section.__enter__()
+            return {}
+        if op == "release_section":
+            self.section.__exit__(None, None, None)
+            self.section = None
+            return {}
+        if op == "hold_fds":  # an owner holding many open files (its exit takes longer)
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            self.fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(min(cmd["n"], hard - 256))]
+            return {"held": len(self.fds)}
         raise ValueError(f"unknown op {op}")
 
 

@@ -18,9 +18,10 @@ class Owner:
     """The owner process and its command channel."""
 
     def __init__(self, url: str, job: str, ttl: float = 2.0, ns=None, node: str = "own-a",
-                 secret: str = SECRET) -> None:
+                 secret: str = SECRET, env: dict | None = None) -> None:
         env = dict(os.environ, MEMSEM_NODE_ID=node, MEMSEM_DIRECTORY=url, MEMSEM_JOB=job,
-                   MEMSEM_JOB_SECRET=secret, MEMSEM_HEARTBEAT_TTL=str(ttl), PYTHONUNBUFFERED="1")
+                   MEMSEM_JOB_SECRET=secret, MEMSEM_HEARTBEAT_TTL=str(ttl), PYTHONUNBUFFERED="1",
+                   **(env or {}))
         env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
         kw = dict(env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         cmd = [sys.executable, OWNER]

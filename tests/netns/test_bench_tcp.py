@@ -13,13 +13,17 @@ def test_bench_tcp_prints_every_key_and_the_link():
     for k in ("tcp_get_64B_us", "socket_rtt_64B_us", "tcp_get_64MiB_GBps", "socket_64MiB_GBps",
               "remote_first_tile_ratio"):
         assert isinstance(fig[k], float) and fig[k] > 0, (k, fig, note)
+    for k in ("tcp_owner_rss_MiB_1000_idle", "tcp_owner_rss_MiB_2000_unauth"):
+        assert isinstance(fig[k], float), (k, fig, note)  # a growth: may be <= 0
+    assert isinstance(fig["tcp_owner_threads_1000_idle"], int) and fig["tcp_owner_threads_1000_idle"] >= 1
     verdicts = B.goals_met(fig)
     assert set(verdicts) == set(B.GOALS) and all(isinstance(v, bool) for v in verdicts.values())
 
 
 def test_goal_verdicts():
-    fig = {"tcp_get_64B_us": 13.0, "socket_rtt_64B_us": 10.0, "tcp_get_64MiB_GBps": 0.95,
-           "socket_64MiB_GBps": 1.0, "remote_first_tile_ratio": 3.5}
+    fig = {"tcp_get_64B_us": 13.0, "socket_rtt_64B_us": 10.0, "tcp_get_64MiB_GBps": 1.05,
+           "socket_64MiB_GBps": 1.0, "remote_first_tile_ratio": 3.5,
+           "tcp_owner_rss_MiB_1000_idle": 40.0}
     assert B.goals_met(fig) == {"tcp_get_64B_us": True, "tcp_get_64MiB_GBps": True,
-                                "remote_first_tile_ratio": False}
+                                "remote_first_tile_ratio": False, "tcp_owner_rss_MiB_1000_idle": False}
     assert B.goals_met({k: None for k in B.KEYS}) == {k: None for k in B.GOALS}

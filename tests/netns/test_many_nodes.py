@@ -142,7 +142,7 @@ def test_lease_across_nodes_blocks_unpublish(cluster, producer):
     c.stdin.write("\n")
     c.stdin.flush()
     st = _readline(c)
-    assert st["ok"] and st["error"] in ("StaleReferenceError", "WindowNotFoundError"), st
+    assert st["ok"] and st["error"] in ("StaleReferenceError", "WindowRetiredError", "WindowNotFoundError"), st
     _finish(c)
     assert c.returncode == 0
 

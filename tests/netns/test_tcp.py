@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import socket
-import struct
 import threading
 import time
 
@@ -24,8 +23,8 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem.engines import tcp as T
-from memsem.gva import RefSpec, credential_proof, credential_token
+from memsem.engines.tcp import _wire as W
+import tcp_raw as R
 from owner_proc import SECRET, Owner
 from redis_server import redis_server
 
@@ -154,45 +153,8 @@ def test_versions_across_nodes_never_torn(owner, rt):
 
 
 # -- at the door ---------------------------------------------------------------------------------------
-def _connect(endpoint: str) -> tuple[socket.socket, bytes]:
-    host, port = T._split_endpoint(endpoint)
-    s = socket.create_connection((host, port), timeout=20)
-    hello = _recv(s, T._HELLO.size)
-    magic, proto, _, nonce = T._HELLO.unpack(hello)
-    assert magic == T.MAGIC and proto == T.PROTOCOL
-    s.sendall(T._CHELLO.pack(T.MAGIC, T.PROTOCOL, T.KIND_DATA))
-    return s, nonce
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    b = b""
-    while len(b) < n:
-        k = s.recv(n - len(b))
-        if not k:
-            raise EOFError(f"closed after {len(b)} of {n} bytes")
-        b += k
-    return b
-
-
-def _closed_by_peer(s: socket.socket) -> bool:
-    try:
-        s.settimeout(20)
-        while True:
-            if not s.recv(1 << 16):
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-
-
-def _open_body(spec: RefSpec, nonce: bytes, handle: int) -> bytes:
-    tok = credential_token(spec)
-    return tok + credential_proof(spec.key, nonce + struct.pack("<H", handle), tok)
-
-
-def _endpoint(rt, ref) -> str:
-    return rt.core.resolve(ref.spec).remote.endpoint
+_connect, _recv, _closed_by_peer, _open_body, _endpoint = R.connect, R.recv_exact, R.closed_by_peer, R.open_body, \
+    R.endpoint_of
 
 
 def test_oversize_put_on_an_unopened_handle_is_not_read(owner, rt):
@@ -200,7 +162,7 @@ def test_oversize_put_on_an_unopened_handle_is_not_read(owner, rt):
     ep = _endpoint(rt, w)
     before = owner("rss")["rss"]
     s, _ = _connect(ep)
-    s.sendall(T._REQ.pack(T.OP_PUT, 0, 7, 1, 0, 512 * MiB, 0, 0))
+    s.sendall(W.REQ.pack(W.OP_PUT, 0, 7, 1, 0, 512 * MiB, 0, 0))
     junk = b"\xaa" * MiB
     sent = 0
     try:
@@ -221,23 +183,23 @@ def test_put_refused_by_range_or_access_closes_without_reading(owner, rt):
     ro = _ref(rt, owner("publish", name="ro", n=1024, access="r")["ref"])
     s, nonce = _connect(_endpoint(rt, ro))
     body = _open_body(ro.spec, nonce, 1)
-    s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
-    st = T._REP.unpack(_recv(s, T._REP.size))
-    assert st[0] == T.OK, st
-    s.sendall(T._REQ.pack(T.OP_PUT, 0, 1, 2, 0, 8192, 0, 0))  # read-only: refused before the payload
-    st = T._REP.unpack(_recv(s, T._REP.size))
-    assert st[0] == T.DENIED
+    s.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    st = W.REP.unpack(_recv(s, W.REP.size))
+    assert st[0] == W.OK, st
+    s.sendall(W.REQ.pack(W.OP_PUT, 0, 1, 2, 0, 8192, 0, 0))  # read-only: refused before the payload
+    st = W.REP.unpack(_recv(s, W.REP.size))
+    assert st[0] == W.DENIED
     _recv(s, st[5])
     assert _closed_by_peer(s)
     s.close()
     w = _ref(rt, owner("publish", name="w", n=1024)["ref"])
     s, nonce = _connect(_endpoint(rt, w))
     body = _open_body(w.spec, nonce, 1)
-    s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
-    assert T._REP.unpack(_recv(s, T._REP.size))[0] == T.OK
-    s.sendall(T._REQ.pack(T.OP_PUT, 0, 1, 2, 4096, 8192, 0, 0))  # past the minted range
-    st = T._REP.unpack(_recv(s, T._REP.size))
-    assert st[0] == T.RANGE
+    s.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    assert W.REP.unpack(_recv(s, W.REP.size))[0] == W.OK
+    s.sendall(W.REQ.pack(W.OP_PUT, 0, 1, 2, 4096, 8192, 0, 0))  # past the minted range
+    st = W.REP.unpack(_recv(s, W.REP.size))
+    assert st[0] == W.DENIED
     _recv(s, st[5])
     assert _closed_by_peer(s)
     s.close()
@@ -249,18 +211,18 @@ def test_malformed_requests_close_the_connection(owner, rt, what):
     w = _ref(rt, owner("publish", name="w", n=64)["ref"])
     ep = _endpoint(rt, w)
     if what == "hello":
-        host, port = T._split_endpoint(ep)
+        host, port = W.split_endpoint(ep)
         s = socket.create_connection((host, port), timeout=20)
-        _recv(s, T._HELLO.size)
+        _recv(s, W.HELLO.size)
         s.sendall(b"GET / HTTP/1.1\r\n\r\n")
     else:
         s, _ = _connect(ep)
         if what == "open-body":
-            s.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, 1 << 30, 0, 0))
+            s.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, 1 << 30, 0, 0))
         elif what == "op":
-            s.sendall(T._REQ.pack(200, 0, 1, 1, 0, 0, 0, 0))
+            s.sendall(W.REQ.pack(200, 0, 1, 1, 0, 0, 0, 0))
         else:
-            s.sendall(T._REQ.pack(T.OP_WATCH, 0, 1, 1, 0, 12, 0, 0))
+            s.sendall(W.REQ.pack(W.OP_WATCH, 0, 1, 1, 0, 12, 0, 0))
     assert _closed_by_peer(s)
     s.close()
     assert (w.get()[:2] == [0, 1]).all()
@@ -271,16 +233,16 @@ def test_a_proof_replayed_on_another_connection_is_refused(owner, rt):
     ep = _endpoint(rt, w)
     s1, nonce1 = _connect(ep)
     body = _open_body(w.spec, nonce1, 1)
-    s1.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
-    assert T._REP.unpack(_recv(s1, T._REP.size))[0] == T.OK
-    s1.sendall(T._REQ.pack(T.OP_GET, 0, 1, 2, 0, 16, 0, 1000))
-    assert T._REP.unpack(_recv(s1, T._REP.size))[0] == T.DATA
+    s1.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    assert W.REP.unpack(_recv(s1, W.REP.size))[0] == W.OK
+    s1.sendall(W.REQ.pack(W.OP_GET, 0, 1, 2, 0, 16, 0, 1000))
+    assert W.REP.unpack(_recv(s1, W.REP.size))[0] == W.DATA
     # What a sniffer saw on connection 1, sent again on connection 2:
     s2, nonce2 = _connect(ep)
     assert nonce2 != nonce1
-    s2.sendall(T._REQ.pack(T.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
-    st = T._REP.unpack(_recv(s2, T._REP.size))
-    assert st[0] == T.DENIED
+    s2.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body)
+    st = W.REP.unpack(_recv(s2, W.REP.size))
+    assert st[0] == W.DENIED
     assert "proof" in _recv(s2, st[5]).decode()
     assert _closed_by_peer(s2)
     s1.close()
@@ -347,11 +309,11 @@ class _Recorder:
 def test_the_access_key_never_crosses_the_wire(owner, rt, monkeypatch, redis_url, job):
     hexref = owner("publish", name="w", n=4096, tile_bytes=8192)["ref"]
     probe = _ref(rt, hexref)
-    real = T._split_endpoint(_endpoint(rt, probe))
+    real = W.split_endpoint(_endpoint(rt, probe))
     rt.core.resolver.drop(probe.spec.gva)
     rec = _Recorder(real)
     try:
-        monkeypatch.setattr(T, "_split_endpoint", lambda ep: rec.addr)
+        monkeypatch.setattr(W, "split_endpoint", lambda ep: rec.addr)
         with memsem.Runtime(directory=redis_url, job=job, engines=ENGINES, timeout=10) as rt2:
             w = _ref(rt2, hexref)
             w.get()

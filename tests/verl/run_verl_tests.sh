@@ -16,7 +16,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$0" -nt "$
     # torch first, pinned, so no later resolution pulls another build (GBs of CUDA)
     "$V/bin/pip" install -q -c "$C" torch==2.13.0
     "$V/bin/pip" install -q -c "$C" verl==0.9.1 uvicorn fastapi pytest pytest-asyncio pytest-timeout
-    "$V/bin/pip" install -q -c "$C" -e "$ROOT"
+    "$V/bin/pip" install -q -c "$C" -e "$ROOT[redis]"
     touch "$STAMP"
 fi
 export RAY_USAGE_STATS_ENABLED=0

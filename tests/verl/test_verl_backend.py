@@ -4,22 +4,35 @@ trainers and 2/4/6 rollout workers, 3 update rounds, every received weight equal
 trainer's. On CPU, with a small model built locally from a transformers config (no download);
 each round the trainer changes every weight, so each round is a new version.
 
-The cross-node variant gives every actor its own memsem node id (``MEMSEM_NODE_ID``) and the tcp
-engine: shared memory and cross-memory attach are then forbidden between them, so every bucket
-and every ready word travels over tcp (the owner pushes ready transitions), as between nodes.
+The cross-node variant gives every actor its own memsem node id (``MEMSEM_NODE_ID``), the tcp
+engine and the redis directory (a redis-server the module starts on loopback), with no job secret
+and nothing passed by hand: the refs travel in verl's own metadata (prepare -> build_topology ->
+init_process_group). Shared memory and cross-memory attach are forbidden between the actors, so
+every bucket and every ready word travels over tcp (the owner pushes ready transitions), as
+between nodes. A rollout SIGKILLed mid-sync, or one whose consumer fails, is reported by the
+trainer as PeerLostError naming it: by memsem's liveness, not the trainer's timeout.
 
 Runs in .venv-verl (tests/verl/run_verl_tests.sh, ``make test-verl``).
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import secrets
+import subprocess
+import sys
+import time
 
 import pytest
 import ray
 import torch
 
+import memsem
+
 BUCKET = 64 << 10  # small: many buckets, and tensors bigger than a bucket travel in chunks
+NETNS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "netns")
+TIMEOUT = 120.0  # the engines' bound of every wait: a test that hits it has failed
 
 
 def _model():
@@ -33,20 +46,25 @@ def _model():
 
 @ray.remote(num_cpus=0)
 class Worker:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, index: int) -> None:
         import memsem.integrations.verl  # registers the backend, as custom_backend_module does
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         self.role = role
         self.model = _model()
-        self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=120.0)
+        # as verl's actor workers do: is_master=(rank == 0) on the actors
+        self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=TIMEOUT,
+                                                   is_master=(role == "trainer" and index == 0))
         self.received: dict[str, torch.Tensor] = {}
         self.round = 0
+        self.stalled = False
 
     def execute_checkpoint_engine(self, method: str, *args, **kwargs):
         return getattr(self.engine, method)(*args, **kwargs)
 
-    async def update_weights(self, step: int):
+    async def update_weights(self, step: int, stall_after: int | None = None, fail_after: int | None = None):
+        """Trainer: send this round's weights. Rollout: receive them; ``stall_after`` n weights
+        it stops consuming (and says so: ``is_stalled``), ``fail_after`` n weights it raises."""
         self.round = step
         if self.role == "trainer":
             with torch.no_grad():
@@ -54,7 +72,18 @@ class Worker:
             return await self.engine.send_weights(iter(sd.items()), global_steps=step)
         async for name, weight in self.engine.receive_weights(global_steps=step):
             self.received[name] = weight.clone()
+            if fail_after is not None and len(self.received) >= fail_after:
+                raise ValueError(f"the test's rollout consumer fails after {fail_after} weights")
+            if stall_after is not None and len(self.received) >= stall_after:
+                self.stalled = True
+                await asyncio.sleep(3600)  # killed meanwhile
         return len(self.received)
+
+    def is_stalled(self) -> bool:
+        return self.stalled
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def bytes_by_route(self) -> dict:
         rt = self.engine._rt
@@ -78,68 +107,143 @@ class Worker:
 @pytest.fixture(scope="module")
 def ray_cluster():
     os.environ["MEMSEM_TEST_JOB"] = f"verl{os.getpid()}-{secrets.token_hex(3)}"
+    os.environ.pop("MEMSEM_JOB_SECRET", None)  # nothing set by hand: the actors inherit this
     # the actors import this module (its Worker class): PYTHONPATH in _env
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=_env(None))
     yield
     ray.shutdown()
 
 
-def _env(node: str | None) -> dict:
+@pytest.fixture(scope="module")
+def redis_url():
+    """A redis-server on loopback for the cross-node runs (installed when missing and root)."""
+    sys.path.insert(0, NETNS)
+    try:
+        import redis_server
+    finally:
+        sys.path.remove(NETNS)
+    binary = redis_server.find_redis_server()
+    if binary is None and os.geteuid() == 0:
+        subprocess.run(["sh", os.path.join(NETNS, "install_redis.sh")], check=True, capture_output=True, timeout=900)
+        binary = redis_server.find_redis_server()
+    if binary is None:
+        pytest.fail("redis-server not found; run as root: sh tests/netns/install_redis.sh")
+    with redis_server.redis_server(binary=binary) as srv:
+        yield srv.url
+
+
+def _env(node: str | None, directory: str | None = None) -> dict:
     env = {"MEMSEM_JOB": os.environ["MEMSEM_TEST_JOB"], "RAY_worker_niceness": "0",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     if node is not None:
         env.update(MEMSEM_NODE_ID=node, MEMSEM_ENGINES="loopback,host,tcp")
+    if directory is not None:
+        env.update(MEMSEM_DIRECTORY=directory, MEMSEM_HEARTBEAT_TTL="2")
     return {"env_vars": env}
 
 
 @pytest.mark.parametrize("num_rollout", [2, 4, 6])
 def test_memsem_checkpoint_engine(ray_cluster, num_rollout):
-    _rounds(num_rollout, across_nodes=False)
+    _rounds(*_workers(2, num_rollout))
 
 
-def test_memsem_checkpoint_engine_across_nodes(ray_cluster):
-    """Trainers and rollouts on four different memsem nodes: the same 3 rounds, every weight
-    equal, and every byte a rollout loaded came over the tcp route."""
-    routes = _rounds(2, across_nodes=True)
-    for r in routes[2:]:
-        assert set(r) == {"tcp"} and r["tcp"] > 0, routes
+def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url):
+    """2 trainers and 2 rollouts on four different memsem nodes with the redis directory and no
+    job secret: the same 3 rounds, every weight equal, and every byte a rollout loaded came over
+    the tcp route."""
+    assert "MEMSEM_JOB_SECRET" not in os.environ
+    routes = _rounds(*_workers(2, 2, redis_url))
+    for r in routes[2:]:  # (a rollout's own status window is its own: loopback, 0 bytes moved)
+        assert {k for k, n in r.items() if n} == {"tcp"}, routes
 
 
-def _rounds(num_rollout: int, across_nodes: bool) -> list[dict]:
+@pytest.mark.parametrize("how", ["killed-across-nodes", "failed"])
+def test_a_rollout_that_leaves_mid_sync_is_reported_by_name(ray_cluster, redis_url, how):
+    """Rollout 2 receives the first weight, then is SIGKILLed (on its own node, redis
+    directory), or its consumer raises (same node). The trainer's send_weights raises
+    PeerLostError naming rollout 2, by memsem's liveness (the killed rollout's connection, its
+    process) or its failure report, not by the trainer's timeout."""
+    across = how.startswith("killed")
+    trainer, rollout = _workers(2, 2, redis_url if across else None)
+    workers = trainer + rollout
+    try:
+        _setup(trainer, rollout)
+        step = 1
+        sends = [w.update_weights.remote(step) for w in trainer]
+        keep = rollout[0].update_weights.remote(step)
+        if across:
+            leaving = rollout[1].update_weights.remote(step, stall_after=1)
+            deadline = time.monotonic() + TIMEOUT
+            while not ray.get(rollout[1].is_stalled.remote(), timeout=60):
+                assert time.monotonic() < deadline, "rollout 2 never received its first weight"
+                time.sleep(0.05)
+            ray.kill(rollout[1], no_restart=True)
+        else:
+            leaving = rollout[1].update_weights.remote(step, fail_after=1)
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(sends[0], timeout=TIMEOUT + 60)
+        err = info.value
+        assert isinstance(err, memsem.PeerLostError), repr(err)
+        text = str(err)
+        assert "rollout 2 (pid" in text and "MemsemTimeoutError" not in text, text
+        # a consumer that raises closes the stream: the engine reports that (it cannot see why)
+        assert ("died" in text) if across else ("left the sync" in text and "stopped receiving" in text), text
+        assert not re.search(r"\d\.\d{5,}", text), text  # no float noise in the message
+        for ref in (leaving, sends[1]):
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+        del keep
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def _workers(num_trainer: int, num_rollout: int, directory: str | None = None) -> tuple[list, list]:
+    """Trainer and rollout actors; with ``directory`` each on its own memsem node."""
+    def make(role: str, i: int):
+        if directory is None:
+            return Worker.remote(role, i)
+        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i)
+
+    return [make("trainer", i) for i in range(num_trainer)], [make("rollout", i) for i in range(num_rollout)]
+
+
+def _setup(trainer: list, rollout: list) -> None:
+    """verl's CheckpointEngineManager.build_process_group: prepare all workers, the engine's own
+    topology, init the process group (the refs travel in this metadata)."""
     from memsem.integrations.verl import MemsemCheckpointEngine
 
-    def make(role: str, i: int):
-        if not across_nodes:
-            return Worker.remote(role)
-        return Worker.options(runtime_env=_env(f"verl-{role}-{i}")).remote(role)
-
-    trainer = [make("trainer", i) for i in range(2)]
-    rollout = [make("rollout", i) for i in range(num_rollout)]
     workers = trainer + rollout
-    for step in range(1, 4):
-        # 1. prepare all workers; 2. the engine's own topology; 3. init the process group
-        metadata = ray.get([w.execute_checkpoint_engine.remote("prepare") for w in workers])
-        actor_kw, rollout_kw = MemsemCheckpointEngine.build_topology(len(trainer), len(rollout), metadata)
-        calls = []
-        for i, w in enumerate(trainer):
-            calls.append(w.execute_checkpoint_engine.remote("init_process_group", rank=actor_kw["rank"][i],
-                                                            world_size=actor_kw["world_size"][i],
-                                                            master_metadata=actor_kw["master_metadata"][i]))
-        for i, w in enumerate(rollout):
-            calls.append(w.execute_checkpoint_engine.remote("init_process_group", rank=rollout_kw["rank"][i],
-                                                            world_size=rollout_kw["world_size"][i],
-                                                            master_metadata=rollout_kw["master_metadata"][i]))
-        ray.get(calls, timeout=120)
-        # 4. update weights of all workers (trainer and rollouts concurrently)
-        out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
-        assert out[0]["memsem/buckets"] > 1 and out[1] == {}
-        assert all(n > 0 for n in out[len(trainer):])
-        # 5. finalize; 6. every received weight equals the trainer's of this round
-        ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
-        counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
-        assert all(c > 0 for c in counts[len(trainer):])
-    routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
-    for w in workers:
-        ray.get(w.execute_checkpoint_engine.remote("close"))
-        ray.kill(w)
-    return routes
+    # (the first call of a round waits for the actors to start: torch, verl and a model each)
+    metadata = ray.get([w.execute_checkpoint_engine.remote("prepare") for w in workers], timeout=900)
+    actor_kw, rollout_kw = MemsemCheckpointEngine.build_topology(len(trainer), len(rollout), metadata)
+    calls = []
+    for group, kw in ((trainer, actor_kw), (rollout, rollout_kw)):
+        for i, w in enumerate(group):
+            calls.append(w.execute_checkpoint_engine.remote("init_process_group",
+                                                            **{k: v[i] for k, v in kw.items()}))
+    ray.get(calls, timeout=120)
+
+
+def _rounds(trainer: list, rollout: list) -> list[dict]:
+    workers = trainer + rollout
+    try:
+        for step in range(1, 4):
+            _setup(trainer, rollout)
+            # update weights of all workers (trainer and rollouts concurrently)
+            out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
+            assert out[0]["memsem/buckets"] > 1 and out[1] == {}
+            assert all(n > 0 for n in out[len(trainer):])
+            # finalize; every received weight equals the trainer's of this round
+            ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
+            counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
+            assert all(c > 0 for c in counts[len(trainer):])
+        routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
+        for w in workers:
+            ray.get(w.execute_checkpoint_engine.remote("close"), timeout=120)
+        return routes
+    finally:
+        for w in workers:
+            ray.kill(w)

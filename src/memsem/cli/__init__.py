@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dry-run", action="store_true", help="list what would be removed and why")
 
     b = sub.add_parser("bench", help="latency/bandwidth of memsem against peers, same run")
-    b.add_argument("--quick", action="store_true", help="small sizes, finishes in under 60 s")
+    b.add_argument("--quick", action="store_true", help="five sizes and fewer rounds (about 3 minutes on 2 cores)")
     b.add_argument("--json", action="store_true", help="print one JSON object of key figures")
     b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
     b.add_argument("--fanout", action="store_true", help="weight fan-out to rollout nodes over shaped links "

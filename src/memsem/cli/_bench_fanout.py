@@ -365,7 +365,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        return f"no plot: matplotlib is missing ({exc}); pip install 'memsem[bench]'"
+        return f"no plot: matplotlib is missing ({exc}); pip install 'matplotlib>=3.7'"
     import memsem
 
     f0 = runs[0]

@@ -6,12 +6,20 @@ all in one run.
 Every figure is a list of per-operation samples in nanoseconds; tables and the JSON report
 medians (and p99). The machine is usually shared and noisy: compare ratios of figures taken in
 the same run, not absolute times across runs.
+
+A ratio (memsem against its baseline) is measured one way everywhere: both sides interleaved
+round by round (:func:`paired`, the order reversed every other round), a median per side per
+round, one ratio per round, and the figure is the median of those ratios with their p10 / p90
+beside it (:func:`ratio_of_rounds`, :class:`RatioStat`). Foreign load that hits one round hits
+both sides of it, so the median ratio holds while absolute times drift; the spread says how far
+single rounds wandered.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -31,6 +39,13 @@ SIZES_FULL = [64 * 4 ** k for k in range(12)]
 SIZES_QUICK = [64, 4 * KiB, 256 * KiB, 4 * MiB, 64 * MiB]
 
 _now = time.perf_counter_ns
+
+
+def smoke() -> bool:
+    """``MEMSEM_BENCH_SMOKE=1``: every measurement of ``memsem bench`` at its smallest (a handful
+    of rounds, small payloads): the structure of the output is complete, the figures mean
+    nothing. For the tests of the bench itself; subprocesses inherit it."""
+    return os.environ.get("MEMSEM_BENCH_SMOKE", "") == "1"
 
 
 def fmt_size(n: int) -> str:
@@ -99,15 +114,19 @@ def sample(fn: Callable[[], Any], nbytes: int, *, quick: bool, max_reps: int | N
     return out
 
 
-def paired(fns: dict[str, Callable[[], Any]], *, rounds: int, per_round: int) -> dict[str, list[int]]:
+def paired(fns: dict[str, Callable[[], Any]], *, rounds: int, per_round: int,
+           alternate: bool = True) -> dict[str, list[int]]:
     """Interleaved samples of several calls: round after round, ``per_round`` timed calls of
-    each. Noise from other load on a shared machine then hits every contender alike, so their
-    ratio holds even when absolute times drift (the key figures use this)."""
+    each (the order of the calls reversed every other round when ``alternate``, so no side
+    always runs second). Noise from other load on a shared machine then hits every contender
+    alike, so their ratio holds even when absolute times drift (the key figures use this).
+    Returns per-call nanoseconds, ``rounds * per_round`` per name, in round order."""
     out: dict[str, list[int]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
-    for _ in range(rounds):
-        for k, fn in fns.items():
+    items = list(fns.items())
+    for r in range(rounds):
+        for k, fn in (items[::-1] if alternate and r % 2 else items):
             dst = out[k]
             for _ in range(per_round):
                 t = _now()
@@ -116,33 +135,85 @@ def paired(fns: dict[str, Callable[[], Any]], *, rounds: int, per_round: int) ->
     return out
 
 
-def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[str, float]:
+def round_medians(samples: list[float], per_round: int) -> list[float]:
+    """Median of each round of ``per_round`` consecutive samples (what :func:`paired` returns)."""
+    if per_round < 1:
+        raise ValueError(f"per_round must be >= 1, got {per_round!r}")
+    return [statistics.median(samples[i:i + per_round]) for i in range(0, len(samples) - per_round + 1, per_round)]
+
+
+@dataclasses.dataclass
+class RatioStat:
+    """A ratio measured round by round: ``value`` is the median of the per-round ratios, ``p10``
+    / ``p90`` their 10th / 90th percentiles, ``rounds`` how many there were."""
+
+    value: float | None
+    p10: float | None = None
+    p90: float | None = None
+    rounds: int = 0
+
+    @classmethod
+    def of(cls, ratios: Iterable[float]) -> "RatioStat":
+        rs = [float(r) for r in ratios if r is not None and math.isfinite(r)]
+        if not rs:
+            return cls(None)
+        p10, p90 = (float(x) for x in np.percentile(rs, [10, 90]))
+        return cls(statistics.median(rs), p10, p90, len(rs))
+
+    def spread(self, nd: int = 3) -> list[float] | None:
+        """``[p10, p90]`` rounded (the ``<key>_spread`` of the JSON), None when not measured."""
+        return None if self.value is None else [round(self.p10, nd), round(self.p90, nd)]
+
+    def keys(self, key: str, nd: int = 3) -> dict[str, Any]:
+        """``{key: median, key_spread: [p10, p90]}`` for the figures."""
+        return {key: None if self.value is None else round(self.value, nd), f"{key}_spread": self.spread(nd)}
+
+
+def ratio_of_rounds(num: list[float], den: list[float]) -> RatioStat:
+    """Per-round ratios ``num[i] / den[i]`` (per-round medians of the two sides), summarized."""
+    if len(num) != len(den):
+        raise ValueError(f"num and den must have one value per round, got {len(num)} and {len(den)}")
+    return RatioStat.of(a / b for a, b in zip(num, den) if b)
+
+
+def spread_keys(key: str, per_round: list[float], scale: float = 1.0, nd: int = 3) -> dict[str, Any]:
+    """``{key: median, key_spread: [p10, p90]}`` of per-round values (times ``scale``): the
+    spread of an absolute figure across its rounds."""
+    st = RatioStat.of(v * scale for v in per_round)
+    return st.keys(key, nd)
+
+
+def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[str, Any]:
     """Issue 2's benchmark: cross-process get of 64 B and 64 MiB and ``view()`` of a 64 MiB
-    window, each interleaved with ``np.copyto`` of the same size (medians, us and GB/s)."""
+    window, each interleaved with ``np.copyto`` of the same size (medians, us and GB/s), and the
+    ratios of rounds (``get_64B_vs_copyto``, ``get_64MiB_vs_copyto`` = get GB/s over copyto
+    GB/s) as :class:`RatioStat`; ``rounds`` holds the per-round medians (ns)."""
     med = statistics.median
     small_out, s_src, s_dst = np.empty(64, np.uint8), np.ones(64, np.uint8), np.empty(64, np.uint8)
+    pr = 200
     a = paired({"get": lambda: get64.get(small_out), "copyto": lambda: np.copyto(s_dst, s_src)},
-               rounds=20 if quick else 100, per_round=200)
+               rounds=30 if quick else 100, per_round=pr)
     big_out, b_src, b_dst = np.empty(64 * MiB, np.uint8), np.ones(64 * MiB, np.uint8), np.empty(64 * MiB, np.uint8)
     b = paired({"get": lambda: get64m.get(big_out), "copyto": lambda: np.copyto(b_dst, b_src)},
                rounds=25 if quick else 60, per_round=1)
+    del big_out, b_src, b_dst
 
-    def view_drop() -> None:
-        v = view64m.view()
-        del v
-
-    v = paired({"view": view_drop}, rounds=1, per_round=500 if quick else 3000)["view"]
-    # view() alone (the drop, a lease release, is untimed): time it separately
-    vs: list[int] = []
+    vs: list[int] = []  # view() alone; the drop (a lease release) is untimed
     for _ in range(500 if quick else 3000):
         t = _now()
         arr = view64m.view()
         vs.append(_now() - t)
         del arr
+    ag, ac = round_medians(a["get"], pr), round_medians(a["copyto"], pr)
+    vr = round_medians(vs, 50)
     return {
         "get_64B_us": med(a["get"]) / 1e3, "copyto_64B_us": med(a["copyto"]) / 1e3,
         "get_64MiB_GBps": 64 * MiB / med(b["get"]), "copyto_64MiB_GBps": 64 * MiB / med(b["copyto"]),
-        "view_64MiB_us": med(vs) / 1e3, "view_and_drop_64MiB_us": med(v) / 1e3,
+        "view_64MiB_us": med(vs) / 1e3,
+        "get_64B_vs_copyto": ratio_of_rounds(ag, ac),
+        "get_64MiB_vs_copyto": ratio_of_rounds(b["copyto"], b["get"]),  # GB/s ratio = time ratio inverted
+        "rounds": {"get_64B": ag, "copyto_64B": ac, "get_64MiB": b["get"], "copyto_64MiB": b["copyto"],
+                   "view_64MiB": vr},
     }
 
 
@@ -193,7 +264,8 @@ def ctypes_cma_reader(pid: int, remote: int, nbytes: int) -> tuple[Callable[[], 
 def cma_figures(get64_cma: Any, raw: tuple[int, int] | None, *, quick: bool) -> dict[str, Any]:
     """Issue 15's cross-memory-attach figure: a memsem 64 B get over host/cma interleaved with
     one bare ``process_vm_readv`` of the same 64 bytes from Python (no memsem around it: the
-    cheaper of cffi ABI mode and ctypes), medians in us."""
+    cheaper of cffi ABI mode and ctypes), medians in us; ``get_64B_cma_vs_raw`` is the
+    :class:`RatioStat` of the rounds against the cheaper binding."""
     med = statistics.median
     out = np.empty(64, np.uint8)
     fns: dict[str, Callable[[], Any]] = {"get": lambda: get64_cma.get(out)}
@@ -208,7 +280,8 @@ def cma_figures(get64_cma: Any, raw: tuple[int, int] | None, *, quick: bool) -> 
                 continue
             fns[name] = fn
             bindings[name] = (what, dst)
-    a = paired(fns, rounds=20 if quick else 100, per_round=200)
+    pr = 200
+    a = paired(fns, rounds=30 if quick else 100, per_round=pr)
     res: dict[str, Any] = {"get_64B_us_cma": med(a["get"]) / 1e3}
     raws = {k: med(a[k]) / 1e3 for k in bindings}
     if raws:
@@ -216,8 +289,10 @@ def cma_figures(get64_cma: Any, raw: tuple[int, int] | None, *, quick: bool) -> 
         res["cma_raw_64B_us"] = raws[best]
         res["cma_raw_binding"] = bindings[best][0]
         res["cma_raw_by_binding_us"] = {bindings[k][0]: v for k, v in raws.items()}
+        res["get_64B_cma_vs_raw"] = ratio_of_rounds(round_medians(a["get"], pr), round_medians(a[best], pr))
     else:
         res["cma_raw_64B_us"] = None
+        res["get_64B_cma_vs_raw"] = RatioStat(None)
     return res
 
 
@@ -443,9 +518,9 @@ def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tupl
         for s in series:
             s.skipped = why
         return series, why, {}
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "memsem.cli._bench_mpi",
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "memsem.cli._bench_mpi", "--pair-memsem",
            "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
-    env = dict(os.environ)
+    env = dict(os.environ, MEMSEM_JOB=f"benchmpi{os.getpid()}")
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -463,7 +538,14 @@ def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tupl
     for s in series:
         for n, samples in data["samples"][s.op].items():
             s.samples[int(n)] = samples
-    return series, None, {"library": data.get("library", "")}
+    info: dict[str, Any] = {"library": data.get("library", "")}
+    pair = data.get("paired")
+    if pair:
+        info["get_64B_vs_mpi_sendrecv"] = ratio_of_rounds(pair["get"], pair["sendrecv"])
+        info["pair_route"] = pair.get("route")
+        info["pair_get_64B_us"] = statistics.median(pair["get"]) / 1e3
+        info["pair_sendrecv_64B_us"] = statistics.median(pair["sendrecv"]) / 1e3
+    return series, None, info
 
 
 # ------------------------------------------------------------------------- optional engines --

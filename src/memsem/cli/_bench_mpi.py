@@ -7,6 +7,11 @@ Rank 0 measures, rank 1 is the peer; rank 0 prints one JSON line with per-call s
 * ``rma_get`` / ``rma_put``: passive-target RMA on a window from ``Win.Allocate`` (MPICH maps it
   in shared memory on one node): ``Lock(1, SHARED) Get Unlock`` and ``Lock(1, EXCLUSIVE) Put
   Unlock``; a sample is the whole epoch (the data is at its destination when Unlock returns).
+* ``paired`` (with ``--pair-memsem``): a memsem 64 B get (rank 1 owns the window in a shared
+  segment: route host/shm, as ``get_64B_us``) interleaved round by round with the 64 B
+  Send/Recv ping-pong; per-round medians (ns; the ping-pong halved) of both sides, for the ratio
+  ``get_64B_vs_mpi_sendrecv``. While rank 0 runs memsem gets, rank 1 sleeps (polling for the
+  next ping-pong round every 0.2 ms), so it does not spin on a core the get needs.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pair-memsem", action="store_true")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     comm = MPI.COMM_WORLD
@@ -92,10 +98,67 @@ def main(argv: list[str] | None = None) -> int:
                 out[kind][str(n)] = res
         comm.Barrier()
         win.Free()
+    paired = _pair_memsem(comm, rank, rounds=30 if a.quick else 100, per_round=200) if a.pair_memsem else None
     if rank == 0:
         print(json.dumps({"library": MPI.Get_library_version().splitlines()[0].strip(),
-                          "samples": out}))
+                          "samples": out, "paired": paired}))
     return 0
+
+
+_CTRL = 7
+
+
+def _pair_memsem(comm, rank: int, *, rounds: int, per_round: int) -> dict[str, list[float]] | None:
+    """Rounds of ``per_round`` memsem 64 B gets and ``per_round`` 64 B ping-pongs, the order
+    reversed every other round; per-round medians in ns (ping-pong halved: one-way)."""
+    import statistics
+
+    import memsem
+
+    buf = np.full(64, 1, np.uint8)
+    with memsem.Runtime() as rt:
+        if rank == 1:
+            win = rt.alloc(64, np.uint8)
+            win[:] = 3
+            ref = rt.publish(win, name=f"bench/mpi/{rt.rank}")
+            comm.send(ref.to_bytes(), dest=0, tag=_CTRL)
+            while True:
+                while not comm.Iprobe(source=0, tag=_CTRL):
+                    time.sleep(0.0002)
+                n = comm.recv(source=0, tag=_CTRL)
+                if n is None:
+                    break
+                for _ in range(n + 20):
+                    _pingpong(comm, 1, buf)
+            comm.Barrier()
+            return None
+        ref = rt.ref(comm.recv(source=1, tag=_CTRL))
+        out = np.empty(64, np.uint8)
+        for _ in range(200):
+            ref.get(out)
+        gets: list[float] = []
+        pps: list[float] = []
+        for r in range(rounds):
+            for side in (("get", "pp") if r % 2 == 0 else ("pp", "get")):
+                ts = []
+                if side == "get":
+                    for _ in range(per_round):
+                        t = _now()
+                        ref.get(out)
+                        ts.append(_now() - t)
+                    gets.append(statistics.median(ts))
+                else:
+                    comm.send(per_round, dest=1, tag=_CTRL)
+                    for _ in range(20):  # rank 1 wakes from its sleep: not timed
+                        _pingpong(comm, 0, buf)
+                    for _ in range(per_round):
+                        t = _now()
+                        _pingpong(comm, 0, buf)
+                        ts.append((_now() - t) / 2)
+                    pps.append(statistics.median(ts))
+        comm.send(None, dest=1, tag=_CTRL)
+        comm.Barrier()
+        return {"get": gets, "sendrecv": pps, "route": ref.route().kind}
 
 
 if __name__ == "__main__":

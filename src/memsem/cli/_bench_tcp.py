@@ -15,10 +15,23 @@ Figures (medians; GB/s = 1e9 bytes/s):
 ``socket_64MiB_GBps``      64 MiB answered on a plain socket (``sendall`` / ``recv_into``)
 ``remote_first_tile_ratio``  first tile of a pipeline (``wait_ready=True``) over a remote
                            256 MiB window in 1 MiB tiles, over one 1 MiB remote get
+``socket_rtt_64B_us_loopback``  the same plain-socket round trip to a server process on the
+                           consumer's own loopback (veth runs only): where the baseline's swing
+                           comes from
+``tcp_owner_rss_MiB_1000_idle``  growth of the owner's RSS with 1,000 idle connections (each
+                           authenticated and used for one 64 B get, then silent)
+``tcp_owner_threads_1000_idle``  the owner process's threads meanwhile
+``tcp_owner_rss_MiB_2000_unauth``  growth of the owner's RSS with 2,000 connections that never
+                           authenticate (half stall before the hello, half after it)
 =========================  ===================================================================
 
-Goals (issue 14, not tests): tcp 64 B get <= 1.3 x the socket round trip; 64 MiB >= 0.9 x the
-socket's throughput; remote first tile <= 3 x one tile get.
+Ratios (``RATIO_KEYS``) are medians of per-round ratios: the sides run interleaved in rounds of
+100 calls (30 rounds quick), the order reversed every other round; ``<key>_spread`` is
+``[p10, p90]`` of the per-round ratios, ``<abs key>_spread`` of the per-round medians.
+
+Goals (issues 14, 24; not tests): tcp 64 B get <= 1.3 x the socket round trip; 64 MiB >= 1.0 x
+the socket's throughput; remote first tile <= 3 x one tile get (issue 21: the owner's RSS grows by
+at most 32 MiB with 1,000 idle connections).
 
 Run alone: ``python -m memsem.cli._bench_tcp [--quick] [--json]``.
 """
@@ -47,11 +60,23 @@ PIPE_BYTES = 256 * MiB
 TILE = 1 * MiB
 GOALS = {
     "tcp_get_64B_us": "<= 1.3 x socket_rtt_64B_us",
-    "tcp_get_64MiB_GBps": ">= 0.9 x socket_64MiB_GBps",
+    "tcp_get_64MiB_GBps": ">= 1.0 x socket_64MiB_GBps",
     "remote_first_tile_ratio": "<= 3",
+    "tcp_owner_rss_MiB_1000_idle": "<= 32",
 }
 KEYS = ("tcp_get_64B_us", "socket_rtt_64B_us", "tcp_get_64MiB_GBps", "socket_64MiB_GBps",
-        "remote_first_tile_ratio", "tcp_link")
+        "remote_first_tile_ratio", "tcp_owner_rss_MiB_1000_idle", "tcp_owner_threads_1000_idle",
+        "tcp_owner_rss_MiB_2000_unauth", "tcp_link")
+IDLE_CONNECTIONS = 1000
+UNAUTH_CONNECTIONS = 2000
+#: ratios of rounds (each with a ``<key>_spread`` of [p10, p90]); the socket's own ratio
+#: veth / loopback says how much of the baseline is the link
+RATIO_KEYS = ("tcp_get_64B_vs_socket", "tcp_get_64B_vs_socket_loopback", "socket_veth_vs_loopback",
+              "tcp_get_64MiB_vs_socket", "remote_first_tile_ratio")
+#: every key ``figures`` returns
+ALL_KEYS = KEYS + tuple(k for k in RATIO_KEYS if k not in KEYS) + tuple(f"{k}_spread" for k in RATIO_KEYS) + (
+    "socket_rtt_64B_us_loopback", "socket_rtt_64B_us_spread", "socket_rtt_64B_us_loopback_spread",
+    "tcp_get_64B_us_spread", "tcp_get_64MiB_GBps_spread", "socket_64MiB_GBps_spread")
 _HDR = struct.Struct("<QQ")
 _QUIT = (1 << 64) - 1
 
@@ -128,6 +153,7 @@ def _producer() -> None:
     import memsem
 
     host = os.environ.get("MEMSEM_TCP_HOST", "127.0.0.1")
+    _raise_nofile(IDLE_CONNECTIONS + 512)  # the owner serves at most its open-file limit
     with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=60) as rt:
         small = rt.publish(np.arange(SMALL, dtype=np.uint8), name="bench/small")
         big = rt.publish((np.arange(BIG, dtype=np.uint32) % 251).astype(np.uint8), name="bench/big")
@@ -142,7 +168,8 @@ def _producer() -> None:
         got.wait(30)
         print(json.dumps({"small": small.to_bytes().hex(), "big": big.to_bytes().hex(),
                           "tile": tile.to_bytes().hex(), "pipe": pipe.to_bytes().hex(),
-                          "host": host, "socket_port": port_box[0]}), flush=True)
+                          "host": host, "socket_port": port_box[0], "pid": os.getpid(),
+                          "link": os.environ.get("MEMSEM_BENCH_LINK", "loopback")}), flush=True)
         sys.stdin.readline()
 
 
@@ -169,6 +196,150 @@ def socket_client_run(host: str, port: int, size: int, iters: int, quit: bool = 
             "gbps": size / med, "intact": bool(intact)}
 
 
+def _p10_p90(values: list[float]) -> tuple[float, float]:
+    xs = sorted(values)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return q[0], q[-1]
+
+
+def _loopback_server() -> tuple[subprocess.Popen, int]:
+    """A plain-socket baseline server in a process of its own on this namespace's loopback:
+    the same baseline without the veth between the two namespaces."""
+    p = subprocess.Popen([sys.executable, "-m", "memsem.cli._bench_tcp", "--role", "socket-server",
+                          "--addr", "127.0.0.1:0", "--size", str(SMALL)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line:
+        p.kill()
+        raise RuntimeError("the loopback baseline server did not start")
+    return p, int(json.loads(line)["port"])
+
+
+def _ratios(num: list[float], den: list[float]) -> dict[str, Any]:
+    """Median of per-round ratios and their p10 / p90 (see ``_bench_measure.RatioStat``)."""
+    from memsem.cli._bench_measure import ratio_of_rounds
+
+    st = ratio_of_rounds(num, den)
+    return {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
+
+
+# -- the owner's cost of connections -------------------------------------------------------------------
+def _raise_nofile(n: int) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n and hard != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY else min(hard, max(n, soft)),
+                                                    hard))
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """``VmRSS`` (bytes) and ``Threads`` of a process."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k == "VmRSS":
+                out["rss"] = int(v.split()[0]) * 1024
+            elif k == "Threads":
+                out["threads"] = int(v)
+    return out
+
+
+def _settled(pid: int) -> dict[str, int]:
+    """The owner's status once its RSS stopped moving (its loop has served every connection)."""
+    last = _proc_status(pid)
+    for _ in range(50):
+        time.sleep(0.1)
+        now = _proc_status(pid)
+        if now["rss"] == last["rss"]:
+            return now
+        last = now
+    return last
+
+
+def idle_connections(ref: Any, n: int) -> list[socket.socket]:
+    """``n`` connections to the owner of ``ref`` (on another node), each authenticated with the
+    ref's credential (OPEN) and used for one get of its bytes, then left idle: what a job's
+    consumers cost an owner between transfers. Raw protocol (``memsem.engines.tcp._wire``)."""
+    from memsem.engines.tcp import _wire as W
+    from memsem.gva import credential_proof, credential_token
+
+    res = ref.runtime.core.resolve(ref.spec)
+    host, port = W.split_endpoint(res.remote.endpoint)
+    token = credential_token(ref.spec)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, port), timeout=30)
+            socks.append(s)
+            hello = _recv_exact(s, W.HELLO.size)
+            nonce = W.HELLO.unpack(hello)[3]
+            body = token + credential_proof(ref.spec.key, nonce + W.H16.pack(1), token)
+            s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA)
+                      + W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, len(body), 0, 0) + body
+                      + W.REQ.pack(W.OP_GET, 0, 1, 2, ref.spec.offset, ref.spec.nbytes, 0, 1000))
+            st = W.REP.unpack(_recv_exact(s, W.REP.size))
+            if st[0] != W.OK:
+                raise RuntimeError(f"the owner refused idle connection {len(socks)}: status {st[0]}")
+            _recv_exact(s, 2 * W.REP.size + ref.spec.nbytes)
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def unauthenticated_connections(ref: Any, n: int) -> list[socket.socket]:
+    """``n`` connections that never authenticate: half send nothing, half only the hello."""
+    from memsem.engines.tcp import _wire as W
+
+    host, port = W.split_endpoint(ref.runtime.core.resolve(ref.spec).remote.endpoint)
+    socks = []
+    for i in range(n):
+        s = socket.create_connection((host, port), timeout=30)
+        if i % 2:
+            s.sendall(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, W.KIND_DATA))
+        socks.append(s)
+    return socks
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    b = bytearray()
+    while len(b) < n:
+        k = s.recv(n - len(b))
+        if not k:
+            raise EOFError(f"the owner closed the connection after {len(b)} of {n} bytes")
+        b += k
+    return bytes(b)
+
+
+def connection_costs(ref: Any, owner_pid: int) -> dict[str, Any]:
+    """The owner's RSS growth (MiB) and threads with ``IDLE_CONNECTIONS`` idle connections,
+    and its RSS growth with ``UNAUTH_CONNECTIONS`` that never authenticate."""
+    _raise_nofile(UNAUTH_CONNECTIONS + 512)
+    out: dict[str, Any] = {}
+    base = _settled(owner_pid)
+    socks = idle_connections(ref, IDLE_CONNECTIONS)
+    try:
+        now = _settled(owner_pid)
+        out["tcp_owner_rss_MiB_1000_idle"] = (now["rss"] - base["rss"]) / (1 << 20)
+        out["tcp_owner_threads_1000_idle"] = now["threads"]
+    finally:
+        for s in socks:
+            s.close()
+    base = _settled(owner_pid)
+    socks = unauthenticated_connections(ref, UNAUTH_CONNECTIONS)
+    try:
+        ref.get()  # an honest consumer still gets in
+        now = _settled(owner_pid)
+        out["tcp_owner_rss_MiB_2000_unauth"] = (now["rss"] - base["rss"]) / (1 << 20)
+    finally:
+        for s in socks:
+            s.close()
+    return out
+
+
 def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
@@ -178,51 +349,67 @@ def _consumer(quick: bool) -> None:
 
     import memsem
 
+    from memsem.cli._bench_measure import smoke
+
     info = json.loads(sys.stdin.readline())
-    lat_iters = 2000 if quick else 10000
-    big_iters = 5 if quick else 12
+    tiny = smoke()
+    rounds = 4 if tiny else 30 if quick else 100
+    block = 100
+    big_iters = 2 if tiny else 7 if quick else 15
+    now = time.perf_counter_ns
+    med = statistics.median
+    lo_proc = None
     with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=60) as rt:
         small, big, tile, pipe = (rt.ref(bytes.fromhex(info[k])) for k in ("small", "big", "tile", "pipe"))
         route = rt.route(small).kind
         base = SocketClient(info["host"], info["socket_port"])
+        sides: dict[str, Any] = {}
         out = np.empty(SMALL, np.uint8)
         omv = memoryview(out)
+        sides["tcp"] = lambda: small.get(out=out)
+        sides["socket"] = lambda: base.get(omv)
+        if info.get("link") == "veth":  # the same baseline on this namespace's loopback
+            lo_proc, lo_port = _loopback_server()
+            lo = SocketClient("127.0.0.1", lo_port)
+            lomv = memoryview(bytearray(SMALL))
+            sides["socket_lo"] = lambda: lo.get(lomv)
         for _ in range(300):
-            small.get(out=out)
-            base.get(omv)
-        mem, sock = [], []
-        block = 100
-        now = time.perf_counter_ns
-        for _ in range(lat_iters // block):  # interleaved blocks: both see the same machine
-            for _ in range(block):
-                t0 = now()
-                small.get(out=out)
-                mem.append(now() - t0)
-            for _ in range(block):
-                t0 = now()
-                base.get(omv)
-                sock.append(now() - t0)
+            for fn in sides.values():
+                fn()
+        per: dict[str, list[float]] = {k: [] for k in sides}
+        items = list(sides.items())
+        for r in range(rounds):  # interleaved rounds, the order reversed every other round
+            for k, fn in (items if r % 2 == 0 else items[::-1]):
+                ts = []
+                for _ in range(block):
+                    t0 = now()
+                    fn()
+                    ts.append(now() - t0)
+                per[k].append(med(ts))
         dst = np.empty(BIG, np.uint8)
         dmv = memoryview(dst)
         big.get(out=dst)
         base.get(dmv)
-        mem_bw, sock_bw = [], []
-        for _ in range(big_iters):
-            t0 = time.perf_counter()
-            big.get(out=dst)
-            mem_bw.append(BIG / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            base.get(dmv)
-            sock_bw.append(BIG / (time.perf_counter() - t0) / 1e9)
+        mem_t, sock_t = [], []
+        for i in range(big_iters):
+            for k in (("m", "s") if i % 2 == 0 else ("s", "m")):
+                t0 = now()
+                if k == "m":
+                    big.get(out=dst)
+                    mem_t.append(now() - t0)
+                else:
+                    base.get(dmv)
+                    sock_t.append(now() - t0)
         big.get(out=dst)
         intact = bool((dst[:1 << 20] == (np.arange(1 << 20, dtype=np.uint32) % 251).astype(np.uint8)).all())
+        del dst, dmv
         tbuf = np.empty(TILE, np.uint8)
         for _ in range(3):
             tile.get(out=tbuf)
         with rt.pipeline(pipe, tile_bytes=TILE, depth=2, wait_ready=True) as p:  # subscribes
             next(iter(p)).release()
         one, first = [], []
-        for _ in range(21 if quick else 51):  # interleaved: one tile get, one pipeline's first tile
+        for _ in range(3 if tiny else 21 if quick else 51):  # interleaved: one tile get, one pipeline's first tile
             t0 = now()
             tile.get(out=tbuf)
             one.append(now() - t0)
@@ -233,13 +420,27 @@ def _consumer(quick: bool) -> None:
                         first.append(now() - t0)
                     break
         base.quit()
-        print(json.dumps({
+        if lo_proc is not None:
+            lo.quit()
+            lo_proc.wait(10)
+        costs = connection_costs(small, info["pid"])
+        res: dict[str, Any] = {**costs,
             "route": route, "intact": intact,
-            "tcp_get_64B_us": _median_us(mem), "socket_rtt_64B_us": _median_us(sock),
-            "tcp_get_64MiB_GBps": statistics.median(mem_bw), "socket_64MiB_GBps": statistics.median(sock_bw),
-            "tile_get_1MiB_us": _median_us(one), "first_tile_us": _median_us(first),
-            "remote_first_tile_ratio": statistics.median(first) / statistics.median(one),
-        }), flush=True)
+            "tcp_get_64B_us": med(per["tcp"]) / 1e3, "socket_rtt_64B_us": med(per["socket"]) / 1e3,
+            "tcp_get_64MiB_GBps": BIG / med(mem_t), "socket_64MiB_GBps": BIG / med(sock_t),
+            "tile_get_1MiB_us": med(one) / 1e3, "first_tile_us": med(first) / 1e3,
+            "remote_first_tile_ratio": med(first) / med(one),
+            "ratios": {"tcp_get_64B_vs_socket": _ratios(per["tcp"], per["socket"]),
+                       "tcp_get_64MiB_vs_socket": _ratios(sock_t, mem_t),  # GB/s ratio: times inverted
+                       "remote_first_tile_ratio": _ratios(first, one)},
+            "rounds_us": {k: [v / 1e3 for v in vs] for k, vs in per.items()},
+            "rounds_GBps": {"tcp": [BIG / t for t in mem_t], "socket": [BIG / t for t in sock_t]},
+        }
+        if "socket_lo" in per:
+            res["socket_rtt_64B_us_loopback"] = med(per["socket_lo"]) / 1e3
+            res["ratios"]["tcp_get_64B_vs_socket_loopback"] = _ratios(per["tcp"], per["socket_lo"])
+            res["ratios"]["socket_veth_vs_loopback"] = _ratios(per["socket"], per["socket_lo"])
+        print(json.dumps(res), flush=True)
 
 
 # -- namespaces ------------------------------------------------------------------------------------------
@@ -298,7 +499,7 @@ def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str
         raise ValueError(f"link must be 'auto', 'veth' or 'loopback', got {link!r}")
     why = namespaces_possible() if link != "loopback" else "loopback asked for"
     if link == "veth" and why:
-        return {k: None for k in KEYS}, f"tcp figures over veth skipped: {why}"
+        return {k: None for k in ALL_KEYS}, f"tcp figures over veth skipped: {why}"
     link = "loopback" if why else "veth"
     job = f"benchtcp{os.getpid()}{secrets.token_hex(2)}"
     me = [sys.executable, "-m", "memsem.cli._bench_tcp"]
@@ -306,14 +507,14 @@ def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str
     env = dict(os.environ, MEMSEM_JOB=job, MEMSEM_DIRECTORY="local")
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    empty: dict[str, Any] = {k: None for k in KEYS}
+    empty: dict[str, Any] = {k: None for k in ALL_KEYS}
     try:
         with contextlib.ExitStack() as stack:
             if why:
                 pa, pb, host = [], [], "127.0.0.1"
             else:
                 pa, pb, host = stack.enter_context(veth_pair())
-            penv = dict(env, MEMSEM_NODE_ID="bench-node-a", MEMSEM_TCP_HOST=host)
+            penv = dict(env, MEMSEM_NODE_ID="bench-node-a", MEMSEM_TCP_HOST=host, MEMSEM_BENCH_LINK=link)
             cenv = dict(env, MEMSEM_NODE_ID="bench-node-b")
             prod = subprocess.Popen(pa + me + ["--role", "producer"], env=penv, **pipes)
             try:
@@ -341,6 +542,21 @@ def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str
         return empty, f"tcp figures: route {res.get('route')!r}, bytes intact: {res.get('intact')}"
     fig = {k: (round(res[k], 3) if isinstance(res.get(k), float) else res.get(k)) for k in KEYS}
     fig["tcp_link"] = link
+    # ratios: medians of per-round ratios, both sides interleaved, with their p10 / p90
+    for k in RATIO_KEYS:
+        st = res.get("ratios", {}).get(k)
+        fig[k] = None if not st or st["value"] is None else round(st["value"], 3)
+        fig[f"{k}_spread"] = None if not st or st["value"] is None else [round(st["p10"], 3), round(st["p90"], 3)]
+    lo = res.get("socket_rtt_64B_us_loopback")
+    fig["socket_rtt_64B_us_loopback"] = None if lo is None else round(lo, 3)
+    rounds = res.get("rounds_us", {})
+    for k, name in (("socket", "socket_rtt_64B_us"), ("socket_lo", "socket_rtt_64B_us_loopback"),
+                    ("tcp", "tcp_get_64B_us")):
+        v = rounds.get(k)
+        fig[f"{name}_spread"] = [round(x, 3) for x in _p10_p90(v)] if v else None
+    for k, name in (("tcp", "tcp_get_64MiB_GBps"), ("socket", "socket_64MiB_GBps")):
+        v = res.get("rounds_GBps", {}).get(k)
+        fig[f"{name}_spread"] = [round(x, 3) for x in _p10_p90(v)] if v else None
     note = f"tcp figures over {link}" + (f" ({why})" if why else " (veth pair between two network namespaces)")
     return fig, note
 
@@ -357,11 +573,16 @@ def goals_met(fig: dict[str, Any]) -> dict[str, bool | None]:
     def ratio(a: str, b: str) -> float | None:
         return None if fig.get(a) is None or not fig.get(b) else fig[a] / fig[b]
 
-    r64, rbw, ft = ratio("tcp_get_64B_us", "socket_rtt_64B_us"), ratio("tcp_get_64MiB_GBps", "socket_64MiB_GBps"), \
-        fig.get("remote_first_tile_ratio")
+    r64 = fig.get("tcp_get_64B_vs_socket")
+    r64 = ratio("tcp_get_64B_us", "socket_rtt_64B_us") if r64 is None else r64
+    rbw = fig.get("tcp_get_64MiB_vs_socket")
+    rbw = ratio("tcp_get_64MiB_GBps", "socket_64MiB_GBps") if rbw is None else rbw
+    ft = fig.get("remote_first_tile_ratio")
+    rss = fig.get("tcp_owner_rss_MiB_1000_idle")
     return {"tcp_get_64B_us": None if r64 is None else r64 <= 1.3,
-            "tcp_get_64MiB_GBps": None if rbw is None else rbw >= 0.9,
-            "remote_first_tile_ratio": None if ft is None else ft <= 3}
+            "tcp_get_64MiB_GBps": None if rbw is None else rbw >= 1.0,
+            "remote_first_tile_ratio": None if ft is None else ft <= 3,
+            "tcp_owner_rss_MiB_1000_idle": None if rss is None else rss <= 32}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,9 @@
 
 The trainer publishes the checkpoint once as a double-buffered state-dict window, then runs K
 update steps (a known in-place change of every tensor, inside write sections) while N rollout
-processes follow every version by name; each rollout verifies every version bit-exact against
-the sha256 the trainer computed. The table shows per version: GB/s, time from "version closed"
+processes follow every version by name, each one the follower loop (``Runtime.follow``: one
+``for version, tensors in rt.follow("policy")``); each rollout verifies every version bit-exact
+against the sha256 the trainer computed. The table shows per version: GB/s, time from "version closed"
 to "all rollouts loaded", trainer time blocked by readers, torn reads caught and accepted.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def run_demo(args: Any) -> int:
     console.print(f"trainer pid {os.getpid()}: {len(sd)} tensors, {nbytes / 1e6:.1f} MB from {path}; "
                   f"publishing one double-buffered state-dict window 'policy', then {steps} update steps "
                   f"(every tensor's bytes += 1, in write sections) while {args.consumers} rollouts follow "
-                  "every version by name and check its sha256")
+                  "every version by name (rt.follow) and check its sha256")
     rows: list[dict] = []
     try:
         recs = W.memsem_sync(sd, args.consumers, steps + 1, verify=True, timeout=args.timeout,

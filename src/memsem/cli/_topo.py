@@ -44,9 +44,9 @@ def run_topo(args) -> int:
     names = default_engines()
     names += [n for n in ("tcp", "rdma") if n not in names and engines.get(n, {}).get("available")]
     with Runtime(engines=names) as rt:
-        priv = rt.publish(np.zeros(1 << 20, np.uint8), name="topo-private")
+        priv = rt.publish(np.zeros(1 << 20, np.uint8), )  # unnamed: two topo runs of one job never meet
         shm = rt.alloc(1 << 20, np.uint8)
-        shared = rt.publish(shm, name="topo-shared")
+        shared = rt.publish(shm)
         routes: dict[str, object] = {"same process": rt.route(priv)}
         # What a process elsewhere would get: reason from the other side's point of view.
         for label, ref, where in (("same node, private memory", priv, native.node_id()),

@@ -27,7 +27,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from memsem import native
-from memsem._errors import EngineError, MemsemError
+from memsem._errors import AccessDeniedError, EngineError, MemsemError
 from memsem.engines import RemoteOutcome
 from memsem.gva import RefSpec
 from memsem.core import _translate as tr
@@ -233,6 +233,14 @@ def engine_failure(exc: BaseException, res: "Resolution", spec: RefSpec, *, put:
         return tr.chain(failure(closed, res, spec, put=put, lease=lease, version=version), exc)
     if isinstance(exc, RemoteOutcome):
         return tr.chain(failure(Outcome.remote(exc), res, spec, put=put, lease=lease, version=version), exc)
+    if isinstance(exc, AccessDeniedError) and res.cb is None:
+        # An owner says nothing about a window to a credential it refuses (a stale ref's proof
+        # fails like a forged one): the directory, which this runtime trusts, tells which it was.
+        now = res.resolver.generation_now(spec)
+        if now != spec.generation:
+            res.resolver.drop(spec.gva, res)
+            res.telemetry.count_error("stale")
+            return tr.chain(tr.stale(spec, now), exc)
     if isinstance(exc, MemsemError) and not isinstance(exc, EngineError):
         return exc
     kind = "put" if put else "get"

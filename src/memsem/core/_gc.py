@@ -10,8 +10,9 @@ parse or remove, and reports each skipped item with the reason (``GcReport.skipp
 finds can make it raise: a Runtime start never fails because of a planted or corrupt file.
 
 Inside a job folder of the ``local`` directory it removes, for dead owners on this node: rank
-records (``r.``), window records (``w.``) and the names pointing at them (``n.``); names whose
-window record is gone and whose owner rank is dead or gone (a death mid-republish); temporary
+records (``r.``), window records (``w.``), the names they hold (``n.``: a name record names its
+holder) or that point at them; names whose window record is gone and whose owner rank is dead
+or gone (a death mid-republish); temporary
 records (``.tmp.<pid>-<start>.<token>``) of dead writers (a death between write and rename); and
 then the folder itself when nothing is left in it.
 """
@@ -225,11 +226,21 @@ def _collect_records(fd: int, path: str, files: list[str], dry_run: bool, out: G
                 windows[gva] = f
         elif f.startswith("n."):
             try:
-                text = read_record(fd, f, max_bytes=64)
+                text = read_record(fd, f, max_bytes=4096)
                 if text is None:
                     continue
-                names.append((f, int(text.strip(), 16)))
-            except (OSError, ValueError) as exc:
+                if text.lstrip().startswith("{"):  # name, gva and holder (pid, start, node, rank)
+                    rec = parse_json_record(text, f)
+                    gva = int(rec["gva"], 16)
+                    pid, start = rec.get("pid"), rec.get("start")
+                    if rec.get("node") == me and isinstance(pid, int) and isinstance(start, int) \
+                            and not process_alive(pid, start):
+                        removals.append((f, f"name {rec.get('name')!r} held by dead process {pid}"))
+                        continue
+                    names.append((f, gva))
+                else:
+                    names.append((f, int(text.strip(), 16)))  # a record of an older memsem: the gva
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 skip(f, f"unparseable name record ({exc})")
         elif f.startswith(TMP_PREFIX):
             _tmp_leftover(fd, f, skip, removals)

@@ -4,17 +4,19 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from memsem import _args, native
 from memsem._errors import (
     LeaseExpiredError,
     MemsemError,
     RuntimeClosedError,
-    StaleReferenceError,
+    WindowRetiredError,
 )
+from memsem.engines import RemoteOutcome
 from memsem.gva import ControlBlock, RefSpec, lease_slots as _lease
 from memsem.core import _translate as tr
+from memsem.core._bracket import Outcome, failure
 from memsem.core._resolve import Resolution
 
 if TYPE_CHECKING:
@@ -22,6 +24,9 @@ if TYPE_CHECKING:
 
 #: the longest finite ttl (seconds): expiries are 64-bit nanosecond clock values
 MAX_TTL = _args.MAX_TTL_S
+#: the ttl asked for a reservation at another node's owner held "until released" (the owner
+#: caps every reservation at its own timeout)
+MAX_RESERVATION_S = 3600.0
 _FOREVER_NS = 1 << 62
 #: a lease slot that is always free: the native check of a released lease fails on it
 _NEVER = native.ffi.new("uint64_t[6]")
@@ -47,17 +52,24 @@ class Lease:
     (in a forked child it raises ``RuntimeClosedError``).
     """
 
-    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None, *, version: int = 0) -> None:
+    def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None, *, version: int = 0,
+                 reserve: bool = False) -> None:
         self.ttl = _args.ttl(ttl)
         self.runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
         self.spec = spec
         self.version = _args.version(version, "version")
+        #: pin the latest version when ``version`` is 0 (``pin``): at another node's owner, a
+        #: reservation of its latest (``version`` then says which)
+        self.reserve = bool(reserve)
         self._slot = -1
         self._id = 0
         self._slot_addr = 0  # native address of the lease slot (the hot path checks it natively)
         self._cb: ControlBlock | None = None
         self._views = 0
         self._remote = ""  # lease held in the directory (window on another node): its member id
+        #: a version reserved at the owner (window on another node, engine that ``reserves``):
+        #: (engine, remote region) it was reserved through
+        self._reserved: tuple[Any, Any] | None = None
         self._exp = 0  # its expiry, monotonic ns of this process (conservative: never later than the owner's)
         self._pid = 0
         self._lock = threading.RLock()  # RLock: a view's finalizer may run inside a held section
@@ -78,7 +90,7 @@ class Lease:
         """Claim the lease.
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or of another generation.
+            WindowRetiredError: the window is gone, closing, or of another generation.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
             MemsemError: no free lease slot. RuntimeClosedError: the runtime is closed.
         """
@@ -86,6 +98,8 @@ class Lease:
             raise MemsemError("lease already held; renew() it instead")
         res = self.runtime.resolver.resolve(self.spec)
         if res.cb is None:
+            if (self.version or self.reserve) and res.engine.reserves:
+                return self._acquire_reserved(res)
             return self._acquire_remote(res)
         if not res.own_cb and not res.peer.alive():  # a cached resolution may outlive its owner
             raise res.peer.lost(self.spec.label)
@@ -96,8 +110,8 @@ class Lease:
             try:
                 slot, lid = _lease.acquire(cb, me.pid, me.start_time, self._ttl_ns(self.ttl), self.version)
             except _lease.WindowClosing:
-                raise StaleReferenceError(f"{self.spec.label} is closing or closed: no new leases",
-                                          window=self.spec.name, expected=self.spec.generation) from None
+                raise WindowRetiredError(f"{self.spec.label} is closing or closed: no new leases",
+                                         window=self.spec.name, generation=self.spec.generation) from None
             except _lease.LeaseSlotsFull:
                 raise MemsemError(f"{self.spec.label}: all {cb.n_lease} lease slots are held") from None
             if cb.generation != self.spec.generation:
@@ -108,6 +122,26 @@ class Lease:
             raise
         self._cb, self._slot, self._id = cb, slot, lid
         self._slot_addr = cb.lease_slot_addr(slot)
+        self._pid = os.getpid()
+        self.runtime.leases.add(self)
+        return self
+
+    def _acquire_reserved(self, res: Resolution) -> "Lease":
+        """A version of a window of another node held at its owner (``Engine.reserve_version``:
+        the owner's own lease pinning it, held by this thread's session with the owner; the
+        owner caps its ttl at its timeout). ``version`` 0 reserves the owner's latest one."""
+        if not res.peer.alive():
+            raise res.peer.lost(self.spec.label)
+        eng, remote = res.engine, res.remote_for(self.spec)
+        ttl = self.ttl if self.ttl is not None else MAX_RESERVATION_S
+        t0 = native.monotonic_ns()  # the owner's expiry counts from later: ours is conservative
+        try:
+            v = eng.reserve_version(remote, self.version, ttl)
+        except RemoteOutcome as exc:
+            raise tr.chain(failure(Outcome.remote(exc), res, self.spec, version=self.version), exc)
+        self.version = v
+        self._reserved = (eng, remote)
+        self._exp, self._id = t0 + self._ttl_ns(ttl), 1
         self._pid = os.getpid()
         self.runtime.leases.add(self)
         return self
@@ -143,7 +177,19 @@ class Lease:
         if not self.held:
             raise LeaseExpiredError(f"lease on {self.spec.label} is not held")
         ttl = self.ttl if ttl is None else _args.ttl(ttl)
-        if self._remote:
+        if self._reserved is not None:
+            t0 = native.monotonic_ns()
+            eng, remote = self._reserved
+            if self._exp <= t0:
+                self.release()
+                raise LeaseExpiredError(f"lease on {self.spec.label} expired before renew()")
+            try:
+                eng.reserve_version(remote, self.version, ttl if ttl is not None else MAX_RESERVATION_S)
+            except (RemoteOutcome, MemsemError) as exc:
+                self.release()
+                raise LeaseExpiredError(f"lease on {self.spec.label} was lost at its owner: {exc}") from exc
+            self._exp = t0 + self._ttl_ns(ttl if ttl is not None else MAX_RESERVATION_S)
+        elif self._remote:
             t0 = native.monotonic_ns()
             d = self.runtime.directory
             if self._exp <= t0 or not d.renew_lease(self.spec.gva, self._remote, ttl):
@@ -166,7 +212,7 @@ class Lease:
             return 0.0
         if self.ttl is None:
             return math.inf
-        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
+        exp = self._exp if self._remote or self._reserved else _lease.expiry_of(self._cb, self._slot, self._id)
         return (exp - native.monotonic_ns()) / 1e9 if exp else 0.0
 
     def check(self, when: str) -> None:
@@ -222,7 +268,13 @@ class Lease:
                                   "drop them before release()")
             if self._pid and self._pid != os.getpid():
                 return  # a forked child never frees its parent's lease
-            if self._remote:
+            if self._reserved is not None:
+                eng, remote = self._reserved
+                try:
+                    eng.drop_reservation(remote, self.version)
+                except (MemsemError, RemoteOutcome):
+                    pass  # ends with its ttl, or with the session that holds it
+            elif self._remote:
                 try:
                     self.runtime.directory.release_lease(self.spec.gva, self._remote)
                 except MemsemError:
@@ -236,6 +288,7 @@ class Lease:
         self._id = 0
         self._slot_addr = 0
         self._remote = ""
+        self._reserved = None
         self.runtime.leases.discard(self)
         if cb is not None:
             cb.unpin()
@@ -244,7 +297,7 @@ class Lease:
         """True when the lease is not held or its expiry has passed (never blocks)."""
         if not self.held:
             return True
-        exp = self._exp if self._remote else _lease.expiry_of(self._cb, self._slot, self._id)
+        exp = self._exp if self._remote or self._reserved else _lease.expiry_of(self._cb, self._slot, self._id)
         return exp == 0 or exp <= native.monotonic_ns()
 
     def __enter__(self) -> "Lease":

@@ -1,8 +1,18 @@
 """Liveness of peers: the owners of windows this runtime resolved.
 
-Same node: a pidfd (a recycled pid is never mistaken for the owner), else pid + start time.
-Other nodes: the directory's liveness (heartbeats); unknown counts as alive, and the transport's
-own errors and timeouts then decide. A verdict of death is final.
+Same node: a pidfd (a recycled pid is never mistaken for the owner), else pid + start time; a
+verdict of death is final.
+
+Other nodes: the directory's membership view (``Directory.member``: heartbeats, answered from a
+view the directory's own thread keeps current, so a check never waits for the server). The rank
+record's **incarnation** tells a stall from a restart: the first record seen pins it; the same
+process with the same incarnation is alive (also after it re-claimed its rank following a
+directory outage); another process, or the same one with another incarnation (a new runtime),
+holds the rank now and the owner known here is dead for good (final). An absent record is
+SUSPECT (counted alive: the holder may be re-claiming it) until the directory says GONE; GONE
+is a "lost" verdict that is **re-checked**, never remembered: a holder that re-claims its rank
+with its incarnation is alive again. Unknown counts as alive, and the transport's own errors
+and timeouts then decide.
 
 The **liveness interval** (``LIVENESS_INTERVAL_S``) is memsem's bound on detecting an owner's
 death during a stream of small copies: a copy re-checks the owner when the last check is older
@@ -15,10 +25,13 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
 from memsem import native
+from memsem.directory import MemberState
+from memsem.directory._base import same_process
 from memsem.native import process_alive
 
 #: smaller copies re-check the owner's liveness when the last check is older than this (s)
@@ -35,16 +48,20 @@ class Peer:
     Attributes:
         pid, start, node, rank: the process (rank -1 when unknown).
         checks: how many liveness checks were made (tests count these, not seconds).
+        dead: found dead for good (final: its process exited, or another one holds its rank).
+        why: what the last failed check found ("" after a check that passed).
+        incarnation: the incarnation of the owner's rank record as first seen (other nodes).
     """
 
     __slots__ = ("pid", "start", "node", "rank", "_fd", "dead", "checks", "checked_ns", "_remote",
-                 "watchers", "__weakref__")
+                 "watchers", "why", "incarnation", "__weakref__")
 
-    def __init__(self, pid: int, start: int, node: str, rank: int,
-                 remote: Callable[[], bool | None] | None) -> None:
+    def __init__(self, pid: int, start: int, node: str, rank: int, remote: Callable[[], Any] | None) -> None:
         self.pid, self.start, self.node, self.rank = pid, start, node, rank
         self._fd = -1
         self.dead = False
+        self.why = ""
+        self.incarnation: Any = None
         self.checks = 0
         self.checked_ns = native.monotonic_ns()
         self._remote = remote
@@ -74,36 +91,65 @@ class Peer:
         return self.pid == os.getpid() and self.node == native.node_id()
 
     def alive(self) -> bool:
-        """Check now (one check). True for this very process."""
+        """Check now (one check; other nodes: from the directory's view, no server round
+        trip). True for this very process."""
         if self.dead:
             return False
         if self.is_self:
             return True
         self.checks += 1
         self.checked_ns = native.monotonic_ns()
+        final = True
         if self._fd >= 0:
             r, _, _ = select.select([self._fd], [], [], 0)
             ok = not r
+            why = "its process exited"
         elif self.node == native.node_id():
             ok = process_alive(self.pid, self.start)
+            why = "its process exited"
         else:
-            verdict = None if self._remote is None else self._remote()
-            ok = verdict is None or bool(verdict)
-        if not ok:
+            ok, why, final = self._judge_remote()
+        if ok:
+            self.why = ""
+            return True
+        self.why = why
+        if final:
             self.dead = True  # final: every later check says so at once
             for w in list(self.watchers):
                 try:
                     w.close()
                 except Exception:  # noqa: BLE001 - a watcher's failure must not hide the death
                     pass
-        return ok
+        return False
+
+    def _judge_remote(self) -> tuple[bool, str, bool]:
+        """``(alive, why not, final)`` from the directory's view of the owner's rank."""
+        m = None if self._remote is None else self._remote()
+        if m is None or m.state in (MemberState.UNKNOWN, MemberState.SUSPECT):
+            return True, "", False
+        if m.state is MemberState.GONE:
+            return False, m.detail or "its rank record expired", False
+        rec = m.record or {}
+        inc = (rec.get("incarnation"), rec.get("token"))
+        if not same_process(rec, self.pid, self.start, self.node):
+            return False, (f"rank {self.rank} is held by another process now (pid {rec.get('pid')} on "
+                           f"{rec.get('node')!r}, incarnation {inc[0]}): the owner exited or lost its rank"), True
+        if self.incarnation is None:
+            self.incarnation = inc
+        elif inc != self.incarnation:
+            return False, (f"it restarted: rank {self.rank} has incarnation {inc[0]} now, this ref's owner "
+                           f"had {self.incarnation[0]}"), True
+        return True, "", False
 
     def lost(self, what: str) -> "Exception":
         """The PeerLostError for this peer (one wording everywhere)."""
         from memsem._errors import PeerLostError
 
-        where = "" if self.node == native.node_id() else f" on {self.node}"
-        return PeerLostError(f"the owner of {what} (pid {self.pid}{where}) is dead")
+        if self.node == native.node_id():
+            return PeerLostError(f"the owner of {what} (pid {self.pid}) is dead")
+        why = f": {self.why}" if self.why else ""
+        return PeerLostError(f"the owner of {what} (pid {self.pid} on {self.node}, rank {self.rank}) is "
+                             f"{'dead' if self.dead else 'lost'}{why}")
 
 
 class Peers:
@@ -122,13 +168,31 @@ class Peers:
                 remote = None
                 if node != native.node_id() and rank >= 0:
                     d = self._directory
-                    remote = lambda: d.owner_alive(rank, pid, start, node)  # noqa: E731
+                    remote = lambda: d.member(rank)  # noqa: E731
                 p = Peer(pid, start, node, rank, remote)
                 self._peers[key] = p
             return p
 
     def alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
         return self.get(pid, start, node, rank).alive()
+
+    def reread(self, rank: int, read: Callable[[], Any]) -> Any:
+        """A record that was not found, read again while the rank that owns it is SUSPECT
+        (its record expired in a directory outage and its holder may be re-claiming it and
+        writing its records again): at most ``directory.reclaim_s`` seconds, re-reading every
+        ``directory.check_s``. Returns the record, or None (the rank is PRESENT, GONE or
+        unknown, or the bound passed). Other errors of ``read`` propagate.
+        """
+        d = self._directory
+        if rank < 0 or d.reclaim_s <= 0:
+            return None
+        deadline = native.monotonic_ns() + int(d.reclaim_s * 1e9)
+        while d.member(rank).state is MemberState.SUSPECT and native.monotonic_ns() < deadline:
+            time.sleep(d.check_s)
+            rec = read()
+            if rec is not None:
+                return rec
+        return None
 
 
 def record_alive(rec: dict[str, Any]) -> bool:

@@ -19,6 +19,7 @@ owner's windows (``Owned``) they write.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -55,7 +56,6 @@ from memsem.gva import (
     WindowState,
     inflight_slots,
     key_digest,
-    key_matches,
     lease_slots as _lease,
     mint_mac,
 )
@@ -175,8 +175,10 @@ class Publisher:
         self._core = core
         self.owned: dict[int, Owned] = {}
         self.names: dict[str, int] = {}
-        #: shared segments from ``alloc``, by address (publish finds whether memory is shared)
+        #: shared segments from ``alloc``, by address (publish finds whether memory is shared),
+        #: and their addresses in order (``segment_of`` bisects: O(log n) with 10,000 segments)
         self.segments: dict[int, Segment] = {}
+        self._bases: list[int] = []
         self.lock = threading.RLock()
         self._gva = SliceAllocator(core.rank)
         #: the secret this owner's mints are MACed with (never leaves this process)
@@ -197,6 +199,7 @@ class Publisher:
         seg = Segment.create("data", nbytes)
         with self.lock:
             self.segments[seg.address] = seg
+            bisect.insort(self._bases, seg.address)
         # The export holds the mapping for as long as any array derived from it lives; when the
         # last goes, the name is unlinked and this runtime's claim dropped.
         raw = seg.export(0, nbytes)
@@ -205,28 +208,44 @@ class Publisher:
         return raw.view(dt).reshape(shape_t)
 
     def segment_of(self, address: int, nbytes: int) -> Segment | None:
+        """The ``alloc`` segment holding ``[address, address + nbytes)``, or None."""
         with self.lock:
-            for base, seg in self.segments.items():
-                if base <= address and address + nbytes <= base + seg.nbytes:
-                    return seg
-        return None
+            i = bisect.bisect_right(self._bases, address) - 1
+            if i < 0:
+                return None
+            seg = self.segments[self._bases[i]]
+            return seg if address + nbytes <= seg.address + seg.nbytes else None
+
+    def forget_base(self, address: int) -> None:
+        """(Under ``lock``) drop an ``alloc`` segment's address from the index."""
+        i = bisect.bisect_left(self._bases, address)
+        if i < len(self._bases) and self._bases[i] == address:
+            del self._bases[i]
 
     # -- publish ----------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
                 tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
-                write_guard: str | None = None) -> RefSpec:
+                write_guard: str | None = None, replace: bool = False) -> RefSpec:
         """Publish ``obj`` as a window (see ``memsem.Runtime.publish``): in place with
         ``slots=1``; with ``slots=2`` its bytes are copied into version 1 of a double-buffered
-        window memsem allocates (the owner changes it through write sections only)."""
+        window memsem allocates (the owner changes it through write sections only). A name is
+        claimed (``_names``) before anything is created."""
         core = self._core
         core.check_open()
-        if name is not None and (not isinstance(name, str) or not name or len(name.encode()) > 255):
-            raise ValueError(f"name must be a non-empty str of at most 255 bytes, got {name!r}")
+        if name is not None:
+            name = _args.window_name(name, "name")
+        if not isinstance(replace, bool):
+            raise TypeError(f"replace must be True or False, got {replace!r}")
         if isinstance(slots, bool) or slots not in (1, 2):
             raise ValueError(f"slots must be 1 (in place) or 2 (double-buffered versions), got {slots!r}")
         if write_guard not in WRITE_GUARDS:
             raise ValueError(f"write_guard must be None, 'protect' or 'checksum', got {write_guard!r}")
         info = buffer_info(obj, "obj")
+        if info.nbytes == 0 and not info.address:
+            # An empty tensor may have no memory at all (torch.empty(0).data_ptr() == 0): the
+            # window gets a byte of its own, so every route maps something (it moves 0 bytes).
+            spare = np.zeros(1, np.uint8)
+            info = dataclasses.replace(info, address=spare.ctypes.data, keepalive=(info.keepalive, spare))
         if access is None:
             access = "r" if (info.readonly or slots == 2) else "rw"
         if access not in ("r", "rw"):
@@ -239,15 +258,34 @@ class Publisher:
         n_ready, tb = tiling(info.nbytes, tile_bytes, tiles)
         with self.lock:
             if name is not None and name in self.names:
-                old = self.owned[self.names[name]]
-                return self._republish(old, info, access, n_ready, tb, slots, write_guard)
+                old = self.owned.get(self.names[name])
+                if old is not None and core.names.holds(name, old.info.gva):
+                    return self._republish(old, info, access, n_ready, tb, slots, write_guard)
+                # another publisher took the name over (replace=True): our window keeps its refs,
+                # the name is claimed anew (refused while that publisher lives, unless replace)
+                self.names.pop(name)
             gva = self._gva.allocate(info.nbytes)
             return self._publish_at(gva, name or "", info, access, n_ready, tb, cb=None, slots=slots,
-                                    write_guard=write_guard)
+                                    write_guard=write_guard, replace=replace)
 
     def _publish_at(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int,
                     tile_bytes: int, cb: ControlBlock | None, slots: int = 1,
-                    write_guard: str | None = None) -> RefSpec:
+                    write_guard: str | None = None, replace: bool = False) -> RefSpec:
+        core = self._core
+        if name:
+            core.names.claim(name, gva, replace=replace)  # NameHeldError before anything exists
+        try:
+            return self._create(gva, name, info, access, n_ready, tile_bytes, cb, slots, write_guard)
+        except BaseException:
+            if name:
+                try:
+                    core.names.release(name, gva)
+                except Exception:  # noqa: BLE001 - the publish's own error is the one to raise
+                    log.warning("releasing the name %r after a failed publish failed", name, exc_info=True)
+            raise
+
+    def _create(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int, tile_bytes: int,
+                cb: ControlBlock | None, slots: int, write_guard: str | None) -> RefSpec:
         core = self._core
         me = core.identity
         perms = PERM_READ | (PERM_WRITE if access == "rw" else 0)
@@ -342,7 +380,8 @@ class Publisher:
         # A named window's key goes to the directory for the job's members (sealed with the
         # job secret where there is one; docs/threat-model.md): they look it up by name. With it,
         # the MAC of the whole-window mint, so a ref looked up works on owner-checked routes.
-        core.directory.put_window(gva, name, winfo.to_json(), key=key + mint.mac if name else None)
+        # (the name's record, claimed before, already points here)
+        core.directory.put_window(gva, "", winfo.to_json(), key=key + mint.mac if name else None)
         return owned.spec()
 
     def _republish(self, old: Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int,
@@ -458,8 +497,9 @@ class Publisher:
         if owned.info.name and not keep_name:
             self.names.pop(owned.info.name, None)
         try:
-            d.remove_window(gva, "" if keep_name else owned.info.name)
-        except MemsemError as exc:
+            dwait = Wait(f"the removal of {label}'s records from {d.url}", core.timeout, telemetry=core.telemetry)
+            d.remove_window(gva, "" if keep_name else owned.info.name, pause=dwait.pause)
+        except (MemsemError, OSError, ValueError) as exc:  # the retire goes on: the records are gc's
             log.warning("removing %s from the directory failed: %s", label, exc)
         core.resolver.drop(gva)
         core.server.evict(gva)
@@ -541,40 +581,6 @@ class Publisher:
             out += self._core.directory.lease_holders(owned.info.gva)
         return out
 
-    def lookup(self, name: str) -> RefSpec:
-        """RefSpec of the window published under ``name`` (see ``memsem.Runtime.lookup``)."""
-        core = self._core
-        core.check_open()
-        gva = self.names.get(name)
-        if gva is not None:
-            return self.owned[gva].spec()
-        d = core.directory
-        # Another process's window: its key is in the directory for the job's members (the local
-        # directory's 0700 folder, or sealed with the job secret; docs/threat-model.md).
-        for _ in range(3):  # a republish between the two reads: read again
-            gva = d.lookup(name)
-            if gva is None:
-                break
-            rec, key = d.window_with_key(gva)
-            if rec is None:
-                continue
-            i = WindowInfo.from_json(rec)
-            mint = None
-            if key is not None and len(key) == 32:  # the key and the whole-window mint's MAC
-                key, mac = key[:16], key[16:]
-                mint = Mint(0, i.nbytes, i.access, mac)
-            if key is None:
-                raise AccessDeniedError(
-                    f"window {name!r} is published in {d.url} but its access key is not there for this "
-                    "process (a redis directory seals keys only with a job secret: set "
-                    "MEMSEM_JOB_SECRET in every process of the job); pass the serialized ref instead")
-            if not key_matches(key, i.key_digest):
-                continue
-            return RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
-                           i.byte_offset, i.framework, name, mint)
-        raise WindowNotFoundError(f"no window named {name!r} is published in job "
-                                  f"{getattr(d, 'job', '?')!r} ({d.url})", window=name)
-
     # -- close ------------------------------------------------------------------------------------
     def close(self, deadline: float) -> None:
         """Retire every window (forced: a lease or a copy of a live process cannot keep a closing
@@ -583,13 +589,26 @@ class Publisher:
             for owned in list(self.owned.values()):
                 try:
                     self.retire(owned, timeout=max(0.0, deadline - time.monotonic()), force=True)
-                except MemsemError as exc:
-                    log.warning("retiring %s at close failed: %s", owned.label, exc)
+                except Exception as exc:  # noqa: BLE001 - close finishes whatever fails in it
+                    log.warning("retiring %s at close failed: %s", owned.label, exc, exc_info=True)
+                    self.owned.pop(owned.info.gva, None)
+                    if owned.slots_segment is not None:
+                        owned.slots_segment.unlink()
+                        owned.slots_segment.close()
+                        owned.slots_segment = None
                 finally:
-                    self._release_cb(owned.cb)
+                    try:
+                        self._release_cb(owned.cb)
+                    except Exception:  # noqa: BLE001
+                        log.warning("releasing the control block of %s failed", owned.label, exc_info=True)
+            self.names.clear()
             for seg in list(self.segments.values()):
-                seg.unlink()
+                try:
+                    seg.unlink()
+                except Exception:  # noqa: BLE001
+                    log.warning("unlinking segment %s failed", seg.name, exc_info=True)
             self.segments.clear()
+            self._bases.clear()
 
 
 def control_words(cb: ControlBlock) -> ControlWords:
@@ -628,6 +647,7 @@ def _drop_segment(pub_ref: "weakref.ref[Publisher]", address: int, seg: Segment)
     pub = pub_ref()
     if pub is not None:
         with pub.lock:
-            pub.segments.pop(address, None)
+            if pub.segments.pop(address, None) is not None:
+                pub.forget_base(address)
     seg.unlink()  # a no-op in a process forked from the creator
     seg.close()

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
 from memsem._errors import AccessDeniedError, EngineError, StaleReferenceError
-from memsem.engines import WatchMode
+from memsem.engines import RemoteOutcome, WatchMode
 from memsem.gva import ControlBlock, RefSpec, ready_words as _ready
 from memsem.core import _translate as tr
 from memsem.core._remote import RemoteControl, RemoteWords
+from memsem.core._bracket import Status, engine_failure
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
@@ -87,8 +88,8 @@ class Readiness:
         except StaleReferenceError:
             self._core.resolver.drop(spec.gva, res)
             raise
-        except EngineError as exc:
-            raise tr.chain(tr.engine_failure(exc, spec, res.peer, "ready mark"), exc) from exc
+        except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
+            raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
@@ -110,6 +111,42 @@ class Readiness:
                 _ready.mark(cb, t, spec.generation)
             else:
                 _ready.clear(cb, t, spec.generation)
+
+    def add_rows(self, spec: RefSpec, tile: int, rows: int, total: int) -> int:
+        """A producer wrote ``rows`` of tile ``tile``'s ``total`` rows (disjoint from what other
+        writers wrote): count them; the writer whose rows complete the tile marks it ready
+        (``memsem.gva.ready_words.add_rows``: same node in the control block, across nodes at
+        the owner, which counts for every producer). Returns the rows written so far
+        (``total``: the tile is ready).
+
+        Raises:
+            ValueError: the tile would count more rows than it has (rows written twice), or a
+                bad tile / count. AccessDeniedError: a read-only ref or window. NotSupportedError:
+                a route that cannot count at the owner (write whole tiles, or ``mark_ready``).
+        """
+        what = "a partial tile write"
+        self._writer(spec, tile, what)
+        rows = _args.count(rows, "rows", minimum=1, maximum=_ready.MAX_COUNTED_ROWS, unit="rows")
+        total = _args.count(total, "total", minimum=rows, maximum=_ready.MAX_COUNTED_ROWS, unit="rows")
+        with self._held(spec, words=False) as (res, cb):
+            t = self._check_writer(spec, res, tile, what)
+            if cb is not None:
+                try:
+                    return _ready.add_rows(cb, t, spec.generation, rows, total)
+                except _ready.RowsOverflow as exc:
+                    raise ValueError(f"{spec.label}: {exc}") from None
+            try:
+                return res.engine.add_rows(res.remote_for(spec), t, rows, total)
+            except RemoteOutcome as exc:
+                if exc.status == Status.RANGE:
+                    raise ValueError(f"{spec.label}: tile {t}: {rows} more rows would pass its {total} at the "
+                                     "owner: rows written twice") from None
+                raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
+            except StaleReferenceError:
+                self._core.resolver.drop(spec.gva, res)
+                raise
+            except (EngineError, AccessDeniedError) as exc:
+                raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
 
     def is_ready(self, spec: RefSpec, tile: int) -> bool:
         with self._held(spec) as (_, cb):

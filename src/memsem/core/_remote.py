@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import native
-from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
+from memsem._errors import AccessDeniedError, EngineError, MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError
 from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva import RefSpec
 from memsem.gva._control_block import HEADER_WORDS, W_GENERATION, W_LATEST, W_SEQ0, W_SEQ1, W_STATE
 from memsem.core import _translate as tr
 from memsem.core._resolve import Resolution
+from memsem.core._bracket import engine_failure
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -272,8 +273,8 @@ class RemoteWords:
             targets.append((WATCH_READY, 0, m.n_ready))
         try:
             m.sub = res.engine.watch(res.remote, targets, m.apply, m.on_lost, self._core.timeout)
-        except EngineError as exc:
-            raise tr.chain(tr.engine_failure(exc, spec, res.peer, "watch"), exc) from exc
+        except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
+            raise engine_failure(exc, res, spec, put=False, lease=None, version=0) from exc
         m.lost = None
 
     def recover(self, res: Resolution, spec: RefSpec, m: RemoteControl) -> None:

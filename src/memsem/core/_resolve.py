@@ -30,6 +30,7 @@ from memsem._errors import (
     RuntimeClosedError,
     WindowNotFoundError,
 )
+from memsem.directory.local import job_is_derived
 from memsem.engines import Credential, Engine, GenerationCheck, RemoteRegion, WatchMode
 from memsem.gva import (
     ControlBlock,
@@ -272,13 +273,11 @@ class Resolver:
         self.limit = limit
         #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
         self.cache: dict[int, Resolution] = {}
-        #: (gva, generation) -> the owner found dead while this runtime used that window
-        #: (bounded): once its records are reaped, a re-resolve still says PeerLostError, not
-        #: WindowNotFoundError. Keyed by generation too: a new owner may reuse the GVA.
-        self._dead: dict[tuple[int, int], Peer] = {}
-        #: gva -> a direct resolution of a window this runtime owns, for serving it to other
-        #: nodes (``resolve_direct``) when the cached one takes another route (``prefer``)
-        self._direct: dict[int, Resolution] = {}
+        #: (gva, generation) -> the owner of a window this runtime dropped (bounded): when its
+        #: record is gone, a re-resolve asks that owner again (a re-check, never a remembered
+        #: verdict) and says PeerLostError for a lost one, not WindowNotFoundError. Keyed by
+        #: generation too: a new owner may reuse the GVA.
+        self._owners: dict[tuple[int, int], Peer] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec) -> Resolution:
@@ -316,32 +315,23 @@ class Resolver:
             return res
 
     def resolve_direct(self, spec: RefSpec) -> Resolution:
-        """A resolution of ``spec`` whose plan reaches the window's memory from this process
-        (``direct``): what the owner's side of an owner-checked engine (tcp) copies through.
-        The cached resolution when it is direct, else one made without the runtime's
-        ``prefer`` (which may force this process's own window onto the tcp route), kept until
-        the window is dropped.
+        """A new resolution of ``spec`` whose plan reaches the window's memory from this process
+        (``direct``), made without the runtime's ``prefer`` (which may force this process's own
+        window onto the tcp route): what the owner's side of an owner-checked engine (tcp)
+        serves through. Never cached: the caller owns it and closes it (no cache bound or
+        eviction closes it under a copy).
 
         Raises:
             As ``resolve``; MemsemError when the window cannot be reached directly from here.
         """
-        res = self.resolve(spec)
-        if res.direct:
-            return res
         with self._lock:
-            d = self._direct.get(spec.gva)
-            if d is not None and not d.closed and d.generation == spec.generation and d.key == spec.key:
-                return d
-            if d is not None:
-                del self._direct[spec.gva]
-                d.close()
+            self._core.check_open()
             d = self._make(spec, prefer=None)
-            if not d.direct:
-                d.close()
-                raise MemsemError(f"{spec.label}: no direct route from its owner's own process "
-                                  f"(route {d.route.kind}); cannot serve it")
-            self._direct[spec.gva] = d
-            return d
+        if not d.direct:
+            d.close()
+            raise MemsemError(f"{spec.label}: no direct route from its owner's own process "
+                              f"(route {d.route.kind}); cannot serve it")
+        return d
 
     def generation_now(self, spec: RefSpec) -> int | None:
         """The generation the directory records for ``spec``'s window now (None: not published):
@@ -370,29 +360,22 @@ class Resolver:
     def drop(self, gva: int, res: Resolution | None = None) -> None:
         """Forget the resolution of ``gva`` (only ``res`` if given); it is released when idle."""
         with self._lock:
-            d = self._direct.get(gva)
-            if d is not None and (res is None or d is res):
-                del self._direct[gva]
-                d.close()
-                if res is not None:
-                    return
             cur = self.cache.get(gva)
             if cur is None or (res is not None and cur is not res):
                 return
             del self.cache[gva]
-            if cur.peer.dead:
-                self._dead[(gva, cur.generation)] = cur.peer
-                while len(self._dead) > 4 * self.limit:
-                    del self._dead[next(iter(self._dead))]
+            if not cur.own_cb and not cur.peer.is_self:
+                self._owners[(gva, cur.generation)] = cur.peer
+                while len(self._owners) > 4 * self.limit:
+                    del self._owners[next(iter(self._owners))]
         cur.close()
 
     def close(self, timeout: float) -> list[Resolution]:
         """Drop every resolution and wait up to ``timeout`` s for copies running through them;
         returns the ones still busy (they release themselves when their last copy ends)."""
         with self._lock:
-            all_ = list(self.cache.values()) + list(self._direct.values())
+            all_ = list(self.cache.values())
             self.cache.clear()
-            self._direct.clear()
         for r in all_:
             r.close()
         deadline = native.monotonic_ns() + int(timeout * 1e9)
@@ -412,16 +395,22 @@ class Resolver:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
             rec = core.directory.get_window(spec.gva)
+            rank, _ = split_gva(spec.gva)
+            if rec is None:  # its owner may be re-claiming its rank after a directory outage
+                rec = core.peers.reread(rank, lambda: core.directory.get_window(spec.gva))
             if rec is None:
-                dead = self._dead.get((spec.gva, spec.generation))
-                if dead is not None and dead.dead:
-                    raise dead.lost(spec.label)
-                rank, _ = split_gva(spec.gva)
+                owner = self._owners.get((spec.gva, spec.generation))
+                if owner is not None and not owner.alive():  # asked again, not remembered
+                    raise owner.lost(spec.label)
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
                     raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+                d = core.directory
+                hint = (f"; or it is published in another job (this runtime's job {d.job!r} was derived "
+                        "from its process group: set MEMSEM_JOB to the same name in every process that "
+                        "shares refs)") if job_is_derived(getattr(d, "job", "")) else ""
                 raise WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
-                                          "exited): the ref is stale", window=spec.name,
+                                          f"exited): the ref is stale{hint}", window=spec.name,
                                           expected=spec.generation)
             info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
             cb, own_cb = None, False

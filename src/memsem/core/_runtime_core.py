@@ -4,6 +4,7 @@
 part               concern (module)
 =================  =========================================================================
 ``publisher``      owned windows: publish, write sections, retire, unpublish, alloc (_publish)
+``names``          names: one owner each (claims), lookups that wait for a name (_names)
 ``resolver``       resolutions of windows and their lifetimes (_resolve)
 ``transfers``      get / put / xcopy / async (_transfer)
 ``readiness``      tile-ready words (_readiness)
@@ -47,6 +48,7 @@ from memsem.native import ProcessIdentity
 from memsem.core._completion import Batch, Completion
 from memsem.core._lease import Lease
 from memsem.core._liveness import Peers, record_alive
+from memsem.core._names import Names
 from memsem.core._publish import Publisher
 from memsem.core._async import AsyncWordWaiter
 from memsem.core._readiness import Readiness
@@ -92,11 +94,6 @@ class _Context(EngineContext):
         c = self._c()
         c.check_open()
         return c.server.open(token, challenge, proof)
-
-    def serve_sweep(self) -> None:
-        c = self._core()
-        if c is not None and not c.closed:
-            c.server.sweep()
 
     def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
         return self._c().peers.alive(pid, start, node, rank)
@@ -169,6 +166,7 @@ class RuntimeCore:
         self.rank = self.directory.claim_rank(rec)
         self.peers = Peers(self.directory)
         self.resolver = Resolver(self)
+        self.names = Names(self)
         self.publisher = Publisher(self)
         self.server = Server(self)
         self.mirrors = RemoteWords(self)
@@ -228,15 +226,15 @@ class RuntimeCore:
 
     def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
                      tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
-                     write_guard: str | None = None) -> RefSpec:
+                     write_guard: str | None = None, replace: bool = False) -> RefSpec:
         return self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles,
-                                      slots=slots, write_guard=write_guard)
+                                      slots=slots, write_guard=write_guard, replace=replace)
 
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         self.publisher.unpublish(spec_or_name, timeout=timeout)
 
-    def lookup_spec(self, name: str) -> RefSpec:
-        return self.publisher.lookup(name)
+    def lookup_spec(self, name: str, timeout: float = 0.0) -> RefSpec:
+        return self.names.lookup(name, timeout)
 
     def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
         self.check_open()
@@ -310,6 +308,11 @@ class RuntimeCore:
     def mark_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.mark(spec, tile)
 
+    def add_rows(self, spec: RefSpec, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` written rows of tile ``tile`` (of ``total``); the write that completes
+        the tile marks it (see ``Readiness.add_rows``). Returns the rows written so far."""
+        return self.readiness.add_rows(spec, tile, rows, total)
+
     def clear_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.clear(spec, tile)
 
@@ -333,6 +336,21 @@ class RuntimeCore:
     def owns(self, spec: RefSpec) -> bool:
         """Whether this runtime publishes ``spec``'s window (any generation)."""
         return spec.gva in self.publisher.owned
+
+    def window_memory(self, spec: RefSpec) -> np.ndarray:
+        """Owner: the memory of a single-slot window this runtime publishes, as a flat uint8
+        array over it (no copy): what its write sections change in place.
+
+        Raises:
+            WindowNotFoundError / WindowRetiredError: not a live window of this runtime.
+            ValueError: a double-buffered window (its versions alternate between two slots).
+        """
+        self.check_open()
+        owned = self.publisher.owned_for(spec)
+        if owned.n_slots != 1:
+            raise ValueError(f"{owned.label} is double-buffered (slots=2): its memory alternates between "
+                             "two slots; publish it with slots=1 to change it in place")
+        return owned.slot_array(0).reshape(-1).view(np.uint8)
 
     def mint(self, spec: RefSpec) -> RefSpec:
         """``spec`` minted by its owner (this runtime) for its own range and access: the
@@ -380,30 +398,26 @@ class RuntimeCore:
                 log.warning("closing %r failed", child, exc_info=True)
         with self._lock:
             self.closed = True
+            # Every step runs whatever the ones before it met (a failure is logged, never a
+            # reason to leave segments, records or threads behind).
             self._pool.shutdown(wait=False, cancel_futures=True)  # queued work ends CANCELLED
             # Running tasks get the close deadline to finish; later, each holds what it uses
             # (its resolution's mappings) and fails with RuntimeClosedError at its next step.
-            self.transfers.wait_idle(max(0.0, deadline - time.monotonic()))
+            _step("waiting for running tasks", lambda: self.transfers.wait_idle(max(0.0, deadline - time.monotonic())))
             for lease in list(self.leases):
-                lease.release(force=True)
-            self.publisher.close(deadline)
-            self.server.close()
-            busy = self.resolver.close(max(0.0, deadline - time.monotonic()))
+                _step(f"releasing {lease!r}", lambda lease=lease: lease.release(force=True))
+            _step("retiring the windows", lambda: self.publisher.close(deadline))
+            _step("closing the server", self.server.close)
+            busy = _step("closing the resolutions",
+                         lambda: self.resolver.close(max(0.0, deadline - time.monotonic()))) or []
             if busy:
                 log.info("memsem runtime (rank %d) closed with %d resolution(s) still in use; each is "
                          "released by its last copy", self.rank, len(busy))
             for eng in reversed(list(self.engines.values())):
-                try:
-                    eng.close()
-                except Exception:
-                    log.warning("closing engine %s failed", eng.name, exc_info=True)
-            self.staging.clear()
-            try:
-                self.directory.release_rank(self.rank)
-            except Exception:
-                log.warning("releasing rank %d failed", self.rank, exc_info=True)
-            finally:
-                self.directory.close()
+                _step(f"closing engine {eng.name}", eng.close)
+            _step("clearing the staging buffers", self.staging.clear)
+            _step(f"releasing rank {self.rank}", lambda: self.directory.release_rank(self.rank))
+            _step("closing the directory", self.directory.close)
 
     def __del__(self) -> None:
         if getattr(self, "closed", True):
@@ -412,6 +426,16 @@ class RuntimeCore:
         if pub is not None and pub.owned:
             warnings.warn(f"memsem runtime (rank {self.rank}) was not closed; call close() or use "
                           "'with'", ResourceWarning, stacklevel=2)
+
+
+def _step(what: str, fn: Any) -> Any:
+    """One step of ``close``: run it; a failure is logged (with its traceback) and the close
+    goes on. Returns what ``fn`` returned (None after a failure)."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - close finishes whatever fails inside it
+        log.warning("memsem close: %s failed", what, exc_info=True)
+        return None
 
 
 def default_engines(directory: str | None = None) -> list[str]:

@@ -139,8 +139,12 @@ class _Item:
             o.sums[self.slot] = o.checksum(self.slot)
         o.protect(self.slot, False)
         a = cb.addr(W_SEQ0 + self.slot)
-        native.store_release(a, self.version << 1)
+        # The latest-version word first, then the slot's sequence word: a reader that got the
+        # bytes of version v (the slot's sequence said v) reads a latest version >= v after it,
+        # so a label read around a copy never lags the bytes (a version-0 read that sees the new
+        # latest before the sequence waits the instant between the two stores).
         native.store_release(cb.latest_addr, self.version)
+        native.store_release(a, self.version << 1)
         native.store_release(cb.addr(W_WRITER), 0)
         native.futex_wake(a)
         native.futex_wake(cb.latest_addr)

@@ -6,27 +6,28 @@ and watches of control words pushed to remote consumers.
 mint: range, access and the owner's MAC over them) and a *proof*: an HMAC under the window's
 access key of the engine's per-connection challenge (a fresh nonce) and the token. The access
 key never crosses the wire, and a proof sniffed on one connection is worth nothing on another.
-``Server.open`` checks, before any byte moves: the window is owned here and LIVE at the token's
-generation, the proof matches the key, the mint's MAC verifies under this owner's secret (a ref
-edited to widen its range or add write access is refused), and returns a :class:`Grant`.
+``Server.open`` checks, before any byte moves and before anything about the window is told:
+the window is served here at the token's generation and the proof matches its key (a window not
+served here is refused exactly like a wrong proof: one message, the same work); then the mint's
+MAC verifies under this owner's secret (a ref edited to widen its range or add write access is
+refused), and it returns a :class:`Grant`.
 
-**Grants** are cached per token. A grant holds a claim on the owner's own resolution of the
-window (the control block stays mapped and every copy is counted in this process's in-flight
-slot); requests must lie inside the mint's range, puts need a writable mint of a writable
-window. Every copy runs inside the native seqlock bracket (``enter``/``leave``): a request
-racing an unpublish gets a stale error, a write section makes it wait (bounded) or retry.
-Retiring the window evicts its grants.
+**Grants** belong to the session (connection handle) that opened them and live until it closes
+them; no cache holds them. A grant holds a claim on the window's *serving resolution* (the
+owner's own memory; one per window, owned by the :class:`Server`, closed only when the window
+retires), so the control block stays mapped and every copy is counted in this process's
+in-flight slot. Requests must lie inside the mint's range; puts and ready marks need a writable
+mint of a writable window, and a mark's tile must lie inside the minted range. Every copy runs
+inside the native seqlock bracket, held only around one call that never waits for a peer
+(``move``: one non-blocking send or receive), and yields the native outcome, which the engine
+carries to the consumer as is.
 
-**Watches.** A grant can subscribe a consumer to control words of its window (the ready words,
-the latest-version word): one hub thread per runtime blocks in the native multi-word waiter on
-the window's ready sequence word and latest-version word; on a change the subscriptions are
-marked dirty and their engine's sender collects the words that changed since it last sent them
-(coalesced; memory per subscription is one snapshot). No polling, no sleeps.
+**Watches** of a grant's control words: :mod:`memsem.core._watches`.
 """
 from __future__ import annotations
 
-import errno as _errno
 import hmac
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,40 +38,37 @@ from memsem import native
 from memsem._buffers import address_view
 from memsem._errors import (
     AccessDeniedError,
-    EngineError,
     MemsemError,
     MemsemTimeoutError,
-    WindowNotFoundError,
+    StaleReferenceError,
+    VersionGoneError,
 )
-from memsem.engines import WATCH_HEADER, WATCH_READY
+from memsem.engines import WATCH_HEADER
 from memsem.gva import (
     Mint,
     RefSpec,
-    WindowState,
     credential_proof,
     mint_mac,
     mint_valid,
     parse_token,
 )
-from memsem.gva._control_block import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
+from memsem.gva._control_block import W_LATEST
 from memsem.core import _translate as tr
 from memsem.core._bracket import ATTENTION, Bracket, Outcome, Status, settle, value_of
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait
+from memsem.core._watches import Subscription, WatchHub
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
     from memsem.core._publish import Owned
 
-#: grants cached per runtime; past this the cache is emptied (grants are cheap to remake)
-GRANT_LIMIT = 4096
-#: header words of a control block a remote consumer may watch
-WATCHABLE_HEADER = (W_GENERATION, W_STATE, W_LATEST, W_SEQ0, W_SEQ1)
-#: targets of one watch, and subscriptions of one runtime
-MAX_TARGETS = 16
-MAX_SUBSCRIPTIONS = 65536
+#: how long a retire waits (at most) for its generation change to reach remote watchers' sockets
+FLUSH_S = 1.0
 #: owner-side wait of one request for an open write section, per slice (seconds)
 BUSY_SLICE_S = 0.05
+#: versions one grant (a remote consumer's session) may hold reserved at once
+MAX_RESERVATIONS = 8
 
 _ffi = native.ffi
 _lib = native.lib
@@ -89,16 +87,17 @@ class Token:
 
 
 class Grant:
-    """A checked credential of remote consumers for one window generation of this runtime.
+    """A checked credential of one remote consumer's session for one window generation of
+    this runtime: it lives as long as the session (the connection's handle) that opened it.
 
     Attributes:
         gva, generation: the window. nbytes: its size. writable: the mint and the window allow
         puts (and ready marks). lo, hi: the minted byte range (requests must lie inside it).
-        n_ready: ready words of the window. spec: the owner's ref (labels in messages).
+        n_ready, tile_bytes: ready words of the window. spec: the owner's ref (labels).
     """
 
-    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "spec", "_res",
-                 "_server", "_closed")
+    __slots__ = ("gva", "generation", "nbytes", "writable", "lo", "hi", "n_ready", "tile_bytes", "spec",
+                 "_res", "_server", "_closed", "_commits", "_reservations")
 
     def __init__(self, server: "Server", res: Resolution, owned: "Owned", mint: Mint) -> None:
         self._server = server
@@ -109,7 +108,11 @@ class Grant:
         self.lo, self.hi = mint.offset, mint.offset + mint.nbytes
         self.writable = mint.access == "rw" and owned.info.access == "rw"
         self.n_ready = owned.cb.n_ready
+        self.tile_bytes = owned.info.tile_bytes
         self._closed = False
+        self._commits: Subscription | None = None
+        #: versions held for the session (``reserve``): version -> the owner's pinned lease
+        self._reservations: dict[int, Any] = {}
 
     @property
     def closed(self) -> bool:
@@ -124,8 +127,8 @@ class Grant:
         """A request's range and direction against the mint.
 
         Raises:
-            ValueError: the range is not inside the minted range. AccessDeniedError: a put or
-            a ready mark through a read-only mint or to a read-only window.
+            ValueError: the range is not inside the minted range. AccessDeniedError: a put
+            through a read-only mint or to a read-only window.
         """
         if offset < self.lo or nbytes < 0 or offset + nbytes > self.hi:
             raise ValueError(f"range [{offset}, {offset + nbytes}) lies outside the range "
@@ -133,6 +136,25 @@ class Grant:
         if put and not self.writable:
             raise AccessDeniedError(f"write to window gva {self.gva:#x}: the ref was minted read-only "
                                     "or the window was published read-only")
+
+    def check_tile(self, tile: int) -> None:
+        """A ready mark's tile against the mint, like a put's range: the tile's bytes must lie
+        inside the minted range, and the mint and the window must be writable.
+
+        Raises:
+            AccessDeniedError: read-only, or the tile lies (partly) outside the minted range.
+            ValueError: the window has no such tile.
+        """
+        if not self.writable:
+            raise AccessDeniedError(f"ready mark on window gva {self.gva:#x}: the ref was minted read-only "
+                                    "or the window was published read-only; readiness is the producer's to set")
+        if not 0 <= tile < self.n_ready:
+            raise ValueError(f"tile {tile} of window gva {self.gva:#x}: it has {self.n_ready} tiles")
+        lo = tile * self.tile_bytes
+        hi = min(lo + self.tile_bytes, self.nbytes)
+        if lo < self.lo or hi > self.hi:
+            raise AccessDeniedError(f"ready mark of tile {tile} (bytes [{lo}, {hi})) of window gva "
+                                    f"{self.gva:#x}: the ref was minted for bytes [{self.lo}, {self.hi}) only")
 
     def open_bracket(self, put: bool, offset: int, nbytes: int, version: int = 0,
                      wait_s: float = 0.0) -> tuple[Token | None, Outcome]:
@@ -224,24 +246,95 @@ class Grant:
         """Flat uint8 array over the bytes of an open bracket (valid until ``leave``)."""
         return address_view(token.address, token.nbytes, self._res)
 
-    def set_ready(self, tile: int, ready: bool) -> None:
-        """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
-        ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers).
+    def move(self, put: bool, offset: int, nbytes: int, version: int,
+             io: Callable[[int, int], int]) -> tuple[Outcome, int]:
+        """One seqlock bracket around ``io(address, nbytes)``, a call that moves at most
+        ``nbytes`` bytes at ``address`` (the window's bytes at ``offset`` in the slot of
+        ``version``, 0 the latest) and returns how many it moved without waiting (one
+        non-blocking send or receive). The bracket is held only during that call, so it never
+        depends on a remote peer's progress.
+
+        Returns ``(outcome, moved)``: the bracket's outcome (OK: ``value`` is the version moved;
+        else the native status and its value, which an owner-checked engine carries to its
+        consumer as is) and the bytes ``io`` moved (valid only when the outcome is OK). A closed
+        serving resolution (the window was retired) is GEN_BEFORE with the generation found.
 
         Raises:
-            AccessDeniedError: read-only mint or window. ValueError: no such tile.
-            StaleReferenceError: the generation moved.
+            Whatever ``io`` raises (the bracket is closed as failed first).
         """
-        if not self.writable:
-            raise AccessDeniedError(f"ready mark on window gva {self.gva:#x}: the ref was minted read-only "
-                                    "or the window was published read-only; readiness is the producer's to set")
-        if self.current() != self.generation:
-            raise tr.stale(self.spec, self.current() or None)
+        b = Bracket(self._res)
+        o = b.open(put, offset, nbytes, version)
+        if not o.ok:
+            if o.status is Status.CLOSED:
+                o = Outcome(Status.GEN_BEFORE, self.current())
+            return o, 0
+        moved = 0
+        failed = True
+        try:
+            moved = io(b.address, nbytes)
+            failed = False
+        finally:
+            o = b.close(failed)
+        return o, moved
+
+    def set_ready(self, tile: int, ready: bool) -> Outcome:
+        """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
+        ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers). Returns the
+        outcome: OK, or GEN_BEFORE with the generation found (0: gone).
+
+        Raises:
+            AccessDeniedError / ValueError: as :meth:`check_tile`.
+        """
+        self.check_tile(tile)
+        cur = self.current()
+        if cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
         core = self._server.core
-        if ready:
-            core.readiness.mark(self.spec, tile)
+        try:
+            if ready:
+                core.readiness.mark(self.spec, tile)
+            else:
+                core.readiness.clear(self.spec, tile)
+        except StaleReferenceError as exc:  # retired between the check and the mark
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        return Outcome(Status.OK, 0)
+
+    def add_rows(self, tile: int, rows: int, total: int) -> Outcome:
+        """Count ``rows`` of tile ``tile``'s ``total`` written by the remote producer, as the
+        owner's own ``Readiness.add_rows`` would (the tile is marked once complete). Returns OK
+        (value: the rows written so far), or GEN_BEFORE with the generation found.
+
+        Raises:
+            AccessDeniedError / ValueError: as :meth:`check_tile`; rows written twice.
+        """
+        self.check_tile(tile)
+        cur = self.current()
+        if cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
+        try:
+            return Outcome(Status.OK, self._server.core.readiness.add_rows(self.spec, tile, rows, total))
+        except StaleReferenceError as exc:
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        except ValueError:  # rows counted twice: the word was left as it was
+            return Outcome(Status.RANGE, 0)
+
+    @property
+    def commit_watched(self) -> bool:
+        """``on_commit`` was called (and the grant is open)."""
+        return self._commits is not None
+
+    def on_commit(self, notify: Callable[[], None]) -> None:
+        """Call ``notify()`` (from the hub's thread; it must not block) whenever a version of
+        the window is committed or its generation moves, until the grant closes: what a
+        request parked on an open write section waits for.
+
+        Raises:
+            StaleReferenceError: the window is gone. MemsemError: too many subscriptions.
+        """
+        if self._commits is None:
+            self._commits = self._server.hub.subscribe(self, [(WATCH_HEADER, W_LATEST, 1)], notify)
         else:
-            core.readiness.clear(self.spec, tile)
+            self._commits.notify = notify
 
     def watch(self, targets: Sequence[tuple[int, int, int]], notify: Callable[[], None]) -> "Subscription":
         """Subscribe to control words of this window (see the module docstring). ``notify()``
@@ -254,7 +347,7 @@ class Grant:
         """
         return self._server.hub.subscribe(self, targets, notify)
 
-    def _pin(self) -> Any:
+    def pin_control(self) -> Any:
         """The control block, pinned for a subscription (unpinned by its close)."""
         cb = self._res.cb
         if cb is None or self._res.closed:
@@ -265,272 +358,91 @@ class Grant:
             raise tr.stale(self.spec, None) from None
         return cb
 
+    # -- reservations: versions held for the session ----------------------------------------------
+    def reserve(self, version: int, ttl: float) -> Outcome:
+        """Hold ``version`` (0: the latest committed one) of the window for this grant's
+        session: a lease of this runtime pinning it (``Versions.pin_now``), so the owner's write
+        sections do not overwrite it until ``drop_reservation``, ``ttl`` seconds (capped by the
+        runtime's timeout: a remote consumer never holds the writer longer), or the session's
+        end (``close``). A reservation of a version held already is renewed. Never waits.
+
+        Returns:
+            OK (value: the version held), BUSY (a write section is overwriting it: ask again
+            after a commit), VERSION_GONE (value: the version found), GEN_BEFORE (value: the
+            generation found; 0: gone).
+
+        Raises:
+            MemsemError: ``MAX_RESERVATIONS`` versions are held already.
+        """
+        core = self._server.core
+        cur = self.current()
+        if self.closed or cur != self.generation:
+            return Outcome(Status.GEN_BEFORE, cur)
+        ttl = min(max(float(ttl), 1e-3), core.timeout)
+        held = self._reservations.get(version) if version else None
+        if held is not None and held.held:
+            try:
+                held.renew(ttl)
+                return Outcome(Status.OK, version)
+            except MemsemError:
+                self._reservations.pop(version, None)
+        if len(self._reservations) >= MAX_RESERVATIONS:
+            for v in [v for v, le in self._reservations.items() if not le.held or le.expired()]:
+                self._reservations.pop(v).release()
+            if len(self._reservations) >= MAX_RESERVATIONS:
+                raise MemsemError(f"{self.spec.label}: {MAX_RESERVATIONS} versions are reserved on this "
+                                  "connection already (drop some)")
+        try:
+            lease = core.versions.pin_now(self.spec, version, ttl)
+        except VersionGoneError as exc:
+            return Outcome(Status.VERSION_GONE, exc.found or 0)
+        except StaleReferenceError as exc:
+            return Outcome(Status.GEN_BEFORE, exc.found or 0)
+        if lease is None:
+            return Outcome(Status.BUSY, 0)
+        old = self._reservations.pop(lease.version, None)
+        if old is not None:
+            old.release()
+        self._reservations[lease.version] = lease
+        return Outcome(Status.OK, lease.version)
+
+    def drop_reservation(self, version: int) -> None:
+        """Give back the reservation of ``version`` (a no-op when none is held)."""
+        lease = self._reservations.pop(version, None)
+        if lease is not None:
+            lease.release()
+
     def close(self) -> None:
-        """Drop the grant's claim on the resolution (safe twice)."""
+        """Drop the grant's reservations and its claim on the serving resolution (safe twice)."""
         if not self._closed:
             self._closed = True
+            for lease in self._reservations.values():
+                lease.release(force=True)
+            self._reservations.clear()
+            if self._commits is not None:
+                self._commits.close()
+                self._commits = None
             self._res.leave()
 
 
-class Subscription:
-    """Control words of one window watched for one remote consumer (see ``Grant.watch``)."""
-
-    def __init__(self, hub: "WatchHub", grant: Grant, targets: list[tuple[int, int, int]],
-                 notify: Callable[[], None]) -> None:
-        self.hub = hub
-        self.gva = grant.gva
-        self.notify = notify
-        self.dirty = True
-        self.closed = False
-        self._lock = threading.Lock()
-        self._cb = grant._pin()
-        cb = self._cb
-        self.header = [i for kind, i, _ in targets if kind == WATCH_HEADER]
-        self._last_header: dict[int, int] = {}
-        self._ready: list[tuple[int, np.ndarray, np.ndarray]] = []
-        for kind, index, count in targets:
-            if kind == WATCH_READY and count:
-                words = np.frombuffer(_ffi.buffer(_ffi.cast("char *", cb.ready_addr(index)), 8 * count), np.uint64)
-                self._ready.append((index, words, np.zeros(count, np.uint64)))
-        self.watches_ready = bool(self._ready)
-
-    def collect(self) -> list[tuple[int, int, int]]:
-        """``(kind, index, value)`` of every watched word that changed since the last collect
-        (all non-zero ones the first time). Empty once closed."""
-        with self._lock:
-            if self.closed:
-                return []
-            cb = self._cb
-            out: list[tuple[int, int, int]] = []
-            for i in self.header:
-                v = cb.word(i)
-                if self._last_header.get(i) != v:
-                    self._last_header[i] = v
-                    out.append((WATCH_HEADER, i, v))
-            for first, words, last in self._ready:
-                now = words.copy()  # aligned 8-byte words: each read whole
-                native.lib.memsem_fence_seq_cst()
-                changed = np.flatnonzero(now != last)
-                if changed.size:
-                    last[changed] = now[changed]
-                    out.extend((WATCH_READY, first + int(t), int(now[t])) for t in changed)
-            return out
-
-    def close(self) -> None:
-        """Stop watching (safe twice; the control block is unpinned)."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self._ready = []
-        self.hub.unsubscribe(self)
-        self._cb.unpin()
-
-
-class _Window:
-    """A window the hub watches: its words and subscriptions."""
-
-    __slots__ = ("gva", "cb", "subs", "words", "baseline")
-
-    def __init__(self, gva: int, cb: Any, words: list[int]) -> None:
-        self.gva = gva
-        self.cb = cb
-        self.subs: set[Subscription] = set()
-        #: addresses of 8-byte words whose change wakes the hub
-        self.words = words
-        #: their values when the watch began (read before any subscriber's first collect, so
-        #: a change between the two is never missed)
-        self.baseline = {a: native.load_acquire(a) for a in words}
-
-
-class WatchHub:
-    """One runtime's watcher of control words for remote subscribers: one thread per
-    ``SHARD_WORDS`` watched words, blocked in the native multi-word waiter (``futex_waitv``
-    where the kernel has it, else bounded futex slices), woken by the writers of the words."""
-
-    def __init__(self, core: "RuntimeCore") -> None:
-        self.core = core
-        self._lock = threading.Lock()
-        self._windows: dict[int, _Window] = {}
-        self._shards: list[_Shard] = []
-        self._closed = False
-        self.count = 0
-        probe = _lib.memsem_wait_probe()
-        self._mode = _lib.MEMSEM_WAIT_WAITV if probe == 1 else _lib.MEMSEM_WAIT_SLICES
-        #: words (8-byte) one shard watches besides its wake word
-        self._per_shard = (_lib.MEMSEM_WAITV_MAX - 1) // 2 if self._mode == _lib.MEMSEM_WAIT_WAITV else 256
-
-    def subscribe(self, grant: Grant, targets: Sequence[tuple[int, int, int]],
-                  notify: Callable[[], None]) -> Subscription:
-        checked = _check_targets(grant, targets)
-        with self._lock:
-            if self._closed:
-                raise MemsemError("the runtime is closing: no new watches")
-            if self.count >= MAX_SUBSCRIPTIONS:
-                raise MemsemError(f"this owner serves {self.count} watches already (at most {MAX_SUBSCRIPTIONS})")
-            sub = Subscription(self, grant, checked, notify)
-            w = self._windows.get(grant.gva)
-            if w is None:
-                cb = sub._cb
-                cb.pin()  # the hub's own pin while it watches the window's words
-                w = self._windows[grant.gva] = _Window(
-                    grant.gva, cb, [cb.addr(W_LATEST)] + ([cb.addr(W_READY_SEQ)] if grant.n_ready else []))
-                self._place(w)
-            w.subs.add(sub)
-            self.count += 1
-        return sub
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        with self._lock:
-            w = self._windows.get(sub.gva)
-            if w is None or sub not in w.subs:
-                return
-            w.subs.discard(sub)
-            self.count -= 1
-            if not w.subs:
-                del self._windows[w.gva]
-                for s in self._shards:
-                    if w in s.windows:
-                        # unpinned by the shard's thread once it no longer waits on the words
-                        s.windows.remove(w)
-                        s.used -= len(w.words)
-                        s.retired.append(w)
-                        s.bump()
-                        return
-                w.cb.unpin()
-
-    def _place(self, w: _Window) -> None:
-        shard = next((s for s in self._shards if s.used + len(w.words) <= self._per_shard), None)
-        if shard is None:
-            shard = _Shard(self, len(self._shards))
-            self._shards.append(shard)
-            shard.thread.start()
-        shard.windows.append(w)
-        shard.used += len(w.words)
-        shard.bump()
-
-    def changed(self, gva: int) -> None:
-        """Words of window ``gva`` may have changed without a wake (its generation moved):
-        let its subscribers collect."""
-        with self._lock:
-            w = self._windows.get(gva)
-            subs = list(w.subs) if w is not None else []
-        for s in subs:
-            s.dirty = True
-            s.notify()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            shards, self._shards = self._shards, []
-            subs = [s for w in self._windows.values() for s in w.subs]
-        for s in shards:
-            s.stop = True
-            s.bump()
-        for s in shards:
-            if s.thread is not threading.current_thread():
-                s.thread.join(2.0)
-        for sub in subs:
-            sub.close()
-        for s in shards:
-            if not s.thread.is_alive():
-                for w in s.windows + s.retired:
-                    w.cb.unpin()
-                s.windows, s.retired = [], []
-
-
-class _Shard:
-    """One hub thread: its wake word and the windows whose words it waits on."""
-
-    def __init__(self, hub: WatchHub, index: int) -> None:
-        self.hub = hub
-        self.windows: list[_Window] = []
-        #: windows no longer watched, unpinned by this shard's thread outside its wait
-        self.retired: list[_Window] = []
-        self.used = 0
-        self.stop = False
-        self._wake = _ffi.new("uint32_t *")
-        self._wake_addr = int(_ffi.cast("uintptr_t", self._wake))
-        self.thread = threading.Thread(target=self._run, name=f"memsem-watch-hub-{index}", daemon=True)
-
-    def bump(self) -> None:
-        _lib.memsem_wait_bump(self._wake)
-
-    def _run(self) -> None:
-        hub = self.hub
-        seen: dict[int, int] = {}
-        try:
-            while True:
-                with hub._lock:
-                    if self.stop:
-                        return
-                    retired, self.retired = self.retired, []
-                    addrs = [(w, a) for w in self.windows for a in w.words]
-                    live = {a for _, a in addrs}
-                for w in retired:
-                    w.cb.unpin()
-                for a in list(seen):
-                    if a not in live:
-                        del seen[a]
-                n = len(addrs) + 1
-                words = _ffi.new("struct memsem_wait_word[]", n)
-                words[0].addr, words[0].size, words[0].expected = self._wake_addr, 4, self._wake[0]
-                for i, (w, a) in enumerate(addrs, 1):
-                    v = seen.get(a)
-                    if v is None:
-                        v = seen[a] = w.baseline[a]
-                    words[i].addr, words[i].size, words[i].expected = a, 8, v
-                rc = _lib.memsem_wait_any(words, n, native.monotonic_ns() + int(3600e9), hub._mode)
-                if rc < 0 and rc != -_errno.ETIMEDOUT:
-                    raise EngineError("watch hub wait failed", errno=-rc)
-                dirty: set[_Window] = set()
-                for i, (w, a) in enumerate(addrs, 1):
-                    if words[i].changed:
-                        seen[a] = int(words[i].seen)
-                        dirty.add(w)
-                for w in dirty:
-                    for s in list(w.subs):
-                        s.dirty = True
-                        s.notify()
-        except BaseException:  # noqa: BLE001 - a dead hub must not stay silent: subscribers lose
-            import logging
-
-            logging.getLogger(__name__).exception("memsem watch hub failed; its watches end")
-            with hub._lock:
-                subs = [s for w in self.windows for s in w.subs]
-            for s in subs:
-                s.dirty = True
-                s.notify()
-
-
-def _check_targets(grant: Grant, targets: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    if not 0 < len(targets) <= MAX_TARGETS:
-        raise ValueError(f"a watch names 1 to {MAX_TARGETS} targets, got {len(targets)}")
-    out = []
-    for kind, index, count in targets:
-        if kind == WATCH_HEADER:
-            if index not in WATCHABLE_HEADER or count != 1:
-                raise ValueError(f"control word {index} (x{count}) cannot be watched; watchable: "
-                                 f"{WATCHABLE_HEADER}")
-        elif kind == WATCH_READY:
-            if index < 0 or count < 0 or index + count > grant.n_ready:
-                raise ValueError(f"ready words [{index}, {index + count}) lie outside the window's "
-                                 f"{grant.n_ready} ready words")
-        else:
-            raise ValueError(f"watch target kind {kind} is unknown")
-        out.append((int(kind), int(index), int(count)))
-    return out
-
-
 class Server:
-    """Grants, mints and watches of one runtime (the owner side of owner-checked engines)."""
+    """Mints, credentials, serving resolutions and watches of one runtime (the owner side of
+    owner-checked engines).
+
+    Grants belong to the sessions that opened them (no cache: a grant lives until its
+    session closes it). Each window served has one *serving resolution* of the owner's own
+    memory, owned here and never cached (no cache bound or eviction closes it under a grant):
+    made at the first grant of the window, closed when the window retires (``evict``).
+    """
 
     def __init__(self, core: "RuntimeCore") -> None:
         self.core = core
-        self._grants: dict[bytes, Grant] = {}
+        #: gva -> the serving resolution of the window's live generation
+        self._serving: dict[int, Resolution] = {}
         self._lock = threading.Lock()
+        #: the key a proof is checked against when the window named is not served here, so
+        #: that an unowned GVA costs and answers exactly what a wrong proof does
+        self._decoy = secrets.token_bytes(16)
         self.hub = WatchHub(core)
 
     # -- mints ------------------------------------------------------------------------------------
@@ -549,31 +461,30 @@ class Server:
 
     # -- opening ----------------------------------------------------------------------------------
     def open(self, token: bytes, challenge: bytes, proof: bytes) -> Grant:
-        """Check a remote consumer's credential for a window this runtime owns (see the module
-        docstring) and return its grant.
+        """Check a remote consumer's credential (see the module docstring) and return a new
+        grant for its session (the caller closes it).
+
+        Nothing about the window is told before the proof verifies: a malformed token, a
+        window not served here (never published, unpublished, retiring, another generation)
+        and a wrong proof are one refusal, with one message. After the proof: a ref without a
+        mint, or whose mint's MAC does not verify (an edited ref), is refused by name.
 
         Raises:
-            AccessDeniedError: malformed token, wrong proof (key), no mint, a mint whose MAC does
-                not verify (an edited ref). WindowNotFoundError: not owned here (any more).
-                StaleReferenceError: another generation, or the window is not LIVE.
+            AccessDeniedError: refused (the engine closes the connection).
+            RuntimeClosedError / MemsemError: the runtime is closing, or cannot serve the window.
         """
+        core = self.core
         try:
             gva, gen, mint = parse_token(token)
-        except ValueError as exc:
-            raise AccessDeniedError(f"malformed credential: {exc}") from None
-        core = self.core
+        except ValueError:
+            gva, gen, mint = -1, -1, None
         owned = core.publisher.owned.get(gva)
-        if owned is None or owned.retiring:
-            raise WindowNotFoundError(f"window gva {gva:#x} is not published by this runtime (unpublished, "
-                                      "or never): the ref is stale", expected=gen)
+        live = owned is not None and not owned.retiring and owned.generation == gen
+        key = owned.key if live else self._decoy
+        good = hmac.compare_digest(credential_proof(key, challenge, bytes(token)), bytes(proof))
+        if not (live and good):
+            raise AccessDeniedError(REFUSED)
         spec = owned.spec()
-        if gen != owned.generation:
-            raise tr.stale(RefSpec(gva, gen, spec.key, spec.access, 0, spec.nbytes, spec.dtype_code, spec.shape,
-                                   spec.byte_offset, spec.framework, spec.name), owned.generation)
-        if not hmac.compare_digest(credential_proof(owned.key, challenge, token), bytes(proof)):
-            raise AccessDeniedError(f"wrong access key for {spec.label}: the credential's proof does not "
-                                    "match (a ref not minted by its owner, or a proof replayed from another "
-                                    "connection)")
         if mint is None:
             raise AccessDeniedError(f"the ref to {spec.label} carries no mint (built by hand, or by an older "
                                     "memsem): ask its owner for a ref (publish, lookup)")
@@ -581,51 +492,41 @@ class Server:
             raise AccessDeniedError(f"the ref to {spec.label} was altered: its minted range/access "
                                     f"[{mint.offset}, {mint.offset + mint.nbytes}) {mint.access!r} does "
                                     "not verify under the owner's MAC")
-        cb = owned.cb
-        if cb.generation != gen or cb.word(W_STATE) != WindowState.LIVE:
-            raise tr.stale(spec, cb.generation)
-        token = bytes(token)
         with self._lock:
-            g = self._grants.get(token)
-            if g is not None and not g.closed and g.current() == g.generation:
-                return g
-            if g is not None:
-                del self._grants[token]
-                g.close()
-            res = core.resolver.resolve_direct(spec)  # the owner's own memory, whatever the route preference
+            res = self._serving.get(gva)
+            if res is not None and (res.closed or res.generation != gen):
+                del self._serving[gva]
+                res.close()
+                res = None
+            if res is None:
+                # the owner's own memory, whatever the route preference; owned here, not cached
+                res = self._serving[gva] = core.resolver.resolve_direct(spec)
             if not res.enter():  # the grant's claim
-                raise tr.stale(spec, cb.generation)
-            g = Grant(self, res, owned, mint)
-            if len(self._grants) >= GRANT_LIMIT:
-                self._evict(lambda g: True)
-            self._grants[token] = g
-            return g
+                raise AccessDeniedError(REFUSED)
+            return Grant(self, res, owned, mint)
 
     # -- lifetime ---------------------------------------------------------------------------------
-    def sweep(self) -> None:
-        """Drop cached grants of windows whose generation moved."""
-        with self._lock:
-            self._evict(lambda g: g.current() != g.generation)
-
     def evict(self, gva: int) -> None:
-        """Drop every grant of window ``gva`` (it is being retired) and tell its watchers."""
+        """Window ``gva`` is retired: close its serving resolution (grants still held by
+        sessions answer GEN_BEFORE from then on) and tell its watchers."""
         with self._lock:
-            self._evict(lambda g: g.gva == gva)
-        self.hub.changed(gva)
+            res = self._serving.pop(gva, None)
+        if res is not None:
+            res.close()
+        # remote watchers learn of the retire before it returns (a wait of theirs on an old
+        # mark then raises StaleReferenceError, as on this node)
+        self.hub.changed(gva, flush_s=FLUSH_S)
 
     def close(self) -> None:
         self.hub.close()
         with self._lock:
-            self._evict(lambda g: True)
-
-    def _evict(self, which: Any) -> None:
-        for tok, g in list(self._grants.items()):
-            if which(g):
-                del self._grants[tok]
-                try:
-                    g.close()
-                except MemsemError:
-                    pass
+            all_, self._serving = list(self._serving.values()), {}
+        for r in all_:
+            r.close()
 
 
-__all__ = ["GRANT_LIMIT", "Grant", "MemsemTimeoutError", "Server", "Subscription", "Token", "WatchHub"]
+#: the one refusal of a credential before its proof verified (whatever was wrong)
+REFUSED = ("credential refused: its proof does not verify for a window this owner serves (wrong "
+           "access key, a proof replayed from another connection, or no such window here)")
+
+__all__ = ["REFUSED", "Grant", "MemsemTimeoutError", "Server", "Subscription", "Token", "WatchHub"]

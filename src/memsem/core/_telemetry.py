@@ -161,7 +161,10 @@ class Telemetry:
             h = self._hist.get(key)
             if h is None:
                 h = self._hist[key] = np.zeros(_NB, np.int64)
-            np.add.at(h, idx, 1)
+            if len(idx) == 1:
+                h[idx[0]] += 1  # one sample (a view, one xcopy range): no ufunc machinery
+            else:
+                np.add.at(h, idx, 1)
             self._sum[key] = self._sum.get(key, 0) + sum(max(0, int(ns)) for ns in samples_ns)
 
     def count_error(self, kind: str) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import _args, _dtypes, _hot, native
-from memsem._buffers import address_view, array_address, as_byte_array
+from memsem._buffers import address_view, array_address, as_byte_array, check_dtype
 from memsem._errors import (
     EngineError,
     NotSupportedError,
@@ -354,35 +354,43 @@ class Transfers:
     def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0) -> Any:
         """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
         ref's dtype); returns it (``out``'s own object when given)."""
+        return self.get_versioned(spec, out, lease, version)[1]
+
+    def get_versioned(self, spec: RefSpec, out: Any = None, lease: Lease | None = None,
+                      version: int = 0) -> tuple[int, Any]:
+        """``get`` that also says which version's bytes it returned: ``(version, out)``. The
+        version is the copy bracket's (the slot's sequence word around the copy, here or at the
+        owner), so it always agrees with the bytes, whatever the route.
+
+        ``out`` must have the ref's dtype, or be uint8 (raw bytes; a uint8 ref takes any out):
+        a dtype mismatch is a TypeError, never a reinterpretation."""
         if version.__class__ is not int or version:  # 0 is the common case: the door for the rest
             version = _args.version(version, "version")
         if out is not None and (lease is None or lease.spec.gva == spec.gva):
             res = self._cache.get(spec.gva)
             if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
                 if lease is None:
-                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version)
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, spec.dtype_code, version)
                 else:
-                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, -1, version,
+                    rc = _hot_copy(res.addr, 0, spec.offset, out, spec.nbytes, spec.dtype_code, version,
                                    *lease.native_args(spec))
                 if not rc & _ATTN:
-                    return out
+                    return rc >> _SHIFT, out
                 if rc != _RC_BUFFER:
                     flat, info = as_byte_array(out, "out", writable=True)
-                    self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version)
-                    return out
+                    return self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version), out
         return self._get(spec, out, lease, version)
 
-    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> Any:
+    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> tuple[int, Any]:
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
             n = out.nbytes
-            self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version)
-            return out
+            return self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version), out
         flat, info = as_byte_array(out, "out", writable=True)
         if info.nbytes != spec.nbytes:
             raise _size_mismatch("out", info.nbytes, spec)
-        self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version)
-        return out
+        check_dtype("out", info.dtype_code, spec.dtype_code)
+        return self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version), out
 
     def put(self, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
         """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
@@ -407,9 +415,7 @@ class Transfers:
         n, code = info.nbytes, info.dtype_code
         if n != spec.nbytes:
             raise _size_mismatch("src", n, spec)
-        if code != spec.dtype_code and spec.dtype_code != _UINT8 and code != _UINT8:
-            raise TypeError(f"src dtype {_dtypes.name_of(code)} differs from the ref's "
-                            f"{_dtypes.name_of(spec.dtype_code)}; view it as uint8 to copy raw bytes")
+        check_dtype("src", code, spec.dtype_code)
         return self.transfer(spec, True, 0, info.address, n, flat, lease)
 
     def get_range(self, spec: RefSpec, offset: int, buf: np.ndarray, lease: Lease | None = None) -> int:

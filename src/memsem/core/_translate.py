@@ -1,8 +1,10 @@
 """Errors, made in one place: the boundary where engine and native outcomes become memsem errors.
 
 Every condition has one wording and one type whatever the call that met it (get, put, lease,
-view, wait_tile, xcopy): a moved generation is ``StaleReferenceError`` (expected and found
-generations attached), a dead owner ``PeerLostError``, an expired lease ``LeaseExpiredError``.
+view, wait_tile, xcopy): a moved generation is ``WindowRetiredError`` (the ref's and the found
+generations attached: look the name up again), an overwritten version ``VersionGoneError`` (the
+wanted and found versions: read the latest), both ``StaleReferenceError``; a dead owner
+``PeerLostError``, an expired lease ``LeaseExpiredError``.
 Engine errors are chained (``raise ... from``) so their errno / status name stays visible.
 """
 from __future__ import annotations
@@ -16,27 +18,29 @@ from memsem._errors import (
     LeaseExpiredError,
     MemsemError,
     MemsemTimeoutError,
-    StaleReferenceError,
+    VersionGoneError,
+    WindowRetiredError,
 )
 from memsem import _args
 from memsem.gva import RefSpec
 
-def stale(spec: RefSpec, found: int | None, *, during: bool = False) -> StaleReferenceError:
+def stale(spec: RefSpec, found: int | None, *, during: bool = False) -> WindowRetiredError:
     """The generation of ``spec``'s window moved (or the window is gone: ``found`` None)."""
     when = " during the transfer" if during else ""
     now = "it is gone" if found is None else f"it is now {found}"
-    return StaleReferenceError(
+    again = f"; look {spec.name!r} up again" if spec.name else ""
+    return WindowRetiredError(
         f"{spec.label}: the ref is stale (generation {spec.generation}; {now}): the window was "
-        f"unpublished, republished or reused{when}; no byte of it is valid",
-        window=spec.name, expected=spec.generation, found=found)
+        f"unpublished, republished or reused{when}; no byte of it is valid{again}",
+        window=spec.name, generation=spec.generation, found=found)
 
 
-def version_gone(spec: RefSpec, wanted: int, found: int) -> StaleReferenceError:
+def version_gone(spec: RefSpec, wanted: int, found: int) -> VersionGoneError:
     """Version ``wanted`` of ``spec``'s window was overwritten by version ``found``."""
-    return StaleReferenceError(
+    return VersionGoneError(
         f"{spec.label}: version {wanted} is gone (the window holds version {found} now); read "
         f"the latest version, or hold a lease on a version to keep it readable",
-        window=spec.name, expected=wanted, found=found)
+        window=spec.name, wanted=wanted, found=found)
 
 
 def lease_expired(spec: RefSpec, when: str) -> LeaseExpiredError:

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
-from memsem._errors import NotSupportedError, StaleReferenceError
+from memsem._errors import NotSupportedError, VersionGoneError
 from memsem.gva import RefSpec
-from memsem.gva._control_block import W_LATEST, W_WRITER
+from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
 from memsem.core._lease import Lease
@@ -162,10 +162,15 @@ class Versions:
         version not written yet may be pinned (a reservation: the owner may write it, and not
         the one after it in the same slot).
 
+        Another node's window (a route whose engine ``reserves``, tcp): the pin is a
+        reservation held at the owner by this thread's session with it (the owner's own lease,
+        its ttl capped by the owner's timeout; it ends with the session).
+
         Raises:
-            StaleReferenceError: ``version`` is gone (names it and the version found), or the
-                generation moved. MemsemTimeoutError: a write section kept the version being
-                overwritten for ``timeout`` s. NotSupportedError: another node's window.
+            VersionGoneError: ``version`` is gone (names it and the version found).
+            WindowRetiredError: the generation moved. MemsemTimeoutError: a write section kept
+                the version being overwritten for ``timeout`` s. NotSupportedError: another
+                node's window on a route that cannot reserve versions.
             TypeError / ValueError: ``version`` is not an int in ``[0, VERSION_MAX]``.
         """
         core = self._core
@@ -173,29 +178,62 @@ class Versions:
         t = _args.timeout_or(timeout, core.timeout)
         res = self._resolve(spec)
         if res.cb is None:
-            return self._remote(res, spec, "pinning a version")
+            if not res.engine.reserves:
+                return self._remote(res, spec, "pinning a version")
+            return Lease(core, spec, ttl, version=version, reserve=True).acquire()  # reserved at the owner
         cb = res.cb
         wait: Wait | None = None
         while True:
-            self._check_gen(res, spec)
-            v = version or cb.latest
-            lease = Lease(core, spec, ttl, version=v).acquire()  # ends with a seq_cst fence
-            intent = cb.word(W_WRITER)
-            seq = cb.seq(cb.slot_of(v))
-            overwriting = intent > v and cb.slot_of(intent) == cb.slot_of(v)
-            held = seq >> 1
-            if not overwriting and (seq == v << 1 or (version and held < v) or (version and seq == (v << 1 | 1))):
+            lease, v, seq = self._pin_once(spec, res, version, ttl)
+            if lease is not None:
                 return lease
-            lease.release()
-            if version and (held > version or overwriting):
-                core.telemetry.count_error("stale")
-                raise tr.version_gone(spec, version, max(held, intent))
             # a writer is about to overwrite (or is writing) the version: wait for its commit
             if wait is None:
                 wait = Wait(f"{spec.label}: the write section overwriting version {v}", t,
                             telemetry=core.telemetry, state="stayed open",
                             recheck=window_checks(res, spec, cb, during=f"a pin of version {v}"))
-            wait.sleep_word(cb.latest_addr, cb.latest)
+            if not version and seq == (v << 1 | 1):
+                # the latest word says v, its slot's sequence is stored next (the commit's two
+                # stores): the sequence word moves, the latest word does not
+                wait.sleep_word(cb.addr(W_SEQ0 + cb.slot_of(v)), seq)
+            else:
+                wait.sleep_word(cb.latest_addr, cb.latest)
+
+    def pin_now(self, spec: RefSpec, version: int, ttl: float | None) -> Lease | None:
+        """One try of ``pin`` on a window whose control block is here (the owner serving a
+        remote consumer's reservation): the lease, or None when a write section is overwriting
+        the version (try again after its commit). Never waits.
+
+        Raises:
+            VersionGoneError, WindowRetiredError: as ``pin``. NotSupportedError: no control
+            block here.
+        """
+        version = _args.version(version, "version")
+        res = self._resolve(spec)
+        if res.cb is None:
+            raise NotSupportedError(f"{spec.label}: a version is reserved where its control block is")
+        return self._pin_once(spec, res, version, ttl)[0]
+
+    def _pin_once(self, spec: RefSpec, res: Resolution, version: int,
+                  ttl: float | None) -> tuple[Lease | None, int, int]:
+        """``(lease or None, the version tried, its slot's sequence word)``. Pinning checks the
+        writer-intent word after the lease is visible (Dekker with the writer's intent store and
+        lease scan): a writer about to overwrite the version wins, the reader backs off."""
+        core, cb = self._core, res.cb
+        self._check_gen(res, spec)
+        v = version or cb.latest
+        lease = Lease(core, spec, ttl, version=v).acquire()  # ends with a seq_cst fence
+        intent = cb.word(W_WRITER)
+        seq = cb.seq(cb.slot_of(v))
+        overwriting = intent > v and cb.slot_of(intent) == cb.slot_of(v)
+        held = seq >> 1
+        if not overwriting and (seq == v << 1 or (version and held < v) or (version and seq == (v << 1 | 1))):
+            return lease, v, seq
+        lease.release()
+        if version and (held > version or overwriting):
+            core.telemetry.count_error("stale")
+            raise tr.version_gone(spec, version, max(held, intent))
+        return None, v, seq
 
     # -- one bracket, many ranges -----------------------------------------------------------------
     def gather(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], *, version: int = 0,
@@ -269,10 +307,10 @@ class Versions:
                     got = tx.transfer(spec, False, off, addr, n, keep, lease, v)
                     v = v or got
                 return v
-            except StaleReferenceError as exc:
+            except VersionGoneError as exc:
                 # the latest version moved on between ranges (it names the version it wanted):
                 # start again from the new latest; anything else is the caller's error
-                if version or not v or exc.expected != v or exc.found is None:
+                if version or not v or exc.wanted != v:
                     raise
         raise tr.busy_timeout(spec, self._core.timeout)
 

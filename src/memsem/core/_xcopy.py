@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memsem import _hot
-from memsem._buffers import as_byte_array
+from memsem._buffers import as_byte_array, check_dtype
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError
 from memsem.engines import Op, OpKind, OpState
 from memsem.gva import RefSpec
@@ -91,7 +91,7 @@ class XCopier:
                 if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
                     t0 = now()
                     if lease is None:
-                        rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+                        rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, spec.dtype_code)
                         out = True if not rc & _ATTN else self._inline_outcome(rc, res)
                     else:
                         out = self._inline(res, spec, put, buf, lease)
@@ -141,12 +141,12 @@ class XCopier:
     def _inline(self, res: Resolution, spec: RefSpec, put: int, buf: Any, lease: Lease) -> Any:
         """One xcopy range under ``lease`` done now, natively (see ``_inline_outcome``)."""
         if lease.spec.gva != spec.gva:
-            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1)
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, spec.dtype_code)
         else:
             ls, lid = lease.native_args(spec)
             if not ls:
                 return None
-            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, -1, 0, ls, lid)
+            rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, spec.dtype_code, 0, ls, lid)
         return True if not rc & _ATTN else self._inline_outcome(rc, res)
 
     @staticmethod
@@ -204,6 +204,7 @@ class XCopier:
                 flat, info = as_byte_array(local, "dst" if not put else "src", writable=not put)
                 if info.nbytes != spec.nbytes:
                     raise ValueError(f"xcopy sizes differ: ref {spec.nbytes} bytes, buffer {info.nbytes} bytes")
+                check_dtype("dst" if not put else "src", info.dtype_code, spec.dtype_code)
                 if put and not spec.writable:
                     raise tr.read_only_ref(spec)
                 res = self._resolver.resolve(spec)
@@ -272,11 +273,13 @@ class XCopier:
             flat, info = as_byte_array(dst, "dst", writable=True)
             if info.nbytes != src.nbytes:
                 raise ValueError(f"xcopy sizes differ: src ref {src.nbytes} bytes, dst {info.nbytes} bytes")
+            check_dtype("dst", info.dtype_code, src.dtype_code)
             self._tx.transfer(src, False, 0, info.address, info.nbytes, flat, lease_for(src))
         else:
             flat, info = as_byte_array(src, "src", writable=False)
             if info.nbytes != dst.nbytes:
                 raise ValueError(f"xcopy sizes differ: src {info.nbytes} bytes, dst ref {dst.nbytes} bytes")
+            check_dtype("src", info.dtype_code, dst.dtype_code)
             self._tx.transfer(dst, True, 0, info.address, info.nbytes, flat, lease_for(dst))
         self._core.telemetry.record_latency("xcopy", time.perf_counter_ns() - t0)
 

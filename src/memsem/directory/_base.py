@@ -135,51 +135,6 @@ class RecordCodec:
         return None
 
 
-class MemberState(enum.IntEnum):
-    """What a directory knows of a rank's holder (see ``Directory.member``)."""
-
-    #: this directory cannot tell (it keeps no liveness of its own, or never reached the rank)
-    UNKNOWN = 0
-    #: the rank's record is there: ``Member.record`` names the process and its incarnation
-    PRESENT = 1
-    #: the record is absent, but the directory has not answered smoothly for a whole re-claim
-    #: grace since its last outage: the holder may still be re-claiming it (counted as alive)
-    SUSPECT = 2
-    #: the record is absent although the directory answered smoothly for at least the re-claim
-    #: grace: the holder stopped refreshing it (dead, stalled or cut off). Not final: a holder
-    #: that comes back and re-claims its rank with the same incarnation is PRESENT again.
-    GONE = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Member:
-    """A directory's last-known view of one rank.
-
-    Attributes:
-        state: see :class:`MemberState`.
-        record: the rank record (``pid``, ``start``, ``node``, ``incarnation``, ...) when
-            PRESENT, else None.
-        age_s: seconds since the directory read it (the staleness of this view).
-        detail: why the state is what it is, for error messages ("" when PRESENT).
-    """
-
-    state: MemberState
-    record: dict[str, Any] | None = None
-    age_s: float = 0.0
-    detail: str = ""
-
-
-def same_process(record: dict[str, Any] | None, pid: int, start: int, node: str) -> bool:
-    """Whether a rank record names the process ``(pid, start, node)``."""
-    if not isinstance(record, dict):
-        return False
-    try:
-        return (int(record.get("pid", -1)) == int(pid) and int(record.get("start", 0)) == int(start)
-                and record.get("node") == node)
-    except (TypeError, ValueError):
-        return False
-
-
 class EntryWatch:
     """A bounded wait for entries under one prefix to be put (``Directory.watch_entries``).
 
@@ -232,6 +187,49 @@ class EntryWatch:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+class MemberState(enum.IntEnum):
+    """What a directory knows of a rank's holder (see ``Directory.member``)."""
+
+    #: this directory cannot tell (it keeps no liveness of its own, or never reached the rank)
+    UNKNOWN = 0
+    #: the rank's record is there: ``Member.record`` names the process and its incarnation
+    PRESENT = 1
+    #: the record is absent, but the directory has not answered smoothly for a whole re-claim
+    #: grace since its last outage: the holder may still be re-claiming it (counted as alive)
+    SUSPECT = 2
+    #: the record is absent although the directory answered smoothly for at least the re-claim
+    #: grace: the holder stopped refreshing it (dead, stalled or cut off). Not final: a holder
+    #: that comes back and re-claims its rank with the same incarnation is PRESENT again.
+    GONE = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A directory's last-known view of one rank.
+
+    Attributes:
+        state: see :class:`MemberState`.
+        record: the rank record (``pid``, ``start``, ``node``, ``incarnation``, ...) when
+            PRESENT, else None.
+        age_s: seconds since the directory read it (the staleness of this view).
+        detail: why the state is what it is, for error messages ("" when PRESENT).
+    """
+
+    state: MemberState
+    record: dict[str, Any] | None = None
+    age_s: float = 0.0
+    detail: str = ""
+
+
+def same_process(record: dict[str, Any] | None, pid: int, start: int, node: str) -> bool:
+    """Whether a rank record names the process ``(pid, start, node)``."""
+    if not isinstance(record, dict):
+        return False
+    try:
+        return (int(record.get("pid", -1)) == int(pid) and int(record.get("start", 0)) == int(start)
+                and record.get("node") == node)
+    except (TypeError, ValueError):
+        return False
 
 
 class Directory(abc.ABC):
@@ -257,8 +255,9 @@ class Directory(abc.ABC):
         ``key`` (where ``seals_keys``): the access key, stored sealed for the job's members."""
 
     @abc.abstractmethod
-    def remove_window(self, gva: int, name: str) -> None:
-        """Remove a window record and its name alias if it still points at ``gva``."""
+    def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
+        """Remove a window record and its name record if it still points at ``gva`` (never a
+        successor's). ``pause``: the caller's wait, called while the directory is busy."""
 
     @abc.abstractmethod
     def get_window(self, gva: int) -> dict[str, Any] | None:

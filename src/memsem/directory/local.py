@@ -1,8 +1,16 @@
 """The ``local`` directory: files in a 0700 folder next to the segments, one machine, no server.
 
 Layout of ``<segment dir>/memsem.<uid>.dir.<job>/``: ``r.<rank>`` (rank records), ``w.<gva hex>``
-(window records), ``n.<hex of name>`` (name -> gva), ``k.<hex of key>`` (engine entries). The job
-(``MEMSEM_JOB``, default ``default``) namespaces everything.
+(window records), ``n.<sha256 hex of name>`` (name records: the name, the gva of its window and
+its holder: pid, start time, node, rank), ``k.<hex of key>`` (engine entries). The job
+namespaces everything (:func:`default_job` says how one is chosen).
+
+**Names have one owner.** A name record is claimed (``claim_name``) under an exclusive
+``flock`` of the job folder, held across a few local system calls: a name held by a live holder
+(its process alive and its rank record still its own) is refused (the holder is returned) unless
+the claim replaces it explicitly; a dead holder's name is taken over. A window's removal drops
+its name only while the name still points at it (under the same lock), so a replaced owner
+that exits never removes its successor's name.
 
 Named windows' records also hold their access key (field ``access_key``), so any process of
 the job can look a window up by name (``Runtime.lookup``): the job's trust domain is this
@@ -41,10 +49,13 @@ directory after every wait.
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import select
 import stat
@@ -78,8 +89,57 @@ def tmp_name() -> str:
     return f"{TMP_PREFIX}{pid}-{start}.{secrets.token_hex(8)}"
 
 
+#: launchers' run ids a default job is derived from, in order (environment variable, prefix):
+#: every process of one launch has the same one, on every node; two launches differ
+RUN_ID_VARS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("SLURM_JOB_ID", "slurm"))
+_JOB_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
 def default_job() -> str:
-    return os.environ.get("MEMSEM_JOB", "default")
+    """The job a runtime joins when none is named: ``MEMSEM_JOB`` when set (an explicit, shared
+    job: set the same value in every process of a job that is started by separate commands, or
+    spans nodes); else the run id of the launcher that started this process (torchrun's
+    ``TORCHELASTIC_RUN_ID``, Slurm's ``SLURM_JOB_ID``); else this process group's (``pg<pgid>``):
+    the processes one command starts (a script, its ``multiprocessing`` children, a shell
+    pipeline) share it, and two runs started separately never meet by accident.
+
+    A process started in a new session (``start_new_session=True``, ``setsid``) is in another
+    process group: hand it the job explicitly (``MEMSEM_JOB`` in its environment or ``job=``).
+    """
+    job = os.environ.get("MEMSEM_JOB")
+    if job:
+        return job
+    for var, prefix in RUN_ID_VARS:
+        run = os.environ.get(var, "")
+        if run and run != "none":  # torchrun's static rendezvous says "none": not a run id
+            return f"{prefix}-{_JOB_CHARS.sub('_', run)[:64]}"
+    return f"pg{os.getpgrp()}"
+
+
+def job_is_derived(job: str) -> bool:
+    """Whether ``job`` is the derived default (no ``MEMSEM_JOB`` / ``job=`` named it)."""
+    return not os.environ.get("MEMSEM_JOB") and job == default_job()
+
+
+def name_file(name: str) -> str:
+    """The record file of window name ``name`` (``n.`` and the sha256 hex of its UTF-8 bytes:
+    every name ``memsem._args.window_name`` accepts has a file name of 66 characters)."""
+    return "n." + hashlib.sha256(name.encode()).hexdigest()
+
+
+def holder_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The holder fields of a window record (its owner): pid, start, node, rank."""
+    return {"pid": record.get("owner_pid", record.get("pid")), "start": record.get("owner_start", record.get("start")),
+            "node": record.get("node", ""), "rank": record.get("rank")}
+
+
+def same_holder(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("pid", "start", "node", "rank"))
+
+
+class DirectoryBusy(Exception):
+    """The job folder's lock is held by another process right now (for a moment: a claim or a
+    removal of a name): the caller's wait pauses and tries again."""
 
 
 def job_folder_name(job: str, uid: int | None = None) -> str:
@@ -218,7 +278,8 @@ class LocalDirectory(Directory):
     """Directory of one machine.
 
     Args:
-        job: namespace; defaults to ``MEMSEM_JOB`` or ``"default"``.
+        job: namespace; default :func:`default_job` (``MEMSEM_JOB``, a launcher's run id, else
+            this process group).
         alive: ``alive(record) -> bool`` used to reap rank records of dead owners.
 
     Raises:
@@ -355,12 +416,89 @@ class LocalDirectory(Directory):
             record = dict(record, access_key={"sealed": sealed} if sealed else {"plain": key.hex()})
         self._write(fname, record)
         if name:
-            self._write(f"n.{name.encode().hex()}", f"{gva:016x}")
+            self._write(name_file(name), self._name_payload(name, gva, holder_of(record)))
 
-    def remove_window(self, gva: int, name: str) -> None:
-        if name and self.lookup(name) == gva:
-            self._unlink(f"n.{name.encode().hex()}")
-        self._unlink(f"w.{gva:016x}")
+    def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
+        """Remove window ``gva``'s record, and ``name``'s record while it still points at ``gva``
+        (under the folder's lock: a successor's name is never removed). ``pause``: called while
+        the lock is held by another process (the caller's wait); without it a busy lock leaves
+        the name record, which a claim takes over once its holder is gone (and gc removes)."""
+        self._unlink(f"w.{gva:016x}")  # first: a lookup meanwhile finds no window, never a retired one
+        if name:
+            try:
+                self._locked(lambda: self._drop_name(name, gva), pause)
+            except DirectoryBusy:
+                pass
+
+    # -- names ------------------------------------------------------------------------------------
+    @staticmethod
+    def _name_payload(name: str, gva: int, holder: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "gva": f"{gva:016x}", "pid": holder.get("pid"), "start": holder.get("start"),
+                "node": holder.get("node", ""), "rank": holder.get("rank")}
+
+    def _locked(self, fn: Callable[[], Any], pause: Callable[[], None] | None) -> Any:
+        """``fn()`` under an exclusive flock of the job folder (held across a few local system
+        calls). While another process holds it: ``pause()`` and try again (it raises at its
+        deadline), or without ``pause`` raise :class:`DirectoryBusy`."""
+        fd = self.fd
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if pause is None:
+                    raise DirectoryBusy(self.path) from None
+                pause()
+        try:
+            return fn()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def name_record(self, name: str) -> dict[str, Any] | None:
+        """The record of ``name`` (``name``, ``gva`` hex, holder ``pid``/``start``/``node``/``rank``),
+        or None when no record (or an unparseable one) holds it."""
+        fname = name_file(name)
+        try:
+            text = self._read(fname)
+            if not text:
+                return None
+            rec = parse_json_record(text, fname)
+            if rec.get("name") != name or not isinstance(rec.get("gva"), str):
+                return None
+            int(rec["gva"], 16)
+        except ValueError:
+            return None
+        return rec
+
+    def _holder_alive(self, rec: dict[str, Any]) -> bool:
+        """The holder of a name record is alive and its runtime open (its rank record is its own)."""
+        if not self._alive({"pid": rec.get("pid"), "start": rec.get("start"), "node": rec.get("node")}):
+            return False
+        rank = rec.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            return True  # a record without a rank: the process decides
+        r = self.rank_record(rank)
+        return r is not None and r.get("pid") == rec.get("pid") and int(r.get("start", 0)) == int(rec.get("start") or 0)
+
+    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
+                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Bind ``name`` to window ``gva`` of ``holder`` (``pid``, ``start``, ``node``, ``rank``):
+        when no record holds it, ``holder`` itself does, its holder is dead (or its runtime
+        closed), or ``replace``. Returns None when bound, else the live holder's record (nothing
+        changed). ``pause``: see ``remove_window``."""
+        def claim() -> dict[str, Any] | None:
+            cur = self.name_record(name)
+            if cur is not None and not replace and not same_holder(cur, holder) and self._holder_alive(cur):
+                return cur
+            self._write(name_file(name), self._name_payload(name, gva, holder))
+            return None
+
+        return self._locked(claim, pause)
+
+    def _drop_name(self, name: str, gva: int) -> None:
+        cur = self.name_record(name)
+        if cur is not None and int(cur["gva"], 16) == gva:
+            self._unlink(name_file(name))
 
     def get_window(self, gva: int) -> dict[str, Any] | None:
         """The record of window ``gva`` or None.
@@ -405,17 +543,8 @@ class LocalDirectory(Directory):
         return rec, key
 
     def lookup(self, name: str) -> int | None:
-        fname = f"n.{name.encode().hex()}"
-        try:
-            text = self._read(fname)
-        except ValueError:
-            return None
-        if not text:
-            return None
-        try:
-            return int(text.strip(), 16)
-        except ValueError:
-            return None  # not a name record: as if the name were not published
+        rec = self.name_record(name)
+        return None if rec is None else int(rec["gva"], 16)
 
     def windows(self) -> list[dict[str, Any]]:
         """Every parseable window record (corrupt ones are skipped)."""

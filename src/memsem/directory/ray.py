@@ -78,13 +78,12 @@ import time
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import MemsemError, NotSupportedError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, EntryWatch, MemberState, RecordCodec, check_entry_key
-from memsem.directory._membership import RESERVE_TTLS, MemberViews
+from memsem._errors import MemsemError, NotSupportedError, PeerLostError
+from memsem.directory._base import EntryWatch, RecordCodec, check_entry_key
+from memsem.directory._membership import DEFAULT_TTL, SpanningDirectory
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL = 10.0
 #: the actor exits once nothing of its job was held for this long (seconds), at least 2 TTLs
 DEFAULT_IDLE_S = 120.0
 #: Ray namespace of every directory actor (the Ray job is named in the actor's name: a detached
@@ -167,7 +166,7 @@ def _actor_class(ray: Any) -> Any:
         return _ACTOR_CLASS
 
 
-class RayDirectory(Directory):
+class RayDirectory(SpanningDirectory):
     """Directory of a Ray job, held by a named detached actor (see the module docstring).
 
     Args:
@@ -203,56 +202,25 @@ class RayDirectory(Directory):
     """
 
     url = "ray"
-    holds_leases = True
-    seals_keys = True
+    kind = "ray"
 
     def __init__(self, *, job: str | None = None, alive: Callable[[dict[str, Any]], bool] | None = None,
                  ttl: float | None = None, secret: bytes | str | None = None, timeout: float = 10.0,
                  scope: str | None = None, idle_s: float | None = None, start_timeout: float = 60.0) -> None:
         ray = self._ray = _import_ray()
-        self.job, self.scope = job_identity(job, scope)
-        if not self.job.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")
-        if ttl is None:
-            raw = os.environ.get("MEMSEM_HEARTBEAT_TTL", "") or ""
-            try:
-                ttl = float(raw) if raw else DEFAULT_TTL
-            except ValueError:
-                raise ValueError(f"MEMSEM_HEARTBEAT_TTL must be a number of seconds, got {raw!r}") from None
-            ttl = _args.timeout(ttl, "MEMSEM_HEARTBEAT_TTL", positive=True)
-        else:
-            ttl = _args.timeout(ttl, "ttl", positive=True)
-        self.ttl = ttl
+        job, self.scope = job_identity(job, scope)
         self.timeout = _args.timeout(timeout, "timeout", positive=True)
-        #: seconds the actor may take to start (a new Ray worker process) when this runtime makes it
-        self.start_timeout = _args.timeout(start_timeout, "start_timeout", positive=True)
-        self._idle_s = max(2 * ttl, DEFAULT_IDLE_S if idle_s is None else _args.timeout(idle_s, "idle_s"))
-        self._reserve = RESERVE_TTLS * ttl
-        self.actor_name = f"memsem-directory:{self.scope}"
-        self.prefix = f"memsem:{self.job}:"
-        self._alive = alive
-        self._errors = ray.exceptions
-        self._lock = threading.Lock()
-        self._actor_lock = threading.Lock()
-        self._actor: Any = None
-        #: records this runtime wrote and refreshes (windows, names, entries): key -> stored value
-        self._own: dict[str, str] = {}
-        self._rank: int | None = None
-        self._rank_value = ""
-        self._token = secrets.token_hex(8)
-        self.incarnation: int | None = None
-        self.reclaims = 0
-        self.restored = 0
-        self.lost_rank = False
-        self._lost_why = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._views = MemberViews(ttl=ttl, timeout=self.timeout, where=f"the ray directory of job {self.job!r}",
-                                  read=self._read_ranks, ping=lambda: self._mcall("ping"), start=self._start_thread)
-        self.check_s, self.reclaim_s = self._views.check_s, self._views.reclaim_s
         if secret is None:
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
+        self._setup(job=job, ttl=ttl, timeout=self.timeout, secret=secret, alive=alive,
+                    where=f"the ray directory of job {job!r}")
+        #: seconds the actor may take to start (a new Ray worker process) when this runtime makes it
+        self.start_timeout = _args.timeout(start_timeout, "start_timeout", positive=True)
+        self._idle_s = max(2 * self.ttl, DEFAULT_IDLE_S if idle_s is None else _args.timeout(idle_s, "idle_s"))
+        self.actor_name = f"memsem-directory:{self.scope}"
+        self._errors = ray.exceptions
+        self._actor_lock = threading.Lock()
+        self._actor: Any = None
         #: the secret an actor this runtime creates is given: the job's own once read from the
         #: actor (so a re-created actor keeps it and records written again stay valid); with a
         #: hand-set secret a random one, never the hand-set secret itself
@@ -260,8 +228,7 @@ class RayDirectory(Directory):
         self._resolve()
         if secret is None:
             self._actor_secret = self._call("secret")
-            secret = self._actor_secret
-        self._codec = RecordCodec(secret, "ray")
+            self._codec = RecordCodec(self._actor_secret, self.kind)
 
     # -- the actor --------------------------------------------------------------------------------
     def _resolve(self) -> Any:
@@ -314,21 +281,15 @@ class RayDirectory(Directory):
 
     def _mcall(self, method: str, *args: Any) -> Any:
         """A call of the membership thread: short timeout, observed for smoothness."""
-        return self._call(method, *args, timeout=self._views.member_timeout, observe=True)
+        return self._call(method, *args, timeout=self.member_timeout, observe=True)
 
-    def _k(self, kind: str, ident: str) -> str:
-        return f"{self.prefix}{kind}:{ident}"
-
-    def _value(self, key: str, raw: str | None, *, strict: bool = True) -> dict[str, Any] | None:
-        return self._codec.decode(key, raw, strict=strict)
-
-    def _get(self, key: str, *, strict: bool = True) -> dict[str, Any] | None:
-        return self._value(key, self._call("get", key), strict=strict)
+    def _get_raw(self, key: str) -> str | None:
+        return self._call("get", key)
 
     def _scan(self, kind: str) -> dict[str, dict[str, Any]]:
         out = {}
         for key, raw in sorted(self._call("scan", self._k(kind, "")).items()):
-            val = self._value(key, raw, strict=False)
+            val = self._codec.decode(key, raw, strict=False)
             if val is not None:
                 out[key] = val
         return out
@@ -338,10 +299,10 @@ class RayDirectory(Directory):
         """Claim the lowest rank that is neither held nor reserved for another runtime; the
         record gets this runtime's token and a new incarnation. Starts the heartbeat."""
         for _ in range(64):  # another runtime may take the reserved rank's record first: retry
-            rank, inc = self._call("reserve_rank", self.prefix, self._token, self._reserve)
+            rank, inc = self._call("reserve_rank", self.prefix, self._token, self._reserve_s)
             key = self._k("rank", str(rank))
             value = self._codec.encode(key, dict(record, token=self._token, rank=rank, incarnation=inc))
-            rc = self._call("claim", key, self._k("hold", str(rank)), value, self._token, self.ttl, self._reserve, inc)
+            rc = self._call("claim", key, self._k("hold", str(rank)), value, self._token, self.ttl, self._reserve_s, inc)
             if rc == 1:
                 self._rank, self._rank_value, self.incarnation = rank, value, inc
                 self._start_thread()
@@ -354,53 +315,18 @@ class RayDirectory(Directory):
         if rank == self._rank:
             self._rank = None
 
-    def rank_record(self, rank: int) -> dict[str, Any] | None:
-        val = self._get(self._k("rank", str(rank)))
-        return None if val is None else val["v"]
-
     def ranks(self) -> dict[int, dict[str, Any]]:
         return {int(k.rsplit(":", 1)[1]): v["v"] for k, v in self._scan("rank").items()}
 
-    # -- membership -------------------------------------------------------------------------------
-    def member(self, rank: int):  # noqa: ANN201 - Member
-        """The view of ``rank`` (see ``Directory.member``): answered from the view the
-        membership thread re-reads every ``check_s``; never raises for an outage."""
-        return self._views.member(rank)
-
+    # -- membership (memsem.directory._membership) ----------------------------------------------
     def _read_ranks(self, ranks: list[int]) -> list[dict[str, Any] | None]:
         keys = [self._k("rank", str(r)) for r in ranks]
-        out = []
-        for key, raw in zip(keys, self._mcall("mget", keys)):
-            val = self._value(key, raw, strict=False)
-            out.append(val["v"] if val is not None and isinstance(val["v"], dict) else None)
-        return out
+        return [self._rank_of(r, raw) for r, raw in zip(ranks, self._mcall("mget", keys))]
 
-    # -- heartbeat and membership thread ----------------------------------------------------------
-    def _start_thread(self) -> None:
-        with self._lock:
-            if self._thread is not None or self._closed:
-                return
-            self._thread = threading.Thread(target=self._loop, daemon=True, name=f"memsem-ray-heartbeat-{self.job}")
-        self._thread.start()
+    def _ping(self) -> None:
+        self._mcall("ping")
 
-    def _loop(self) -> None:
-        beat_due = time.monotonic() + self._views.beat_s
-        quiet_until = 0.0
-        while not self._stop.wait(self.check_s):
-            now = time.monotonic()
-            rank = self._rank
-            if rank is not None and now >= beat_due and not self.lost_rank:
-                try:
-                    self.heartbeat(rank)
-                    beat_due = now + self._views.beat_s
-                except MemsemError as exc:  # an outage: retry soon, never die silently
-                    if now >= quiet_until:  # once per TTL, not at every retry
-                        log.warning("memsem heartbeat to the ray directory of job %r failed (retried every %g s): %s",
-                                    self.job, self.check_s, exc)
-                        quiet_until = now + self.ttl
-                    beat_due = now + self.check_s
-            self._views.refresh()
-
+    # -- heartbeat --------------------------------------------------------------------------------
     def heartbeat(self, rank: int) -> None:
         """Refresh the rank record and every record this runtime wrote, in one actor call: a
         rank record that expired while this runtime lived is re-claimed with the same
@@ -413,16 +339,13 @@ class RayDirectory(Directory):
         with self._lock:
             own = dict(self._own)
         rc, restored, replaced = self._mcall("beat", self._k("rank", str(rank)), self._k("hold", str(rank)),
-                                             self._rank_value, self._token, self.ttl, self._reserve,
+                                             self._rank_value, self._token, self.ttl, self._reserve_s,
                                              self.incarnation or 0, own)
         if rc == -1:
             self._lose(rank)
             return
         if rc == 2:
-            self.reclaims += 1
-            log.warning("memsem rank %d of job %r expired in the ray directory while this runtime lived (a "
-                        "directory outage or restart, or a stall past the TTL of %g s): re-claimed, incarnation %s",
-                        rank, self.job, self.ttl, self.incarnation)
+            self._reclaimed(rank)
         if restored or replaced:
             with self._lock:
                 self.restored += len([k for k in restored if k in self._own])
@@ -430,32 +353,7 @@ class RayDirectory(Directory):
                     if self._own.get(k) == own.get(k):
                         self._own.pop(k, None)
 
-    def _lose(self, rank: int) -> None:
-        if self.lost_rank:
-            return
-        try:
-            other = self.rank_record(rank)
-        except MemsemError:
-            other = None
-        who = "another runtime" if other is None else \
-            f"pid {other.get('pid')} on {other.get('node')!r} (incarnation {other.get('incarnation')})"
-        self._lost_why = (f"its rank {rank} of job {self.job!r} expired in the ray directory and {who} took it "
-                          f"(this runtime was cut off or stalled longer than the TTL of {self.ttl:g} s and the "
-                          f"reservation of {RESERVE_TTLS} TTLs)")
-        self.lost_rank = True
-        log.error("memsem runtime (incarnation %s): %s; its windows are gone for other nodes and it can publish "
-                  "nothing more: create a new Runtime", self.incarnation, self._lost_why)
-
-    def _check_rank(self) -> None:
-        if self.lost_rank:
-            raise PeerLostError(f"this runtime cannot publish: {self._lost_why}; create a new Runtime")
-
     # -- windows ----------------------------------------------------------------------------------
-    def _name_value(self, name: str, gva: int, holder: dict[str, Any]) -> dict[str, Any]:
-        return {"name": name, "gva": f"{gva:016x}", "pid": holder.get("owner_pid", holder.get("pid")),
-                "start": holder.get("owner_start", holder.get("start")), "node": holder.get("node", ""),
-                "rank": holder.get("rank", self._rank), "token": self._token}
-
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
         """Publish (or replace) window ``gva``'s record, sealing ``key`` in, and ``name``'s
         record pointing at it, in one step."""
@@ -482,67 +380,12 @@ class RayDirectory(Directory):
             self._call("drop_name", nkey, g)
         self._call("delete", keys)
 
-    def get_window(self, gva: int) -> dict[str, Any] | None:
-        val = self._get(self._k("w", f"{gva:016x}"))
-        return None if val is None else val["v"]
-
-    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
-        """``(record, access key)`` of window ``gva`` from one call (the key unsealed with the
-        job secret; None when the window is absent or was published without a key)."""
-        wkey = self._k("w", f"{gva:016x}")
-        val = self._get(wkey)
-        if val is None:
-            return None, None
-        return val["v"], self._codec.unseal(wkey, val)
-
     def windows(self) -> list[dict[str, Any]]:
         return [v["v"] for v in self._scan("w").values()]
 
     # -- names ------------------------------------------------------------------------------------
-    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
-                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
-        """Bind ``name`` to window ``gva`` of ``holder`` (this runtime), atomically: when no
-        record holds it, this runtime does, its holder's rank record is gone or holds another
-        token (its runtime closed, or its node left), or ``replace``. Returns None when bound,
-        else the live holder's record."""
-        nkey = self._k("n", name.encode().hex())
-        value = self._codec.encode(nkey, self._name_value(name, gva, holder))
-        dead = ""
-        held: dict[str, Any] = {"name": name}
-        for _ in range(2):
-            raw = self._call("claim_name", nkey, value, self._k("rank", ""), self._token, self.ttl, bool(replace), dead)
-            if raw is None:
-                with self._lock:
-                    self._own[nkey] = value
-                return None
-            val = self._value(nkey, raw, strict=False)
-            held = dict(val["v"]) if val is not None and isinstance(val["v"], dict) else {"name": name}
-            # A holder on this node is dead when its process is (its heartbeat may not have
-            # expired yet): take over exactly that record, unless it changed meanwhile.
-            if self._alive is None or held.get("node") != holder.get("node") or \
-                    self._alive({"pid": held.get("pid"), "start": held.get("start"), "node": held.get("node")}):
-                return held
-            dead = raw
-        return held
-
-    def name_record(self, name: str) -> dict[str, Any] | None:
-        """The record of ``name`` (``gva`` hex and its holder), or None."""
-        val = self._get(self._k("n", name.encode().hex()))
-        if val is None:
-            return None
-        v = val["v"]
-        if isinstance(v, str):
-            return {"name": name, "gva": v}
-        return v if isinstance(v, dict) and isinstance(v.get("gva"), str) else None
-
-    def lookup(self, name: str) -> int | None:
-        rec = self.name_record(name)
-        if rec is None:
-            return None
-        try:
-            return int(rec["gva"], 16)
-        except ValueError:
-            return None
+    def _claim_name_step(self, nkey: str, value: str, replace: bool, dead: str) -> str | None:
+        return self._call("claim_name", nkey, value, self._k("rank", ""), self._token, self.ttl, replace, dead)
 
     # -- leases across nodes ----------------------------------------------------------------------
     def acquire_lease(self, gva: int, generation: int, holder: dict[str, Any], ttl: float | None) -> str:
@@ -552,18 +395,15 @@ class RayDirectory(Directory):
         actor's clock (None: until released; reaped when the holder's rank is gone).
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or at another generation.
+            WindowRetiredError: the window is gone, closing, or at another generation.
         """
-        member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
-                 f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
+        member = self._lease_member(holder)
         ttl = _args.ttl(ttl)
         g = f"{gva:016x}"
         rc = self._call("acquire_lease", self._k("w", g), self._k("l", g), self._k("c", g), member, ttl, int(generation))
         if rc == 1:
             return member
-        why = {-1: "is not published (or its owner's heartbeat expired)", -2: "is closing: no new leases",
-               -3: "moved to another generation"}.get(int(rc), f"refused the lease ({rc})")
-        raise StaleReferenceError(f"window gva {gva:#x} {why}", expected=generation)
+        raise self._lease_refused(gva, rc, generation)
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (actor clock); False when it was lost."""
@@ -581,23 +421,7 @@ class RayDirectory(Directory):
         lkey = self._k("l", g)
         out = self._call("lease_holders", lkey, self._k("c", g), self._k("rank", ""), bool(closing),
                          max(self.ttl, 600.0))
-        t1 = time.monotonic_ns()
-        res, reap = [], []
-        for member, left, raw in out:
-            parts = member.split(":")
-            try:
-                node, pid, rank = bytes.fromhex(parts[1]).decode(), int(parts[2]), int(parts[3])
-            except (IndexError, ValueError):
-                reap.append(member)  # not a member this directory wrote
-                continue
-            val = self._value(self._k("rank", str(rank)), raw, strict=False) if raw else None
-            rec = val["v"] if val is not None and isinstance(val["v"], dict) else None
-            state, rec, _ = self._views.judge(rank, rec, t1)
-            if state is MemberState.GONE or (state is MemberState.PRESENT and not (
-                    rec.get("pid") == pid and rec.get("node") == node)):
-                reap.append(member)
-                continue
-            res.append((pid, float(left)))
+        res, reap = self._live_leases([(member, float(left), raw) for member, left, raw in out])
         if reap:
             self._call("reap_leases", lkey, reap)
         return res

@@ -5,11 +5,18 @@ Keys, all under ``memsem:<job>:`` (the job namespaces everything):
 =======================  ======================================================================
 key                      value
 =======================  ======================================================================
-``rank:<r>``             rank record (pid, start, node, token); ``SET NX PX ttl``, refreshed by
-                         the owner's heartbeat: a rank whose key expired belongs to a dead node
+``rank:<r>``             rank record (pid, start, node, token, incarnation); ``PX ttl``, refreshed
+                         by the owner's heartbeat: a rank whose key expired is absent (see
+                         "Membership" below)
+``hold:<r>``             the token of the rank's last holder, ``PX`` RESERVE_TTLS x ttl from its
+                         last heartbeat: no other runtime claims the rank meanwhile, so a holder
+                         whose record expired while it lived (a directory outage) can re-claim it
+``incarnation``          counter: each new runtime's claim takes the next value
 ``w:<gva hex>``          window record (WindowInfo JSON), same TTL, refreshed by the heartbeat,
                          so a dead node's windows disappear within the TTL
-``n:<name hex>``         name -> gva alias, same TTL
+``n:<name hex>``         name record (the name, its window's gva, its holder: pid, start, node,
+                         rank, the holder runtime's token), same TTL; claimed atomically (a Lua
+                         script): refused while the holder's rank key still holds its token
 ``e:<entry key>``        engine rendezvous entries (RDMA QP numbers), same TTL
 ``ev:<entry key>``       pub/sub channel (no key): ``put_entry`` publishes an empty message on
                          it; a watch (``watch_entries``) subscribes to ``ev:<prefix>*``
@@ -41,6 +48,20 @@ directory after every wait.
 
 Environment: ``MEMSEM_JOB_SECRET`` (job secret), ``MEMSEM_HEARTBEAT_TTL`` (seconds, default 10;
 the heartbeat refreshes every TTL/3).
+
+Membership (docs/many-nodes.md, "Membership"): a directory outage is a bounded delay, never a
+death. A runtime's rank record carries its **incarnation** (a job-wide counter taken at its first
+claim, kept for the runtime's life). When the heartbeat finds the record gone while the runtime
+lives (the server stalled or restarted, or this process stalled past the TTL) it re-claims the
+rank with the same incarnation, unless another runtime took it, and writes its window, name and
+entry records again (``SET NX``). Readers tell a stall from a restart by the incarnation: the same
+one re-claimed means the same process and memory; another one (or another process) at the rank
+means the owner they knew is gone for good. An absent record is believed (GONE) only once this
+directory has answered smoothly for ``GRACE_TTLS`` TTLs since its own last failed, slow or missed
+call, so every live holder had the time to re-claim. Liveness questions (``member``) never wait
+for the server: one thread per directory beats and re-reads the watched ranks every
+``ttl / CHECKS_PER_TTL`` with a socket timeout of ``MEMBER_TIMEOUT_TTLS`` TTLs, and answers come
+from that view (stale by at most one check interval while the server answers).
 """
 from __future__ import annotations
 
@@ -52,13 +73,15 @@ import time
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import MemsemError, PeerLostError, StaleReferenceError
-from memsem.directory._base import Directory, EntryWatch, RecordCodec, check_entry_key, secret_keys, unseal_key
+from memsem._errors import MemsemError, PeerLostError
+from memsem.directory._base import EntryWatch, check_entry_key
+from memsem.directory._membership import DEFAULT_TTL, GRACE_TTLS, RESERVE_TTLS, SpanningDirectory
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL = 10.0
+#: the incarnation counter lives this long after the last claim of the job (ms)
+_COUNTER_MS = 7 * 86400 * 1000
 _MAX_RANKS = 1 << 16
 _FOREVER_MS = 9_000_000_000_000_000  # lease score of "until released"
 
@@ -92,8 +115,10 @@ redis.call('ZADD', KEYS[1], exp, ARGV[1])
 return 1
 """
 
-# Lua: unexpired leases of live holders, reaping the others; optionally set the closing flag in
-# the same atomic step (so a consumer either sees "closing" or is counted here: never neither).
+# Lua: unexpired leases, reaping the expired ones; optionally set the closing flag in the same
+# atomic step (so a consumer either sees "closing" or is counted here: never neither). Each
+# lease comes with its holder's rank record ('' when absent): the caller judges the holder's
+# liveness (membership, with the re-claim grace) and reaps the leases of gone holders.
 # KEYS: leases, closing. ARGV: rank key prefix, "1" to set closing, closing flag ttl ms.
 _HOLDERS = """
 if ARGV[2] == '1' then redis.call('SET', KEYS[2], '1', 'PX', tonumber(ARGV[3])) end
@@ -104,45 +129,126 @@ local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local out = {}
 for i = 1, #m, 2 do
   local rank = string.match(m[i], ':(%d+)$')
-  if rank and redis.call('EXISTS', ARGV[1] .. rank) == 0 then
-    redis.call('ZREM', KEYS[1], m[i])
-  else
-    table.insert(out, m[i])
-    table.insert(out, tostring(tonumber(m[i + 1]) - now))
-  end
+  local rec = false
+  if rank then rec = redis.call('GET', ARGV[1] .. rank) end
+  table.insert(out, m[i])
+  table.insert(out, tostring(tonumber(m[i + 1]) - now))
+  table.insert(out, rec or '')
 end
 return out
 """
 
-# Lua: refresh the rank key only while it still holds this runtime's token. KEYS: rank key.
-# ARGV: token, ttl ms. Returns 1 refreshed, 0 lost.
-_BEAT = """
+# Lua: claim a name. KEYS: name key. ARGV: new value, rank key prefix, holder token, ttl ms,
+# "1" to replace, the value a dead holder's record had ("" for none: a replace of exactly that
+# record). Returns nil when bound, else the value of the live holder's record (unchanged). A
+# holder is live while its rank key exists and still holds its token (its runtime is open).
+_CLAIM_NAME = """
+local raw = redis.call('GET', KEYS[1])
+if raw and ARGV[5] ~= '1' and raw ~= ARGV[6] then
+  local ok, rec = pcall(cjson.decode, raw)
+  if ok and type(rec) == 'table' and type(rec.v) == 'table' and rec.v.token ~= ARGV[3] then
+    local r = rec.v.rank
+    if r ~= nil then
+      local held = redis.call('GET', ARGV[2] .. tostring(r))
+      if held and rec.v.token and string.find(held, rec.v.token, 1, true) then return raw end
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[4]))
+return nil
+"""
+
+# Lua: remove a name record while it still points at a window. KEYS: name key. ARGV: gva hex.
+_DROP_NAME = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return 0 end
-if not string.find(raw, ARGV[1], 1, true) then return 0 end
+local ok, rec = pcall(cjson.decode, raw)
+if ok and type(rec) == 'table' and type(rec.v) == 'table' and rec.v.gva == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+# Lua helper: the token of a stored rank value (nil when it is not a memsem rank value).
+_TOKEN_OF = """
+local function token_of(raw)
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec.v) ~= 'table' then return nil end
+  return rec.v.token
+end
+"""
+
+# Lua: claim (or re-claim) a rank. KEYS: rank key, hold key, incarnation counter. ARGV: value,
+# token, ttl ms, reserve ms, incarnation, counter ttl ms. Returns 1 claimed (or already ours:
+# refreshed), 0 held by another runtime, -1 reserved for another runtime.
+_CLAIM = _TOKEN_OF + """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  if token_of(cur) ~= ARGV[2] then return 0 end
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+else
+  local h = redis.call('GET', KEYS[2])
+  if h and h ~= ARGV[2] then return -1 end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[3]))
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[4]))
+local c = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
+if c < tonumber(ARGV[5]) then redis.call('SET', KEYS[3], ARGV[5]) end
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
+return 1
+"""
+
+# Lua: refresh the rank key and its reservation while they hold this runtime's token. KEYS:
+# rank key, hold key. ARGV: token, ttl ms, reserve ms. Returns 1 refreshed, 0 absent (expired:
+# re-claim it), -1 held by another runtime.
+_BEAT = _TOKEN_OF + """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+if token_of(raw) ~= ARGV[1] then return -1 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[3]))
+return 1
+"""
+
+# Lua: give a rank up. KEYS: rank key, hold key. ARGV: token. Deletes what holds the token.
+_RELEASE = _TOKEN_OF + """
+local raw = redis.call('GET', KEYS[1])
+if raw and token_of(raw) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 return 1
 """
 
 
-class RedisDirectory(Directory):
+class RedisDirectory(SpanningDirectory):
     """Directory of many nodes on a Redis server.
 
     Args:
         url: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS) or ``unix://path?db=N``.
         job: namespace (``MEMSEM_JOB``, default "default").
-        alive: unused here (liveness is the rank key's TTL); kept for the common signature.
+        alive: ``alive(record) -> bool`` of a process on this node: a name held by a dead process
+            of this node is taken over before its heartbeat expires (other liveness is the rank
+            key's TTL).
         ttl: heartbeat TTL in seconds (``MEMSEM_HEARTBEAT_TTL``, default 10): a node silent for
             this long is dead, its ranks, windows and entries expire.
         secret: job secret (``MEMSEM_JOB_SECRET``); bytes or str. None: entries are unsigned.
-        timeout: socket timeout of every Redis command, seconds.
+        timeout: socket timeout of every Redis command, seconds (the membership thread's
+            calls use ``MEMBER_TIMEOUT_TTLS`` TTLs, at most this).
 
     Raises:
         NotSupportedError: redis-py is not installed (``pip install 'redis>=5'``).
         PeerLostError: the server does not answer.
 
+    Attributes:
+        incarnation: this runtime's incarnation (None before ``claim_rank``).
+        reclaims: how many times the heartbeat re-claimed the rank after its record expired.
+        restored: how many of this runtime's records it wrote again after they expired.
+        lost_rank: True once another runtime took the rank (this one can publish nothing more).
+
     Thread safety: all methods may be called from several threads (redis-py's pool).
     """
+
+    kind = "redis"
 
     def __init__(self, url: str, *, job: str | None = None,
                  alive: Callable[[dict[str, Any]], bool] | None = None, ttl: float | None = None,
@@ -153,29 +259,16 @@ class RedisDirectory(Directory):
             from memsem._errors import NotSupportedError
 
             raise NotSupportedError("the redis directory needs redis-py: pip install 'redis>=5'") from exc
-        self.job = job or default_job()
-        if not self.job.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")
-        if ttl is None:
-            raw = os.environ.get("MEMSEM_HEARTBEAT_TTL", "") or ""
-            try:
-                ttl = float(raw) if raw else DEFAULT_TTL
-            except ValueError:
-                raise ValueError(f"MEMSEM_HEARTBEAT_TTL must be a number of seconds, got {raw!r}") from None
-            ttl = _args.timeout(ttl, "MEMSEM_HEARTBEAT_TTL", positive=True)
-        else:
-            ttl = _args.timeout(ttl, "ttl", positive=True)
         timeout = _args.timeout(timeout, "timeout", positive=True)
-        self.ttl = ttl
-        self._ttl_ms = max(1, int(ttl * 1000))
-        #: socket timeout of every command, seconds
-        self.timeout = timeout
-        self.url = url
-        self.prefix = f"memsem:{self.job}:"
         if secret is None:
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
-        self._mac_key, self._seal_key = secret_keys(secret)
-        self._codec = RecordCodec(secret, "redis")
+        self._setup(job=job or default_job(), ttl=ttl, timeout=timeout, secret=secret, alive=alive,
+                    where=_safe_url(url))
+        self._ttl_ms = max(1, int(self.ttl * 1000))
+        #: socket timeout of every command, seconds
+        self.timeout = timeout
+        self._reserve_ms = max(1, int(self._reserve_s * 1000))
+        self.url = url
         self._redis = redis
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=30)
@@ -184,61 +277,56 @@ class RedisDirectory(Directory):
         except redis.RedisError as exc:
             self.client.close()
             raise PeerLostError(f"redis directory {_safe_url(url)} does not answer: {exc}") from exc
+        # the membership thread's own connection: short timeouts, never behind a slow command
+        self._mclient = redis.Redis.from_url(url, socket_timeout=self.member_timeout,
+                                             socket_connect_timeout=self.member_timeout)
         self._acquire = self.client.register_script(_ACQUIRE)
         self._renew = self.client.register_script(_RENEW)
         self._holders = self.client.register_script(_HOLDERS)
+        self._claim = self.client.register_script(_CLAIM)
         self._beat = self.client.register_script(_BEAT)
-        self._lock = threading.Lock()
-        self._own: set[str] = set()  # keys this runtime refreshes (windows, names, entries)
-        self._rank: int | None = None
-        self._token = secrets.token_hex(8)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.lost_rank = False  #: set when the heartbeat found the rank key gone (stalled > TTL)
+        self._release = self.client.register_script(_RELEASE)
+        self._claim_name = self.client.register_script(_CLAIM_NAME)
+        self._drop_name = self.client.register_script(_DROP_NAME)
 
-    # -- signing (the one codec of directories that span nodes: _base.RecordCodec) ----------------
+    # -- storage (values in the one codec of directories that span nodes: _base.RecordCodec) --------
     def _encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
         return self._codec.encode(key, record, access_key)
 
-    def _decode(self, key: str, raw: bytes | str | None, *, strict: bool = True) -> dict[str, Any] | None:
-        return self._codec.decode(key, raw, strict=strict)
-
-    def _get(self, key: str, *, strict: bool = True) -> dict[str, Any] | None:
-        return self._decode(key, self._call(self.client.get, key), strict=strict)
+    def _get_raw(self, key: str) -> bytes | str | None:
+        return self._call(self.client.get, key)
 
     def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic_ns()
         try:
             return fn(*args, **kwargs)
         except self._redis.RedisError as exc:
+            self._views.observe(t0, time.monotonic_ns(), False)  # an outage seen here counts as well
             raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
-
-    def _k(self, kind: str, ident: str) -> str:
-        return f"{self.prefix}{kind}:{ident}"
 
     # -- ranks ------------------------------------------------------------------------------------
     def claim_rank(self, record: dict[str, Any]) -> int:
-        rec = dict(record, token=self._token)
+        """Claim the lowest rank that is neither held nor reserved for another runtime; the
+        record gets this runtime's token and a new incarnation. Starts the heartbeat."""
+        counter = f"{self.prefix}incarnation"
+        inc = int(self._call(self.client.incr, counter))
         for rank in range(_MAX_RANKS):
             key = self._k("rank", str(rank))
-            if self._call(self.client.set, key, self._encode(key, dict(rec, rank=rank)), nx=True, px=self._ttl_ms):
-                self._rank = rank
-                self._start_heartbeat()
+            value = self._encode(key, dict(record, token=self._token, rank=rank, incarnation=inc))
+            rc = self._call(self._claim, keys=[key, self._k("hold", str(rank)), counter],
+                            args=[value, self._token, self._ttl_ms, self._reserve_ms, inc, _COUNTER_MS])
+            if rc == 1:
+                self._rank, self._rank_value, self.incarnation = rank, value, inc
+                self._start_thread()
                 return rank
         raise MemsemError(f"no free rank in redis directory {_safe_url(self.url)} job {self.job!r}")
 
     def release_rank(self, rank: int) -> None:
-        key = self._k("rank", str(rank))
         self._stop.set()
-        val = self._decode(key, self._call(self.client.get, key), strict=False)
-        if val is not None and val["v"].get("token") == self._token:
-            self._call(self.client.delete, key)
+        self._call(self._release, keys=[self._k("rank", str(rank)), self._k("hold", str(rank))],
+                   args=[self._token])
         if rank == self._rank:
             self._rank = None
-
-    def rank_record(self, rank: int) -> dict[str, Any] | None:
-        val = self._get(self._k("rank", str(rank)))
-        return None if val is None else val["v"]
 
     def ranks(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -248,105 +336,106 @@ class RedisDirectory(Directory):
                 out[int(key.rsplit(":", 1)[1])] = val["v"]
         return out
 
-    def owner_alive(self, rank: int, pid: int, start: int, node: str) -> bool:
-        """Whether rank ``rank`` is still held (heartbeat not expired) by that process."""
+    # -- membership (memsem.directory._membership) ----------------------------------------------
+    def _mcall(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """A call of the membership thread (short timeout), observed for smoothness."""
+        t0 = time.monotonic_ns()
         try:
-            val = self._get(self._k("rank", str(rank)), strict=False)
-        except PeerLostError:
-            return True  # the directory is unreachable: that says nothing about the owner
-        if val is None:
-            return False
-        v = val["v"]
-        return v.get("pid") == pid and v.get("node") == node and int(v.get("start", 0)) == int(start)
+            out = fn(*args, **kwargs)
+        except self._redis.RedisError as exc:
+            self._views.observe(t0, time.monotonic_ns(), False)
+            raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
+        self._views.observe(t0, time.monotonic_ns(), True)
+        return out
+
+    def _read_ranks(self, ranks: list[int]) -> list[dict[str, Any] | None]:
+        """The records of ``ranks`` (one MGET of the membership thread's connection).
+
+        Raises:
+            PeerLostError: the server did not answer within ``member_timeout``.
+        """
+        raws = self._mcall(self._mclient.mget, [self._k("rank", str(r)) for r in ranks])
+        return [self._rank_of(r, raw) for r, raw in zip(ranks, raws)]
+
+    def _ping(self) -> None:
+        self._mcall(self._mclient.ping)
 
     # -- heartbeat --------------------------------------------------------------------------------
-    def _start_heartbeat(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                            name=f"memsem-redis-heartbeat-{self.job}")
-            self._thread.start()
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            rank = self._rank
-            if rank is None:
-                continue
-            try:
-                self.heartbeat(rank)
-            except MemsemError as exc:  # a Redis hiccup: retry next beat, never die silently
-                log.warning("memsem heartbeat to %s failed: %s", _safe_url(self.url), exc)
-
     def heartbeat(self, rank: int) -> None:
-        """Refresh the rank key (only while it still holds this runtime's token) and every
-        window, name and entry this runtime wrote."""
-        key = self._k("rank", str(rank))
-        if not self._call(self._beat, keys=[key], args=[self._token, self._ttl_ms]):
-            if not self.lost_rank:
-                log.error("memsem rank %d of job %r expired in %s (this process stalled longer than "
-                          "the heartbeat TTL of %.1f s): its windows vanished for other nodes",
-                          rank, self.job, _safe_url(self.url), self.ttl)
-            self.lost_rank = True
+        """Refresh the rank record and every record this runtime wrote. A rank record that
+        expired while this runtime lived is re-claimed with the same incarnation, and records
+        that expired are written again; a rank another runtime took is lost for good
+        (``lost_rank``; logged once).
+
+        Raises:
+            PeerLostError: the server did not answer within ``member_timeout``.
+        """
+        key, hold = self._k("rank", str(rank)), self._k("hold", str(rank))
+        rc = self._mcall(self._beat, keys=[key, hold], args=[self._token, self._ttl_ms, self._reserve_ms],
+                         client=self._mclient)
+        if rc == 0:
+            counter = f"{self.prefix}incarnation"
+            rc = self._mcall(self._claim, keys=[key, hold, counter],
+                             args=[self._rank_value, self._token, self._ttl_ms, self._reserve_ms,
+                                   self.incarnation or 0, _COUNTER_MS], client=self._mclient)
+            if rc == 1:
+                self._reclaimed(rank)
+        if rc != 1:
+            self._lose(rank)
             return
         with self._lock:
             own = list(self._own)
-        if own:
-            pipe = self.client.pipeline(transaction=False)
-            for k in own:
-                pipe.pexpire(k, self._ttl_ms)
-            self._call(pipe.execute)
+        if not own:
+            return
+        pipe = self._mclient.pipeline(transaction=False)
+        for k in own:
+            pipe.pexpire(k, self._ttl_ms)
+        gone = [k for k, ok in zip(own, self._mcall(pipe.execute)) if not ok]
+        if gone:
+            with self._lock:  # a record removed meanwhile is not written again (remove_* hold it)
+                back = [(k, self._own[k]) for k in gone if k in self._own]
+                if back:
+                    pipe = self._mclient.pipeline(transaction=False)
+                    for k, value in back:
+                        pipe.set(k, value, px=self._ttl_ms, nx=True)
+                    self._mcall(pipe.execute)
+                    self.restored += len(back)
 
     # -- windows ----------------------------------------------------------------------------------
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
+        self._check_rank()
         wkey = self._k("w", f"{gva:016x}")
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(wkey, self._encode(wkey, record, key), px=self._ttl_ms)
-        pipe.delete(self._k("c", f"{gva:016x}"))
-        keys = [wkey]
+        values = {wkey: self._encode(wkey, record, key)}
         if name:
             nkey = self._k("n", name.encode().hex())
-            pipe.set(nkey, self._encode(nkey, f"{gva:016x}"), px=self._ttl_ms)
-            keys.append(nkey)
+            values[nkey] = self._encode(nkey, self._name_value(name, gva, record))
+        pipe = self.client.pipeline(transaction=True)
+        for k, value in values.items():
+            pipe.set(k, value, px=self._ttl_ms)
+        pipe.delete(self._k("c", f"{gva:016x}"))
         self._call(pipe.execute)
         with self._lock:
-            self._own.update(keys)
+            self._own.update(values)
 
-    def remove_window(self, gva: int, name: str) -> None:
+    def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
+        """Remove window ``gva``'s record (and its leases' keys), and ``name``'s record while it
+        still points at ``gva`` (atomically: a successor's name is never removed)."""
         wkey = self._k("w", f"{gva:016x}")
         keys = [wkey, self._k("l", f"{gva:016x}"), self._k("c", f"{gva:016x}")]
-        if name and self.lookup(name) == gva:
+        if name:
             keys.append(self._k("n", name.encode().hex()))
-        self._call(self.client.delete, *keys)
-        with self._lock:
-            self._own.difference_update(keys)
+        with self._lock:  # first: the heartbeat writes no removed record again
+            for k in keys:
+                self._own.pop(k, None)
+        if name:  # the name only while it still points at this window (a successor's is kept)
+            self._call(self._drop_name, keys=[keys[3]], args=[f"{gva:016x}"])
+        self._call(self.client.delete, *keys[:3])
 
-    def get_window(self, gva: int) -> dict[str, Any] | None:
-        val = self._get(self._k("w", f"{gva:016x}"))
-        return None if val is None else val["v"]
-
-    holds_leases = True
-
-    @property
-    def seals_keys(self) -> bool:
-        """True with a job secret: ``put_window(..., key=)`` stores the access key sealed."""
-        return self._seal_key is not None
-
-    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
-        """``(record, access key)`` of window ``gva`` from one read; the key is None when the
-        window is absent, was published without a secret, or this directory has none."""
-        wkey = self._k("w", f"{gva:016x}")
-        val = self._get(wkey)
-        if val is None:
-            return None, None
-        if self._seal_key is None or not val.get("k"):
-            return val["v"], None
-        try:
-            return val["v"], unseal_key(self._seal_key, wkey, val["k"])
-        except ValueError:
-            return val["v"], None
-
-    def lookup(self, name: str) -> int | None:
-        val = self._get(self._k("n", name.encode().hex()))
-        return None if val is None else int(val["v"], 16)
+    # -- names ------------------------------------------------------------------------------------
+    def _claim_name_step(self, nkey: str, value: str, replace: bool, dead: str) -> str | None:
+        raw = self._call(self._claim_name, keys=[nkey], args=[value, self._k("rank", ""), self._token, self._ttl_ms,
+                                                        "1" if replace else "0", dead])
+        return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
 
     def windows(self) -> list[dict[str, Any]]:
         out = []
@@ -364,10 +453,9 @@ class RedisDirectory(Directory):
         released, reaped when the holder's rank expires).
 
         Raises:
-            StaleReferenceError: the window is gone, closing, or at another generation.
+            WindowRetiredError: the window is gone, closing, or at another generation.
         """
-        member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
-                 f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
+        member = self._lease_member(holder)
         ttl = _args.ttl(ttl)
         ms = -1 if ttl is None else max(1, int(ttl * 1000))
         g = f"{gva:016x}"
@@ -375,9 +463,7 @@ class RedisDirectory(Directory):
                         args=[member, ms, str(generation)])
         if rc == 1:
             return member
-        why = {-1: "is not published (or its owner's heartbeat expired)", -2: "is closing: no new leases",
-               -3: "moved to another generation"}.get(int(rc), f"refused the lease ({rc})")
-        raise StaleReferenceError(f"window gva {gva:#x} {why}", expected=generation)
+        raise self._lease_refused(gva, rc, generation)
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (server clock); False when it was lost."""
@@ -389,16 +475,19 @@ class RedisDirectory(Directory):
         self._call(self.client.zrem, self._k("l", f"{gva:016x}"), member)
 
     def lease_holders(self, gva: int, *, closing: bool = False) -> list[tuple[int, float]]:
-        """``(holder pid, seconds left)`` of unexpired leases of live holders (reaping the
-        others). ``closing``: first mark the window closing (no new leases), atomically."""
+        """``(holder pid, seconds left)`` of unexpired leases of live holders. ``closing``: first
+        mark the window closing (no new leases), atomically. A holder counts as live while its
+        rank record names it, and while it is absent but not yet GONE (it may be re-claiming it
+        after a directory outage); the leases of gone holders are reaped."""
         g = f"{gva:016x}"
-        out = self._call(self._holders, keys=[self._k("l", g), self._k("c", g)],
+        lkey = self._k("l", g)
+        out = self._call(self._holders, keys=[lkey, self._k("c", g)],
                          args=[self._k("rank", ""), "1" if closing else "0", max(self._ttl_ms, 600_000)])
-        res = []
-        for i in range(0, len(out), 2):
-            member = out[i].decode() if isinstance(out[i], bytes) else str(out[i])
-            left = float(out[i + 1]) / 1000.0
-            res.append((int(member.split(":")[2]), left))
+        rows = [(out[i].decode() if isinstance(out[i], bytes) else str(out[i]), float(out[i + 1]) / 1000.0, out[i + 2])
+                for i in range(0, len(out), 3)]
+        res, reap = self._live_leases(rows)
+        if reap:
+            self._call(self.client.zrem, lkey, *reap)
         return res
 
     def reopen_window(self, gva: int) -> None:
@@ -409,13 +498,15 @@ class RedisDirectory(Directory):
     def put_entry(self, key: str, record: dict[str, Any]) -> None:
         """Store ``record`` under ``key`` (with the heartbeat TTL) and wake the watches of its
         prefixes (a publish on ``ev:<key>``, pipelined with the write)."""
+        self._check_rank()
         rkey = self._k("e", check_entry_key(key))
+        value = self._encode(rkey, record)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(rkey, self._encode(rkey, record), px=self._ttl_ms)
+        pipe.set(rkey, value, px=self._ttl_ms)
         pipe.publish(self._k("ev", key), b"")
         self._call(pipe.execute)
         with self._lock:
-            self._own.add(rkey)
+            self._own[rkey] = value
 
     def get_entry(self, key: str) -> dict[str, Any] | None:
         val = self._get(self._k("e", check_entry_key(key)), strict=False)
@@ -423,9 +514,9 @@ class RedisDirectory(Directory):
 
     def remove_entry(self, key: str) -> None:
         rkey = self._k("e", check_entry_key(key))
-        self._call(self.client.delete, rkey)
         with self._lock:
-            self._own.discard(rkey)
+            self._own.pop(rkey, None)
+        self._call(self.client.delete, rkey)
 
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         head = self._k("e", "")
@@ -455,16 +546,18 @@ class RedisDirectory(Directory):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._mlock:
+            self._closed = True
         self._stop.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=self.ttl)
         self.client.close()
+        self._mclient.close()
 
     def __repr__(self) -> str:
-        return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl}s " \
-               f"{'signed' if self._mac_key else 'unsigned'}>"
+        return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl:g}s " \
+               f"{'signed' if self._codec.signed else 'unsigned'} rank={self._rank} incarnation={self.incarnation}>"
 
 
 class _PubSubWatch(EntryWatch):
@@ -543,4 +636,4 @@ def _safe_url(url: str) -> str:
     return url
 
 
-__all__ = ["DEFAULT_TTL", "RedisDirectory"]
+__all__ = ["DEFAULT_TTL", "GRACE_TTLS", "RESERVE_TTLS", "RedisDirectory"]

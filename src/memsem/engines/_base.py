@@ -354,6 +354,9 @@ class Engine(abc.ABC):
     #: True when the owner checks versions for this engine: it implements ``get_version`` and
     #: ``put_version`` (the owner brackets each request and says which version it moved)
     versions: ClassVar[bool] = False
+    #: True when the owner holds reservations of versions for this engine's consumers
+    #: (``reserve_version`` / ``drop_reservation``): what a pin of a remote window is
+    reserves: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> Availability:
@@ -462,6 +465,23 @@ class Engine(abc.ABC):
         """
         raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
 
+    def reserve_version(self, remote: RemoteRegion, version: int, ttl: float) -> int:
+        """Ask the owner to hold version ``version`` (0: its latest) of ``remote``'s window for
+        ``ttl`` seconds at most (its writer does not overwrite it meanwhile; the owner caps the
+        ttl): a reservation of this engine's session with the owner, gone with it. Returns the
+        version held. Blocking, bounded by the engine's timeout (the owner may wait for a write
+        section that is overwriting the version to commit).
+
+        Raises:
+            RemoteOutcome: the owner's outcome (the version is gone, the generation moved, a
+                write section stayed open). NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} cannot reserve versions at the owner")
+
+    def drop_reservation(self, remote: RemoteRegion, version: int) -> None:
+        """Give back a reservation of ``reserve_version`` (does not wait for an answer)."""
+        raise NotSupportedError(f"engine {self.name!r} cannot reserve versions at the owner")
+
     def can_signal(self, remote: RemoteRegion) -> bool:
         """Whether ``put_signal`` can set the window's tile signal words with the data."""
         return False
@@ -498,6 +518,12 @@ class Engine(abc.ABC):
         """Mark (or clear) tile ``tile``'s ready word at the owner; the owner's runtime checks
         the credential's write access and writes the word as its own ``mark_ready`` does."""
         raise NotSupportedError(f"engine {self.name!r} cannot mark tiles of a remote window")
+
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        """Count ``rows`` written rows of tile ``tile`` (of ``total``) at the owner, whose runtime
+        marks the tile ready when the count completes it; returns the rows written so far."""
+        raise NotSupportedError(f"engine {self.name!r} cannot count the rows of a remote window's tiles: "
+                                "write whole tiles, or mark them with mark_rows once complete")
 
     def submit(self, ops: Sequence[Op]) -> Request:
         """Start a batch. Every op ends DONE or FAILED (with ``error``); never raises for an op.
@@ -575,14 +601,12 @@ class EngineContext(abc.ABC):
     def serve_open(self, token: bytes, challenge: bytes, proof: bytes) -> Any:
         """Owner side of engines whose ``enforces_generation`` is "owner": a remote consumer
         shows ``token`` (a :class:`Credential`'s) and ``proof`` (its ``prove(challenge)``) for
-        the ``challenge`` this engine issued on that connection. Returns a grant (see
-        ``memsem.core._serve.Grant``: ``check``, ``enter``/``leave`` around each copy,
-        ``set_ready``, ``watch``) or raises the memsem error saying why not (AccessDeniedError,
-        StaleReferenceError, WindowNotFoundError)."""
-
-    @abc.abstractmethod
-    def serve_sweep(self) -> None:
-        """Drop cached grants of windows whose generation moved."""
+        the ``challenge`` this engine issued on that connection. Returns a new grant for that
+        session, which the engine closes when the session ends or closes the handle (see
+        ``memsem.core._serve.Grant``: ``check``/``check_tile``, ``copy`` and ``move`` (one
+        bracket around one non-blocking call, yielding the owner's native outcome),
+        ``set_ready``, ``watch``, ``on_commit``, ``close``), or raises AccessDeniedError (the
+        credential is refused; nothing about the window is said) or another MemsemError."""
 
     @abc.abstractmethod
     def peer_alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:

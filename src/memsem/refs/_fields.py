@@ -93,6 +93,19 @@ class FieldSchema:
                 f"{self.tile_rows} rows/tile ({self.n_tiles} tiles of {self.tile_bytes} B)")
 
 
+class RowsWritten(list):
+    """What ``FieldRef.put_rows`` came to: the tiles it marked ready (this list), and
+    ``partial``: ``{tile: (rows written so far, rows of the tile)}`` of the tiles it wrote rows
+    of without completing them (other producers' rows complete them)."""
+
+    def __init__(self, tiles: Iterable[int] = ()) -> None:
+        super().__init__(tiles)
+        self.partial: dict[int, tuple[int, int]] = {}
+
+    def __repr__(self) -> str:
+        return f"RowsWritten(marked={list(self)}, partial={self.partial})"
+
+
 def _check_rows(schema: FieldSchema, start: int, stop: int | None, argname: str = "rows") -> tuple[int, int]:
     stop = schema.rows if stop is None else stop
     for v in (start, stop):
@@ -253,16 +266,25 @@ class FieldRef(TensorRef):
                 f"tile_rows={self.tile_rows}, {self.spec.label}, gen={self.spec.generation})")
 
     # -- producer --------------------------------------------------------------------------------
-    def put_rows(self, start: int, data: Any, *, mark: bool = True) -> list[int]:
+    def put_rows(self, start: int, data: Any, *, mark: bool = True) -> "RowsWritten":
         """Write ``data`` (``k`` rows: shape ``(k, *shape[1:])``, the field's dtype) at row
-        ``start``, then mark ready every tile the write completes (tiles lying wholly inside
-        ``[start, start + k)``). Blocking; the bytes are visible at the window before any mark.
+        ``start``, then count them towards readiness: a tile lying wholly inside ``[start,
+        start + k)`` is marked ready; the rows of a tile written in part are counted (at the
+        window's owner, for every producer), and the write whose rows complete a tile marks it,
+        so disjoint writers (two producers each writing half of a tile) complete it. Blocking;
+        the bytes are visible at the window before any mark. Each row is written once per
+        generation (a row counted twice is a ValueError, the tile left as it was).
 
         Returns:
-            The tiles marked ready.
+            :class:`RowsWritten`: the tiles this write marked ready (a list), and ``partial``:
+            ``{tile: (rows written so far, rows of the tile)}`` of the tiles it counted rows of
+            without completing them (a write that completes nothing says so: an empty list and
+            a non-empty ``partial``).
 
         Raises:
-            ValueError / TypeError: wrong shape, dtype or range. AccessDeniedError: read-only.
+            ValueError / TypeError: wrong shape, dtype or range; rows counted twice.
+            AccessDeniedError: read-only. NotSupportedError: a partial tile on a route that
+            cannot count at the owner (write whole tiles, or ``mark_rows`` once complete).
         """
         sc = self.schema
         if isinstance(data, np.ndarray):
@@ -284,13 +306,21 @@ class FieldRef(TensorRef):
             self._check_tiling(self._core())
         if stop > start:
             self.rows_ref(start, stop).put(np.ascontiguousarray(arr))
-        done = []
+        done = RowsWritten()
         if mark:
+            core = self._core()
             for t in sc.tiles_of_rows(start, stop):
                 a, b = sc.rows_of_tile(t)
                 if start <= a and b <= stop:
-                    self._core().mark_ready(self.spec, t)
+                    core.mark_ready(self.spec, t)
                     done.append(t)
+                    continue
+                rows = min(b, stop) - max(a, start)
+                so_far = core.add_rows(self.spec, t, rows, b - a)
+                if so_far == b - a:
+                    done.append(t)
+                else:
+                    done.partial[t] = (so_far, b - a)
         return done
 
     def mark_rows(self, start: int, stop: int) -> list[int]:

@@ -81,7 +81,6 @@ from memsem.refs._state_dict import (
     publish_state_dict,
 )
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
-from memsem.core import RuntimeCore
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +371,7 @@ class Relay:
         self._error: BaseException | None = None
         self._pending: DigestMismatchError | None = None
         self._stop = threading.Event()
+        self._refs_lock = threading.Lock()  # one lookup of the trainer's windows (and the auto plan)
         self._thread: threading.Thread | None = None
         self._trainer: StateDictRef | None = None
         self._digests_ref: TensorRef | None = None
@@ -534,6 +534,12 @@ class Relay:
             raise _Closed()
 
     def _trainer_refs(self, t: float) -> tuple[StateDictRef, TensorRef]:
+        if self._trainer is None:
+            with self._refs_lock:  # prepare() and the follower thread look up once, make the plan once
+                return self._lookup_trainer(t)
+        return self._trainer, self._digests_ref  # type: ignore[return-value]
+
+    def _lookup_trainer(self, t: float) -> tuple[StateDictRef, TensorRef]:
         if self._trainer is None:
             deadline = time.monotonic() + t
             while True:

@@ -26,7 +26,12 @@ class Runtime:
         engines: engines to enable (default ``("loopback", "host")``); a requested engine that
             is unavailable raises NotSupportedError naming it.
         engine_objects: engine instances by name (e.g. ``memsem.testing.ScriptedEngine``).
-        job: directory namespace (``MEMSEM_JOB``, default "default").
+        job: the job (directory namespace) this runtime joins: names and windows are seen only
+            by runtimes of the same job. Default ``memsem.directory.default_job()``:
+            ``MEMSEM_JOB`` when set, else the launcher's run id (torchrun, Slurm), else this
+            process group, so the processes one command starts share a job and two runs
+            never meet by accident. Name one (the same everywhere) to share it across
+            separately started processes or nodes.
         timeout: default bound in seconds of every blocking call (default 30).
         prefer: force an engine for every route (``explain`` shows alternatives).
         workers: threads running asynchronous transfers (default 4).
@@ -121,7 +126,7 @@ class Runtime:
     # -- publish ---------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
                 tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
-                write_guard: str | None = None) -> TensorRef:
+                write_guard: str | None = None, replace: bool = False) -> TensorRef:
         """Publish ``obj`` as a window and return its ref: in place (no staging copy) by
         default, or double-buffered (``slots=2``).
 
@@ -131,10 +136,15 @@ class Runtime:
                 buffer-protocol object. Non-contiguous views are rejected (ValueError): make them
                 contiguous first or publish their base. The window keeps ``obj`` alive until
                 unpublished.
-            name: optional name, unique in this runtime. Publishing an existing name again is a
-                republish: the old generation is retired (waiting for its leases) and old refs
-                become stale. A named window can be looked up by name (``lookup``) by any
-                process of the job (docs/threat-model.md says who that is).
+            name: optional name: a non-empty str of at most 255 bytes of UTF-8 without control
+                characters (``memsem._args.NAME_MAX_BYTES``; else ValueError naming the limit,
+                before anything is created). A name has one owner in the job: a name a live
+                process of the job publishes (another runtime, in any process) is refused with
+                ``NameHeldError`` naming it, unless ``replace``. This runtime publishing its own
+                name again is a republish: the old generation is retired (waiting for its
+                leases) and old refs become stale. A named window can be looked up by name
+                (``lookup``) by any process of the job (docs/threat-model.md says who that is;
+                ``memsem.directory.default_job`` how a job is chosen).
             access: "r" (read-only window: puts are refused) or "rw". Default "r" for read-only
                 sources (a read-only numpy array) and for ``slots=2``, else "rw".
             tile_bytes / tiles: give the window ready words, one per tile of ``tile_bytes``
@@ -150,18 +160,24 @@ class Runtime:
                 tearing readers' bytes silently; ``"checksum"`` (any memory) makes the next
                 write section raise ``OwnerWriteError`` when the bytes changed outside one.
                 Default: ``MEMSEM_WRITE_GUARD`` (unset: none).
+            replace: take ``name`` over from a live holder in this job (explicitly): lookups
+                find this window from then on. The holder's window is not retired (memsem never
+                retires another process's window): its refs keep working, and its owner's
+                unpublish or exit leaves the name alone.
 
         Returns:
             A TensorRef with the window's generation and a fresh 128-bit access key.
 
         Raises:
-            TypeError: unsupported object or dtype. ValueError: non-contiguous or non-CPU memory,
-            bad name/access/tiling/slots/write_guard. AccessDeniedError: ``access="rw"`` on
-            read-only memory. LeaseHeldError: republish while leases on the old generation
-            outlast the timeout.
+            TypeError: unsupported object or dtype, a name that is not a str. ValueError:
+            non-contiguous or non-CPU memory, bad name/access/tiling/slots/write_guard.
+            NameHeldError: a live process of the job holds ``name`` (not ``replace``).
+            AccessDeniedError: ``access="rw"`` on read-only memory. LeaseHeldError: republish
+            while leases on the old generation outlast the timeout.
         """
         return TensorRef(self._core.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
-                                                 tiles=tiles, slots=slots, write_guard=write_guard), self._core)
+                                                 tiles=tiles, slots=slots, write_guard=write_guard,
+                                                 replace=replace), self._core)
 
     def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
               engine: str | None = None) -> np.ndarray:
@@ -233,19 +249,29 @@ class Runtime:
         spec = self._core.lookup_spec(ref) if isinstance(ref, str) else check_ref(ref, "ref").spec
         return self._core.lease_holders(spec)
 
-    def lookup(self, name: str) -> TensorRef:
-        """Ref of the window published under ``name`` in this job: by this runtime, or by any
-        process of the job (local directory: this user's processes of the same ``job``; redis:
-        processes holding the job secret; docs/threat-model.md). The ref follows the window's
-        versions (``TensorRef.version``, ``wait_version``); a republish needs a new lookup.
+    def lookup(self, name: str, *, timeout: float = 0.0) -> TensorRef:
+        """Ref of the live window published under ``name`` in this job: by this runtime, or by
+        any process of the job (local directory: this user's processes of the same ``job``;
+        redis: processes holding the job secret; docs/threat-model.md). The ref follows the
+        window's versions (``TensorRef.version``, ``wait_version``); a republish needs a new
+        lookup (its refs raise ``WindowRetiredError``). A lookup racing a republish never
+        returns the retired generation: the window is resolved (its generation checked) before
+        the ref is returned.
+
+        Args:
+            name: the window's name (the limits of ``publish``).
+            timeout: seconds to wait for the name to appear (a follower started before its
+                trainer published), or for a retired window's successor, or a dead holder's
+                (0, the default: read once). Blocking; the directory is read again every
+                ``WAIT_SLICE_S``.
 
         Raises:
-            WindowNotFoundError: no window of that name. AccessDeniedError: the directory holds
-            no key for this process (redis without a job secret).
+            WindowNotFoundError: no live window of that name (``timeout`` 0). PeerLostError:
+            its holder died (``timeout`` 0). MemsemTimeoutError: none appeared within
+            ``timeout`` s. AccessDeniedError: the directory holds no key for this process
+            (redis without a job secret). TypeError / ValueError: a bad name or timeout.
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
-        return TensorRef(self._core.lookup_spec(name), self._core)
+        return TensorRef(self._core.lookup_spec(name, timeout), self._core)
 
     def ref(self, data: bytes | bytearray | memoryview) -> TensorRef:
         """Deserialize a ref and bind it to this runtime."""
@@ -258,8 +284,8 @@ class Runtime:
         Args:
             pairs: ``(src, dst)`` pairs; each side is a TensorRef (a window or a range of one,
                 see ``TensorRef.bytes``/``tile``) or a local buffer with the same byte count
-                (C-contiguous CPU memory of a plain numeric or bool dtype; a destination must be
-                writable). At least one side of each pair is a ref. Ref-to-ref copies go straight between
+                (C-contiguous CPU memory of a plain numeric or bool dtype: the ref's dtype, or
+                uint8 for raw bytes; a destination must be writable). At least one side of each pair is a ref. Ref-to-ref copies go straight between
                 mapped memories when the source route allows, else through a bounce buffer
                 (counted in ``stats().bounce_bytes``).
             lease: optional lease checked for the ranges of its window.
@@ -289,9 +315,9 @@ class Runtime:
                 if not d_ref and not isinstance(dst, RefSpec):
                     raise TypeError(f"pairs[{i}]: at least one side of each pair must be a ref, got "
                                     f"{type(src).__name__} and {type(dst).__name__}")
-                check_buffer(src, f"pairs[{i}] src", writable=False)
+                check_buffer(src, f"pairs[{i}] src", writable=False, dtype_code=dst.dtype_code)
             elif not d_ref and not isinstance(dst, RefSpec):
-                check_buffer(dst, f"pairs[{i}] dst", writable=True)
+                check_buffer(dst, f"pairs[{i}] dst", writable=True, dtype_code=src.dtype_code)
             specs.append((src, dst))
         return self._core.xcopy_specs(specs, lease=lease)
 
@@ -339,16 +365,26 @@ class Runtime:
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
     def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
-                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None):
+                           align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None,
+                           replace: bool = False):
         """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
         versioned window; returns its :class:`memsem.StateDictRef`.
+
+        What it costs: the tensors are **copied** into one window memsem allocates (a layout
+        header, then every tensor at an ``align`` boundary), in the segment directory
+        (``/dev/shm``): ``slots`` times the state dict's bytes (twice with the default
+        ``slots=2``), plus one copy of every tensor now and at each ``update``. The in-place
+        form: publish with ``slots=1`` and make the model's parameters the window's own
+        tensors (``ref.tensors()``), changed inside ``ref.write_section()``: one copy of the
+        model, no copy per step (readers wait while a section is open).
 
         Args:
             state_dict: name -> C-contiguous CPU tensor/array of any dtype memsem supports
                 (bf16, fp8...), 0-d and empty ones included. Its values are copied into version
                 1 of the window (the owner publishes later values with ``ref.update(sd)`` or
                 ``ref.write_section()``).
-            name: window name, for ``lookup_state_dict`` in any process of the job.
+            name: window name, for ``lookup_state_dict`` in any process of the job (one owner:
+                see ``publish``; ``replace`` takes it over).
             slots: 2 (default): double-buffered, readers of version v are never blocked while
                 v+1 is written; 1: one slot in a shared segment (readers wait while a section
                 is open).
@@ -367,16 +403,59 @@ class Runtime:
         from memsem.refs._state_dict import publish_state_dict
 
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
-                                  bucket_bytes=bucket_bytes, write_guard=write_guard)
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
 
-    def lookup_state_dict(self, name: str):
+    def lookup_state_dict(self, name: str, *, timeout: float = 0.0):
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
-        (any process; see ``lookup``). Its layout is read and checked now."""
+        (any process; see ``lookup``, whose ``timeout`` waits for it to appear). Its layout is
+        read and checked now."""
         from memsem.refs._state_dict import lookup_state_dict
 
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
-        return lookup_state_dict(self._core, name)
+        return lookup_state_dict(self._core, name, timeout=timeout)
+
+    def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
+               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False):
+        """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
+        ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
+        that version (bit-exact). See :mod:`memsem.refs._follow`.
+
+        Example::
+
+            for version, params in rt.follow("policy", into=model.state_dict(), timeout=60):
+                rollout(params)
+
+        Args:
+            source: a window name (a state dict's or a tensor's; looked up, waiting for it),
+                a ``TensorRef`` / ``StateDictRef``, or a followable object (``version()``,
+                ``wait_version(v, timeout)``, ``load(into, version=, timeout=)``: a
+                ``memsem.Relay``).
+            into: the existing tensors each version is loaded into: a mapping of name to
+                tensor for a state dict (``load``'s ``into``), an array / tensor for a tensor
+                window (``get``'s ``out``); None: allocated at the first load and reused
+                (allocated again after a republish). Needed for a followable source.
+            timeout: seconds each step may wait in all (for the name, a commit, a new owner,
+                the load), default the runtime's; then ``MemsemTimeoutError``.
+            after: yield only versions after this one (0: the latest at once).
+            pin: pin each version while it is loaded (a lease at the owner), so a trainer that
+                commits every step never overwrites it under the load; the owner waits for the
+                pin, at most ``pin_ttl`` seconds. Routes that offer no pins load unpinned.
+            every: yield every version in order, each loaded exactly (a stream whose versions
+                each carry their own data, whose owner keeps every version readable until the
+                follower is done with it); a version gone, a retired window or a dead owner
+                are raised, never skipped over.
+
+        Returns:
+            A :class:`memsem.refs._follow.Follower` (``version``, ``generation``, ``loads``,
+            ``skipped``, ``recovered``; ``close()``).
+
+        Raises:
+            TypeError / ValueError: a bad source, name, timeout, after or pin_ttl (at once);
+            the iterator raises as :meth:`memsem.refs._follow.Follower.next`.
+        """
+        from memsem.refs._follow import follow
+
+        return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
+                      every=every)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):

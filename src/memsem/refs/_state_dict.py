@@ -40,7 +40,7 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import buffer_info, empty_arena
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.refs._tensorref import TensorRef, as_core
+from memsem.refs._tensorref import TensorRef, Versioned, as_core
 from memsem.core import Lease, RuntimeCore
 
 #: first 8 bytes of a state-dict window (then u32 header bytes, u32 JSON bytes, the JSON)
@@ -225,6 +225,18 @@ def _torch_view(arr: np.ndarray, code: int) -> Any:
     return t.view(_dtypes.torch_dtype(code)).reshape(arr.shape)
 
 
+def _tensors_over(layout: StateDictLayout, flat: np.ndarray) -> dict[str, Any]:
+    """Every tensor of ``layout`` as an array (torch tensor for torch layouts) over ``flat``,
+    the bytes of one slot of the window."""
+    h = layout.header_bytes
+    out: dict[str, Any] = {}
+    torch_out = layout.framework == "torch" and "torch" in sys.modules
+    for e in layout.entries:
+        a = flat[h + e.offset:h + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+        out[e.name] = _torch_view(a, e.dtype_code) if torch_out else a
+    return out
+
+
 class StateDictSection:
     """An open write section on a state-dict window (``StateDictRef.write_section``).
 
@@ -236,16 +248,8 @@ class StateDictSection:
     def __init__(self, ref: "StateDictRef", section: Any) -> None:
         self.ref = ref
         self.section = section
-        layout = ref.layout
-        flat = section.array()
-        self.flat = flat
-        h = layout.header_bytes
-        out: dict[str, Any] = {}
-        torch_out = layout.framework == "torch" and "torch" in sys.modules
-        for e in layout.entries:
-            a = flat[h + e.offset:h + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
-            out[e.name] = _torch_view(a, e.dtype_code) if torch_out else a
-        self.tensors = out
+        self.flat = section.array()
+        self.tensors = _tensors_over(ref.layout, self.flat)
 
     @property
     def version(self) -> int:
@@ -266,6 +270,28 @@ class StateDictSection:
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         self.section.__exit__(exc_type, *exc)
+
+
+class StreamBucket(tuple):
+    """One bucket of ``StateDictRef.stream``: the pair ``(index, {name: tensor})`` (it unpacks
+    as before), and ``version``: the version the stream's bytes belong to (one for the whole
+    stream, pinned while it runs)."""
+
+    def __new__(cls, index: int, tensors: dict[str, Any], version: int) -> "StreamBucket":
+        obj = super().__new__(cls, (index, tensors))
+        obj.version = version
+        return obj
+
+    @property
+    def index(self) -> int:
+        return self[0]
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"StreamBucket(index={self[0]}, {len(self[1])} tensors, version={self.version})"
 
 
 class StateDictRef(TensorRef):
@@ -411,18 +437,23 @@ class StateDictRef(TensorRef):
         return {e.name: a for e, a in zip(lay.entries, arrs)}
 
     def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
-            version: int = 0) -> Any:  # type: ignore[override]
+            version: int = 0, with_version: bool = False) -> Any:  # type: ignore[override]
         """A new dict of every tensor of one version (``framework``: "numpy" or "torch"; default
-        what was published); with ``out`` (a mapping), the same as ``load(out)`` and returns it."""
+        what was published); with ``out`` (a mapping), the same as ``load(out)`` and returns it.
+        ``with_version``: return ``Versioned(version, dict)`` (the version whose bytes it holds)."""
+        if with_version is not False and with_version is not True:
+            raise TypeError(f"with_version must be True or False, got {with_version!r}")
         dst = out if out is not None else self.empty_like(framework)
-        self.load(dst, version=version, lease=lease)
-        return dst
+        v = self.load(dst, version=version, lease=lease)
+        return Versioned(v, dst) if with_version else dst
 
     def stream(self, into: Mapping[str, Any] | None = None, *, depth: int = 2, ttl: float | None = 60.0,
-               timeout: float | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+               timeout: float | None = None) -> Iterator["StreamBucket"]:
         """Yield ``(bucket index, {name: tensor})`` bucket by bucket, every bucket of one
         version (pinned by a lease while the stream runs), while up to ``depth - 1`` next
         buckets move in the background: the caller uses bucket i while bucket i+1 moves.
+        Each item is a :class:`StreamBucket`: it unpacks as that pair, and ``.version`` is
+        the version its bytes (every bucket's) belong to.
 
         ``into`` (default: new tensors) receives the bytes (the yielded dicts are its tensors).
         The stream pins the latest committed version when it starts; the owner may write the
@@ -460,7 +491,7 @@ class StateDictRef(TensorRef):
                 if b + depth < len(per_bucket):
                     start(b + depth)
                 i, j = lay.buckets[b]
-                yield b, {e.name: dst[e.name] for e in lay.entries[i:j]}
+                yield StreamBucket(b, {e.name: dst[e.name] for e in lay.entries[i:j]}, v)
         finally:
             for f in futs.values():
                 try:
@@ -470,6 +501,20 @@ class StateDictRef(TensorRef):
             lease.release()
 
     # -- owner -----------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, Any]:
+        """Owner of a single-slot window (``publish_state_dict(..., slots=1)``): every tensor
+        as an array (torch tensor for a torch state dict) over the window's own memory, no
+        copy: the in-place form. Make the model's parameters these tensors (torch:
+        ``param.data = tensors[name]``) and change them only inside ``write_section()`` (its
+        ``tensors`` are the same memory), so each step's update is published with no copy at
+        all; readers wait the section out (one slot).
+
+        Raises:
+            ValueError: a double-buffered window (slots=2: its versions alternate between two
+                slots). WindowNotFoundError: this runtime does not publish the window.
+        """
+        return _tensors_over(self.layout, self._core().window_memory(self.spec))
+
     def write_section(self, *, copy: bool = True, timeout: float | None = None) -> StateDictSection:
         """Owner: open a write section (see ``Runtime.write_section``); ``section.tensors`` are
         the tensors of the version being written (filled with the latest version when ``copy``)."""
@@ -536,8 +581,10 @@ def _torch_ok() -> bool:
 
 def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name: str | None = None,
                        slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       write_guard: str | None = None) -> StateDictRef:
+                       write_guard: str | None = None, replace: bool = False) -> StateDictRef:
     """See ``memsem.Runtime.publish_state_dict``."""
+    if name is not None:
+        name = _args.window_name(name, "name")  # before anything is allocated or copied
     if not isinstance(state_dict, Mapping) or not state_dict:
         raise ValueError("state_dict must be a non-empty mapping of name to tensor")
     align = _args.count(align, "align", minimum=1, maximum=1 << 20, unit="bytes")
@@ -562,15 +609,15 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
     for (k, info), e in zip(infos, lay.entries):
         if e.nbytes:
             native.memcpy(base + e.offset, info.address, e.nbytes)
-    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard)
+    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard, replace=replace)
     ref = StateDictRef(spec, core)
     _layouts[_cache_key(spec)] = lay
     return ref
 
 
-def lookup_state_dict(core: RuntimeCore, name: str) -> StateDictRef:
+def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0) -> StateDictRef:
     """See ``memsem.Runtime.lookup_state_dict``."""
-    spec = core.lookup_spec(name)
+    spec = core.lookup_spec(name, timeout)
     if spec.dtype_code != _UINT8:
         raise ValueError(f"window {name!r} is not a state-dict window (dtype {_dtypes.name_of(spec.dtype_code)})")
     ref = StateDictRef(spec, core)
@@ -578,5 +625,5 @@ def lookup_state_dict(core: RuntimeCore, name: str) -> StateDictRef:
     return ref
 
 
-__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "TensorEntry", "lookup_state_dict",
-           "publish_state_dict"]
+__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "StreamBucket", "TensorEntry",
+           "lookup_state_dict", "publish_state_dict"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,6 +14,18 @@ from memsem.core import Completion, Lease, RuntimeCore, current_core
 
 
 _UINT8 = _dtypes.code_of("uint8")
+
+
+class Versioned(NamedTuple):
+    """What a read of "the latest" returned and which version it was: ``(version, value)``.
+
+    ``version`` is the version whose bytes ``value`` holds, from the copy's own bracket (the
+    slot's sequence word around the copy, here or at the owner): it always agrees with the
+    bytes, on every route. Returned by ``get(..., with_version=True)``.
+    """
+
+    version: int
+    value: Any
 
 
 def _default_core() -> RuntimeCore:
@@ -185,12 +197,15 @@ class TensorRef:
 
     # -- data ------------------------------------------------------------------------------------
     def get(self, out: Any = None, *, framework: str | None = None, lease: Lease | None = None,
-            version: int = 0) -> Any:
+            version: int = 0, with_version: bool = False) -> Any:
         """Copy the ref's bytes here. Blocking; returns when every byte is in the result.
 
         Args:
             out: destination with exactly ``nbytes`` bytes (numpy array, CPU torch tensor,
-                DLPack or buffer object), or None to allocate one of ``shape``/``dtype``.
+                DLPack or buffer object) of the ref's dtype, or uint8 (raw bytes: a uint8 ``out``
+                takes the bytes of any dtype, and a uint8 ref fills any ``out``), or None to
+                allocate one of ``shape``/``dtype``. Another dtype is a TypeError, never a
+                reinterpretation of the bytes.
             framework: "numpy" (default for numpy/buffer sources), "torch" (default when the
                 producer published a torch tensor and torch is importable) or "dlpack" (a
                 :class:`DLPackBuffer` re-exporting the producer's byte_offset). Ignored with out.
@@ -198,13 +213,18 @@ class TensorRef:
             version: 0 (default) reads the latest committed version; else exactly that version
                 (``StaleReferenceError`` naming both versions when it was overwritten; a pinned
                 lease keeps it readable); a version not committed yet is waited for.
+            with_version: return ``Versioned(version, value)``: the version whose bytes were
+                read, so a read of the latest says which it was (``ref.version()`` read before
+                or after may differ from it: another version may be committed meanwhile).
 
         Returns:
-            ``out``, or a new array / tensor of ``shape`` and the ref's dtype.
+            ``out``, or a new array / tensor of ``shape`` and the ref's dtype; with
+            ``with_version``, :class:`Versioned` ``(version, that value)``.
 
         Raises:
-            StaleReferenceError: the generation moved before or during the copy (no valid bytes),
-                or ``version`` is gone.
+            WindowRetiredError: the generation moved before or during the copy (no valid
+                bytes). VersionGoneError: ``version`` was overwritten (both named). Both are
+                StaleReferenceError.
             LeaseExpiredError: ``lease`` expired before or during the copy.
             PeerLostError: the owner is dead. AccessDeniedError: wrong key.
             ValueError / TypeError: ``out`` has the wrong size or is read-only, or is not plain
@@ -215,25 +235,29 @@ class TensorRef:
         rt = self._rt
         if rt is None or rt.closed:
             rt = usable_core(rt)
+        if with_version is not False and with_version is not True:
+            raise TypeError(f"with_version must be True or False, got {with_version!r}")
         if out is not None:
-            return rt.transfers.get(self.spec, out, lease, version)
+            if with_version is False:
+                return rt.transfers.get(self.spec, out, lease, version)
+            return Versioned(*rt.transfers.get_versioned(self.spec, out, lease, version))
         fw = framework or self._default_framework()
         _check_before_alloc(rt, self.spec)
         if fw == "numpy":
-            return rt.get_spec(self.spec, None, lease=lease, version=version)
-        if fw == "torch":
+            v, got = rt.transfers.get_versioned(self.spec, None, lease, version)
+        elif fw == "torch":
             import torch
 
-            t = torch.empty(self.shape, dtype=_dtypes.torch_dtype(self.spec.dtype_code))
-            rt.get_spec(self.spec, t, lease=lease, version=version)
-            return t
-        if fw == "dlpack":
+            got = torch.empty(self.shape, dtype=_dtypes.torch_dtype(self.spec.dtype_code))
+            v, _ = rt.transfers.get_versioned(self.spec, got, lease, version)
+        elif fw == "dlpack":
             from memsem.refs._dlpack import DLPackBuffer
 
-            buf = DLPackBuffer(self.spec.dtype_code, self.shape, self.spec.byte_offset)
-            rt.get_spec(self.spec, buf.array, lease=lease, version=version)
-            return buf
-        raise ValueError(f"framework must be 'numpy', 'torch' or 'dlpack', got {framework!r}")
+            got = DLPackBuffer(self.spec.dtype_code, self.shape, self.spec.byte_offset)
+            v, _ = rt.transfers.get_versioned(self.spec, got.array, lease, version)
+        else:
+            raise ValueError(f"framework must be 'numpy', 'torch' or 'dlpack', got {framework!r}")
+        return Versioned(v, got) if with_version else got
 
     def _default_framework(self) -> str:
         if self.spec.framework == "torch" and ("torch" in sys.modules or _torch_importable()):
@@ -248,7 +272,7 @@ class TensorRef:
         if out is None:
             out = self._alloc(framework)
         else:
-            check_buffer(out, "out", writable=True)  # a caller mistake raises here, not in wait()
+            check_buffer(out, "out", writable=True, dtype_code=self.spec.dtype_code)  # raises now, not in wait()
         return self._core().submit(f"get of {self.spec.label}", lambda: self.get(out, lease=lease))
 
     def _alloc(self, framework: str | None) -> Any:
@@ -439,4 +463,4 @@ def check_ref(obj: Any, argname: str) -> TensorRef:
     return obj
 
 
-__all__ = ["TensorRef", "check_ref", "narrowed", "MemsemError"]
+__all__ = ["TensorRef", "Versioned", "check_ref", "narrowed", "MemsemError"]

@@ -84,6 +84,9 @@ class ScriptedEngine(Engine):
     def set_ready(self, remote: RemoteRegion, tile: int, ready: bool) -> None:
         self.inner.set_ready(remote.real, tile, ready)
 
+    def add_rows(self, remote: RemoteRegion, tile: int, rows: int, total: int) -> int:
+        return self.inner.add_rows(remote.real, tile, rows, total)
+
     def attach(self, descriptor: Descriptor, nbytes: int, credential: bytes = b"") -> RemoteRegion:
         # No DirectAccess: the runtime must come through get/put so the script applies.
         return _ScriptedRemote(self, nbytes, self.inner.attach(descriptor, nbytes, credential))

@@ -1,0 +1,511 @@
+"""The consumer side of the tcp engine: connections to owners, their handles, pipelined
+transfers, and the watch connection whose reader applies the owner's pushed words.
+
+Every byte a consumer receives goes through one buffered reader (:meth:`Connection.frame` /
+:meth:`Connection.read_into`) built on the wire's ``read_exact``, and every byte it sends
+through ``write_all``: both carry the request's deadline, checked (with the owner's liveness)
+at every receive/send slice, whatever byte the owner stalls at.
+
+A connection's handles (one per credential opened on it) are recycled: at most
+``CLIENT_HANDLES`` stay open; the least recently used one is closed (a CLOSE sent ahead of the
+next request) and its number reused, so a thread may touch any number of refs.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from memsem._errors import AccessDeniedError, EngineError, MemsemError, PeerLostError
+from memsem.engines._base import Credential, RemoteOutcome
+from memsem.engines.tcp import _wire as W
+
+if TYPE_CHECKING:
+    from memsem.engines.tcp._engine import TcpEngine, TcpRemote
+
+log = logging.getLogger(__name__)
+
+_INF = float("inf")
+#: the receive buffer of a connection: a small GET's reply (header, bytes, trailer) fits whole
+RECV_BYTES = 2 * W.REP.size + W.SMALL_BYTES
+_REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
+_pack_req, _unpack_rep = W.REQ.pack, W.REP.unpack_from
+
+
+class Lost(Exception):
+    """A connection failed under a request (reset, closed, refused during the hello): private
+    to the engine, which makes the request again on a new connection or raises PeerLostError."""
+
+    def __init__(self, why: str, errno: int | None = None) -> None:
+        super().__init__(why)
+        self.errno = errno
+
+
+class Connection:
+    """One connection of a consumer to an owner: the owner's nonce, this side's handles for the
+    credentials opened on it, and the buffered receive path.
+
+    Raises (constructor): PeerLostError (refused: nothing listens), Lost (the connection failed
+    before the owner's hello), EngineError (FULL: the owner serves its maximum of connections;
+    not the memsem protocol), MemsemTimeoutError.
+    """
+
+    def __init__(self, engine: "TcpEngine", remote: "TcpRemote", kind: int, deadline: float) -> None:
+        self.engine = engine
+        self.remote = remote
+        self.endpoint = remote.endpoint
+        self.closed = False
+        self.handles: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._free: list[int] = []
+        self._next_handle = 0
+        self._closing: list[bytes] = []  # CLOSE frames sent ahead of the next request
+        self._rid = 0
+        self._buf = bytearray(RECV_BYTES)
+        self._mv = memoryview(self._buf)
+        self._lo = self._hi = 0
+        #: between slices of a send, and of a receive: the deadline and the owner's liveness
+        self._waited = self._recv_waited = lambda d: engine.waited(remote, d)
+        self.sock = engine.open_socket(remote, deadline)
+        try:
+            W.configure(self.sock, engine.bounds, W.POLL_SLICE)
+            magic, proto, status, nonce = W.HELLO.unpack(self.take(W.HELLO.size, deadline))
+            if magic != W.MAGIC or proto != W.PROTOCOL:
+                raise EngineError(f"{self.endpoint} does not speak memsem tcp protocol {W.PROTOCOL} "
+                                  f"(hello {magic!r}, protocol {proto})")
+            if status == W.HELLO_FULL:
+                cap, count = W.FULL_INFO.unpack(nonce)
+                raise engine.full_error(remote, cap, count)
+            self.nonce = nonce
+            self.send(W.CHELLO.pack(W.MAGIC, W.PROTOCOL, kind), deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- receiving: the one path ------------------------------------------------------------------
+    def _fill(self, need: int, deadline: float) -> None:
+        """At least ``need`` (<= the buffer) bytes buffered (and whatever else has arrived)."""
+        have = self._hi - self._lo
+        if have >= need:
+            return
+        if self._lo:
+            self._buf[:have] = self._buf[self._lo:self._hi]
+            self._lo, self._hi = 0, have
+        self._hi += self._recv(self._mv[have:], deadline, need - have)
+
+    def _recv(self, mv: memoryview, deadline: float, at_least: int | None = None) -> int:
+        try:
+            return W.read_exact(self.sock, mv, deadline, self._recv_waited, at_least)
+        except W.Closed:
+            raise Lost("the owner closed the connection") from None
+        except OSError as exc:
+            raise Lost(f"the connection failed: {exc}", exc.errno) from exc
+
+    def take(self, n: int, deadline: float) -> bytes:
+        """The next ``n`` (<= the buffer) bytes."""
+        self._fill(n, deadline)
+        out = bytes(self._mv[self._lo:self._lo + n])
+        self._lo += n
+        return out
+
+    def frame(self, deadline: float) -> tuple[int, int, int, int, int, int]:
+        """The next reply header ``(status, flags, handle, rid, value, nbytes)``."""
+        self._fill(W.REP.size, deadline)
+        out = W.REP.unpack_from(self._buf, self._lo)
+        self._lo += W.REP.size
+        return out
+
+    def reply(self, rid: int, deadline: float) -> tuple[int, int, int, int]:
+        """The next reply header ``(status, flags, value, nbytes)``; it must answer ``rid``."""
+        if self._hi - self._lo < _REP_SIZE:
+            self._fill(_REP_SIZE, deadline)
+        status, flags, _, got, value, nbytes = _unpack_rep(self._buf, self._lo)
+        self._lo += _REP_SIZE
+        if got != rid and status != W.FULL:
+            raise EngineError(f"tcp reply from {self.endpoint} answers request {got}, not {rid}: "
+                              "the connection is out of step")
+        return status, flags, value, nbytes
+
+    def read_into(self, mv: memoryview, deadline: float) -> None:
+        """Fill ``mv`` exactly: buffered bytes first, then straight from the socket."""
+        n = len(mv)
+        k = min(n, self._hi - self._lo)
+        if k:
+            mv[:k] = self._mv[self._lo:self._lo + k]
+            self._lo += k
+        if k < n:  # the rest straight into ``mv``: bigger than the buffer, or not all here yet
+            if n - k <= RECV_BYTES // 2:
+                self._fill(n - k, deadline)
+                mv[k:] = self._mv[:n - k]
+                self._lo = n - k
+            else:
+                self._recv(mv[k:], deadline)
+
+    def text(self, nbytes: int, deadline: float) -> str:
+        if nbytes > W.MAX_ERROR_TEXT:
+            raise EngineError(f"tcp reply from {self.endpoint} carries {nbytes} bytes of text")
+        b = bytearray(nbytes)
+        self.read_into(memoryview(b), deadline)
+        return b.decode(errors="replace")
+
+    def answer(self, status: int, flags: int, value: int, nbytes: int, deadline: float, what: str) -> int:
+        """A reply other than DATA: its value when OK, else the error it means (raised): the
+        owner's native outcome as :class:`RemoteOutcome`, a refusal as AccessDeniedError."""
+        if status == W.OK:
+            return value
+        if status == W.OUTCOME:
+            raise RemoteOutcome(f"tcp {what} at {self.endpoint}: the owner's outcome {flags} (value {value})",
+                                status=flags, value=value)
+        text = self.text(nbytes, deadline) if nbytes else ""
+        if status == W.DENIED:
+            raise AccessDeniedError(f"tcp {what} at {self.endpoint}: {text}")
+        if status == W.FULL:
+            raise EngineError(f"tcp {what} at {self.endpoint}: {text}", name="FULL")
+        raise EngineError(f"tcp {what} at {self.endpoint} failed at the owner: "
+                          f"{text or W.STATUS_NAMES.get(status, status)}", name=W.STATUS_NAMES.get(status))
+
+    # -- sending ----------------------------------------------------------------------------------
+    def send(self, data: Any, deadline: float) -> None:
+        try:
+            if self._closing:
+                closes, self._closing = b"".join(self._closing), []
+                W.write_all(self.sock, closes, deadline, self._waited)
+            W.write_all(self.sock, data, deadline, self._waited)
+        except OSError as exc:
+            raise Lost(f"the connection failed: {exc}", exc.errno) from exc
+
+    def next_rid(self) -> int:
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        return self._rid
+
+    # -- handles ----------------------------------------------------------------------------------
+    def new_handle(self) -> int:
+        """A free handle number; past ``CLIENT_HANDLES`` open ones, the least recently used is
+        closed (its CLOSE goes ahead of the next request) and its number reused."""
+        if len(self.handles) >= W.CLIENT_HANDLES:
+            _, old = self.handles.popitem(last=False)
+            self._closing.append(W.REQ.pack(W.OP_CLOSE, 0, old, 0, 0, 0, 0, 0))
+            self._free.append(old)
+        if self._free:
+            return self._free.pop()
+        self._next_handle += 1
+        return self._next_handle
+
+    def forget(self, token: bytes) -> int | None:
+        """Close the handle of ``token`` (with the next request); its number is reused."""
+        h = self.handles.pop(token, None)
+        if h is not None:
+            self._closing.append(W.REQ.pack(W.OP_CLOSE, 0, h, 0, 0, 0, 0, 0))
+            self._free.append(h)
+        return h
+
+    def handle(self, cred: Credential, deadline: float) -> int:
+        """This connection's handle for ``cred`` (opened now if need be)."""
+        h = self.handles.get(cred.token)
+        if h is not None:
+            self.handles.move_to_end(cred.token)
+            return h
+        h = self.new_handle()
+        body = cred.token + cred.prove(self.nonce + W.H16.pack(h))
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_OPEN, 0, h, rid, 0, len(body), 0, 0) + body, deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        try:
+            self.answer(status, flags, value, nbytes, deadline, "open")
+        except BaseException:
+            self._free.append(h)
+            raise
+        self.handles[cred.token] = h
+        return h
+
+    # -- requests ---------------------------------------------------------------------------------
+    def request(self, h: int, deadline: float, wait_ms: int, op: int, arg: int, what: str) -> int:
+        """One request without a body or data (MARK, CLEAR: ``arg`` the tile): its OK value."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(op, 0, h, rid, arg, 0, 0, 0), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, what)
+
+    def count_rows(self, h: int, deadline: float, wait_ms: int, tile: int, rows: int, total: int) -> int:
+        """A MARK of ``rows`` of tile ``tile``'s ``total`` (arg: ``rows | total << 32``): the rows
+        the owner counts as written so far."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_MARK, 0, h, rid, tile, 0, rows | total << 32, 0), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "row count")
+
+    def pin(self, h: int, deadline: float, wait_ms: int, version: int, ttl_ms: int) -> int:
+        """A reservation of ``version`` (0: the latest) held by this connection's session for
+        ``ttl_ms`` at most: the version the owner holds."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_PIN, 0, h, rid, ttl_ms, 0, version, wait_ms), deadline)
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "pin")
+
+    def unpin(self, h: int, deadline: float, wait_ms: int, version: int) -> None:
+        """Give a reservation back (no reply: sent now, not with the next request)."""
+        self.send(W.REQ.pack(W.OP_UNPIN, 0, h, 0, 0, 0, version, 0), deadline)
+
+    def transfer(self, h: int, deadline: float, wait_ms: int, put: bool, offset: int, mv: memoryview,
+                 version: int) -> int:
+        """Move ``len(mv)`` bytes at ``offset``: one request, or chunks of ``CHUNK_BYTES`` with
+        up to ``PIPELINE_DEPTH`` in flight. Returns the version moved (the same for every
+        chunk).
+
+        Raises:
+            RemoteOutcome: the owner's outcome of a chunk (TORN: chunks of two versions). The
+                replies of every request sent are read first, so the connection stays in step.
+            AccessDeniedError, EngineError, Lost, MemsemTimeoutError, PeerLostError.
+        """
+        n = len(mv)
+        op = W.OP_PUT if put else W.OP_GET
+        what = "put" if put else "get"
+        if n <= _SMALL:  # one request (the common case, kept short)
+            rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
+            head = _pack_req(op, 0, h, rid, offset, n, version, wait_ms)
+            self.send(head + mv if put else head, deadline)
+            lo = self._lo
+            if self._hi - lo < _REP_SIZE:
+                self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
+                lo = self._lo
+            if not put and self._hi - lo >= 2 * _REP_SIZE + n:  # header, bytes and trailer are here
+                buf = self._buf
+                status, _, _, got, _, nbytes = _unpack_rep(buf, lo)
+                if status == _DATA and got == rid and nbytes == n:
+                    status, flags, _, got, value, nbytes = _unpack_rep(buf, lo + _REP_SIZE + n)
+                    if status == _OK and got == rid:
+                        mv[:] = self._mv[lo + _REP_SIZE:lo + _REP_SIZE + n]
+                        self._lo = lo + 2 * _REP_SIZE + n
+                        return value
+            status, flags, value, nbytes = self.reply(rid, deadline)
+            if status == W.DATA and not put:
+                if nbytes != n:
+                    raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {n} were asked")
+                self.read_into(mv, deadline)
+                status, flags, value, nbytes = self.reply(rid, deadline)
+            if status == W.OK:
+                return value
+            return self.answer(status, flags, value, nbytes, deadline, what)
+        if n <= W.CHUNK_BYTES:
+            chunks = [(0, n)]
+        else:
+            chunks = [(o, min(W.CHUNK_BYTES, n - o)) for o in range(0, n, W.CHUNK_BYTES)]
+        rids: list[int] = []
+
+        def send(i: int) -> None:
+            o, k = chunks[i]
+            rid = self.next_rid()
+            rids.append(rid)
+            head = W.REQ.pack(op, 0, h, rid, offset + o, k, version, wait_ms)
+            if not put:
+                self.send(head, deadline)
+            elif k <= W.SMALL_BYTES:
+                self.send(head + mv[o:o + k], deadline)
+            else:
+                self.send(head, deadline)
+                self.send(mv[o:o + k], deadline)
+
+        for i in range(min(W.PIPELINE_DEPTH, len(chunks))):
+            send(i)
+        seen = None
+        failed: RemoteOutcome | None = None
+        i = 0
+        while i < len(rids):
+            o, k = chunks[i]
+            status, flags, value, nbytes = self.reply(rids[i], deadline)
+            if status == W.DATA and not put:
+                if nbytes != k:
+                    raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {k} were asked")
+                self.read_into(mv[o:o + k], deadline)
+                status, flags, value, nbytes = self.reply(rids[i], deadline)
+            try:
+                v = self.answer(status, flags, value, nbytes, deadline, what)
+            except RemoteOutcome as exc:
+                failed = failed or exc
+            else:
+                if seen is None:
+                    seen = v
+                elif v != seen and failed is None:  # chunks of two versions: not one version's bytes
+                    failed = RemoteOutcome(f"tcp {what} at {self.endpoint}: chunks of versions {seen} and {v}",
+                                           status=W.TORN_STATUS)
+            if failed is None and i + W.PIPELINE_DEPTH < len(chunks):
+                send(i + W.PIPELINE_DEPTH)
+            i += 1
+        if failed is not None:
+            raise failed
+        return seen or 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            sock = getattr(self, "sock", None)
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+
+class WatchConnection(Connection):
+    """A consumer runtime's watch connection to one owner: a reader thread applies the owner's
+    EVENT frames to the subscriptions and hands replies to the requests waiting for them."""
+
+    def __init__(self, engine: "TcpEngine", remote: "TcpRemote", deadline: float) -> None:
+        super().__init__(engine, remote, W.KIND_WATCH, deadline)
+        self.send_lock = threading.Lock()
+        self.subs: dict[int, tuple[Callable[..., None], Callable[[str], None]]] = {}
+        self.pending: dict[int, list[Any]] = {}
+        self.lost: str | None = None
+        self._lock = threading.Lock()
+        self._recv_waited = self._idle  # only the reader thread receives from here on
+        self.thread = threading.Thread(target=self._read, name=f"memsem-tcp-watch-{remote.endpoint}", daemon=True)
+        self.thread.start()
+
+    def request_body(self, op: int, handle: int, body: bytes, deadline: float, what: str) -> int:
+        """Send a request and wait (bounded) for its reply; its OK value (else raises)."""
+        with self._lock:
+            if self.lost is not None:
+                raise PeerLostError(f"watch connection to {self.endpoint} was lost: {self.lost}")
+            rid = self.next_rid()
+            slot: list[Any] = [threading.Event(), None]
+            self.pending[rid] = slot
+        try:
+            with self.send_lock:
+                self.send(W.REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body, deadline)
+            while not slot[0].wait(W.POLL_SLICE):
+                self._waited(deadline)
+        except BaseException:
+            self.pending.pop(rid, None)
+            raise
+        if isinstance(slot[1], BaseException):
+            raise slot[1]
+        return slot[1]
+
+    def post(self, op: int, handle: int) -> None:
+        """Send a request whose reply nobody waits for (UNWATCH, CLOSE); best effort."""
+        with self._lock:
+            if self.lost is not None:
+                return
+        try:
+            with self.send_lock:
+                self.send(W.REQ.pack(op, 0, handle, 0, 0, 0, 0, 0),
+                          time.monotonic() + (self.engine.timeout or W.DEFAULT_TIMEOUT))
+        except (Lost, MemsemError):
+            pass
+
+    def open(self, cred: Credential, deadline: float) -> int:
+        """The handle of ``cred`` on this connection (opened now if need be)."""
+        with self._lock:
+            h = self.handles.get(cred.token)
+            if h is not None:
+                return h
+            h = self.new_handle()
+        body = cred.token + cred.prove(self.nonce + W.H16.pack(h))
+        try:
+            self.request_body(W.OP_OPEN, h, body, deadline, "watch")
+        except BaseException:
+            with self._lock:
+                self._free.append(h)
+            raise
+        with self._lock:
+            self.handles[cred.token] = h
+        return h
+
+    def _idle(self, deadline: float) -> None:
+        """Between receive slices of the reader: it waits for the owner as long as the
+        connection lives (the owner pushes when it has something; keepalive and
+        TCP_USER_TIMEOUT end a dead link)."""
+        if self.closed:
+            raise W.Closed("closed")
+
+    def _read(self) -> None:
+        reason = "closed"
+        try:
+            while not self.closed:
+                status, flags, handle, rid, value, nbytes = self.frame(_INF)
+                if status == W.EVENT:
+                    if value > W.MAX_EVENTS or nbytes != value * W.EVT.size:
+                        raise EngineError(f"EVENT frame from {self.endpoint} is malformed ({value} entries, "
+                                          f"{nbytes} bytes)")
+                    body = bytearray(nbytes)
+                    self.read_into(memoryview(body), _INF)
+                    changes = [W.EVT.unpack_from(body, i * W.EVT.size) for i in range(value)]
+                    sub = self.subs.get(handle)
+                    if sub is not None:
+                        sub[0](changes)
+                    continue
+                try:
+                    out: Any = self.answer(status, flags, value, nbytes, _INF, "watch")
+                except (RemoteOutcome, AccessDeniedError, EngineError) as exc:
+                    out = exc
+                slot = self.pending.pop(rid, None)
+                if slot is not None:
+                    slot[1] = out
+                    slot[0].set()
+        except BaseException as exc:  # noqa: BLE001 - ends every subscription of the connection
+            reason = "closed" if isinstance(exc, W.Closed) else f"{type(exc).__name__}: {exc}"
+        finally:
+            self._end(reason)
+
+    def _end(self, reason: str) -> None:
+        with self._lock:
+            if self.lost is None:
+                self.lost = reason
+            subs = list(self.subs.values())
+            self.subs.clear()
+            pending = list(self.pending.values())
+            self.pending.clear()
+        err = PeerLostError(f"watch connection to {self.endpoint} was lost: {reason}")
+        for slot in pending:
+            slot[1] = err
+            slot[0].set()
+        if not self.closed:
+            for _, on_lost in subs:
+                try:
+                    on_lost(reason)
+                except Exception:  # noqa: BLE001 - one subscriber must not keep others uninformed
+                    log.exception("memsem tcp watch: on_lost failed")
+        self.engine.forget_watch(self)
+        super().close()
+
+    def close(self) -> None:
+        self.closed = True
+        sock = getattr(self, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        t = getattr(self, "thread", None)
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+        super().close()
+
+
+class WatchHandle:
+    """A subscription made by ``TcpEngine.watch`` (``close()`` ends it; safe twice)."""
+
+    def __init__(self, wc: WatchConnection, token: bytes, handle: int) -> None:
+        self.wc, self.token, self.handle = wc, token, handle
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        wc = self.wc
+        with wc._lock:
+            wc.subs.pop(self.handle, None)
+            if wc.handles.get(self.token) == self.handle:
+                del wc.handles[self.token]
+            else:
+                return
+        wc.post(W.OP_CLOSE, self.handle)  # ends the owner's subscription and grant; then reused
+        with wc._lock:
+            wc._free.append(self.handle)
+
+
+__all__ = ["Connection", "Lost", "RECV_BYTES", "WatchConnection", "WatchHandle"]

@@ -1,0 +1,378 @@
+"""The owner's requests, by op: what each one checks, and the job that answers it.
+
+Dispatch is a table (``Requests.table``: op -> handler); a handler checks the request at once
+(its handle, range, direction) and returns nothing (answered, or no reply), or a *job*: a
+generator that yields what it waits for (``READ``, ``WRITE``, ``PARK``) with that wait's
+deadline, run by the server's loop (:mod:`memsem.engines.tcp._server`). Every copy of window
+bytes is one bracket around one non-blocking call (``Grant.move``) or one native copy
+(``Grant.copy``); the owner's native outcome goes back as it is (OUTCOME).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+from memsem._errors import AccessDeniedError, MemsemError
+from memsem.engines.tcp import _wire as W
+from memsem.native import ffi as _ffi
+from memsem.native import lib as _lib
+from memsem.native import memcpy as _memcpy
+
+if TYPE_CHECKING:
+    from memsem.engines.tcp._server import Server, Session
+
+#: what a job waits for (with a deadline)
+READ, WRITE, PARK = 1, 2, 3
+#: ``Server.park``'s answers: try once more at once, or wait
+AGAIN, WAIT = 1, 2
+#: native statuses the server acts on (it carries every other one as is)
+_OK, _GEN_BEFORE, _GEN_AFTER, _BUSY, _TORN = (
+    _lib.MEMSEM_OK, _lib.MEMSEM_RC_GEN_BEFORE, _lib.MEMSEM_RC_GEN_AFTER, _lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_TORN)
+#: zeros sent in place of the rest of a reply whose bytes stopped being valid mid-way
+_ZEROS = memoryview(bytes(W.CHUNK_BYTES))
+
+Job = Generator[tuple[int, float], None, None]
+
+
+def _buffer(address: int, nbytes: int) -> Any:
+    return _ffi.buffer(_ffi.cast("char *", address), nbytes)
+
+
+class Requests:
+    """The handlers of one server's requests (see the module docstring).
+
+    Args:
+        srv: the server: its bounds, context (``serve_open``), loop buffer, replies and waits.
+    """
+
+    def __init__(self, srv: "Server") -> None:
+        self.srv = srv
+        #: op -> handler(session, op, handle, rid, offset, nbytes, arg, wait_ms)
+        self.table: dict[int, Callable[..., Job | None]] = {
+            W.OP_OPEN: self.open, W.OP_CLOSE: self.close_handle, W.OP_GET: self.get, W.OP_PUT: self.put,
+            W.OP_MARK: self.mark, W.OP_CLEAR: self.mark, W.OP_WATCH: self.watch, W.OP_UNWATCH: self.unwatch,
+            W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin,
+        }
+
+    # -- ops --------------------------------------------------------------------------------------
+    def open(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, arg: int, wait_ms: int) -> Job:
+        if n > W.MAX_OPEN_BODY or n < 16:
+            return self.srv.deny(s, handle, rid, f"a credential of {n} bytes (16 to {W.MAX_OPEN_BODY})", True)
+        return self._open_job(s, handle, rid, n)
+
+    def _open_job(self, s: Session, handle: int, rid: int, n: int) -> Job:
+        body = yield from self.srv.body(s, n)
+        try:
+            g = self.srv.context.serve_open(bytes(body[:n - 16]), s.nonce + W.H16.pack(handle), bytes(body[n - 16:]))
+        except AccessDeniedError as exc:  # one guess per connection
+            yield from self.srv.deny(s, handle, rid, str(exc), True)
+            return
+        except MemsemError as exc:
+            job = self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}")
+            if job is not None:
+                yield from job
+            return
+        old = s.handles.pop(handle, None)
+        if old is not None:
+            old.close()
+        if len(s.handles) >= W.MAX_HANDLES:
+            g.close()
+            job = self.srv.reply(s, W.ERROR, handle, rid, 0, f"{W.MAX_HANDLES} credentials are open on this "
+                              f"connection to {self.srv.endpoint} already (close some)")
+        else:
+            s.handles[handle] = g
+            self.srv.authenticated(s)
+            job = self.srv.reply(s, W.OK, handle, rid)
+        if job is not None:
+            yield from job
+
+    def close_handle(self, s: Session, op: int, handle: int, *_: int) -> None:
+        sub = s.subs.pop(handle, None)
+        if sub is not None:
+            sub.close()
+        g = s.handles.pop(handle, None)
+        if g is not None:
+            g.close()
+
+    def _grant(self, s: Session, handle: int, rid: int) -> tuple[Any, Job | None]:
+        g = s.handles.get(handle)
+        if g is None:
+            return None, self.srv.deny(s, handle, rid, f"handle {handle} is not open on this connection", True)
+        return g, None
+
+    def get(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int,
+             wait_ms: int) -> Job | None:
+        # (the common small GET was answered by the server's read already: one native copy)
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        try:
+            g.check(False, off, n)
+        except (ValueError, AccessDeniedError) as exc:
+            return self.srv.deny(s, handle, rid, str(exc), False)
+        return self._get_job(s, g, handle, rid, off, n, version, self.srv.park_until(wait_ms))
+
+    def _get_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, version: int,
+                 wait_until: float) -> Job:
+        """A GET straight from the window: each non-blocking send is one bracket of its own, all
+        of one version (the first one's); the trailer says whether the bytes are valid."""
+        sock = s.sock
+        head = memoryview(W.REP.pack(W.DATA, 0, handle, rid, 0, n))
+        hs = done = 0
+        v = version
+        fixed = bool(version)
+
+        def io(address: int, k: int) -> int:
+            nonlocal hs
+            if hs < len(head):
+                m = sock.sendmsg([head[hs:], _buffer(address, k)])
+                took = min(m, len(head) - hs)
+                hs += took
+                return m - took
+            return sock.send(_buffer(address, k))
+
+        def sent(address: int, k: int) -> int:
+            try:
+                return io(address, k)
+            except (BlockingIOError, InterruptedError):
+                return 0
+
+        while hs < len(head) or done < n:
+            o, k = g.move(False, off + done, n - done, v, sent)
+            status, value = int(o.status), o.value
+            done += k  # on the wire, valid or not
+            if status == _OK:
+                if hs and not fixed:
+                    v, fixed = value, True  # the version every later bracket must see
+                if hs < len(head) or done < n:
+                    yield WRITE, time.monotonic() + self.srv.bounds.send_s
+                continue
+            if not hs:  # nothing sent: a clean answer (or a wait)
+                if status == _BUSY:
+                    p = self.srv.park(s, g, wait_until)
+                    if p:
+                        if p == WAIT:
+                            yield PARK, wait_until
+                        continue
+                if status == _TORN:  # a section opened under a send that took nothing
+                    yield WRITE, time.monotonic() + self.srv.bounds.send_s
+                    continue
+                yield from self.srv.outcome(s, handle, rid, status, value) or ()
+                return
+            # Bytes of the reply are out already: zeros for the rest, then the outcome
+            # (the generation moved, or the version's bytes are no longer whole: asked again).
+            if status not in (_GEN_BEFORE, _GEN_AFTER):
+                status, value = _TORN, 0
+            else:
+                status = _GEN_AFTER
+            while hs < len(head) or done < n:
+                if hs < len(head):
+                    hs += W.send_some(sock, head[hs:])
+                else:
+                    done += W.send_some(sock, _ZEROS[:min(n - done, len(_ZEROS))])
+                if hs < len(head) or done < n:
+                    yield WRITE, time.monotonic() + self.srv.bounds.send_s
+            yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            return
+        yield from self.srv.reply(s, W.OK, handle, rid, v) or ()
+
+    def put(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, arg: int,
+             wait_ms: int) -> Job | None:
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        if n > W.MAX_PUT_BYTES:
+            return self.srv.deny(s, handle, rid, f"a put request carries at most {W.MAX_PUT_BYTES} bytes, "
+                              f"not {n}", True)
+        try:
+            g.check(True, off, n)
+        except (ValueError, AccessDeniedError) as exc:
+            # A consumer checks range and access itself: nothing of the payload is read.
+            return self.srv.deny(s, handle, rid, str(exc), True)
+        wait_until = self.srv.park_until(wait_ms)
+        if n <= W.SMALL_BYTES:
+            return self._small_put_job(s, g, handle, rid, off, n, wait_until)
+        return self._put_job(s, g, handle, rid, off, n, wait_until)
+
+    def _small_put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int,
+                       wait_until: float) -> Job:
+        """A small PUT: the payload received whole first (into the loop's buffer when it is all
+        there, else into one of its own), then one native copy."""
+        k = W.recv_some(s.sock, self.srv.smv[:n]) if n else 0
+        if k == n:
+            v = g.copy(True, off, self.srv.saddr, n)
+            if v is not None:
+                yield from self.srv.reply(s, W.OK, handle, rid, v) or ()
+                return
+        buf = bytearray(n)
+        buf[:k] = self.srv.scratch[:k]
+        mv = memoryview(buf)
+        while k < n:
+            yield READ, time.monotonic() + self.srv.bounds.stall_s
+            k += W.recv_some(s.sock, mv[k:])
+        src = int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf))) if n else 0
+        while True:
+            o, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
+            if int(o.status) == _BUSY:
+                p = self.srv.park(s, g, wait_until)
+                if p:
+                    if p == WAIT:
+                        yield PARK, wait_until
+                    continue
+            break
+        if int(o.status) == _OK:
+            yield from self.srv.reply(s, W.OK, handle, rid, o.value) or ()
+        else:
+            yield from self.srv.outcome(s, handle, rid, int(o.status), o.value) or ()
+
+    def _put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, wait_until: float) -> Job:
+        """A large PUT straight into the window: each non-blocking receive is one bracket of its
+        own, all of one version; a failure part-way reads the rest of the payload into the
+        loop's buffer and answers the outcome (the consumer puts again)."""
+        sock = s.sock
+        done = v = 0
+        fixed = False
+
+        def recv(address: int, k: int) -> int:
+            return W.recv_some(sock, _buffer(address, k))
+
+        status = value = 0
+        while done < n:
+            o, k = g.move(True, off + done, n - done, v, recv)
+            status, value = int(o.status), o.value
+            done += k  # off the wire, valid or not
+            if status == _OK:
+                if k and not fixed:
+                    v, fixed = value, True
+                if done < n and not k:
+                    yield READ, time.monotonic() + self.srv.bounds.stall_s
+                continue
+            if not done and status == _BUSY:
+                p = self.srv.park(s, g, wait_until)
+                if p:
+                    if p == WAIT:
+                        yield PARK, wait_until
+                    continue
+            if done and status not in (_GEN_BEFORE, _GEN_AFTER):
+                status, value = _TORN, 0
+            while done < n:  # the rest of the payload, read and dropped
+                k = W.recv_some(sock, self.srv.smv[:min(n - done, len(self.srv.smv))])
+                done += k
+                if done < n and not k:
+                    yield READ, time.monotonic() + self.srv.bounds.stall_s
+            break
+        if status == _OK:
+            yield from self.srv.reply(s, W.OK, handle, rid, v) or ()
+        else:
+            yield from self.srv.outcome(s, handle, rid, status, value) or ()
+
+    def mark(self, s: Session, op: int, handle: int, rid: int, tile: int, n: int, arg: int, *_: int) -> Job | None:
+        """MARK / CLEAR of a tile's ready word; a MARK with ``arg`` (rows << 32 | rows per tile)
+        counts rows of a tile written in part (the write that completes the tile marks it)."""
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        try:
+            if op == W.OP_MARK and arg:
+                o = g.add_rows(tile, arg & 0xFFFFFFFF, arg >> 32)
+            else:
+                o = g.set_ready(tile, op == W.OP_MARK)
+        except (ValueError, AccessDeniedError) as exc:
+            return self.srv.deny(s, handle, rid, str(exc), False)
+        if int(o.status) != _OK:
+            return self.srv.outcome(s, handle, rid, int(o.status), o.value)
+        return self.srv.reply(s, W.OK, handle, rid, o.value)
+
+    def pin(self, s: Session, op: int, handle: int, rid: int, ttl_ms: int, n: int, version: int,
+            wait_ms: int) -> Job | None:
+        """PIN: a reservation of ``version`` held at the owner for the session."""
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            return refused
+        return self._pin_job(s, g, handle, rid, version, ttl_ms / 1000.0, self.srv.park_until(wait_ms))
+
+    def _pin_job(self, s: Session, g: Any, handle: int, rid: int, version: int, ttl: float,
+                 wait_until: float) -> Job:
+        """A reservation of ``version`` for the session (the grant holds it): a write section
+        overwriting the version is waited for like a GET's (parked until a commit)."""
+        while True:
+            try:
+                o = g.reserve(version, ttl)
+            except ValueError as exc:  # a version beyond the largest a window has
+                yield from self.srv.deny(s, handle, rid, str(exc), False) or ()
+                return
+            except MemsemError as exc:
+                yield from self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
+                return
+            status, value = int(o.status), o.value
+            if status == _BUSY:
+                p = self.srv.park(s, g, wait_until)
+                if p:
+                    if p == WAIT:
+                        yield PARK, wait_until
+                    continue
+            if status == _OK:
+                yield from self.srv.reply(s, W.OK, handle, rid, value) or ()
+            else:
+                yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            return
+
+    def unpin(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int, *_: int) -> None:
+        """UNPIN: drop the session's reservation of ``version`` (no reply)."""
+        g = s.handles.get(handle)
+        if g is not None:
+            g.drop_reservation(version)
+
+    def watch(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, *_: int) -> Job | None:
+        if s.kind != W.KIND_WATCH or n > W.MAX_WATCH_TARGETS * W.TGT.size or n % W.TGT.size:
+            return self.srv.deny(s, handle, rid, "watch request refused (not a watch connection, or a "
+                              "malformed target list)", True)
+        return self._watch_job(s, handle, rid, n)
+
+    def _watch_job(self, s: Session, handle: int, rid: int, n: int) -> Job:
+        body = yield from self.srv.body(s, n)
+        g = s.handles.get(handle)
+        if g is None:
+            yield from self.srv.deny(s, handle, rid, f"handle {handle} is not open on this connection", True)
+            return
+        targets = [W.TGT.unpack_from(body, i) for i in range(0, n, W.TGT.size)]
+        old = s.subs.pop(handle, None)
+        if old is not None:
+            old.close()
+        if g.closed:
+            yield from self.srv.outcome(s, handle, rid, _GEN_BEFORE, g.current()) or ()
+            return
+        try:
+            sub = g.watch(targets, lambda: self.srv.post(s))
+        except ValueError as exc:
+            yield from self.srv.deny(s, handle, rid, str(exc), False) or ()
+            return
+        except MemsemError as exc:
+            yield from self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
+            return
+        s.subs[handle] = sub
+        sub.flush = self.srv.flush
+        sub.dirty = False  # the current values, then OK: the consumer starts in step
+        yield from self.srv.send_now(s, W.events(handle, sub.collect()) + W.REP.pack(W.OK, 0, handle, rid, 0, 0)) or ()
+
+    def unwatch(self, s: Session, op: int, handle: int, *_: int) -> None:
+        sub = s.subs.pop(handle, None)
+        if sub is not None:
+            sub.close()
+
+    def push(self, s: Session) -> Job:
+        """What changed in the words of ``s``'s subscriptions (each collect returns only what
+        changed since the last one, so a slow reader costs one snapshot, never a queue)."""
+        frames = []
+        for handle, sub in list(s.subs.items()):
+            if sub.dirty:
+                sub.dirty = False
+                changes = sub.collect()
+                if changes:
+                    frames.append(W.events(handle, changes))
+        if frames:
+            yield from self.srv.send_now(s, b"".join(frames)) or ()
+
+
+__all__ = ["AGAIN", "PARK", "READ", "Requests", "WAIT", "WRITE"]
