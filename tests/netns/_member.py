@@ -1,7 +1,7 @@
 """Processes of the membership tests (test_membership.py): owners and consumers that keep
 working while the redis directory is stopped and continued.
 
-    python _member.py owner      publish window "w" (4096 float32, 0..4095), print its ref, rank
+    python _member.py owner      publish window "w-<pid>" (4096 float32, 0..4095), print its ref, rank
                                  and incarnation (one JSON line), then obey JSON commands on stdin:
                                  stats, holders, exit
     python _member.py consumer   read {"refs": {name: hex}} on stdin, resolve every ref, hold a
@@ -15,6 +15,7 @@ MEMSEM_HEARTBEAT_TTL. Every wait has a timeout.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import traceback
@@ -41,7 +42,8 @@ def _stats(rt: Runtime) -> dict:
 
 def owner() -> None:
     rt = Runtime(engines=ENGINES, timeout=10)
-    w = rt.publish(np.arange(N, dtype=np.float32), name="w")
+    # a name has one owner in its job: each owner process its own (consumers take the ref)
+    w = rt.publish(np.arange(N, dtype=np.float32), name=f"w-{os.getpid()}")
     say(ref=w.to_bytes().hex(), **_stats(rt))
     for line in sys.stdin:
         cmd = json.loads(line)

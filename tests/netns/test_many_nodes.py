@@ -164,7 +164,8 @@ def test_killed_node_windows_expire(cluster):
     assert "errors" in gone, gone
     print(f"\nmany-nodes kill: consumer saw {gone['errors']} after {gone['s']:.2f} s (TTL {TTL} s)")
     assert gone["ok"], gone
-    assert gone["s"] <= TTL + 2.0, gone  # within the heartbeat TTL (plus a poll slice)
+    # noticed by liveness (the connection ended, the heartbeat expired), never by a get timing out
+    assert len(gone["errors"]) == 1 and gone["errors"][0] != "MemsemTimeoutError", gone
 
 
 @pytest.mark.netns

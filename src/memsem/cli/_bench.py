@@ -14,6 +14,9 @@ reversed every other round, one ratio per round; the figure is the median of tho
 and every goal with "met", "not met", "reported" or "skipped" and the reason; ``--out`` gets
 ``bench.json`` (everything, with per-stage seconds) and four plots; ``--json`` prints one JSON
 object of the figures (null where a peer is missing) as the last line of stdout.
+
+One module, over 600 lines, because it is one command: ``memsem bench``'s goals, stages, tables
+and plots (the measurements themselves live in _bench_measure and the _bench_* modules).
 """
 from __future__ import annotations
 

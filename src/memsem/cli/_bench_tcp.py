@@ -34,6 +34,9 @@ the socket's throughput; remote first tile <= 3 x one tile get (issue 21: the ow
 at most 32 MiB with 1,000 idle connections).
 
 Run alone: ``python -m memsem.cli._bench_tcp [--quick] [--json]``.
+
+One module, over 600 lines, because it is one benchmark: the tcp route and its plain-socket
+baseline, producer and consumer roles of one script, and the owner's cost of connections.
 """
 from __future__ import annotations
 

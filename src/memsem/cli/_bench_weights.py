@@ -19,6 +19,9 @@ Used by ``memsem demo`` (the versioned table) and ``memsem bench`` (keys ``weigh
 ``weight_sync_trainer_blocked_ms``, the ratios ``gloo_vs_weight_sync_4r``,
 ``ray_vs_weight_sync_4r``, ``weight_sync_vs_copy_floor``, ``weight_sync_first_bucket_ratio``);
 ``benchmarks/bench_weight_sync.py`` runs it alone.
+
+One module, over 600 lines, because it is one benchmark: weight sync against its baselines (copy
+floor, gloo), each side a process set that the same rounds drive.
 """
 from __future__ import annotations
 

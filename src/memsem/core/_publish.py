@@ -16,6 +16,10 @@ close) runs one protocol:
 
 Write sections (versions within one generation) live in ``_sections``; this module holds the
 owner's windows (``Owned``) they write.
+
+One module, over 600 lines, because it is one protocol: publish and the retire protocol share the
+owner's index of windows under one lock; write sections, names and serving already have modules
+of their own (_sections, _names, _serve).
 """
 from __future__ import annotations
 

@@ -283,6 +283,17 @@ class SpanningDirectory(Directory):
     def _read_ranks(self, ranks: list[int]) -> list[dict[str, Any] | None]:
         raise NotImplementedError
 
+    def _own_put(self, values: dict[str, str]) -> None:
+        """Records this runtime wrote (key -> stored value): the heartbeat refreshes them."""
+        with self._lock:
+            self._own.update(values)
+
+    def _own_drop(self, keys: list[str]) -> None:
+        """Records this runtime removes: the heartbeat neither refreshes nor writes them again."""
+        with self._lock:
+            for k in keys:
+                self._own.pop(k, None)
+
     def _ping(self) -> None:
         raise NotImplementedError
 
@@ -398,8 +409,7 @@ class SpanningDirectory(Directory):
         for _ in range(2):
             raw = self._claim_name_step(nkey, value, bool(replace), dead)
             if raw is None:
-                with self._lock:
-                    self._own[nkey] = value
+                self._own_put({nkey: value})
                 return None
             val = self._codec.decode(nkey, raw, strict=False)
             held = dict(val["v"]) if val is not None and isinstance(val["v"], dict) else {"name": name}

@@ -45,6 +45,9 @@ could corrupt. Where inotify cannot be had (``inotify_simple`` missing, the per-
 limit ``fs.inotify.max_user_instances`` reached, the folder removed under the watch) a watch
 falls back to ``EntryWatch``'s short sleeps: slower, never wrong, since waiters re-read the
 directory after every wait.
+
+One module, over 600 lines, because it is one backend of the Directory interface (records, name
+claims, leases' files, entry watches over inotify), each method a few system calls.
 """
 from __future__ import annotations
 

@@ -364,8 +364,7 @@ class RayDirectory(SpanningDirectory):
             nkey = self._k("n", name.encode().hex())
             values[nkey] = self._codec.encode(nkey, self._name_value(name, gva, record))
         self._call("put", values, self.ttl, [self._k("c", f"{gva:016x}")])
-        with self._lock:
-            self._own.update(values)
+        self._own_put(values)
 
     def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
         """Remove window ``gva``'s record and leases, and ``name``'s record while it still
@@ -373,9 +372,7 @@ class RayDirectory(SpanningDirectory):
         g = f"{gva:016x}"
         keys = [self._k("w", g), self._k("l", g), self._k("c", g)]
         nkey = self._k("n", name.encode().hex()) if name else ""
-        with self._lock:  # first: the heartbeat writes no removed record again
-            for k in keys + [nkey]:
-                self._own.pop(k, None)
+        self._own_drop(keys + [nkey])  # first: the heartbeat writes no removed record again
         if nkey:
             self._call("drop_name", nkey, g)
         self._call("delete", keys)
@@ -438,8 +435,7 @@ class RayDirectory(SpanningDirectory):
         rkey = self._k("e", check_entry_key(key))
         value = self._codec.encode(rkey, record)
         self._call("put_entry", rkey, value, self.ttl, key)
-        with self._lock:
-            self._own[rkey] = value
+        self._own_put({rkey: value})
 
     def get_entry(self, key: str) -> dict[str, Any] | None:
         val = self._get(self._k("e", check_entry_key(key)), strict=False)
@@ -447,8 +443,7 @@ class RayDirectory(SpanningDirectory):
 
     def remove_entry(self, key: str) -> None:
         rkey = self._k("e", check_entry_key(key))
-        with self._lock:
-            self._own.pop(rkey, None)
+        self._own_drop([rkey])
         self._call("delete", [rkey])
 
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:

@@ -24,6 +24,8 @@ key                      value
                          ``<lease id>:<node hex>:<pid>:<holder rank>``, score = expiry in ms of
                          the server's clock (9e15 = until released); reaped when expired or when
                          the holder's rank key is gone
+``own:<token>``           set of the keys one runtime wrote (windows, names, entries), same TTL:
+                         one heartbeat refreshes them all server-side in one round trip
 ``c:<gva hex>``          "closing" flag: set (atomically with reading the leases) when the owner
                          starts to unpublish; no new lease is granted while it exists
 =======================  ======================================================================
@@ -211,6 +213,21 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[3]))
 return 1
 """
 
+# Lua: refresh every record a runtime wrote, listed in its set of owned keys. KEYS: the set.
+# ARGV: ttl ms. Returns the members whose key had expired (the caller writes them again), or
+# false when the set itself is gone (the server lost it: the caller rebuilds it). One round trip
+# whatever the number of records: the beat's cost at the client is flat in the windows it holds.
+_BEAT_OWN = """
+local ms = redis.call('SMEMBERS', KEYS[1])
+if #ms == 0 then return false end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
+local gone = {}
+for i = 1, #ms do
+  if redis.call('PEXPIRE', ms[i], tonumber(ARGV[1])) == 0 then gone[#gone + 1] = ms[i] end
+end
+return gone
+"""
+
 # Lua: give a rank up. KEYS: rank key, hold key. ARGV: token. Deletes what holds the token.
 _RELEASE = _TOKEN_OF + """
 local raw = redis.call('GET', KEYS[1])
@@ -288,6 +305,11 @@ class RedisDirectory(SpanningDirectory):
         self._release = self.client.register_script(_RELEASE)
         self._claim_name = self.client.register_script(_CLAIM_NAME)
         self._drop_name = self.client.register_script(_DROP_NAME)
+        self._beat_own = self.client.register_script(_BEAT_OWN)
+        #: changes to ``_own`` not yet applied to the server's set of owned keys (the next beat
+        #: sends them: SREM, SADD, then the refresh, in one round trip)
+        self._own_added: set[str] = set()
+        self._own_removed: set[str] = set()
 
     # -- storage (values in the one codec of directories that span nodes: _base.RecordCodec) --------
     def _encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
@@ -383,23 +405,63 @@ class RedisDirectory(SpanningDirectory):
         if rc != 1:
             self._lose(rank)
             return
+        self._refresh_own()
+
+    def _own_put(self, values: dict[str, str]) -> None:
+        """Records this runtime wrote (key -> stored value): the heartbeat refreshes them."""
         with self._lock:
-            own = list(self._own)
-        if not own:
-            return
+            self._own.update(values)
+            self._own_added.update(values)
+            self._own_removed.difference_update(values)
+
+    def _own_drop(self, keys: list[str]) -> None:
+        """Records this runtime removes: the heartbeat neither refreshes nor writes them again."""
+        with self._lock:
+            for k in keys:
+                if self._own.pop(k, None) is not None:
+                    self._own_removed.add(k)
+                self._own_added.discard(k)
+
+    def _refresh_own(self) -> None:
+        """One round trip: apply the changes to the server's set of this runtime's keys, refresh
+        every key in it (``_BEAT_OWN``), then write again what had expired (``SET NX``: never
+        over a record written meanwhile). A set the server lost is rebuilt from ``_own``."""
+        with self._lock:
+            if not self._own and not self._own_removed:
+                return
+            added, removed = list(self._own_added), list(self._own_removed)
+            self._own_added.clear()
+            self._own_removed.clear()
+        oset = self._k("own", self._token)
         pipe = self._mclient.pipeline(transaction=False)
-        for k in own:
-            pipe.pexpire(k, self._ttl_ms)
-        gone = [k for k, ok in zip(own, self._mcall(pipe.execute)) if not ok]
-        if gone:
-            with self._lock:  # a record removed meanwhile is not written again (remove_* hold it)
-                back = [(k, self._own[k]) for k in gone if k in self._own]
-                if back:
-                    pipe = self._mclient.pipeline(transaction=False)
-                    for k, value in back:
-                        pipe.set(k, value, px=self._ttl_ms, nx=True)
-                    self._mcall(pipe.execute)
-                    self.restored += len(back)
+        if removed:
+            pipe.srem(oset, *removed)
+        if added:
+            pipe.sadd(oset, *added)
+        self._beat_own(keys=[oset], args=[self._ttl_ms], client=pipe)
+        try:
+            gone = self._mcall(pipe.execute)[-1]
+        except BaseException:
+            with self._lock:  # sent again with the next beat
+                self._own_added.update(k for k in added if k in self._own)
+                self._own_removed.update(k for k in removed if k not in self._own)
+            raise
+        with self._lock:  # a record removed meanwhile is not written again (remove_* hold it)
+            if gone is None:  # the set is gone (a server restart): every record, written if absent
+                back = list(self._own.items())
+            else:
+                back = [(k, self._own[k]) for k in (g.decode() if isinstance(g, bytes) else g for g in gone)
+                        if k in self._own]
+            if not back:
+                return
+            pipe = self._mclient.pipeline(transaction=False)
+            if gone is None:
+                pipe.sadd(oset, *[k for k, _ in back])
+                pipe.pexpire(oset, self._ttl_ms)
+            for k, value in back:
+                pipe.set(k, value, px=self._ttl_ms, nx=True)
+            res = self._mcall(pipe.execute)
+            self.restored += sum(1 for ok in res[-len(back):] if ok)
 
     # -- windows ----------------------------------------------------------------------------------
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
@@ -414,8 +476,7 @@ class RedisDirectory(SpanningDirectory):
             pipe.set(k, value, px=self._ttl_ms)
         pipe.delete(self._k("c", f"{gva:016x}"))
         self._call(pipe.execute)
-        with self._lock:
-            self._own.update(values)
+        self._own_put(values)
 
     def remove_window(self, gva: int, name: str, *, pause: Callable[[], None] | None = None) -> None:
         """Remove window ``gva``'s record (and its leases' keys), and ``name``'s record while it
@@ -424,9 +485,7 @@ class RedisDirectory(SpanningDirectory):
         keys = [wkey, self._k("l", f"{gva:016x}"), self._k("c", f"{gva:016x}")]
         if name:
             keys.append(self._k("n", name.encode().hex()))
-        with self._lock:  # first: the heartbeat writes no removed record again
-            for k in keys:
-                self._own.pop(k, None)
+        self._own_drop(keys)  # first: the heartbeat writes no removed record again
         if name:  # the name only while it still points at this window (a successor's is kept)
             self._call(self._drop_name, keys=[keys[3]], args=[f"{gva:016x}"])
         self._call(self.client.delete, *keys[:3])
@@ -505,8 +564,7 @@ class RedisDirectory(SpanningDirectory):
         pipe.set(rkey, value, px=self._ttl_ms)
         pipe.publish(self._k("ev", key), b"")
         self._call(pipe.execute)
-        with self._lock:
-            self._own[rkey] = value
+        self._own_put({rkey: value})
 
     def get_entry(self, key: str) -> dict[str, Any] | None:
         val = self._get(self._k("e", check_entry_key(key)), strict=False)
@@ -514,8 +572,7 @@ class RedisDirectory(SpanningDirectory):
 
     def remove_entry(self, key: str) -> None:
         rkey = self._k("e", check_entry_key(key))
-        with self._lock:
-            self._own.pop(rkey, None)
+        self._own_drop([rkey])
         self._call(self.client.delete, rkey)
 
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:

@@ -48,6 +48,9 @@ Scope: one agent per TQ instance, on the node that ran ``tq.init``; clients on t
 through shared segments (route ``host/shm``). Other nodes need a memsem directory and engine that
 reach across nodes (``directory: redis://...``, RDMA), which this backend passes through
 (``backend.Memsem.directory``) but does not yet test.
+
+One module, over 600 lines, because TransferQueue loads a backend by one module path: the client,
+the manager and their process bootstrap must be importable together (the agent is _tq_agent).
 """
 from __future__ import annotations
 

@@ -23,6 +23,9 @@ gets, cached per window generation). Then:
 The layout is carried once and never changes within a generation (a different set of tensors
 is a republish). The framework (numpy or torch) of the published tensors is recorded; 0-d and
 empty tensors and every dtype memsem supports (bf16 and fp8 through ml_dtypes) are allowed.
+
+One module, over 600 lines, because it is one user-facing type: the layout, the section and the
+stream bucket exist only for StateDictRef and are read together with it.
 """
 from __future__ import annotations
 
