@@ -1,4 +1,4 @@
-"""Fixtures of the Ray directory tests (run where Ray is installed: ``make test-ray``).
+"""Fixtures of the Ray directory tests (run where Ray is installed: ``make test-tq`` runs them in the TransferQueue venv).
 
 One Ray cluster of three nodes on this machine for the module (tests/ray/cluster.py): a head
 with no CPUs (this pytest process is its driver) and two workers with one CPU each, every node
@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-pytest.importorskip("ray", reason="Ray is not installed here (make test-ray uses the TransferQueue venv)")
+pytest.importorskip("ray", reason="Ray is not installed here (make test-tq runs tests/ray in the TransferQueue venv)")
 
 from cluster import RayCluster  # noqa: E402
 

@@ -173,12 +173,12 @@ def test_leases_closing_and_expiry(cluster):
         owner.claim_rank({"pid": 1, "start": 2, "node": "n1"})
         rc = cons.claim_rank({"pid": 3, "start": 4, "node": "n2"})
         owner.put_window(0x50000, "", _rec(0x50000, gen=9))
-        with pytest.raises(memsem.StaleReferenceError):
+        with pytest.raises(memsem.WindowRetiredError):
             cons.acquire_lease(0x50000, 8, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
         m = cons.acquire_lease(0x50000, 9, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
         holders = owner.lease_holders(0x50000, closing=True)
         assert len(holders) == 1 and holders[0][0] == 3 and 0 < holders[0][1] <= 5.0
-        with pytest.raises(memsem.StaleReferenceError, match="closing"):
+        with pytest.raises(memsem.WindowRetiredError, match="closing"):
             cons.acquire_lease(0x50000, 9, {"node": "n2", "pid": 3, "rank": rc}, 5.0)
         owner.reopen_window(0x50000)
         assert cons.renew_lease(0x50000, m, 0.2)
@@ -209,6 +209,40 @@ def test_names_have_one_live_owner(cluster):
         b.release_rank(rb)  # b's runtime closed: its name may be taken
         assert a.claim_name("policy", 0x3000, {"pid": 1, "start": 2, "node": "n1", "rank": ra}) is None
         assert b.lookup("policy") == 0x3000
+
+
+def test_a_name_has_one_owner_across_nodes(cluster):
+    """Runtimes of two nodes: a name a live runtime of w1 holds is NameHeldError for the driver
+    (naming the holder) unless replace=True; the replaced owner's unpublish leaves the successor's
+    name; lookup(name, timeout=) waits for a name published later on another node; a closed
+    runtime's name is taken over."""
+    owner = Owner.options(**placed("w1")).remote()
+    try:
+        ray.get(owner.publish.remote("policy", 16, 1), timeout=LONG)
+        where = ray.get(owner.where.remote(), timeout=LONG)
+        with memsem.Runtime(timeout=LONG) as rt:
+            with pytest.raises(memsem.NameHeldError) as held:
+                rt.publish(np.zeros(16, dtype=np.int64), name="policy")
+            assert held.value.holder["node"] == node_id("w1") and held.value.holder["rank"] == where["rank"]
+            assert int(rt.lookup("policy").get().sum()) == int((np.arange(16) + 1).sum())
+            mine = rt.publish(np.full(16, 3, dtype=np.int64), name="policy", replace=True)
+            assert rt.lookup("policy").spec.gva == mine.spec.gva
+            ray.get(owner.close.remote(), timeout=LONG)  # the replaced owner leaves: the name stays
+            assert rt.lookup("policy").spec.gva == mine.spec.gva
+            # a name published later, on another node, is waited for
+            later = Owner.options(**placed("w2")).remote()
+            try:
+                pending = later.publish.remote("later", 8, 4)
+                ref = rt.lookup("later", timeout=LONG)
+                ray.get(pending, timeout=LONG)
+                assert int(ref.get().sum()) == int((np.arange(8) + 4).sum()) and rt.route(ref).kind == "tcp"
+                ray.get(later.close.remote(), timeout=LONG)  # closed: its name is free again
+                taken = rt.publish(np.zeros(8, dtype=np.int64), name="later")
+                assert rt.lookup("later").spec.gva == taken.spec.gva
+            finally:
+                ray.kill(later)
+    finally:
+        ray.kill(owner)
 
 
 def test_entry_watch_wakes_on_put_and_on_wake(cluster):
