@@ -13,6 +13,9 @@ SPAWN = mp.get_context("spawn")
 import importlib.util as _ilu  # noqa: E402
 
 collect_ignore_glob = [] if _ilu.find_spec("verl") is not None else ["verl/*"]
+# tests/ray runs where Ray is installed (make test-tq runs it in the TransferQueue venv)
+if _ilu.find_spec("ray") is None:
+    collect_ignore_glob.append("ray/*")
 
 
 @pytest.fixture(autouse=True)

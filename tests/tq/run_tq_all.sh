@@ -2,7 +2,9 @@
 # Everything TransferQueue: build the TQ venv, run memsem's TQ backend tests, TQ's own two
 # backend-neutral e2e files (unmodified, from the installed wheel) against Memsem, on one node and
 # across two network-namespace nodes (tests/tq/run_tq_nodes.py; skipped, saying why, where
-# namespaces cannot be made), and the SimpleStorage vs Memsem comparison. Called by `make test-tq`.
+# namespaces cannot be made), memsem's Ray directory on a Ray cluster of three nodes made on this
+# machine (tests/ray: the venv has Ray), and the SimpleStorage vs Memsem comparison. Called by
+# `make test-tq`.
 #
 # Env: TQ_VENV (default .venv-tq), PY (default python3.11), TQ_BENCH=0 skips the comparison,
 #      TQ_BENCH_ARGS (extra bench_tq.py args, e.g. "--seq-len 32768").
@@ -42,6 +44,12 @@ echo "== memsem TQ backend tests"
 # pytest-asyncio (a TQ test dependency) warns unless its fixture loop scope is set.
 (cd "$ROOT" && "$V/bin/python" -m pytest -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function \
     tests/test_tq_backend.py)
+
+echo "== memsem's ray directory on a three-node Ray cluster (tests/ray; no Redis)"
+# The cluster is the tests' own (tests/ray/cluster.py: a private RAY_TMPDIR, removed at the end);
+# nothing of this script's Ray settings for TQ applies to it.
+(cd "$ROOT" && env -u RAY_OVERRIDE_RESOURCES -u RAY_ADDRESS "$V/bin/python" -m pytest -q -p no:cacheprovider \
+    -o asyncio_default_fixture_loop_scope=function tests/ray)
 
 echo "== TransferQueue e2e (unmodified) against Memsem"
 TQ_EXTRA_BACKEND_MODULES=memsem.integrations.transferqueue bash "$HERE/run_tq_e2e.sh" "$V" Memsem

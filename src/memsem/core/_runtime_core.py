@@ -142,7 +142,7 @@ class RuntimeCore:
         self.children: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.engines: dict[str, Engine] = {}
         self.available: dict[str, Availability] = {}
-        names = list(engines) if engines is not None else default_engines()
+        names = list(engines) if engines is not None else default_engines(directory)
         objs = dict(engine_objects or {})
         for name in names + [n for n in objs if n not in names]:
             if name in objs:
@@ -441,13 +441,18 @@ def _step(what: str, fn: Any) -> Any:
         return None
 
 
-def default_engines() -> list[str]:
+def default_engines(directory: str | None = None) -> list[str]:
     """Engines a Runtime enables when none are named: ``MEMSEM_ENGINES`` (comma-separated, e.g.
     ``loopback,host,tcp`` to reach other nodes from code that does not name engines), else
-    loopback and host."""
+    loopback and host, and tcp too where the directory is ``ray`` (named, or chosen because
+    this process runs inside a Ray job: its other nodes are reached over tcp)."""
     raw = os.environ.get("MEMSEM_ENGINES", "")
     names = [n.strip() for n in raw.split(",") if n.strip()]
-    return names or ["loopback", "host"]
+    if names:
+        return names
+    from memsem.directory import choose_url
+
+    return ["loopback", "host", "tcp"] if choose_url(directory)[0] == "ray" else ["loopback", "host"]
 
 
 def current_core() -> RuntimeCore | None:

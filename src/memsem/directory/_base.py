@@ -10,13 +10,15 @@ import dataclasses
 import enum
 import hashlib
 import hmac
+import json
+import logging
 import re
 import secrets
 import threading
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import NotSupportedError
+from memsem._errors import AccessDeniedError, NotSupportedError
 
 _ENTRY_KEY = re.compile(r"[A-Za-z0-9._/-]{1,200}")
 
@@ -55,6 +57,82 @@ def secret_keys(secret: bytes | str | None) -> tuple[bytes | None, bytes | None]
         return None, None
     return (hmac.new(secret, b"memsem-mac", hashlib.sha256).digest(),
             hmac.new(secret, b"memsem-seal", hashlib.sha256).digest())
+
+
+class RecordCodec:
+    """How directories that span nodes store a record: ``{"v": record, "s": MAC, "k": sealed
+    key}`` as compact JSON. With a job secret each value carries an HMAC-SHA256 (key derived
+    from the secret) over its storage key name, the sealed access key and the record, and a
+    window's access key is sealed for holders of the secret (``seal_key``); without one values
+    are plain ``{"v": record}`` and no access key is stored. The one codec of the ``redis`` and
+    ``ray`` directories.
+
+    Args:
+        secret: the job secret (bytes or str), or None.
+        where: the directory's name in error messages.
+    """
+
+    def __init__(self, secret: bytes | str | None, where: str) -> None:
+        self.mac_key, self.seal_key = secret_keys(secret)
+        self.where = where
+
+    @property
+    def signed(self) -> bool:
+        """True with a job secret: values are MACed and access keys can be sealed."""
+        return self.mac_key is not None
+
+    def _sign(self, key: str, payload: str, sealed: str) -> str:
+        return hmac.new(self.mac_key, f"{key}\n{sealed}\n{payload}".encode(), hashlib.sha256).hexdigest()
+
+    def encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
+        """The stored value of ``record`` under ``key`` (``access_key`` sealed in, with a secret)."""
+        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        out: dict[str, Any] = {"v": record}
+        if self.mac_key is not None:
+            sealed = ""
+            if access_key is not None:
+                sealed = seal_key(self.seal_key, key, access_key)
+                out["k"] = sealed
+            out["s"] = self._sign(key, payload, sealed)
+        return json.dumps(out, separators=(",", ":"))
+
+    def decode(self, key: str, raw: bytes | str | None, *, strict: bool = True) -> dict[str, Any] | None:
+        """The verified value stored at ``key`` (``{"v":..., "k":...}``), None when absent.
+
+        Raises:
+            AccessDeniedError: (``strict``) the value is not a memsem value or fails its MAC
+                (forged, or written without the job secret); not strict: logged, None.
+        """
+        if raw is None:
+            return None
+        try:
+            out = json.loads(raw)
+            if not isinstance(out, dict) or "v" not in out:
+                raise ValueError("not a memsem entry")
+        except ValueError:
+            return self._reject(key, "is not a memsem entry", strict)
+        if self.mac_key is not None:
+            sig = out.get("s")
+            payload = json.dumps(out["v"], sort_keys=True, separators=(",", ":"))
+            if not isinstance(sig, str) or not hmac.compare_digest(sig, self._sign(key, payload, out.get("k", ""))):
+                return self._reject(key, "fails its HMAC: forged, or written without the job secret", strict)
+        return out
+
+    def unseal(self, key: str, value: dict[str, Any]) -> bytes | None:
+        """The access key sealed in a decoded value, None when there is none (or no secret)."""
+        if self.seal_key is None or not value.get("k"):
+            return None
+        try:
+            return unseal_key(self.seal_key, key, value["k"])
+        except ValueError:
+            return None
+
+    def _reject(self, key: str, why: str, strict: bool) -> None:
+        msg = f"{self.where} directory entry {key!r} {why}"
+        if strict:
+            raise AccessDeniedError(msg)
+        logging.getLogger("memsem.directory").warning("%s; ignored", msg)
+        return None
 
 
 class EntryWatch:
@@ -301,6 +379,11 @@ class Directory(abc.ABC):
 
     def reopen_window(self, gva: int) -> None:
         """Undo ``lease_holders(closing=True)`` when the owner gave up unpublishing."""
+
+    def advertise_host(self) -> str | None:
+        """The address of this node that processes on other nodes reach (engines that serve
+        over the network advertise it), or None where this directory does not know one."""
+        return None
 
     def close(self) -> None:
         """Release connections; safe twice."""

@@ -67,9 +67,6 @@ from that view (stale by at most one check interval while the server answers).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import os
 import secrets
@@ -78,35 +75,13 @@ import time
 from typing import Any, Callable
 
 from memsem import _args
-from memsem._errors import AccessDeniedError, MemsemError, PeerLostError, WindowRetiredError
-from memsem.directory._base import (
-    Directory,
-    EntryWatch,
-    Member,
-    MemberState,
-    check_entry_key,
-    seal_key,
-    secret_keys,
-    unseal_key,
-)
+from memsem._errors import MemsemError, PeerLostError
+from memsem.directory._base import EntryWatch, check_entry_key
+from memsem.directory._membership import DEFAULT_TTL, GRACE_TTLS, RESERVE_TTLS, SpanningDirectory
 from memsem.directory.local import default_job
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL = 10.0
-#: heartbeats per TTL: the rank record and this runtime's records are refreshed every TTL / 3
-BEATS_PER_TTL = 3
-#: watched ranks (owners of windows this runtime uses) are re-read every TTL / CHECKS_PER_TTL; a
-#: failed heartbeat is retried at that interval too
-CHECKS_PER_TTL = 10
-#: an absent rank record is believed (GONE) once the directory answered smoothly this many TTLs
-#: since its last outage seen here: the re-claim grace
-GRACE_TTLS = 1.0
-#: a rank stays reserved for its holder this many TTLs after its last heartbeat
-RESERVE_TTLS = 10
-#: socket timeout of the membership thread's calls (heartbeats, rank reads), in TTLs (at most
-#: the directory's ``timeout``); a call slower than half of it counts as an outage
-MEMBER_TIMEOUT_TTLS = 0.25
 #: the incarnation counter lives this long after the last claim of the job (ms)
 _COUNTER_MS = 7 * 86400 * 1000
 _MAX_RANKS = 1 << 16
@@ -262,20 +237,7 @@ return 1
 """
 
 
-class _View:
-    """This directory's view of one watched rank."""
-
-    __slots__ = ("state", "record", "read_ns", "asked_ns", "detail")
-
-    def __init__(self, now: int) -> None:
-        self.state = MemberState.UNKNOWN
-        self.record: dict[str, Any] | None = None
-        self.read_ns = 0
-        self.asked_ns = now
-        self.detail = "not read yet"
-
-
-class RedisDirectory(Directory):
+class RedisDirectory(SpanningDirectory):
     """Directory of many nodes on a Redis server.
 
     Args:
@@ -303,6 +265,8 @@ class RedisDirectory(Directory):
     Thread safety: all methods may be called from several threads (redis-py's pool).
     """
 
+    kind = "redis"
+
     def __init__(self, url: str, *, job: str | None = None,
                  alive: Callable[[dict[str, Any]], bool] | None = None, ttl: float | None = None,
                  secret: bytes | str | None = None, timeout: float = 5.0) -> None:
@@ -312,41 +276,17 @@ class RedisDirectory(Directory):
             from memsem._errors import NotSupportedError
 
             raise NotSupportedError("the redis directory needs redis-py: pip install 'redis>=5'") from exc
-        self.job = job or default_job()
-        if not self.job.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"job must be alphanumeric (with - or _), got {self.job!r}")
-        if ttl is None:
-            raw = os.environ.get("MEMSEM_HEARTBEAT_TTL", "") or ""
-            try:
-                ttl = float(raw) if raw else DEFAULT_TTL
-            except ValueError:
-                raise ValueError(f"MEMSEM_HEARTBEAT_TTL must be a number of seconds, got {raw!r}") from None
-            ttl = _args.timeout(ttl, "MEMSEM_HEARTBEAT_TTL", positive=True)
-        else:
-            ttl = _args.timeout(ttl, "ttl", positive=True)
         timeout = _args.timeout(timeout, "timeout", positive=True)
-        self.ttl = ttl
-        self._ttl_ms = max(1, int(ttl * 1000))
-        #: socket timeout of every command, seconds
-        self.timeout = timeout
-        self._reserve_ms = max(1, int(RESERVE_TTLS * ttl * 1000))
-        #: the membership thread's period (re-reads of watched ranks; retries of a failed beat)
-        self.check_s = ttl / CHECKS_PER_TTL
-        self._beat_s = ttl / BEATS_PER_TTL
-        #: socket timeout of the membership thread's calls
-        self.member_timeout = min(timeout, ttl * MEMBER_TIMEOUT_TTLS)
-        #: an absent rank is GONE once this directory answered smoothly this long
-        self.grace_s = GRACE_TTLS * ttl
-        #: a read of a record whose owner is SUSPECT is retried this long (the re-claim grace,
-        #: one heartbeat and one membership timeout)
-        self.reclaim_s = self.grace_s + self._beat_s + self.member_timeout
-        self.url = url
-        self.prefix = f"memsem:{self.job}:"
         if secret is None:
             secret = os.environ.get("MEMSEM_JOB_SECRET") or None
-        self._mac_key, self._seal_key = secret_keys(secret)
+        self._setup(job=job or default_job(), ttl=ttl, timeout=timeout, secret=secret, alive=alive,
+                    where=_safe_url(url))
+        self._ttl_ms = max(1, int(self.ttl * 1000))
+        #: socket timeout of every command, seconds
+        self.timeout = timeout
+        self._reserve_ms = max(1, int(self._reserve_s * 1000))
+        self.url = url
         self._redis = redis
-        self._alive = alive
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            health_check_interval=30)
         try:
@@ -366,84 +306,25 @@ class RedisDirectory(Directory):
         self._claim_name = self.client.register_script(_CLAIM_NAME)
         self._drop_name = self.client.register_script(_DROP_NAME)
         self._beat_own = self.client.register_script(_BEAT_OWN)
-        self._lock = threading.Lock()
-        #: records this runtime wrote and refreshes (windows, names, entries): key -> stored value
-        self._own: dict[str, str] = {}
         #: changes to ``_own`` not yet applied to the server's set of owned keys (the next beat
         #: sends them: SREM, SADD, then the refresh, in one round trip)
         self._own_added: set[str] = set()
         self._own_removed: set[str] = set()
-        self._rank: int | None = None
-        self._rank_value = ""
-        self._token = secrets.token_hex(8)
-        self.incarnation: int | None = None
-        self.reclaims = 0
-        self.restored = 0
-        self.lost_rank = False
-        self._lost_why = ""
-        # membership: the watched ranks' views and how smoothly the server answered
-        self._mlock = threading.Lock()
-        self._views: dict[int, _View] = {}
-        now = time.monotonic_ns()
-        self._smooth_since: int | None = now  # the ping above answered
-        self._last_ok_ns = now
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
-    # -- signing ----------------------------------------------------------------------------------
-    def _sign(self, key: str, payload: str, sealed: str) -> str:
-        return hmac.new(self._mac_key, f"{key}\n{sealed}\n{payload}".encode(), hashlib.sha256).hexdigest()
-
+    # -- storage (values in the one codec of directories that span nodes: _base.RecordCodec) --------
     def _encode(self, key: str, record: Any, access_key: bytes | None = None) -> str:
-        payload = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        out: dict[str, Any] = {"v": record}
-        if self._mac_key is not None:
-            sealed = ""
-            if access_key is not None:
-                sealed = seal_key(self._seal_key, key, access_key)
-                out["k"] = sealed
-            out["s"] = self._sign(key, payload, sealed)
-        return json.dumps(out, separators=(",", ":"))
+        return self._codec.encode(key, record, access_key)
 
-    def _decode(self, key: str, raw: bytes | str | None, *, strict: bool = True) -> dict[str, Any] | None:
-        """The verified value stored at ``key`` (``{"v":..., "k":...}``), None when absent.
-        A value failing verification raises AccessDeniedError (``strict``) or is skipped."""
-        if raw is None:
-            return None
-        try:
-            out = json.loads(raw)
-            if not isinstance(out, dict) or "v" not in out:
-                raise ValueError("not a memsem entry")
-        except ValueError:
-            return self._reject(key, "is not a memsem entry", strict)
-        if self._mac_key is not None:
-            sig = out.get("s")
-            payload = json.dumps(out["v"], sort_keys=True, separators=(",", ":"))
-            if not isinstance(sig, str) or not hmac.compare_digest(sig, self._sign(key, payload, out.get("k", ""))):
-                return self._reject(key, "fails its HMAC: forged, or written without the job secret", strict)
-        return out
-
-    def _reject(self, key: str, why: str, strict: bool) -> None:
-        msg = f"redis directory entry {key!r} {why}"
-        if strict:
-            raise AccessDeniedError(msg)
-        log.warning("%s; ignored", msg)
-        return None
-
-    def _get(self, key: str, *, strict: bool = True) -> dict[str, Any] | None:
-        return self._decode(key, self._call(self.client.get, key), strict=strict)
+    def _get_raw(self, key: str) -> bytes | str | None:
+        return self._call(self.client.get, key)
 
     def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         t0 = time.monotonic_ns()
         try:
             return fn(*args, **kwargs)
         except self._redis.RedisError as exc:
-            self._observe(t0, time.monotonic_ns(), False)  # an outage seen here counts as well
+            self._views.observe(t0, time.monotonic_ns(), False)  # an outage seen here counts as well
             raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
-
-    def _k(self, kind: str, ident: str) -> str:
-        return f"{self.prefix}{kind}:{ident}"
 
     # -- ranks ------------------------------------------------------------------------------------
     def claim_rank(self, record: dict[str, Any]) -> int:
@@ -469,10 +350,6 @@ class RedisDirectory(Directory):
         if rank == self._rank:
             self._rank = None
 
-    def rank_record(self, rank: int) -> dict[str, Any] | None:
-        val = self._get(self._k("rank", str(rank)))
-        return None if val is None else val["v"]
-
     def ranks(self) -> dict[int, dict[str, Any]]:
         out = {}
         for key in self._scan(self._k("rank", "*")):
@@ -481,125 +358,31 @@ class RedisDirectory(Directory):
                 out[int(key.rsplit(":", 1)[1])] = val["v"]
         return out
 
-    # -- membership -------------------------------------------------------------------------------
-    def member(self, rank: int) -> Member:
-        """The view of ``rank`` (see ``Directory.member``). The first question about a rank
-        reads it now (one call, ``member_timeout`` at most); later ones answer from the view
-        the membership thread re-reads every ``check_s``. Never raises for an outage: the
-        last-known state is kept (UNKNOWN if never read)."""
-        now = time.monotonic_ns()
-        with self._mlock:
-            v = self._views.get(rank)
-            if v is None:
-                v = self._views[rank] = _View(now)
-                first = True
-            else:
-                first = False
-            v.asked_ns = now
-        if first:
-            self._start_thread()
-            self._read_ranks([rank])
-        with self._mlock:
-            age = (time.monotonic_ns() - v.read_ns) / 1e9 if v.read_ns else float("inf")
-            return Member(v.state, v.record, age, v.detail)
-
-    def _observe(self, t0: int, t1: int, ok: bool) -> None:
-        """Account one call to the server: a failed or slow call, or a gap with no call (this
-        process or its thread stalled), is an outage: absences are believed again only after
-        ``grace_s`` of smooth answers."""
-        with self._mlock:
-            if not ok:
-                self._smooth_since = None
-                return
-            gap = t0 - self._last_ok_ns > (3 * self.check_s + self.member_timeout) * 1e9
-            if (t1 - t0) > self.member_timeout * 5e8 or gap:
-                self._smooth_since = t1
-            elif self._smooth_since is None:
-                self._smooth_since = t0
-            self._last_ok_ns = max(self._last_ok_ns, t1)
-
+    # -- membership (memsem.directory._membership) ----------------------------------------------
     def _mcall(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """A call of the membership thread (short timeout), observed for smoothness."""
         t0 = time.monotonic_ns()
         try:
             out = fn(*args, **kwargs)
         except self._redis.RedisError as exc:
-            self._observe(t0, time.monotonic_ns(), False)
+            self._views.observe(t0, time.monotonic_ns(), False)
             raise PeerLostError(f"redis directory {_safe_url(self.url)} failed: {exc}") from exc
-        self._observe(t0, time.monotonic_ns(), True)
+        self._views.observe(t0, time.monotonic_ns(), True)
         return out
 
-    def _judge(self, rank: int, raw: bytes | str | None, t1: int) -> tuple[MemberState, dict[str, Any] | None, str]:
-        """The state of ``rank`` from its stored value read at ``t1`` (the one rule)."""
-        val = None if not raw else self._decode(self._k("rank", str(rank)), raw, strict=False)
-        if val is not None and isinstance(val["v"], dict):
-            return MemberState.PRESENT, val["v"], ""
-        with self._mlock:
-            smooth = self._smooth_since
-        if smooth is not None and t1 - smooth >= self.grace_s * 1e9:
-            return MemberState.GONE, None, (
-                f"its rank {rank} record expired (no heartbeat for the TTL of {self.ttl:g} s) and was not "
-                f"re-claimed while {_safe_url(self.url)} answered for {self.grace_s:g} s")
-        return MemberState.SUSPECT, None, (
-            f"its rank {rank} record is absent since a directory outage; it may still re-claim it")
+    def _read_ranks(self, ranks: list[int]) -> list[dict[str, Any] | None]:
+        """The records of ``ranks`` (one MGET of the membership thread's connection).
 
-    def _read_ranks(self, ranks: list[int]) -> None:
-        """Re-read the views of ``ranks`` (one MGET); an outage leaves them as they were."""
-        try:
-            raws = self._mcall(self._mclient.mget, [self._k("rank", str(r)) for r in ranks])
-        except PeerLostError:
-            return
-        t1 = time.monotonic_ns()
-        for rank, raw in zip(ranks, raws):
-            state, rec, detail = self._judge(rank, raw, t1)
-            with self._mlock:
-                v = self._views.get(rank)
-                if v is not None:
-                    v.state, v.record, v.read_ns, v.detail = state, rec, t1, detail
+        Raises:
+            PeerLostError: the server did not answer within ``member_timeout``.
+        """
+        raws = self._mcall(self._mclient.mget, [self._k("rank", str(r)) for r in ranks])
+        return [self._rank_of(r, raw) for r, raw in zip(ranks, raws)]
 
-    # -- heartbeat and membership thread ----------------------------------------------------------
-    def _start_thread(self) -> None:
-        with self._mlock:
-            if self._thread is not None or self._closed:
-                return
-            self._thread = threading.Thread(target=self._loop, daemon=True,
-                                            name=f"memsem-redis-heartbeat-{self.job}")
-        self._thread.start()
+    def _ping(self) -> None:
+        self._mcall(self._mclient.ping)
 
-    def _loop(self) -> None:
-        beat_due = time.monotonic() + self._beat_s
-        quiet_until = 0.0
-        while not self._stop.wait(self.check_s):
-            now = time.monotonic()
-            rank = self._rank
-            if rank is not None and now >= beat_due and not self.lost_rank:
-                try:
-                    self.heartbeat(rank)
-                    beat_due = now + self._beat_s
-                except MemsemError as exc:  # an outage: retry soon, never die silently
-                    if now >= quiet_until:  # once per TTL, not at every retry
-                        log.warning("memsem heartbeat to %s failed (retried every %g s): %s",
-                                    _safe_url(self.url), self.check_s, exc)
-                        quiet_until = now + self.ttl
-                    beat_due = now + self.check_s
-            self._refresh()
-
-    def _refresh(self) -> None:
-        """Re-read the watched ranks (PING when none: the smoothness needs regular calls);
-        forget ranks nobody asked about for ``10 x ttl``."""
-        now = time.monotonic_ns()
-        with self._mlock:
-            for r in [r for r, v in self._views.items() if now - v.asked_ns > 10 * self.ttl * 1e9]:
-                del self._views[r]
-            ranks = list(self._views)
-        if ranks:
-            self._read_ranks(ranks)
-        else:
-            try:
-                self._mcall(self._mclient.ping)
-            except PeerLostError:
-                pass
-
+    # -- heartbeat --------------------------------------------------------------------------------
     def heartbeat(self, rank: int) -> None:
         """Refresh the rank record and every record this runtime wrote. A rank record that
         expired while this runtime lived is re-claimed with the same incarnation, and records
@@ -618,10 +401,7 @@ class RedisDirectory(Directory):
                              args=[self._rank_value, self._token, self._ttl_ms, self._reserve_ms,
                                    self.incarnation or 0, _COUNTER_MS], client=self._mclient)
             if rc == 1:
-                self.reclaims += 1
-                log.warning("memsem rank %d of job %r expired in %s while this runtime lived (a directory "
-                            "outage, or a stall past the TTL of %g s): re-claimed, incarnation %s", rank,
-                            self.job, _safe_url(self.url), self.ttl, self.incarnation)
+                self._reclaimed(rank)
         if rc != 1:
             self._lose(rank)
             return
@@ -683,26 +463,6 @@ class RedisDirectory(Directory):
             res = self._mcall(pipe.execute)
             self.restored += sum(1 for ok in res[-len(back):] if ok)
 
-    def _lose(self, rank: int) -> None:
-        if self.lost_rank:
-            return
-        try:
-            other = self.rank_record(rank)
-        except MemsemError:
-            other = None
-        who = "another runtime" if other is None else \
-            f"pid {other.get('pid')} on {other.get('node')!r} (incarnation {other.get('incarnation')})"
-        self._lost_why = (f"its rank {rank} of job {self.job!r} expired in {_safe_url(self.url)} and {who} "
-                          f"took it (this runtime was cut off or stalled longer than the TTL of {self.ttl:g} s "
-                          f"and the reservation of {RESERVE_TTLS} TTLs)")
-        self.lost_rank = True
-        log.error("memsem runtime (incarnation %s): %s; its windows are gone for other nodes and it "
-                  "can publish nothing more: create a new Runtime", self.incarnation, self._lost_why)
-
-    def _check_rank(self) -> None:
-        if self.lost_rank:
-            raise PeerLostError(f"this runtime cannot publish: {self._lost_why}; create a new Runtime")
-
     # -- windows ----------------------------------------------------------------------------------
     def put_window(self, gva: int, name: str, record: dict[str, Any], key: bytes | None = None) -> None:
         self._check_rank()
@@ -731,79 +491,10 @@ class RedisDirectory(Directory):
         self._call(self.client.delete, *keys[:3])
 
     # -- names ------------------------------------------------------------------------------------
-    def _name_value(self, name: str, gva: int, holder: dict[str, Any]) -> dict[str, Any]:
-        return {"name": name, "gva": f"{gva:016x}", "pid": holder.get("owner_pid", holder.get("pid")),
-                "start": holder.get("owner_start", holder.get("start")), "node": holder.get("node", ""),
-                "rank": holder.get("rank"), "token": self._token}
-
-    def claim_name(self, name: str, gva: int, holder: dict[str, Any], *, replace: bool = False,
-                   pause: Callable[[], None] | None = None) -> dict[str, Any] | None:
-        """Bind ``name`` to window ``gva`` of ``holder`` (this runtime): atomically, when no
-        record holds it, this runtime does, its holder's rank key expired or holds another
-        token (its runtime closed or its node died), or ``replace``. Returns None when bound,
-        else the live holder's record."""
-        nkey = self._k("n", name.encode().hex())
-        value = self._encode(nkey, self._name_value(name, gva, holder))
-        dead = ""
-        for _ in range(2):
-            raw = self._call(self._claim_name, keys=[nkey], args=[value, self._k("rank", ""), self._token, self._ttl_ms,
-                                                            "1" if replace else "0", dead])
-            if raw is None:
-                self._own_put({nkey: value})
-                return None
-            val = self._decode(nkey, raw, strict=False)
-            held = dict(val["v"]) if val is not None and isinstance(val["v"], dict) else {"name": name}
-            # A holder on this node is dead when its process is (its heartbeat may not have
-            # expired yet): take over exactly that record, unless it changed meanwhile.
-            if self._alive is None or held.get("node") != holder.get("node") or \
-                    self._alive({"pid": held.get("pid"), "start": held.get("start"), "node": held.get("node")}):
-                return held
-            dead = raw.decode() if isinstance(raw, bytes) else str(raw)
-        return held
-
-    def name_record(self, name: str) -> dict[str, Any] | None:
-        """The record of ``name`` (``gva`` hex and its holder), or None."""
-        val = self._get(self._k("n", name.encode().hex()))
-        if val is None:
-            return None
-        v = val["v"]
-        if isinstance(v, str):  # a record of an older memsem: the gva alone
-            return {"name": name, "gva": v}
-        return v if isinstance(v, dict) and isinstance(v.get("gva"), str) else None
-
-    def get_window(self, gva: int) -> dict[str, Any] | None:
-        val = self._get(self._k("w", f"{gva:016x}"))
-        return None if val is None else val["v"]
-
-    holds_leases = True
-
-    @property
-    def seals_keys(self) -> bool:
-        """True with a job secret: ``put_window(..., key=)`` stores the access key sealed."""
-        return self._seal_key is not None
-
-    def window_with_key(self, gva: int) -> tuple[dict[str, Any] | None, bytes | None]:
-        """``(record, access key)`` of window ``gva`` from one read; the key is None when the
-        window is absent, was published without a secret, or this directory has none."""
-        wkey = self._k("w", f"{gva:016x}")
-        val = self._get(wkey)
-        if val is None:
-            return None, None
-        if self._seal_key is None or not val.get("k"):
-            return val["v"], None
-        try:
-            return val["v"], unseal_key(self._seal_key, wkey, val["k"])
-        except ValueError:
-            return val["v"], None
-
-    def lookup(self, name: str) -> int | None:
-        rec = self.name_record(name)
-        if rec is None:
-            return None
-        try:
-            return int(rec["gva"], 16)
-        except ValueError:
-            return None
+    def _claim_name_step(self, nkey: str, value: str, replace: bool, dead: str) -> str | None:
+        raw = self._call(self._claim_name, keys=[nkey], args=[value, self._k("rank", ""), self._token, self._ttl_ms,
+                                                        "1" if replace else "0", dead])
+        return None if raw is None else (raw.decode() if isinstance(raw, bytes) else str(raw))
 
     def windows(self) -> list[dict[str, Any]]:
         out = []
@@ -823,8 +514,7 @@ class RedisDirectory(Directory):
         Raises:
             WindowRetiredError: the window is gone, closing, or at another generation.
         """
-        member = f"{secrets.token_hex(8)}:{str(holder.get('node', '')).encode().hex()}:" \
-                 f"{int(holder.get('pid', 0))}:{int(holder.get('rank', 0))}"
+        member = self._lease_member(holder)
         ttl = _args.ttl(ttl)
         ms = -1 if ttl is None else max(1, int(ttl * 1000))
         g = f"{gva:016x}"
@@ -832,9 +522,7 @@ class RedisDirectory(Directory):
                         args=[member, ms, str(generation)])
         if rc == 1:
             return member
-        why = {-1: "is not published (or its owner's heartbeat expired)", -2: "is closing: no new leases",
-               -3: "moved to another generation"}.get(int(rc), f"refused the lease ({rc})")
-        raise WindowRetiredError(f"window gva {gva:#x} {why}", generation=generation)
+        raise self._lease_refused(gva, rc, generation)
 
     def renew_lease(self, gva: int, member: str, ttl: float | None) -> bool:
         """Extend an unexpired lease to ``ttl`` s from now (server clock); False when it was lost."""
@@ -854,22 +542,9 @@ class RedisDirectory(Directory):
         lkey = self._k("l", g)
         out = self._call(self._holders, keys=[lkey, self._k("c", g)],
                          args=[self._k("rank", ""), "1" if closing else "0", max(self._ttl_ms, 600_000)])
-        t1 = time.monotonic_ns()
-        res, reap = [], []
-        for i in range(0, len(out), 3):
-            member = out[i].decode() if isinstance(out[i], bytes) else str(out[i])
-            parts = member.split(":")
-            try:
-                node, pid, rank = bytes.fromhex(parts[1]).decode(), int(parts[2]), int(parts[3])
-            except (IndexError, ValueError):
-                reap.append(member)  # not a member this directory wrote
-                continue
-            state, rec, _ = self._judge(rank, out[i + 2], t1)
-            if state is MemberState.GONE or (state is MemberState.PRESENT and not (
-                    isinstance(rec, dict) and rec.get("pid") == pid and rec.get("node") == node)):
-                reap.append(member)
-                continue
-            res.append((pid, float(out[i + 1]) / 1000.0))
+        rows = [(out[i].decode() if isinstance(out[i], bytes) else str(out[i]), float(out[i + 1]) / 1000.0, out[i + 2])
+                for i in range(0, len(out), 3)]
+        res, reap = self._live_leases(rows)
         if reap:
             self._call(self.client.zrem, lkey, *reap)
         return res
@@ -939,7 +614,7 @@ class RedisDirectory(Directory):
 
     def __repr__(self) -> str:
         return f"<RedisDirectory {_safe_url(self.url)} job={self.job!r} ttl={self.ttl:g}s " \
-               f"{'signed' if self._mac_key else 'unsigned'} rank={self._rank} incarnation={self.incarnation}>"
+               f"{'signed' if self._codec.signed else 'unsigned'} rank={self._rank} incarnation={self.incarnation}>"
 
 
 class _PubSubWatch(EntryWatch):

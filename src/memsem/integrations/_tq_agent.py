@@ -590,7 +590,8 @@ def start_agent(*, job: str | None = None, directory: str | None = None, timeout
     Args:
         job: memsem directory namespace of its windows (default ``MEMSEM_JOB`` or "default");
             clients must use the same (the bootstrap provider writes it into the TQ config).
-        directory: memsem directory (default local).
+        directory: memsem directory (default: the one this process would use: ``ray`` inside a
+            Ray job, else ``MEMSEM_DIRECTORY`` or local).
         timeout: seconds to wait for it to report ready.
 
     Raises:
@@ -606,10 +607,15 @@ def start_agent(*, job: str | None = None, directory: str | None = None, timeout
     # MEMSEM_TQ_AGENT_LAUNCHER: a command prefix that runs the agent elsewhere (e.g. "ip netns exec
     # nodeA env MEMSEM_NODE_ID=node-a": the agent on another node, its clients reaching it over tcp)
     cmd = shlex.split(os.environ.get("MEMSEM_TQ_AGENT_LAUNCHER", "")) + cmd
-    if directory:
-        cmd += ["--directory", directory]
+    # The directory this process would use (inside a Ray job: its Ray directory) and what the
+    # agent, not a Ray worker itself, needs to open it (the job's Ray address and namespace).
+    from memsem.directory import child_env, choose_url
+
+    directory = choose_url(directory)[0]
+    cmd += ["--directory", directory]
+    env = dict(os.environ, **child_env(directory, job))
     authkey = os.urandom(32)
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, env=env)
     if proc.stdin is None or proc.stdout is None:  # pragma: no cover - Popen with PIPE sets both
         raise MemsemError("memsem TransferQueue agent: no pipes to the agent process")
     proc.stdin.write(authkey.hex().encode() + b"\n")

@@ -130,7 +130,11 @@ class TcpEngine(Engine):
     def _advertised_host(self) -> str:
         if self._host:
             return self._host
-        url = getattr(getattr(self.context, "directory", None), "url", "") or ""
+        directory = getattr(self.context, "directory", None)
+        hint = directory.advertise_host() if hasattr(directory, "advertise_host") else None
+        if hint:  # the directory knows the address other nodes reach (ray: the node's address)
+            return hint
+        url = getattr(directory, "url", "") or ""
         if url.startswith(("redis://", "rediss://")):
             hostport = url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
             host = hostport.rsplit(":", 1)[0].strip("[]") if ":" in hostport else hostport
