@@ -64,6 +64,10 @@ call, so every live holder had the time to re-claim. Liveness questions (``membe
 for the server: one thread per directory beats and re-reads the watched ranks every
 ``ttl / CHECKS_PER_TTL`` with a socket timeout of ``MEMBER_TIMEOUT_TTLS`` TTLs, and answers come
 from that view (stale by at most one check interval while the server answers).
+
+One module, over 600 lines, because it is one backend's storage steps: each method of the
+shared SpanningDirectory (directory/_membership.py) is a Lua script or a pipelined round trip here,
+and the scripts sit beside the methods that call them.
 """
 from __future__ import annotations
 

@@ -41,6 +41,9 @@ or on SIGTERM; it then unpublishes everything and unlinks its segments. Segments
 killed with SIGKILL are reaped by ``memsem gc`` or by the next memsem Runtime started on the node.
 
 Run by :func:`start_agent` as ``python -m memsem.integrations._tq_agent``.
+
+One module, over 600 lines, because the agent is one process's program: its regions, the
+requests it answers and its life cycle (started, orphaned, reaped) are read together.
 """
 from __future__ import annotations
 
