@@ -76,10 +76,13 @@ def test_put_rows_marks_only_complete_tiles():
     with memsem.Runtime() as rt:
         fs = rt.publish_fields(SCHEMA, tile_rows=4)
         p = fs["prompts"]
-        assert p.put_rows(0, rows_of("prompts", 0, 6)) == [0]  # tile 1 (rows 4..8) incomplete
+        first = p.put_rows(0, rows_of("prompts", 0, 6))
+        assert first == [0] and first.partial == {1: (2, 4)}  # tile 1 (rows 4..8): 2 of 4 rows counted
         assert p.ready_tiles() == [0]
-        assert p.put_rows(6, rows_of("prompts", 6, 8)) == []    # rows 6..8 alone do not cover tile 1
-        assert p.mark_rows(4, 8) == [1]
+        second = p.put_rows(6, rows_of("prompts", 6, 8))  # the write whose rows complete tile 1 marks it
+        assert second == [1] and not second.partial
+        assert p.ready_tiles() == [0, 1]
+        assert p.mark_rows(4, 8) == [1]  # marking a ready tile again is harmless
         assert p.rows_ready(0, 8) and not p.rows_ready(0, 9)
         np.testing.assert_array_equal(p.get_rows(0, 8, timeout=1), rows_of("prompts", 0, 8))
         with pytest.raises(ValueError, match="shape"):
