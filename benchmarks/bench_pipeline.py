@@ -319,6 +319,8 @@ def vs_get_bench(rt: memsem.Runtime, refs: dict[str, memsem.TensorRef], sizes: l
     res: dict[str, Any] = {"sizes": out,
                            "pipeline_vs_get_min": min(v["ratio"] for v in out.values()),
                            "pipeline_vs_get_alloc_min": min(v["alloc_ratio"] for v in out.values())}
+    worst = min(out.values(), key=lambda v: v["ratio"])  # the size and route the minimum comes from
+    res["pipeline_vs_get_min_spread"] = [worst["ratio_p25"], worst["ratio_p75"]]
     for route in {v["route"] for v in out.values()}:
         res[f"pipeline_vs_get_min_{route.split('/')[-1]}"] = min(v["ratio"] for v in out.values()
                                                                  if v["route"] == route)

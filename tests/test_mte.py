@@ -144,9 +144,9 @@ def _scenario_data(team, peers: Peers) -> dict:
         w = rt.alloc(nb, np.uint8, engine="mte")                  # collective
         assert team.in_heap(w.__array_interface__["data"][0], nb)
         w[:] = _pattern(pe, nb)
-        ref = rt.publish(w, name="w")
+        ref = rt.publish(w, name=f"w{pe}")
         assert "mte" in rt.core.publisher.owned[ref.gva].info.descriptors
-        priv = rt.publish(np.full(4096, pe, np.uint8), name="private")
+        priv = rt.publish(np.full(4096, pe, np.uint8), name=f"private{pe}")
         assert "mte" not in rt.core.publisher.owned[priv.gva].info.descriptors  # not in the symmetric heap
         gathered = peers.allgather("refs", (ref.to_bytes(), priv.to_bytes()))
         refs = {q: rt.ref(b[0]) for q, b in gathered.items() if q != pe}
@@ -208,7 +208,7 @@ def _scenario_data(team, peers: Peers) -> dict:
         # stale: republishing bumps the generation; an old ref fails on route mte too
         peers.allgather("before-stale", None)
         old = {q: r for q, r in refs.items()}
-        ref2 = rt.publish(w, name="w")
+        ref2 = rt.publish(w, name=f"w{pe}")
         assert ref2.generation != ref.generation
         peers.allgather("republished", None)
         for q, r in old.items():
@@ -272,7 +272,7 @@ def _scenario_pipeline(team, peers: Peers) -> dict:
     with _runtime() as rt:
         w = rt.alloc(nb, np.uint8, engine="mte")
         w[:] = _pattern(pe, nb, salt=5)
-        ref = rt.publish(w, name="p", tile_bytes=tb)
+        ref = rt.publish(w, name=f"p{pe}", tile_bytes=tb)
         for t in range(ref.num_tiles(tb)):
             ref.mark_ready(t)
         refs = {q: rt.ref(b) for q, b in peers.allgather("ref", ref.to_bytes()).items() if q != pe}
@@ -300,7 +300,7 @@ def _scenario_bad_input(team, peers: Peers) -> dict:
     with _runtime() as rt:
         eng = rt.engine("mte")
         w = rt.alloc(4096, np.uint8, engine="mte")
-        ref = rt.publish(w, name="b")
+        ref = rt.publish(w, name=f"b{pe}")
         desc = rt.core.publisher.owned[ref.gva].info.descriptors["mte"]
         f = desc.fields
         # an unmapped peer: aclshmem_ptr gives NULL -> EngineError naming it
