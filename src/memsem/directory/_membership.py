@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from memsem import _args
 from memsem._errors import MemsemError, PeerLostError, WindowRetiredError
-from memsem.directory._base import Directory, Member, MemberState, RecordCodec
+from memsem.directory._base import Directory, Member, MemberState, RecordCodec, check_entry_key
 
 log = logging.getLogger("memsem.directory")
 
@@ -296,6 +296,20 @@ class SpanningDirectory(Directory):
 
     def _ping(self) -> None:
         raise NotImplementedError
+
+    def _delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` (absent ones are no error)."""
+        raise NotImplementedError
+
+    # -- entries: reads and removals over the storage steps ------------------------------------
+    def get_entry(self, key: str) -> dict[str, Any] | None:
+        val = self._get(self._k("e", check_entry_key(key)), strict=False)
+        return None if val is None else val["v"]
+
+    def remove_entry(self, key: str) -> None:
+        rkey = self._k("e", check_entry_key(key))
+        self._own_drop([rkey])  # first: the heartbeat writes no removed record again
+        self._delete([rkey])
 
     def heartbeat(self, rank: int) -> None:
         raise NotImplementedError

@@ -437,14 +437,9 @@ class RayDirectory(SpanningDirectory):
         self._call("put_entry", rkey, value, self.ttl, key)
         self._own_put({rkey: value})
 
-    def get_entry(self, key: str) -> dict[str, Any] | None:
-        val = self._get(self._k("e", check_entry_key(key)), strict=False)
-        return None if val is None else val["v"]
-
-    def remove_entry(self, key: str) -> None:
-        rkey = self._k("e", check_entry_key(key))
-        self._own_drop([rkey])
-        self._call("delete", [rkey])
+    def _delete(self, keys: list[str]) -> None:
+        if keys:
+            self._call("delete", keys)
 
     def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
         head = self._k("e", "")
