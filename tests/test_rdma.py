@@ -1088,7 +1088,9 @@ def test_owner_killed_while_waiting_is_peer_lost(job):
     owner = Node("node-wait-doomed", job)
     consumer = Node("node-wait-survivor", job)
     try:
-        ref = owner("publish_tiled", "doomed", 2, 4096)
+        # a name of its own: "doomed" of test_peer_killed_gives_typed_error stays held in this job's
+        # local directory (its holder claims another node id, whose process this directory cannot judge)
+        ref = owner("publish_tiled", "doomed-wait", 2, 4096)
         consumer("start", "dead", "wait_tiles", ref, [1], 4096)
         waiting_on(consumer, "dead", 1)
         owner.kill()

@@ -27,8 +27,26 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type, args: tuple, state: dict) -> "MemsemError":
+    """Unpickle a memsem error without calling its constructor (keyword-only attributes)."""
+    try:
+        exc = cls.__new__(cls)
+    except TypeError:  # a MemoryError subclass: its own __new__ refuses a subclass of two bases
+        exc = BaseException.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class MemsemError(Exception):
-    """Root of every error memsem raises for a failed operation."""
+    """Root of every error memsem raises for a failed operation.
+
+    Every memsem error pickles with its attributes (it crosses process boundaries: a worker's
+    error re-raised by its parent), whatever its constructor's keyword-only arguments.
+    """
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
 
 
 class StaleReferenceError(MemsemError):
