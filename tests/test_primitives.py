@@ -241,3 +241,45 @@ def test_no_sleep_polls_in_the_core():
         if "time.sleep(" in path.read_text() and rel not in allowed:
             bad.append(rel)
     assert not bad, bad
+
+
+# -- pins of a watched control block: released exactly once, whatever closes first ---------------
+def _watched_grant(rt):
+    from memsem.gva import credential_proof, credential_token
+
+    ref = rt.publish(np.zeros(4096, np.uint8), tile_bytes=1024)
+    spec = rt.core.server.mint(ref.spec)
+    token, challenge = credential_token(spec), b"c" * 24
+    grant = rt.core.server.open(token, challenge, credential_proof(spec.key, challenge, token))
+    return ref, grant
+
+
+@pytest.mark.parametrize("order", ["subscription first", "hub first", "grant then hub"])
+def test_a_watch_releases_its_control_block_pins_once(order):
+    """The watch hub, a subscription and a grant each hold pins of a window's control block;
+    whichever closes first (a runtime's close closes the hub with subscriptions still open),
+    each pin is dropped once: the mapping never goes while a holder remains (a double unpin
+    unmapped it under the owner's serving resolution: a segfault at close)."""
+    from memsem.core._watches import WATCHABLE_HEADER
+
+    with memsem.Runtime() as rt:
+        ref, grant = _watched_grant(rt)
+        target = [(0, WATCHABLE_HEADER[0], 1)]
+        seg = rt.core.publisher.owned[ref.gva].cb.segment
+        before = seg.holders
+        sub = grant.watch(target, lambda: None)
+        assert seg.holders == before + 2  # the subscription's pin and the hub's
+        hub = rt.core.server.hub
+        if order == "subscription first":
+            sub.close()
+            hub.close()
+        elif order == "hub first":
+            hub.close()  # closes the subscription too
+            sub.close()
+        else:
+            grant.close()
+            hub.close()
+            sub.close()
+        assert seg.holders == before and seg.mapped
+        if order != "grant then hub":
+            grant.close()

@@ -99,11 +99,15 @@ class Subscription:
 class _Window:
     """A window the hub watches: its words and subscriptions."""
 
-    __slots__ = ("gva", "cb", "subs", "words", "baseline")
+    __slots__ = ("gva", "cb", "subs", "words", "baseline", "shard", "pinned")
 
     def __init__(self, gva: int, cb: Any, words: list[int]) -> None:
         self.gva = gva
         self.cb = cb
+        #: the hub holds one pin of ``cb`` while this is True (``WatchHub._release`` drops it once)
+        self.pinned = True
+        #: the shard whose thread waits on the words (only it unpins while it runs)
+        self.shard: _Shard | None = None
         self.subs: set[Subscription] = set()
         #: addresses of 8-byte words whose change wakes the hub
         self.words = words
@@ -158,15 +162,23 @@ class WatchHub:
             self.count -= 1
             if not w.subs:
                 del self._windows[w.gva]
-                for s in self._shards:
-                    if w in s.windows:
+                s = w.shard
+                if s is not None and w in s.windows:
+                    s.windows.remove(w)
+                    s.used -= len(w.words)
+                    if s.thread.is_alive():
                         # unpinned by the shard's thread once it no longer waits on the words
-                        s.windows.remove(w)
-                        s.used -= len(w.words)
                         s.retired.append(w)
                         s.bump()
                         return
-                w.cb.unpin()
+                self._release(w)
+
+    def _release(self, w: _Window) -> None:
+        """Drop the hub's pin of ``w``'s control block, once (the hub's lock is held): the shard
+        thread, an unsubscribe and ``close`` may each find the window; only one unpins."""
+        if w.pinned:
+            w.pinned = False
+            w.cb.unpin()
 
     def _place(self, w: _Window) -> None:
         shard = next((s for s in self._shards if s.used + len(w.words) <= self._per_shard), None)
@@ -175,6 +187,7 @@ class WatchHub:
             self._shards.append(shard)
             shard.thread.start()
         shard.windows.append(w)
+        w.shard = shard
         shard.used += len(w.words)
         shard.bump()
 
@@ -199,7 +212,7 @@ class WatchHub:
             if self._closed:
                 return
             self._closed = True
-            shards, self._shards = self._shards, []
+            shards = list(self._shards)
             subs = [s for w in self._windows.values() for s in w.subs]
         for s in shards:
             s.stop = True
@@ -209,11 +222,15 @@ class WatchHub:
                 s.thread.join(2.0)
         for sub in subs:
             sub.close()
-        for s in shards:
-            if not s.thread.is_alive():
-                for w in s.windows + s.retired:
-                    w.cb.unpin()
-                s.windows, s.retired = [], []
+        with self._lock:
+            self._shards = []
+            for s in shards:
+                # a thread still running (it missed the join) unpins its own windows as it stops;
+                # nothing is unpinned under a wait that may still read the words
+                if not s.thread.is_alive():
+                    for w in s.windows + s.retired:
+                        self._release(w)
+                    s.windows, s.retired = [], []
 
 
 class _Shard:
@@ -239,13 +256,16 @@ class _Shard:
         try:
             while True:
                 with hub._lock:
+                    for w in self.retired:  # no longer waited on (this thread is between waits)
+                        hub._release(w)
+                    self.retired = []
                     if self.stop:
+                        for w in self.windows:
+                            hub._release(w)
+                        self.windows = []
                         return
-                    retired, self.retired = self.retired, []
                     addrs = [(w, a) for w in self.windows for a in w.words]
                     live = {a for _, a in addrs}
-                for w in retired:
-                    w.cb.unpin()
                 for a in list(seen):
                     if a not in live:
                         del seen[a]
