@@ -147,6 +147,11 @@ static inline int lease_ok(uint64_t slot, uint64_t id, uint64_t now) {
     return __atomic_load_n(&w[MEMSEM_LEASE_ID], __ATOMIC_ACQUIRE) == id && exp > now;
 }
 
+/* When the plan's owner was last checked for liveness (its word, written by the runtime). */
+static inline uint64_t checked_at(const memsem_plan *p) {
+    return __atomic_load_n((const uint64_t *)(uintptr_t)p->checked_addr, __ATOMIC_RELAXED);
+}
+
 static inline uint64_t finish(memsem_plan *p, uint64_t status) {
     if (memsem_use_leave(&p->use)) status |= MEMSEM_RC_LAST_OUT;
     return status;
@@ -177,7 +182,7 @@ static uint64_t bracket_open(memsem_bracket *b, memsem_plan *p, int put, uint64_
     if (lease_slot && !lease_ok(lease_slot, lease_id, t0)) return finish(p, MEMSEM_RC_LEASE_BEFORE);
     /* A write must not land in the memory of an owner that may be dead: when its liveness is
      * due for a check, check first (a read is checked after the copy instead). */
-    if (put && p->check_every_ns && t0 - p->checked_ns >= p->check_every_ns)
+    if (put && p->check_every_ns && t0 - checked_at(p) >= p->check_every_ns)
         return finish(p, MEMSEM_RC_CHECK_FIRST);
     uint64_t *inflight = (uint64_t *)(uintptr_t)p->inflight_addr;
     const uint64_t *gen = (const uint64_t *)(uintptr_t)p->gen_addr;
@@ -251,7 +256,7 @@ static uint64_t bracket_close(memsem_bracket *b, uint64_t status) {
     __atomic_fetch_add(&p->lat[k][memsem_lat_bucket(t1 - b->start_ns)], 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&p->lat_sum[k], t1 - b->start_ns, __ATOMIC_RELAXED);
     status = b->version << MEMSEM_RC_VERSION_SHIFT;
-    if ((p->check_every_ns && t1 - p->checked_ns >= p->check_every_ns) ||
+    if ((p->check_every_ns && t1 - checked_at(p) >= p->check_every_ns) ||
         (p->check_bytes && b->nbytes >= p->check_bytes))
         status |= MEMSEM_RC_CHECK_PEER;
     return finish(p, status);

@@ -70,7 +70,8 @@ typedef struct memsem_plan {
     int32_t pid;             /* owner pid for MEMSEM_COPY_VM */
     int32_t method;          /* MEMSEM_COPY_MEMCPY or MEMSEM_COPY_VM */
     uint32_t flags;          /* MEMSEM_PLAN_* */
-    uint64_t checked_ns;     /* CLOCK_MONOTONIC ns of the last liveness check of the owner */
+    uint64_t checked_addr;   /* address of the owner's word: CLOCK_MONOTONIC ns of its last
+                              * liveness check (one word per owner, shared by its plans) */
     uint64_t check_every_ns; /* ask for a liveness re-check when the last is older (0: never) */
     uint64_t check_bytes;    /* ... or after a copy of at least this many bytes (0: never) */
     uint64_t ops[2];         /* telemetry, [0] get [1] put: operations that returned OK */

@@ -122,3 +122,53 @@ def test_consumer_of_many_short_lived_windows_stays_bounded():
     assert out["peak"][0] <= out["base"][0] + 8, out
     assert out["peak"][1] <= out["base"][1] + 2 * 128 + 16, out  # at most RESOLUTION_LIMIT resolutions
     assert out["peak"][2] <= out["base"][2] + 64 * 1024, out
+
+
+@pytest.mark.parametrize("working_set, limit, cap", [(20, 4, 32), (6, 8, 64), (34, 4, 32), (40, 4, 32)])
+def test_the_resolution_bound_follows_a_working_set_of_live_windows(working_set, limit, cap):
+    """A consumer reading the same live windows in turn: each window dropped for the bound and
+    asked for again doubles the bound (up to its cap), so from the third pass on nothing is
+    resolved again when the working set fits the cap. A working set past the cap misses on
+    every get whatever the bound: it grows to the cap when the ghosts saw a window again, and not
+    at all when even they could not hold the working set. Windows each read once (the churn
+    above) never grow it."""
+    import numpy as np
+
+    import memsem
+
+    with memsem.Runtime(timeout=10) as owner, memsem.Runtime(timeout=10) as consumer:
+        arrays = [owner.alloc(64, np.uint8) for _ in range(working_set)]
+        for i, a in enumerate(arrays):
+            a[:] = i
+        refs = [consumer.ref(owner.publish(a, access="r").to_bytes()) for a in arrays]
+        resolver = consumer.core.resolver
+        resolver.limit, resolver.cap = limit, cap
+        made = []
+        real_make = resolver._make
+
+        def counting_make(spec, *args, **kwargs):
+            made.append(spec.gva)
+            return real_make(spec, *args, **kwargs)
+
+        resolver._make = counting_make
+        out = np.empty(64, np.uint8)
+        per_pass = []
+        for _ in range(4):
+            before = len(made)
+            for i, r in enumerate(refs):
+                r.get(out)
+                assert (out == i).all()
+            per_pass.append(len(made) - before)
+        assert per_pass[0] == working_set  # the first pass resolves every window once
+        if working_set <= limit:
+            assert per_pass[1:] == [0, 0, 0] and resolver.grown == 0 and resolver.limit == limit
+        elif working_set <= cap:
+            assert per_pass[2:] == [0, 0], per_pass
+            assert limit < resolver.limit <= cap and resolver.limit >= working_set
+            assert len(resolver.cache) == working_set
+        else:
+            assert per_pass[3] == working_set, per_pass  # in turn past the bound: every get misses
+            if working_set <= cap + limit:  # the ghosts (cap of them) held windows read again
+                assert resolver.limit == cap and len(resolver.cache) == cap
+            else:
+                assert resolver.limit == limit and resolver.grown == 0

@@ -645,6 +645,16 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
             ("redis_heartbeat_ms_at_10k_names", "redis heartbeat (ms)", "redis_heartbeat_ms", "one name")):
         row(sc, label, _fmt(f(k)), base, _fmt(f(base_k)), _fmt(f(f"{k}_ratio")), _spread(f(f"{k}_ratio_spread")))
     console.print(sc)
+    if f("get_64B_us_first_touch") is not None:
+        console.print(escape(f"  the first get of each window (a resolve): {_fmt(f('get_64B_us_first_touch'))} us; "
+                             f"the consumer's resolution cache grew to {f('scale_resolution_cache')} "
+                             f"(doubled {f('scale_resolution_cache_grown')} times)"), style="dim")
+    if f("copyto_64B_us_at_10k_mappings_ratio") is not None:
+        console.print(escape(f"  the machine, same pattern: np.copyto of 64 B from {f('scale_windows')} mappings in turn "
+                             f"{_fmt(f('copyto_64B_us_at_10k_mappings'))} us, from one "
+                             f"{_fmt(f('copyto_64B_us_one_mapping'))} us: "
+                             f"{_fmt(f('copyto_64B_us_at_10k_mappings_ratio'))}x; memsem's ratio over the "
+                             f"machine's {_fmt(f('get_64B_us_at_10k_windows_vs_machine'))}"), style="dim")
     console.print(escape("  keys: get_64B_us_at_10k_windows[_hot], publish_unpublish_us_at_10k_windows, "
                          "get_64B_us_16_consumers, lookup_us_redis_10k_names, redis_heartbeat_ms_at_10k_names; "
                          "each with _ratio and _ratio_spread"), style="dim")

@@ -4,8 +4,17 @@ one window, both sides interleaved round by round in one run.
 =====================================  ============================================================
 ``get_64B_us_at_10k_windows``          a 64 B get (host/shm, another process owns the windows)
                                        while 10,000 windows are live in the job and the consumer
-                                       reads them in turn: every get lands on a window its cache
-                                       (``RESOLUTION_LIMIT`` entries) no longer holds
+                                       reads them in turn, after passes over all of them (its
+                                       cache's bound follows that working set from
+                                       ``RESOLUTION_LIMIT`` up to ``RESOLUTION_CAP``)
+``copyto_64B_us_at_10k_mappings``      (context) the machine's cost of that access pattern:
+                                       ``np.copyto`` of 64 B from 10,000 mappings of a page each,
+                                       in turn, against one mapping (``_ratio``); and
+                                       ``get_64B_us_at_10k_windows_vs_machine``: memsem's ratio
+                                       over the machine's, per round
+``get_64B_us_first_touch``             (context) the first get of each of those windows in this
+                                       process: a resolve each (directory record, two mappings,
+                                       the route)
 ``get_64B_us_at_10k_windows_hot``      the same job, one window read again and again (cached):
                                        what the number of windows costs when the cache holds
 ``publish_unpublish_us_at_10k_windows``  publish + unpublish of a 64 B ``Runtime.alloc`` array by
@@ -25,6 +34,7 @@ process; the 16 consumers are forked by one spawned hub; the redis owners are on
 from __future__ import annotations
 
 import contextlib
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -453,6 +463,10 @@ def scale_keys(quick: bool, notes: list[str], stage: Callable[[str], None] = lam
     for k in ("get_64B_us_at_10k_windows", "get_64B_us_at_10k_windows_hot", "publish_unpublish_us_at_10k_windows",
               "get_64B_us_16_consumers", "lookup_us_redis_10k_names"):
         fig.update({k: None, f"{k}_ratio": None, f"{k}_ratio_spread": None})
+    fig.update(get_64B_us_first_touch=None, scale_resolution_cache=None, scale_resolution_cache_grown=None,
+               copyto_64B_us_at_10k_mappings=None, copyto_64B_us_one_mapping=None,
+               copyto_64B_us_at_10k_mappings_ratio=None, copyto_64B_us_at_10k_mappings_ratio_spread=None,
+               get_64B_us_at_10k_windows_vs_machine=None, get_64B_us_at_10k_windows_vs_machine_spread=None)
     fig.update(publish_unpublish_us=None, lookup_us_redis=None, get_64B_us_one_consumer=None,
                redis_heartbeat_ms_at_10k_names=None, redis_heartbeat_ms=None,
                redis_heartbeat_ms_at_10k_names_ratio=None, redis_heartbeat_ms_at_10k_names_ratio_spread=None)
@@ -517,7 +531,7 @@ def _get_figures(owner: _Owner, n: int, rounds: int) -> dict[str, Any]:
         refs = [cb.ref(b) for b in owner.refs]
         one = c1.ref(owner.ref1)
         out = np.empty(64, np.uint8)
-        limit = cb.core.resolver.limit
+        resolver = cb.core.resolver
         stride = next(p for p in (7919, 104729, 1299709) if n % p)  # a prime not dividing n
         cursor = [0]
 
@@ -533,7 +547,14 @@ def _get_figures(owner: _Owner, n: int, rounds: int) -> dict[str, Any]:
             cursor[0] = i
             return ts
 
-        cycle(2 * limit)  # the consumer's cache is full and evicting from here on
+        # The first pass: every get is the first of its window here (a resolve each). Then
+        # passes until the cache's bound, which follows the working set, stops growing.
+        fig["get_64B_us_first_touch"] = round(statistics.median(cycle(n)) / 1e3, 3)
+        for _ in range(4):
+            before = resolver.limit
+            cycle(n)
+            if resolver.limit == before:
+                break
 
         def reader(r: Any) -> Callable[[], list[int]]:
             def run() -> list[int]:
@@ -545,11 +566,47 @@ def _get_figures(owner: _Owner, n: int, rounds: int) -> dict[str, Any]:
                 return ts
             return run
 
-        g = _interleave({"cycle": lambda: cycle(30), "hot": reader(refs[0]), "one": reader(one)}, rounds)
+        # The machine's own cost of the same access pattern: np.copyto of 64 B from n mappings
+        # of a page each, in turn with the same stride, against one mapping again and again.
+        maps = [mmap.mmap(-1, mmap.PAGESIZE) for _ in range(n)]
+        arrays = [np.frombuffer(m, np.uint8, 64) for m in maps]
+        mcursor = [0]
+
+        def mcycle(k: int) -> list[int]:
+            ts = []
+            i = mcursor[0]
+            for _ in range(k):
+                a = arrays[i]
+                i = (i + stride) % n
+                t = _now()
+                np.copyto(out, a)
+                ts.append(_now() - t)
+            mcursor[0] = i
+            return ts
+
+        def mone() -> list[int]:
+            ts = []
+            a = arrays[0]
+            for _ in range(100):
+                t = _now()
+                np.copyto(out, a)
+                ts.append(_now() - t)
+            return ts
+
+        mcycle(n)
+        g = _interleave({"cycle": lambda: cycle(30), "hot": reader(refs[0]), "one": reader(one),
+                         "mcycle": lambda: mcycle(30), "mone": mone}, rounds)
+        arrays.clear()  # the arrays export the mappings: dropped before they close
+        for m in maps:
+            m.close()
         fig.update(_keys("get_64B_us_at_10k_windows", g["cycle"], g["one"], None))
+        fig.update(_keys("copyto_64B_us_at_10k_mappings", g["mcycle"], g["mone"], "copyto_64B_us_one_mapping"))
+        fig.update(RatioStat.of((c / o) / (mc / mo) for c, o, mc, mo in zip(g["cycle"], g["one"], g["mcycle"], g["mone"])
+                                if o and mc and mo).keys("get_64B_us_at_10k_windows_vs_machine"))
         fig.update(_keys("get_64B_us_at_10k_windows_hot", g["hot"], g["one"], None))
         fig["get_64B_us_one_window"] = round(statistics.median(g["one"]) / 1e3, 3)
-        fig["scale_resolution_cache"] = limit
+        fig["scale_resolution_cache"] = resolver.limit
+        fig["scale_resolution_cache_grown"] = resolver.grown
     return fig
 
 

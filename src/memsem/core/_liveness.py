@@ -53,7 +53,7 @@ class Peer:
         incarnation: the incarnation of the owner's rank record as first seen (other nodes).
     """
 
-    __slots__ = ("pid", "start", "node", "rank", "_fd", "dead", "checks", "checked_ns", "_remote",
+    __slots__ = ("pid", "start", "node", "rank", "_fd", "dead", "checks", "_checked", "checked_addr", "_remote",
                  "watchers", "why", "incarnation", "__weakref__")
 
     def __init__(self, pid: int, start: int, node: str, rank: int, remote: Callable[[], Any] | None) -> None:
@@ -63,7 +63,11 @@ class Peer:
         self.why = ""
         self.incarnation: Any = None
         self.checks = 0
-        self.checked_ns = native.monotonic_ns()
+        #: the time of the last check (CLOCK_MONOTONIC ns) as a native word: every plan of this
+        #: owner reads it (``memsem_plan.checked_addr``), so the owner is checked once per
+        #: interval however many of its windows are read, not once per window
+        self._checked = native.ffi.new("uint64_t *", native.monotonic_ns())
+        self.checked_addr = int(native.ffi.cast("uintptr_t", self._checked))
         self._remote = remote
         #: objects with a ``close()`` closed when this peer is found dead (its resolutions: a
         #: copy through them after that re-resolves and meets PeerLostError)
@@ -79,6 +83,11 @@ class Peer:
             self._fd = fd
             if fd >= 0:
                 weakref.finalize(self, os.close, fd)
+
+    @property
+    def checked_ns(self) -> int:
+        """When this owner was last checked (CLOCK_MONOTONIC ns)."""
+        return self._checked[0]
 
     @property
     def pidfd(self) -> int:
@@ -98,7 +107,7 @@ class Peer:
         if self.is_self:
             return True
         self.checks += 1
-        self.checked_ns = native.monotonic_ns()
+        self._checked[0] = native.monotonic_ns()
         final = True
         if self._fd >= 0:
             r, _, _ = select.select([self._fd], [], [], 0)

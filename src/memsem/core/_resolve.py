@@ -12,8 +12,18 @@ is one rule (the use word at the head of the plan):
 
 So a mapping is released when the last copy that uses it has finished, never on a timer and
 never under a running copy. Views and leases hold their own pins on the segments they read
-(they outlive the resolution safely). The cache is bounded (``RESOLUTION_LIMIT``): a consumer
-touching thousands of short-lived windows keeps a constant number of mappings.
+(they outlive the resolution safely).
+
+The cache is bounded, and its bound follows the working set. It starts at ``RESOLUTION_LIMIT``
+resolutions; the ones dropped for the bound are remembered (their GVA and generation, not their
+mappings: a *ghost*, as in ARC), and each time a ghost is resolved again the bound doubles, up
+to ``RESOLUTION_CAP`` (a quarter of ``vm.max_map_count``: a resolution maps two segments). So a
+consumer touching thousands of short-lived windows, each resolved once, keeps a constant number
+of mappings, while one that reads 10,000 live windows in turn stops re-resolving them on every
+get after two passes (docs/performance.md, "Cost as the work grows"). The ghosts are at most
+``RESOLUTION_CAP``: a working set too large for them never grows the bound, and would miss on
+every get at any bound (in turn, the oldest is always the next one read). The bound never
+shrinks in a runtime's life; windows that retire are dropped by the sweep (``SWEEP_PER_RESOLVE``).
 """
 from __future__ import annotations
 
@@ -71,8 +81,24 @@ class Strategy(enum.Enum):
     UNCHECKED = "unchecked"
 
 
-#: resolutions a runtime keeps cached; older ones are dropped (and released when idle)
+#: resolutions a runtime keeps cached at first; older ones are dropped (and released when idle)
 RESOLUTION_LIMIT = 128
+
+
+def _resolution_cap() -> int:
+    """The most resolutions a runtime's cache grows to: 16,384, or a quarter of the kernel's
+    limit of mappings per process (``/proc/sys/vm/max_map_count``, 65,530 by default) where that
+    is less (each resolution maps a control block and a data segment)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            maps = int(f.read())
+    except (OSError, ValueError):
+        maps = 65530
+    return max(RESOLUTION_LIMIT, min(16384, maps // 4))
+
+
+#: resolutions a runtime's cache grows to at most, while windows it dropped are asked for again
+RESOLUTION_CAP = _resolution_cap()
 #: remote regions a resolution keeps for refs of other mints (owner-checked routes)
 MINT_REMOTES_LIMIT = 64
 #: cached resolutions checked for a moved generation (and dropped) per new resolution: a
@@ -163,7 +189,7 @@ class Resolution:
             plan.pid = d.pid
             plan.method = native.COPY_VM if d.cma else native.COPY_MEMCPY
         if not own_cb and not peer.is_self:
-            plan.checked_ns = peer.checked_ns
+            plan.checked_addr = peer.checked_addr  # the owner's word, kept alive by self.peer
             plan.check_every_ns = int(LIVENESS_INTERVAL_S * 1e9)
             plan.check_bytes = LIVENESS_CHECK_BYTES
         if own_cb:
@@ -250,10 +276,11 @@ class Resolution:
 
     # -- hot-path helpers -------------------------------------------------------------------------
     def peer_checked(self) -> None:
-        """The plan asked for a liveness re-check: do it (raises PeerLostError when dead)."""
+        """The plan asked for a liveness re-check: do it (raises PeerLostError when dead). The
+        plan reads the time of the owner's last check from the owner's word (``Peer``), so
+        one check answers for every window of that owner."""
         peer = self.peer
         ok = peer.alive()
-        self.plan.checked_ns = peer.checked_ns
         if not ok:
             raise peer.lost(self.info_label())
 
@@ -266,13 +293,23 @@ class Resolution:
 
 
 class Resolver:
-    """The runtime's cache of resolutions, by GVA (one generation each), bounded."""
+    """The runtime's cache of resolutions, by GVA (one generation each), bounded by ``limit``,
+    which follows the working set from ``limit`` up to ``cap`` (see the module docstring).
 
-    def __init__(self, core: "RuntimeCore", limit: int = RESOLUTION_LIMIT) -> None:
+    Attributes:
+        limit: the bound now (resolutions). cap: the most it grows to. grown: how many times
+            it doubled (each time a window it dropped for the bound was resolved again).
+    """
+
+    def __init__(self, core: "RuntimeCore", limit: int = RESOLUTION_LIMIT, cap: int = RESOLUTION_CAP) -> None:
         self._core = core
         self.limit = limit
+        self.cap = max(cap, limit)
+        self.grown = 0
         #: gva -> Resolution, in insertion order (the oldest is dropped first past ``limit``)
         self.cache: dict[int, Resolution] = {}
+        #: (gva, generation) of resolutions dropped for the bound, oldest first (at most ``cap``)
+        self._ghosts: dict[tuple[int, int], None] = {}
         #: (gva, generation) -> the owner of a window this runtime dropped (bounded): when its
         #: record is gone, a re-resolve asks that owner again (a re-check, never a remembered
         #: verdict) and says PeerLostError for a lost one, not WindowNotFoundError. Keyed by
@@ -309,9 +346,16 @@ class Resolver:
             res = self._make(spec)
             self._sweep(SWEEP_PER_RESOLVE)
             self.cache[spec.gva] = res
+            if self._ghosts.pop((spec.gva, spec.generation), 0) is None and self.limit < self.cap:
+                self.limit = min(self.cap, 2 * self.limit)  # the working set is larger than the bound
+                self.grown += 1
             while len(self.cache) > self.limit:
                 oldest = next(iter(self.cache))
+                gen = self.cache[oldest].generation
                 self.drop(oldest)
+                self._ghosts[(oldest, gen)] = None
+                if len(self._ghosts) > self.cap:
+                    del self._ghosts[next(iter(self._ghosts))]
             return res
 
     def resolve_direct(self, spec: RefSpec) -> Resolution:
@@ -376,6 +420,7 @@ class Resolver:
         with self._lock:
             all_ = list(self.cache.values())
             self.cache.clear()
+            self._ghosts.clear()
         for r in all_:
             r.close()
         deadline = native.monotonic_ns() + int(timeout * 1e9)
@@ -492,5 +537,5 @@ def owner_credential(spec: RefSpec) -> Credential:
     return Credential(token, lambda challenge: credential_proof(key, challenge, token))
 
 
-__all__ = ["RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "Strategy", "owner_credential",
+__all__ = ["RESOLUTION_CAP", "RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "Strategy", "owner_credential",
            "remote_slots"]
