@@ -346,6 +346,21 @@ class FieldRef(TensorRef):
                 generation moved. TypeError / ValueError: bad tile range or timeout (NaN, inf,
                 negative, bool).
         """
+        rt, a, b, wait = self._tiles_to_wait(start, stop, timeout)
+        wait_tiles(self, rt, a, b, wait)
+
+    async def wait_tiles_async(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
+        """``wait_tiles`` for asyncio: each tile's ready word is awaited through the runtime's
+        native word waiter (the event loop never blocks, nothing polls), all within one deadline.
+        Arguments are checked before the first await. Cancelling the awaiting task ends the wait.
+
+        Raises:
+            As ``wait_tiles``.
+        """
+        rt, a, b, wait = self._tiles_to_wait(start, stop, timeout)
+        await wait_tiles_async(self, rt, a, b, wait)
+
+    def _tiles_to_wait(self, start: int, stop: int | None, timeout: float | None) -> tuple[RuntimeCore, int, int, Wait]:
         rt = self._core()
         given = _args.timeout_or(timeout, rt.timeout)
         n = self.n_tiles
@@ -354,10 +369,25 @@ class FieldRef(TensorRef):
         if start > stop:
             raise ValueError(f"tiles [{start}, {stop}) of field {self.field!r}: start > stop")
         check_tiling(self, rt)
-        wait_tiles(self, rt, start, stop, tiles_wait(rt, given))
+        return rt, start, stop, tiles_wait(rt, given)
 
     def wait_rows(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
         """Block until every tile holding rows ``[start, stop)`` is ready (see ``wait_tiles``)."""
+        rt, a, b, wait = self._rows_to_wait(start, stop, timeout)
+        if a < b:
+            wait_tiles(self, rt, a, b, wait)
+
+    async def wait_rows_async(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
+        """``wait_rows`` for asyncio (see ``wait_tiles_async``).
+
+        Raises:
+            As ``wait_tiles``.
+        """
+        rt, a, b, wait = self._rows_to_wait(start, stop, timeout)
+        if a < b:
+            await wait_tiles_async(self, rt, a, b, wait)
+
+    def _rows_to_wait(self, start: int, stop: int | None, timeout: float | None) -> tuple[RuntimeCore, int, int, Wait]:
         sc = self.schema
         start, stop = _check_rows(sc, start, stop)
         rt = self._core()
@@ -365,7 +395,7 @@ class FieldRef(TensorRef):
         r = sc.tiles_of_rows(start, stop)
         if len(r):
             check_tiling(self, rt)
-            wait_tiles(self, rt, r.start, r.stop, tiles_wait(rt, given))
+        return rt, r.start, r.stop, tiles_wait(rt, given)
 
     def rows_ready(self, start: int = 0, stop: int | None = None) -> bool:
         """Whether every tile holding rows ``[start, stop)`` is ready now (no wait)."""
@@ -440,12 +470,25 @@ def wait_tiles(ref: FieldRef, rt: RuntimeCore, start: int, stop: int, wait: Wait
         try:
             rt.wait_tile(ref.spec, t, wait.left())
         except MemsemTimeoutError as exc:
-            a, b = ref.schema.rows_of_tile(t)
-            raise MemsemTimeoutError(
-                f"field {ref.field!r} ({ref.spec.label}): tile {t} (rows [{a}, {b})) not ready "
-                f"after {wait.timeout:g} s (waiting for tiles [{start}, {stop}))",
-                what=f"tile {t} of field {ref.field!r}", timeout=wait.timeout) from exc
+            raise _tile_timeout(ref, t, start, stop, wait) from exc
+
+
+async def wait_tiles_async(ref: FieldRef, rt: RuntimeCore, start: int, stop: int, wait: Wait) -> None:
+    """``wait_tiles`` for asyncio: each tile awaited on the runtime's native word waiter."""
+    for t in range(start, stop):
+        try:
+            await rt.wait_tile_async(ref.spec, t, wait.left())
+        except MemsemTimeoutError as exc:
+            raise _tile_timeout(ref, t, start, stop, wait) from exc
+
+
+def _tile_timeout(ref: FieldRef, t: int, start: int, stop: int, wait: Wait) -> MemsemTimeoutError:
+    a, b = ref.schema.rows_of_tile(t)
+    return MemsemTimeoutError(
+        f"field {ref.field!r} ({ref.spec.label}): tile {t} (rows [{a}, {b})) not ready "
+        f"after {wait.timeout:g} s (waiting for tiles [{start}, {stop}))",
+        what=f"tile {t} of field {ref.field!r}", timeout=wait.timeout)
 
 
 __all__ = ["FIELD_MAGIC", "FieldRef", "FieldSchema", "RowsWritten", "WireReader", "check_tiling", "tiles_wait",
-           "wait_tiles"]
+           "wait_tiles", "wait_tiles_async"]

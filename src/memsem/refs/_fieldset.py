@@ -18,7 +18,15 @@ from memsem import _args
 from memsem._buffers import buffer_info
 from memsem._errors import MemsemError, MemsemTimeoutError
 from memsem.core import RuntimeCore
-from memsem.refs._fields import FieldRef, FieldSchema, WireReader, check_tiling, tiles_wait, wait_tiles
+from memsem.refs._fields import (
+    FieldRef,
+    FieldSchema,
+    WireReader,
+    check_tiling,
+    tiles_wait,
+    wait_tiles,
+    wait_tiles_async,
+)
 from memsem.refs._tensorref import as_core
 
 SET_MAGIC = b"MSFS"
@@ -196,6 +204,35 @@ class FieldSet(Mapping[str, FieldRef]):
             if not isinstance(rows, tuple) or len(rows) != 2:
                 raise TypeError(f"rows must be a (start, stop) tuple, got {rows!r}")
             r.wait_rows(rows[0], rows[1], given)
+
+    async def wait_async(self, field: str | None = None, *, rows: tuple[int, int] | None = None,
+                         timeout: float | None = None) -> None:
+        """``wait`` for asyncio: every tile's ready word is awaited through the runtime's native
+        word waiter (the event loop never blocks, nothing polls), all within one deadline.
+        Arguments are checked before the first await. Cancelling the awaiting task ends the wait.
+
+        Raises:
+            As ``wait``: MemsemTimeoutError naming the field and the first tile not ready,
+            PeerLostError, StaleReferenceError, TypeError / ValueError.
+        """
+        rt = self._core()
+        given = _args.timeout_or(timeout, rt.timeout)
+        if field is None:
+            if rows is not None:
+                raise ValueError("rows= needs field=")
+            wait = tiles_wait(rt, given)
+            for r in self._refs.values():
+                check_tiling(r, rt)
+            for r in self._refs.values():
+                await wait_tiles_async(r, rt, 0, r.n_tiles, wait)
+            return
+        r = self[field]
+        if rows is None:
+            await r.wait_tiles_async(timeout=given)
+        else:
+            if not isinstance(rows, tuple) or len(rows) != 2:
+                raise TypeError(f"rows must be a (start, stop) tuple, got {rows!r}")
+            await r.wait_rows_async(rows[0], rows[1], given)
 
     def tile_events(self, fields: Iterable[str] | None = None, *,
                     timeout: float | None = None) -> Iterator[tuple[FieldRef, int]]:

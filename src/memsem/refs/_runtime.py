@@ -273,9 +273,22 @@ class Runtime:
         """
         return TensorRef(self._core.lookup_spec(name, timeout), self._core)
 
-    def ref(self, data: bytes | bytearray | memoryview) -> TensorRef:
-        """Deserialize a ref and bind it to this runtime."""
-        return TensorRef.from_bytes(data, self._core)
+    def ref(self, data: bytes | bytearray | memoryview) -> Any:
+        """Deserialize a ref of any kind and bind it to this runtime: a ``TensorRef``, or what
+        the bytes say they are (``FieldRef``, ``FieldSet``, ``StateDictRef``: the ``to_bytes()``
+        of each starts with its own magic).
+
+        Raises:
+            TypeError: ``data`` is not bytes. ValueError: not a serialized memsem ref.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        from memsem.refs._fields import FIELD_MAGIC, FieldRef
+        from memsem.refs._fieldset import SET_MAGIC, FieldSet
+        from memsem.refs._state_dict import REF_MAGIC, StateDictRef
+
+        kind = {REF_MAGIC: StateDictRef, SET_MAGIC: FieldSet, FIELD_MAGIC: FieldRef}.get(bytes(data[:4]), TensorRef)
+        return kind.from_bytes(data, self._core)
 
     # -- data ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:

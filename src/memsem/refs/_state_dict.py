@@ -44,7 +44,7 @@ from memsem._buffers import buffer_info, empty_arena
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, Versioned, as_core
-from memsem.core import Lease, RuntimeCore
+from memsem.core import Completion, Lease, RuntimeCore
 
 #: first 8 bytes of a state-dict window (then u32 header bytes, u32 JSON bytes, the JSON)
 LAYOUT_MAGIC = b"MSSDLAY1"
@@ -421,6 +421,31 @@ class StateDictRef(TensorRef):
         entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
         ranges, keep = self.ranges(into, entries, "into")
         return self._core().gather(self.spec, ranges, version=version, lease=lease, keep=keep)
+
+    def load_async(self, into: Mapping[str, Any], *, version: int = 0, lease: Lease | None = None,
+                   strict: bool = True) -> Completion:
+        """Start a ``load``; returns a :class:`memsem.Completion` (``await`` it, or
+        ``wait(timeout)``) whose result is the version loaded. ``into`` is checked now (the
+        errors ``load`` raises before any byte moves are raised here, not by the wait).
+
+        Completion is remote completion: every tensor of ``into`` holds that version's bytes.
+        The load runs in the runtime's worker pool; the event loop never blocks. Cancelling
+        the await cancels a load that has not started (it ends CANCELLED, ``into`` untouched);
+        a running load runs to its end (``into`` is written until ``done()``: read it only
+        then). The Completion keeps ``into``'s tensors referenced until it is done.
+
+        Raises:
+            At the call: as ``load`` for ``into``. From the wait: as ``load``.
+        """
+        if not isinstance(into, Mapping):
+            raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
+        entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
+        ranges, keep = self.ranges(into, entries, "into")
+        if version.__class__ is not int or version:
+            version = _args.version(version, "version")
+        rt = self._core()
+        return rt.submit(f"load of {self.spec.label}",
+                         lambda: rt.gather(self.spec, ranges, version=version, lease=lease, keep=(keep, into)))
 
     def empty_like(self, framework: str | None = None) -> dict[str, Any]:
         """New uninitialized tensors of the state dict's names, dtypes and shapes."""

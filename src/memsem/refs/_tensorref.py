@@ -413,6 +413,17 @@ class TensorRef:
         """
         self._core().wait_tile(self.spec, index, timeout)
 
+    async def wait_tile_async(self, index: int, timeout: float | None = None) -> None:
+        """``wait_tile`` for asyncio: the tile's ready word is awaited through the runtime's
+        native word waiter (the event loop never blocks, nothing polls; a window on another node
+        is awaited on its mirror in a worker thread). Cancelling the awaiting task ends the wait
+        (its waiter is removed; nothing else was started).
+
+        Raises:
+            As ``wait_tile``.
+        """
+        await self._core().wait_tile_async(self.spec, index, timeout)
+
     def ready_tiles(self) -> list[int]:
         """Indices of the tiles ready for this ref's generation (a snapshot)."""
         return self._core().ready_tiles(self.spec)
