@@ -15,7 +15,6 @@ import warnings
 import numpy as np
 import pytest
 
-import memsem
 from memsem._buffers import buffer_info
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,6 @@ import secrets
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import shutil
-import stat
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem.directory.local import LocalDirectory, tmp_name
+from memsem.directory.local import LocalDirectory
 from memsem.native import node_id, process_start_time
 from memsem.core import collect
 from tests._agent import Agent

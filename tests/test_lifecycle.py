@@ -24,7 +24,7 @@ from memsem.engines.host import HostEngine
 from memsem.testing import ScriptedEngine
 from memsem.gva._control_block import identity_of
 from tests._proc import Gate
-from tests._agent import Agent, pattern
+from tests._agent import Agent
 from tests.conftest import SPAWN, run_children
 
 MiB = 1 << 20

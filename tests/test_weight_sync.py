@@ -44,7 +44,6 @@ def _state_dict(n: int = 48) -> dict[str, np.ndarray]:
 
 
 def _reader(name: str, last: int) -> dict:
-    import memsem
 
     with memsem.Runtime(timeout=120.0) as rt:
         sd = rt.lookup_state_dict(name)

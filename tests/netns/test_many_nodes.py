@@ -479,7 +479,6 @@ def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
 def _redis_follower(conn, url, job, secret, versions):
     import os
 
-    import numpy as np
 
     import memsem
 
