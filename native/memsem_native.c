@@ -13,6 +13,33 @@
 #include <time.h>
 #include <unistd.h>
 
+int64_t memsem_lease_claim(uint64_t slots_addr, uint32_t n_slots, uint64_t mark, uint64_t pid, uint64_t start,
+                           uint64_t version, uint64_t expiry, uint64_t lease_id, uint64_t state_addr,
+                           uint64_t live) {
+    for (uint32_t i = 0; i < n_slots; i++) {
+        uint64_t *w = (uint64_t *)(uintptr_t)(slots_addr + 8u * MEMSEM_LEASE_WORDS * i);
+        uint64_t free_id = 0;
+        if (__atomic_load_n(&w[MEMSEM_LEASE_ID], __ATOMIC_ACQUIRE) != 0 ||
+            !__atomic_compare_exchange_n(&w[MEMSEM_LEASE_ID], &free_id, mark, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        __atomic_store_n(&w[MEMSEM_LEASE_PID], pid, __ATOMIC_RELEASE);
+        __atomic_store_n(&w[MEMSEM_LEASE_START], start, __ATOMIC_RELEASE);
+        __atomic_store_n(&w[MEMSEM_LEASE_VERSION], version, __ATOMIC_RELEASE);
+        __atomic_store_n(&w[MEMSEM_LEASE_EXPIRY], expiry, __ATOMIC_RELEASE);
+        __atomic_store_n(&w[MEMSEM_LEASE_ID], lease_id, __ATOMIC_RELEASE);  /* the lease exists */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        if (__atomic_load_n((const uint64_t *)(uintptr_t)state_addr, __ATOMIC_ACQUIRE) != live) {
+            uint64_t held = lease_id;
+            if (__atomic_compare_exchange_n(&w[MEMSEM_LEASE_ID], &held, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                ms_futex_wake(ms_low32(&w[MEMSEM_LEASE_ID]), INT32_MAX, 1);  /* the owner retiring it */
+            return -2;
+        }
+        return (int64_t)i;
+    }
+    return -1;
+}
+
 uint64_t memsem_load_acquire(const uint64_t *addr) {
     return __atomic_load_n(addr, __ATOMIC_ACQUIRE);
 }

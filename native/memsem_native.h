@@ -133,6 +133,14 @@ typedef struct memsem_plan {
 #define MEMSEM_LEASE_EXPIRY 2
 #define MEMSEM_LEASE_ID 3
 #define MEMSEM_LEASE_VERSION 4
+/* Claim the first free lease slot (id word 0) of the n_slots slots at slots_addr: CAS its id
+ * word to `mark` (a claim in progress), store pid, start, version and expiry, publish lease_id
+ * (release), fence (seq_cst), then read the window's state word at state_addr. Returns the
+ * slot; -1 when no slot was free (the caller reclaims slots of expired or dead holders itself);
+ * -2 when the state was not `live` (the slot is freed again and its waiters woken). */
+int64_t memsem_lease_claim(uint64_t slots_addr, uint32_t n_slots, uint64_t mark, uint64_t pid, uint64_t start,
+                           uint64_t version, uint64_t expiry, uint64_t lease_id, uint64_t state_addr,
+                           uint64_t live);
 #define MEMSEM_INFLIGHT_WORDS 2
 #define MEMSEM_INFLIGHT_IDENT 0
 #define MEMSEM_INFLIGHT_COUNT 1

@@ -354,11 +354,16 @@ def test_a_slot_being_claimed_is_neither_stolen_nor_reaped_nor_counted(rt):
     L._reap(cb, 0, dead, 12345)
     assert native.load_acquire(a + 24) == L.claim_mark(os.getpid()), "the reaper freed a slot being claimed"
     L.release(cb, slot, lid)
-    # the claimer died between its CAS and its stores: its mark is reclaimed
+    # the claimer died between its CAS and its stores: its mark is reclaimed once no slot is
+    # free (a claim takes a free slot first)
     native.store_release(a + 24, L.claim_mark(dead))
-    slot2, lid2 = L.acquire(cb, os.getpid(), native.ProcessIdentity.current().start_time, 10**9)
+    me = native.ProcessIdentity.current().start_time
+    others = [L.acquire(cb, os.getpid(), me, 10**9) for _ in range(cb.n_lease - 1)]
+    assert sorted(s for s, _ in others) == list(range(1, cb.n_lease))
+    slot2, lid2 = L.acquire(cb, os.getpid(), me, 10**9)
     assert slot2 == 0 and native.load_acquire(a + 24) == lid2 and lid2 & 1
-    L.release(cb, slot2, lid2)
+    for s, lid in [(slot2, lid2), *others]:
+        L.release(cb, s, lid)
 
 
 def _lease_hammer(ref_bytes: bytes, rounds: int, out) -> None:
@@ -405,3 +410,37 @@ def test_concurrent_claimers_never_lose_a_fresh_lease(rt):
             if p.is_alive():
                 p.kill()
     assert lost == [[], [], [], []], f"leases lost by their holders: {lost}"
+
+
+def test_a_claim_on_a_window_not_live_is_undone(rt):
+    """A lease claimed while the owner marks the window CLOSING: the claimer reads the state
+    after publishing its lease id (the Dekker half of the protocol), frees the slot again and
+    fails; the slot is left free (id word 0), on the one-call path and on the reclaim path."""
+    import os
+
+    from memsem import native
+    from memsem.gva import _lease_slots as L
+    from memsem.gva._control_block import W_STATE, WindowState
+
+    ref = rt.publish(np.zeros(64, np.uint8))
+    cb = rt.core.publisher.owned[ref.gva].cb
+    me = native.ProcessIdentity.current().start_time
+    cb.set_word(W_STATE, WindowState.CLOSING)
+    try:
+        with pytest.raises(L.WindowClosing):
+            L.acquire(cb, os.getpid(), me, 10**9)
+        assert all(native.load_acquire(cb.lease_slot_addr(s) + L.L_ID) == 0 for s in range(cb.n_lease))
+    finally:
+        cb.set_word(W_STATE, WindowState.LIVE)
+    held = [L.acquire(cb, os.getpid(), me, 10**9) for _ in range(cb.n_lease)]  # every slot taken
+    s0, id0 = held[0]
+    native.store_release(cb.lease_slot_addr(s0) + L.L_EXPIRY, 1)  # slot s0's lease expired
+    cb.set_word(W_STATE, WindowState.CLOSING)
+    try:
+        with pytest.raises(L.WindowClosing):
+            L.acquire(cb, os.getpid(), me, 10**9)  # reclaims s0, then sees CLOSING
+        assert native.load_acquire(cb.lease_slot_addr(s0) + L.L_ID) == 0
+    finally:
+        cb.set_word(W_STATE, WindowState.LIVE)
+    for s, lid in held[1:]:
+        L.release(cb, s, lid)

@@ -101,7 +101,7 @@ class Lease:
             if (self.version or self.reserve) and res.engine.reserves:
                 return self._acquire_reserved(res)
             return self._acquire_remote(res)
-        if not res.own_cb and not res.peer.alive():  # a cached resolution may outlive its owner
+        if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
             raise res.peer.lost(self.spec.label)
         me = self.runtime.identity
         cb = res.cb

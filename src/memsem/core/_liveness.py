@@ -38,6 +38,7 @@ from memsem.native import process_alive
 LIVENESS_INTERVAL_S = 0.05
 #: copies of at least this many bytes re-check the owner's liveness after the copy
 LIVENESS_CHECK_BYTES = 1 << 18
+_INTERVAL_NS = int(LIVENESS_INTERVAL_S * 1e9)
 #: slice of every blocking wait between liveness checks (seconds)
 WAIT_SLICE_S = 0.05
 
@@ -130,6 +131,17 @@ class Peer:
                 except Exception:  # noqa: BLE001 - a watcher's failure must not hide the death
                     pass
         return False
+
+    def alive_recently(self) -> bool:
+        """``alive()``, answered from the last check when that was less than
+        ``LIVENESS_INTERVAL_S`` ago (through any window of this owner): the bound every copy
+        keeps (the owner's death is seen within one interval), without a system call per
+        view or lease."""
+        if self.dead:
+            return False
+        if native.monotonic_ns() - self._checked[0] < _INTERVAL_NS:
+            return True
+        return self.alive()
 
     def _judge_remote(self) -> tuple[bool, str, bool]:
         """``(alive, why not, final)`` from the directory's view of the owner's rank."""

@@ -317,8 +317,9 @@ class Resolver:
         self._owners: dict[tuple[int, int], Peer] = {}
         self._lock = threading.RLock()
 
-    def resolve(self, spec: RefSpec) -> Resolution:
-        """The resolution for ``spec`` (cached, or made now).
+    def resolve(self, spec: RefSpec, record: dict | None = None) -> Resolution:
+        """The resolution for ``spec`` (cached, or made now). ``record``: the window's directory
+        record as the caller just read it (a lookup), used instead of reading it again.
 
         Raises:
             RuntimeClosedError, WindowNotFoundError / StaleReferenceError, AccessDeniedError,
@@ -343,7 +344,7 @@ class Resolver:
                 return res
             if res is not None:
                 self.drop(spec.gva)
-            res = self._make(spec)
+            res = self._make(spec, record=record)
             self._sweep(SWEEP_PER_RESOLVE)
             self.cache[spec.gva] = res
             if self._ghosts.pop((spec.gva, spec.generation), 0) is None and self.limit < self.cap:
@@ -432,14 +433,15 @@ class Resolver:
         return busy
 
     # -- making one -------------------------------------------------------------------------------
-    def _make(self, spec: RefSpec, prefer: str | None | bool = True) -> Resolution:
-        """A new resolution; ``prefer`` True takes the runtime's preference, else that one."""
+    def _make(self, spec: RefSpec, prefer: str | None | bool = True, record: dict | None = None) -> Resolution:
+        """A new resolution; ``prefer`` True takes the runtime's preference, else that one;
+        ``record``: the window's directory record, read by the caller just now."""
         core = self._core
         owned = core.publisher.owned.get(spec.gva)
         if owned is not None:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
-            rec = core.directory.get_window(spec.gva)
+            rec = record if record is not None else core.directory.get_window(spec.gva)
             rank, _ = split_gva(spec.gva)
             if rec is None:  # its owner may be re-claiming its rank after a directory outage
                 rec = core.peers.reread(rank, lambda: core.directory.get_window(spec.gva))

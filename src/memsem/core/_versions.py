@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memsem import _args, native
-from memsem._errors import NotSupportedError, VersionGoneError
+from memsem._errors import MemsemTimeoutError, NotSupportedError, VersionGoneError
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
@@ -301,11 +301,22 @@ class Versions:
 
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
                        lease: Lease | None, keep: Any) -> int:
-        """Routes without a native bracket here: range by range, the first fixes the version."""
+        """Routes without a native bracket here: range by range, the first fixes the version.
+
+        The latest version (``version`` 0, no lease) is read unpinned first; when it moves on
+        between ranges and the route reserves versions at the owner (tcp), the next try pins
+        the latest there (one round trip each way), so a writer committing faster than the
+        ranges move cannot starve the load; other routes try again from the new latest."""
         tx = self._core.transfers
-        for _ in range(GATHER_RETRIES):
+        for tries in range(GATHER_RETRIES):
             v = version
             try:
+                if tries and not version and lease is None and self._resolve(spec).engine.reserves:
+                    pinned = self.pin(spec, version=0, ttl=self._core.timeout)
+                    try:
+                        return self._gather_ranges(spec, ranges, pinned.version, pinned, keep)
+                    finally:
+                        pinned.release()
                 for off, n, addr in ranges:
                     got = tx.transfer(spec, False, off, addr, n, keep, lease, v)
                     v = v or got
@@ -315,7 +326,10 @@ class Versions:
                 # start again from the new latest; anything else is the caller's error
                 if version or not v or exc.wanted != v:
                     raise
-        raise tr.busy_timeout(spec, self._core.timeout)
+        raise MemsemTimeoutError(
+            f"{spec.label}: the latest version moved on during each of {GATHER_RETRIES} loads of its "
+            "ranges (a writer faster than the load): pin a version (pin()) and load it with version=",
+            what=f"one version of {spec.label}", timeout=self._core.timeout)
 
 
 __all__ = ["GATHER_RETRIES", "Versions"]

@@ -31,7 +31,7 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     """
     t0 = time.perf_counter_ns()
     res = core.resolver.resolve(spec)
-    if not res.own_cb and not res.peer.alive():  # a cached resolution may outlive its owner
+    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
         raise res.peer.lost(spec.label)
     if not res.route.zero_copy:
         raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "

@@ -20,7 +20,7 @@ So either the owner sees the lease, or the consumer sees CLOSING: never neither.
 from __future__ import annotations
 
 import math
-import secrets
+import random
 
 from memsem import native
 from memsem.gva._control_block import LEASE_WORDS, L_EXPIRY, L_ID, L_PID, L_START, L_VERSION, W_STATE, ControlBlock, WindowState
@@ -39,8 +39,17 @@ def acquire(cb: ControlBlock, pid: int, start: int, ttl_ns: int, version: int = 
     """Claim a lease slot; returns ``(slot, lease_id)``. ``version`` (0: none) is the version of
     the window's bytes the lease pins (double-buffered windows keep it readable)."""
     now = native.monotonic_ns()
-    lease_id = secrets.randbits(63) | 1
+    lease_id = random.getrandbits(63) | 1  # tells leases of one slot apart (ABA); not a secret
     mark = claim_mark(pid)
+    if cb.n_lease:
+        # The common case in one native call: the first free slot (the protocol above).
+        slot = native.lib.memsem_lease_claim(cb.lease_slot_addr(0), cb.n_lease, mark, pid, start, version,
+                                             now + ttl_ns, lease_id, cb.base + 8 * W_STATE, WindowState.LIVE)
+        if slot >= 0:
+            return slot, lease_id
+        if slot == -2:
+            raise WindowClosing()
+    # No free slot: reclaim one whose lease expired or whose holder died.
     for slot in range(cb.n_lease):
         a = cb.lease_slot_addr(slot)
         cur = native.load_acquire(a + L_ID)
