@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Everything TransferQueue: build the TQ venv, run memsem's TQ backend tests, TQ's own two
-# backend-neutral e2e files (unmodified, from the installed wheel) against Memsem, on one node and
-# across two network-namespace nodes (tests/tq/run_tq_nodes.py; skipped, saying why, where
-# namespaces cannot be made), memsem's Ray directory on a Ray cluster of three nodes made on this
-# machine (tests/ray: the venv has Ray), and the SimpleStorage vs Memsem comparison. Called by
-# `make test-tq`.
+# Everything TransferQueue: build the TQ venv, run memsem's TQ backend tests, memsem's Ray
+# directory on a Ray cluster of three nodes made on this machine (tests/ray: the venv has Ray),
+# TQ's own backend-neutral e2e files (unmodified, from the installed wheel) against Memsem on such
+# a cluster with no Redis (tests/ray/run_tq_cluster.py) and across two network-namespace nodes
+# with Redis (tests/tq/run_tq_nodes.py; skipped, saying why, where namespaces cannot be made), and
+# the SimpleStorage vs Memsem comparison. Called by `make test-tq`.
 #
 # Env: TQ_VENV (default .venv-tq), PY (default python3.11), TQ_BENCH=0 skips the comparison,
 #      TQ_BENCH_ARGS (extra bench_tq.py args, e.g. "--seq-len 32768").
@@ -51,8 +51,13 @@ echo "== memsem's ray directory on a three-node Ray cluster (tests/ray; no Redis
 (cd "$ROOT" && env -u RAY_OVERRIDE_RESOURCES -u RAY_ADDRESS "$V/bin/python" -m pytest -q -p no:cacheprovider \
     -o asyncio_default_fixture_loop_scope=function tests/ray)
 
-echo "== TransferQueue e2e (unmodified) against Memsem"
-TQ_EXTRA_BACKEND_MODULES=memsem.integrations.transferqueue bash "$HERE/run_tq_e2e.sh" "$V" Memsem
+echo "== TransferQueue e2e (unmodified) against Memsem on a three-node Ray cluster (no Redis: the Ray job's directory)"
+# The cluster (tests/ray/run_tq_cluster.py): the test driver and the storage agent on the head,
+# TQ's controller on a worker node; first TQ's own API across nodes (a batch put on one worker
+# node, read bit-exact on the other, both over tcp), then TQ's e2e files with their driver
+# joining the cluster. (It replaces the run on a cluster of the e2e files' own: the same files,
+# the same routes for the driver, one cluster start less.)
+(cd "$ROOT" && env -u RAY_OVERRIDE_RESOURCES -u RAY_ADDRESS "$V/bin/python" "$ROOT/tests/ray/run_tq_cluster.py" "$V")
 
 echo "== TransferQueue e2e (unmodified) across two namespace nodes: agent on one, clients on the other (tcp)"
 "$V/bin/python" "$HERE/run_tq_nodes.py" "$V"
