@@ -12,6 +12,9 @@ every bucket and every ready word travels over tcp (the owner pushes ready trans
 between nodes. A rollout SIGKILLed mid-sync, or one whose consumer fails, is reported by the
 trainer as PeerLostError naming it: by memsem's liveness, not the trainer's timeout.
 
+The engine's default fan-out is a chain (the trainer's window read by rollout 1 alone, each
+rollout re-serving every bucket to the next); one case runs the star.
+
 Runs in .venv-verl (tests/verl/run_verl_tests.sh, ``make test-verl``).
 """
 from __future__ import annotations
@@ -46,14 +49,14 @@ def _model():
 
 @ray.remote(num_cpus=0)
 class Worker:
-    def __init__(self, role: str, index: int) -> None:
+    def __init__(self, role: str, index: int, fanout: str = "chain") -> None:
         import memsem.integrations.verl  # registers the backend, as custom_backend_module does
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         self.role = role
         self.model = _model()
         # as verl's actor workers do: is_master=(rank == 0) on the actors
-        self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=TIMEOUT,
+        self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=TIMEOUT, fanout=fanout,
                                                    is_master=(role == "trainer" and index == 0))
         self.received: dict[str, torch.Tensor] = {}
         self.round = 0
@@ -142,19 +145,27 @@ def _env(node: str | None, directory: str | None = None) -> dict:
     return {"env_vars": env}
 
 
-@pytest.mark.parametrize("num_rollout", [2, 4, 6])
-def test_memsem_checkpoint_engine(ray_cluster, num_rollout):
-    _rounds(*_workers(2, num_rollout))
+@pytest.mark.parametrize("num_rollout, fanout", [(2, "chain"), (4, "chain"), (6, "chain"), (4, "star")])
+def test_memsem_checkpoint_engine(ray_cluster, num_rollout, fanout):
+    """Chain (the default): the trainer's window is read by rollout 1 alone, rollout k by
+    rollout k + 1; star: by every rollout. Either way every weight arrives equal."""
+    _rounds(*_workers(2, num_rollout, fanout=fanout), readers=1 if fanout == "chain" else num_rollout)
 
 
-def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url):
-    """2 trainers and 2 rollouts on four different memsem nodes with the redis directory and no
-    job secret: the same 3 rounds, every weight equal, and every byte a rollout loaded came over
-    the tcp route."""
+@pytest.mark.parametrize("num_rollout", [2, 3])
+def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url, num_rollout):
+    """2 trainers and 2 or 3 rollouts, each on a memsem node of its own, with the redis
+    directory and no job secret: the same 3 rounds, every weight equal, every byte a rollout
+    loaded came over the tcp route, and the chain holds: what an owner served (its server's
+    copies out of its own windows count as its route ``loopback``) is exactly what the next one
+    in the chain loaded over tcp, so the trainer's link carried the buckets once."""
     assert "MEMSEM_JOB_SECRET" not in os.environ
-    routes = _rounds(*_workers(2, 2, redis_url))
-    for r in routes[2:]:  # (a rollout's own status window is its own: loopback, 0 bytes moved)
-        assert {k for k, n in r.items() if n} == {"tcp"}, routes
+    routes = _rounds(*_workers(2, num_rollout, redis_url))
+    chain = [routes[0]] + routes[2:]  # the trainer (its idle second actor sends nothing), the rollouts
+    for k, r in enumerate(chain[1:], 1):
+        assert set(r) <= {"tcp", "loopback"} and r.get("tcp", 0) > 0, routes
+        assert chain[k - 1].get("loopback", 0) == r["tcp"], (k, routes)  # served upstream == loaded here
+    assert chain[-1].get("loopback", 0) == 0, routes  # the last rollout serves nothing
 
 
 @pytest.mark.parametrize("how", ["killed-across-nodes", "failed"])
@@ -162,7 +173,9 @@ def test_a_rollout_that_leaves_mid_sync_is_reported_by_name(ray_cluster, redis_u
     """Rollout 2 receives the first weight, then is SIGKILLed (on its own node, redis
     directory), or its consumer raises (same node). The trainer's send_weights raises
     PeerLostError naming rollout 2, by memsem's liveness (the killed rollout's connection, its
-    process) or its failure report, not by the trainer's timeout."""
+    process) or its failure report, not by the trainer's timeout. (In the chain rollout 1 meets
+    it first, waiting for rollout 2's word, and leaves the sync naming it: the trainer's error
+    carries both.)"""
     across = how.startswith("killed")
     trainer, rollout = _workers(2, 2, redis_url if across else None)
     workers = trainer + rollout
@@ -200,12 +213,13 @@ def test_a_rollout_that_leaves_mid_sync_is_reported_by_name(ray_cluster, redis_u
             ray.kill(w)
 
 
-def _workers(num_trainer: int, num_rollout: int, directory: str | None = None) -> tuple[list, list]:
+def _workers(num_trainer: int, num_rollout: int, directory: str | None = None,
+             fanout: str = "chain") -> tuple[list, list]:
     """Trainer and rollout actors; with ``directory`` each on its own memsem node."""
     def make(role: str, i: int):
         if directory is None:
-            return Worker.remote(role, i)
-        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i)
+            return Worker.remote(role, i, fanout)
+        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i, fanout)
 
     return [make("trainer", i) for i in range(num_trainer)], [make("rollout", i) for i in range(num_rollout)]
 
@@ -227,7 +241,7 @@ def _setup(trainer: list, rollout: list) -> None:
     ray.get(calls, timeout=120)
 
 
-def _rounds(trainer: list, rollout: list) -> list[dict]:
+def _rounds(trainer: list, rollout: list, readers: int = 1) -> list[dict]:
     workers = trainer + rollout
     try:
         for step in range(1, 4):
@@ -235,6 +249,7 @@ def _rounds(trainer: list, rollout: list) -> list[dict]:
             # update weights of all workers (trainer and rollouts concurrently)
             out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
             assert out[0]["memsem/buckets"] > 1 and out[1] == {}
+            assert out[0]["memsem/trainer_readers"] == readers  # who reads the trainer's window
             assert all(n > 0 for n in out[len(trainer):])
             # finalize; every received weight equals the trainer's of this round
             ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)

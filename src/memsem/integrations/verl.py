@@ -22,15 +22,23 @@ A ref carries its window's access key (it is a capability, like an rkey), so the
 only the windows' records: the backend works on any directory, ``redis://`` across nodes, with no
 ``MEMSEM_JOB_SECRET`` and nothing passed by hand.
 
-How it moves weights (bucketed, double-buffered, versions checked):
+How it moves weights (bucketed, double-buffered, versions checked; ``fanout="chain"`` by
+default: the trainer sends each bucket once, to rollout 1, and rollout k re-serves it to rollout
+k + 1 from a double-buffered bucket window of its own, receiving each bucket straight into the
+slot the next rollout reads, bucket by bucket, so the last rollout holds bucket b a few bucket
+times after the first; ``fanout="star"``: every rollout reads every bucket from the trainer):
 
 * The trainer writes bucket b as version ``FIRST_BUCKET_VERSION + b`` of its double-buffered
   window, inside a write section (a rollout never reads a half-filled bucket), in the slot of
   that version, which the rollouts are not reading.
 * A rollout marks both slot words of its status window when it joins, and the word of slot s
   again once it has copied the bucket out of slot s. Before the trainer writes a bucket into
-  slot s it waits for word s of every rollout, then clears them: the trainer is at most two
-  buckets ahead of the slowest rollout and never overwrites a bucket someone still needs.
+  slot s it waits for word s of every rollout it sends to (all of them in a star, rollout 1 in
+  a chain), then clears them; a relaying rollout does the same with the rollout after it before
+  it receives the next bucket into its own slot s: every writer is at most two buckets ahead of
+  its slowest reader and never overwrites a bucket someone still needs. A relay publishes its
+  bucket window in ``init_process_group`` and puts its ref into its status window
+  (``W_RELAY``), where the rollout after it finds it.
 * A rollout follows the window's versions with the follower loop (``Runtime.follow(...,
   every=True)``: each bucket is exactly the next version, waited for on the window's
   latest-version word; a gone version raises ``VersionGoneError`` naming both), copying each
@@ -42,7 +50,11 @@ How it moves weights (bucketed, double-buffered, versions checked):
   across nodes) as ``PeerLostError`` naming the rollout, within the library's liveness bound,
   not after ``timeout``. A rollout whose receive fails (or whose consumer stops) writes the
   error into its status window and marks "failed" and both slot words: the trainer raises it at
-  once, naming the rollout (``PeerLostError``: the rollout left the sync).
+  once, naming the rollout (``PeerLostError``: the rollout left the sync). In a chain the
+  rollout before it raises it the same way and leaves the sync in turn, passing the message on,
+  so the trainer's error names the first rollout on the way and every one after it up to the
+  one that died or failed; a relay that leaves retires its bucket window, so the rollouts after
+  it stop at once too.
 
 Errors are exceptions (``memsem.MemsemError`` subclasses, ``MemsemTimeoutError``), never an
 ``exit``. Every wait is bounded by ``timeout``. Same node: route host/shm; across nodes the
@@ -75,10 +87,16 @@ _HEAD = struct.Struct("<8sQQqI")
 _MAGIC = b"MSVERLB1"
 #: first version a bucket gets (1 is the empty window right after publish)
 FIRST_BUCKET_VERSION = 2
-#: ready words of a status window: done with slot 0, done with slot 1, failed
-W_SLOT0, W_SLOT1, W_FAILED = 0, 1, 2
-#: bytes of a status window (the failure message, UTF-8, NUL-terminated)
+#: ready words of a status window: done with slot 0, done with slot 1, failed, relay window ready
+W_SLOT0, W_SLOT1, W_FAILED, W_RELAY = 0, 1, 2, 3
+#: bytes of a status window: the failure message (UTF-8, NUL-terminated) in the first half, the
+#: serialized ref of the rollout's relay window (length-prefixed) from ``RELAY_AT``
 STATUS_BYTES = 4096
+RELAY_AT = 2048
+#: how the buckets reach the rollouts: "chain" (the trainer sends each bucket once, to rollout 1;
+#: rollout k re-serves it to rollout k + 1 from a bucket window of its own), "star" (every rollout
+#: reads every bucket from the trainer)
+FANOUTS = ("chain", "star")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -94,7 +112,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
 
     Args:
         bucket_size: bytes of one bucket (verl's ``update_weights_bucket_megabytes``); the
-            trainer's window holds two (double buffering), each rollout two local buffers.
+            trainer's window holds two (double buffering), and so does each relaying rollout's
+            (chain), the last rollout (or every rollout of a star) two local buffers.
         device: where received tensors live ("cpu"; a GPU rollout copies them on).
         rollout_dtype: kept for verl's signature (tensors travel in their own dtype).
         is_master: True on the actor that sends (verl passes ``rank == 0``): its ``prepare``
@@ -102,13 +121,20 @@ class MemsemCheckpointEngine(CheckpointEngine):
         directory: memsem directory URL (``local`` by default; ``redis://`` across nodes).
         timeout: bound in seconds of every wait (joins, buckets, write sections).
         meta_bytes: bytes reserved per slot for the bucket's metadata.
+        fanout: "chain" (default: the trainer's link carries each bucket once; every rollout
+            but the last re-serves it to the next from a double-buffered bucket window of its
+            own, bucket by bucket) or "star" (every rollout reads every bucket from the
+            trainer). The master's choice holds for the sync.
     """
 
     def __init__(self, bucket_size: int, device: str = "cpu", rollout_dtype: torch.dtype = torch.bfloat16,
                  is_master: bool = False, directory: str | None = None, timeout: float = 300.0,
-                 meta_bytes: int = 1 << 20) -> None:
+                 meta_bytes: int = 1 << 20, fanout: str = "chain") -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be an int > 0 (bytes), got {bucket_size!r}")
+        if fanout not in FANOUTS:
+            raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
+        self.fanout = fanout
         self.bucket_size = bucket_size
         self.device = device
         self.rollout_dtype = rollout_dtype
@@ -121,7 +147,12 @@ class MemsemCheckpointEngine(CheckpointEngine):
         self.world_size: int | None = None
         self._window: Any = None  # the bucket window (published on the master, a ref elsewhere)
         self._status: Any = None  # this engine's status window (not on the master)
-        self._rollouts: list[tuple[Any, str]] = []  # the master's: (status ref, label) per rollout
+        #: (status ref, label) of the rollouts this engine sends to: the master's (every rollout
+        #: in a star, rollout 1 in a chain), a relay's (the next rollout in the chain)
+        self._rollouts: list[tuple[Any, str]] = []
+        self._everyone: list[tuple[Any, str]] = []  # the master's: every rollout (the final wait)
+        self._relay: Any = None  # a relaying rollout's own bucket window
+        self._upstream: tuple[Any, str] | None = None  # a chained rollout's upstream: (status ref, label)
         self._token = ""
         #: per-sync figures of the last send (verl merges the trainer's into its metrics)
         self.metrics: dict[str, float] = {}
@@ -146,17 +177,22 @@ class MemsemCheckpointEngine(CheckpointEngine):
             cap = self.meta_bytes + self.bucket_size
             self._window = rt.publish(np.zeros(cap, np.uint8), slots=2)
             out["window"] = self._window.to_bytes().hex()
+            out["fanout"] = self.fanout
         else:
-            self._status = rt.publish(np.zeros(STATUS_BYTES, np.uint8), tiles=3, access="rw")
+            # (a relay's bucket window is published in init_process_group, once this engine
+            # knows it is a rollout with a rollout after it: no other engine pays for one)
+            self._status = rt.publish(np.zeros(STATUS_BYTES, np.uint8), tiles=4, access="rw")
             out["status"] = self._status.to_bytes().hex()
         return out
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """One trainer (rank 0: the first actor, the master) to every rollout (ranks 1..N);
-        other actors are rank -1 and send nothing. The master gets the rollouts' metadata (their
-        status windows), every rollout the master's (the bucket window).
+        """One trainer (rank 0: the first actor, the master) and the rollouts (ranks 1..N);
+        other actors are rank -1 and send nothing. Every rollout gets the master's metadata (the
+        bucket window), the master every rollout's (their status windows: in a chain it writes
+        for rollout 1 and waits for all of them at the end). Chain (the master's ``fanout``):
+        rollout k also gets rollout k + 1's (``rollouts``) and rollout k - 1's (``upstream``).
 
         Raises:
             ValueError: the first actor's metadata has no bucket window (its engine was not made
@@ -174,17 +210,26 @@ class MemsemCheckpointEngine(CheckpointEngine):
             if not isinstance(md, dict) or not isinstance(md.get("status"), str):
                 raise ValueError(f"rollout {i}'s prepare() result is not a memsem status window: {md!r:.200}")
         world = rollout_world_size + 1
+        chain = master.get("fanout", "star") == "chain"
         actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "world_size": [world] * actor_wg_world_size,
                  "master_metadata": [master] * actor_wg_world_size,
                  "rollouts": [rollouts] + [None] * (actor_wg_world_size - 1)}
+        # chain: rollout k reads from rollout k - 1 (rollout 1 from the trainer) and sends to k + 1
         rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
-                   "master_metadata": [master] * rollout_world_size, "rollouts": [None] * rollout_world_size}
+                   "master_metadata": [master] * rollout_world_size,
+                   "rollouts": [[rollouts[k + 1]] if chain and k + 1 < len(rollouts) else None
+                                for k in range(len(rollouts))],
+                   "upstream": [rollouts[k - 1] if chain and k > 0 else None for k in range(len(rollouts))]}
         return actor, rollout
 
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any],
-                           rollouts: list[dict[str, Any]] | None = None) -> None:
-        """Rank 0 (the master) resolves every rollout's status window; rollouts resolve the
-        bucket window from the master's ref.
+                           rollouts: list[dict[str, Any]] | None = None,
+                           upstream: dict[str, Any] | None = None) -> None:
+        """Rank 0 (the master) resolves the status windows of the rollouts it sends to;
+        rollouts resolve the bucket window from the master's ref. In a chain, a rollout with a
+        rollout after it (``rollouts``: that one) publishes its own bucket window and puts its
+        ref into its status window (``W_RELAY``); a rollout after the first reads the buckets
+        from ``upstream``'s window, found through ``upstream``'s status window.
 
         Raises:
             ValueError: metadata that are not ``build_topology``'s.
@@ -199,11 +244,22 @@ class MemsemCheckpointEngine(CheckpointEngine):
                                  "make it with is_master=True")
             if not isinstance(rollouts, list) or len(rollouts) != self.world_size - 1:
                 raise ValueError(f"rank 0 needs the metadata of its {self.world_size - 1} rollouts, got {rollouts!r:.200}")
-            self._rollouts = [(rt.ref(bytes.fromhex(md["status"])),
-                               f"rollout {i} (pid {md.get('pid')} on {md.get('node')!r})")
-                              for i, md in enumerate(rollouts, 1)]
+            self._everyone = [(rt.ref(bytes.fromhex(md["status"])), _label(i, md)) for i, md in enumerate(rollouts, 1)]
+            self._rollouts = self._everyone[:1] if self.fanout == "chain" else list(self._everyone)
         elif self.rank > 0:
             self._window = rt.ref(bytes.fromhex(master_metadata["window"]))
+            if upstream is not None:
+                self._upstream = (rt.ref(bytes.fromhex(upstream["status"])), _label(self.rank - 1, upstream))
+            if rollouts:
+                md = rollouts[0]
+                self._rollouts = [(rt.ref(bytes.fromhex(md["status"])), _label(self.rank + 1, md))]
+                cap = self.meta_bytes + self.bucket_size
+                self._relay = rt.publish(np.zeros(cap, np.uint8), slots=2)
+                ref = self._relay.to_bytes()
+                with rt.write_section(self._status, timeout=self.timeout) as sec:
+                    sec.array()[RELAY_AT:RELAY_AT + 4 + len(ref)] = np.frombuffer(struct.pack("<I", len(ref)) + ref,
+                                                                                  np.uint8)
+                self._status.mark_ready(W_RELAY)
 
     def finalize(self) -> None:
         """Unpublish this sync's window (waiting, within ``timeout``, for copies still running)."""
@@ -212,18 +268,18 @@ class MemsemCheckpointEngine(CheckpointEngine):
 
     def _drop_windows(self) -> None:
         rt = self._rt
-        for ref, owned in ((self._window, self.is_master), (self._status, True)):
+        for ref, owned in ((self._window, self.is_master), (self._relay, True), (self._status, True)):
             if ref is not None and owned and rt is not None and not rt.closed:
                 rt.unpublish(ref, timeout=self.timeout)
-        self._window = self._status = None
-        self._rollouts = []
+        self._window = self._status = self._relay = self._upstream = None
+        self._rollouts, self._everyone = [], []
 
     def close(self) -> None:
         if self._rt is not None:
             self._rt.close()
             self._rt = None
-        self._window = self._status = None
-        self._rollouts = []
+        self._window = self._status = self._relay = self._upstream = None
+        self._rollouts, self._everyone = [], []
 
     # -- trainer ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -278,7 +334,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
         except BaseException:
             sec.abort()
             raise
-        self.metrics = {"memsem/buckets": float(buckets), "memsem/trainer_blocked_s": blocked}
+        await self._await_done(loop, buckets - 1)
+        self.metrics = {"memsem/buckets": float(buckets), "memsem/trainer_blocked_s": blocked,
+                        "memsem/trainer_readers": float(len(self._rollouts))}
         return dict(self.metrics)
 
     def _meta_len(self, meta: list) -> int:
@@ -316,10 +374,37 @@ class MemsemCheckpointEngine(CheckpointEngine):
                                                 what=label, timeout=self.timeout) from exc
             if failed:
                 raw = await core.submit(f"{label}: its error", status.get)
-                msg = bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
+                msg = bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
                 raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {msg}")
         await core.submit("clear slot words", lambda: [core.clear_ready(st.spec, slot) for st, _ in self._rollouts])
         return loop.time() - t0 if bucket >= 2 else 0.0
+
+    async def _await_done(self, loop: asyncio.AbstractEventLoop, last: int) -> None:
+        """After the last bucket (index ``last``): every rollout has copied it (its word of that
+        slot is marked again), so ``send_weights`` returns when the version is everywhere, and a
+        rollout that left during the last buckets (or anywhere down a chain) is reported.
+
+        Raises:
+            PeerLostError: a rollout died or left the sync (named, with its error).
+            MemsemTimeoutError: a rollout did not copy the last bucket within ``timeout``.
+        """
+        core = self.runtime.core
+        slot = (FIRST_BUCKET_VERSION + last) % 2
+        what = f"copy the last bucket ({last})"
+        deadline = loop.time() + self.timeout
+        for status, label in self._everyone:
+            left = max(0.0, deadline - loop.time())
+            try:
+                failed = await core.submit(f"{label}: {what}", lambda st=status, t=left: _await_word(st, slot, t))
+            except memsem.PeerLostError as exc:
+                raise memsem.PeerLostError(f"{label} died before it could {what}: {exc}") from exc
+            except memsem.MemsemTimeoutError as exc:
+                raise memsem.MemsemTimeoutError(f"{label} did not {what} within {self.timeout:g} s",
+                                                what=label, timeout=self.timeout) from exc
+            if failed:
+                raw = await core.submit(f"{label}: its error", status.get)
+                msg = bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
+                raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {msg}")
 
     # -- rollout ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -339,57 +424,119 @@ class MemsemCheckpointEngine(CheckpointEngine):
             self._report_failure(f"it failed: {type(exc).__name__}: {exc}")
             raise
 
+    def _check_bucket(self, win: Any, buf: np.ndarray, got: int, version: int,
+                      global_steps: int | None) -> dict[str, Any]:
+        """The header of the bucket in ``buf`` (exactly version ``version`` of ``win``), checked."""
+        magic, index, last, step, mlen = _HEAD.unpack(buf[:_HEAD.size].tobytes())
+        if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
+            raise memsem.MemsemError(f"{win.spec.label}: version {got} is not memsem verl bucket {version}")
+        meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
+        used = max((e[5] + e[4] for e in meta), default=0)
+        if used > self.bucket_size:
+            raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
+        if index != version - FIRST_BUCKET_VERSION:
+            raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
+        if global_steps is not None and step != int(global_steps):
+            raise memsem.MemsemError(f"bucket {index} is of step {step}, this rollout expects {global_steps}")
+        return {"meta": meta, "last": bool(last)}
+
     def _report_failure(self, why: str) -> None:
-        """Tell the trainer this rollout leaves the sync: the message into the status window,
-        then "failed" and both slot words marked (failed first: whoever sees a slot word sees
-        it). Best effort: the rollout's own window, local operations."""
+        """Tell the trainer (or the rollout before this one in a chain) this rollout leaves the
+        sync: the message into the status window, then "failed" and both slot words marked
+        (failed first: whoever sees a slot word sees it). A relaying rollout also retires its
+        bucket window, so the rollout after it stops at once (its follower meets the retired
+        window) instead of waiting out its timeout. Best effort: this rollout's own windows."""
         status, rt = self._status, self._rt
         if status is None or rt is None or rt.closed:
             return
         try:
             with rt.write_section(status, timeout=self.timeout) as sec:
-                body = why.encode("utf-8", "replace")[:STATUS_BYTES - 1] + b"\0"
+                body = why.encode("utf-8", "replace")[:RELAY_AT - 1] + b"\0"
                 sec.array()[:len(body)] = np.frombuffer(body, np.uint8)
-            for w in (W_FAILED, W_SLOT0, W_SLOT1):
+            for w in (W_FAILED, W_SLOT0, W_SLOT1, W_RELAY):
                 status.mark_ready(w)
         except memsem.MemsemError:
             pass
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            try:
+                rt.unpublish(relay, timeout=min(self.timeout, 5.0))
+            except memsem.MemsemError:
+                pass
+
+    async def _source(self) -> Any:
+        """The bucket window this rollout reads: the trainer's, or in a chain its upstream
+        rollout's (its ref read from the upstream's status window once ``W_RELAY`` is marked).
+
+        Raises:
+            PeerLostError: the upstream rollout died or left the sync (named, with its message).
+            MemsemTimeoutError: it published no bucket window within ``timeout``.
+        """
+        if self._upstream is None:
+            return self._window
+        status, label = self._upstream
+        try:
+            await status.wait_tile_async(W_RELAY, timeout=self.timeout)
+        except memsem.PeerLostError as exc:
+            raise memsem.PeerLostError(f"{label} died before it relayed the buckets: {exc}") from exc
+        except memsem.MemsemTimeoutError as exc:
+            raise memsem.MemsemTimeoutError(f"{label} published no bucket window to relay within {self.timeout:g} s",
+                                            what=label, timeout=self.timeout) from exc
+        raw = bytes(await self.runtime.core.submit(f"{label}: its bucket window", status.get))
+        if status.is_ready(W_FAILED):
+            msg = raw[:RELAY_AT].split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
+            raise memsem.PeerLostError(f"{label} left the sync before it relayed the buckets: {msg}")
+        (n,) = struct.unpack_from("<I", raw, RELAY_AT)
+        if not 0 < n <= STATUS_BYTES - RELAY_AT - 4:
+            raise memsem.MemsemError(f"{label}'s status window holds no bucket window ref ({n} bytes)")
+        return self.runtime.ref(raw[RELAY_AT + 4:RELAY_AT + 4 + n])
 
     async def _chunks(self, global_steps: int | None) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
         rt = self.runtime
-        win, status = self._window, self._status
+        status, relay = self._status, self._relay
         v = FIRST_BUCKET_VERSION
         status.mark_ready(W_SLOT0)  # joined: both slots may be written
         status.mark_ready(W_SLOT1)
+        win = await self._source()
         cap = self.meta_bytes + self.bucket_size
-        bufs = [np.empty(cap, np.uint8) for _ in range(2)]
+        # A relay receives each bucket straight into the slot of its own window that the next
+        # rollout will read (a write section of exactly that version); the last rollout (or
+        # every rollout of a star) into two local buffers.
+        bufs = [np.empty(cap, np.uint8) for _ in range(2)] if relay is None else None
         # every bucket in order, exactly its version (the ready words keep it readable)
         follower = rt.follow(win, timeout=self.timeout, every=True, pin=False, after=v - 1)
+        loop = asyncio.get_running_loop()
 
-        async def fetch(version: int, buf: np.ndarray) -> tuple[dict, int]:
-            got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
-            magic, index, last, step, mlen = _HEAD.unpack(buf[:_HEAD.size].tobytes())
-            if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
-                raise memsem.MemsemError(f"{win.spec.label}: version {got} is not memsem verl bucket {version}")
-            meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
-            used = max((e[5] + e[4] for e in meta), default=0)
-            if used > self.bucket_size:
-                raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
-            if index != version - FIRST_BUCKET_VERSION:
-                raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
-            if global_steps is not None and step != int(global_steps):
-                raise memsem.MemsemError(f"bucket {index} is of step {step}, this rollout expects {global_steps}")
-            return {"meta": meta, "last": bool(last)}, index
+        async def fetch(version: int) -> tuple[dict, np.ndarray]:
+            sec = None
+            if bufs is not None:
+                buf = bufs[version % 2]
+            else:
+                # the next rollout is done with what this slot holds (bucket version - 2)
+                await self._await_slot(loop, version - FIRST_BUCKET_VERSION)
+                # at once: nothing reads that slot now (so no await holds an open section)
+                sec = rt.write_section(relay, copy=False, timeout=self.timeout)
+                buf = sec.array()
+            try:
+                got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
+                head = self._check_bucket(win, buf, got, version, global_steps)
+            except BaseException:
+                if sec is not None:
+                    sec.abort()
+                raise
+            if sec is not None:
+                sec.commit()  # version ``version`` of this rollout's window: the next rollout reads it
+            return head, buf
 
-        task = asyncio.ensure_future(fetch(v, bufs[v % 2]))
+        task = asyncio.ensure_future(fetch(v))
         try:
             while True:
-                got, _ = await task
-                buf = torch.from_numpy(bufs[v % 2])
-                # copied out: the trainer may write this slot again (bucket v + 2)
+                got, arr = await task
+                buf = torch.from_numpy(arr)
+                # copied out: the trainer (or the rollout before) may write this slot again (v + 2)
                 status.mark_ready(v % 2)
                 if not got["last"]:
-                    task = asyncio.ensure_future(fetch(v + 1, bufs[(v + 1) % 2]))
+                    task = asyncio.ensure_future(fetch(v + 1))
                 for name, dt, shape, chunk_offset, chunk_size, off in got["meta"]:
                     at = self.meta_bytes + off
                     yield (TensorMeta(name=name, shape=torch.Size(shape), dtype=_dtype(dt), chunk_offset=chunk_offset,
@@ -401,6 +548,10 @@ class MemsemCheckpointEngine(CheckpointEngine):
             if not task.done():
                 task.cancel()
             follower.close()
+
+
+def _label(i: int, md: dict[str, Any]) -> str:
+    return f"rollout {i} (pid {md.get('pid')} on {md.get('node')!r})"
 
 
 def _await_word(status: Any, slot: int, timeout: float) -> bool:
