@@ -266,6 +266,7 @@ def test_a_49_day_wait_is_capped_and_a_disconnect_while_waiting_is_noticed(owner
     ep = R.endpoint_of(rt, w)
     owner("hold_section", name="w")
     try:
+        base = _stats(owner)
         s, nonce = R.connect(ep)
         assert R.open_handle(s, nonce, w.spec)[0][0] == W.OK
         for version in (0, 2):  # the latest, and the version the section is writing
@@ -279,6 +280,8 @@ def test_a_49_day_wait_is_capped_and_a_disconnect_while_waiting_is_noticed(owner
         head, _ = R.reply(s)  # refused at once: no version that large exists
         assert head[0] == W.OUTCOME and head[1] in (_lib.MEMSEM_RC_VERSION_RANGE, _lib.MEMSEM_RC_BUSY), head
         s.close()
+        # (the owner sees that close in its own time: counted before the next part begins)
+        _until(owner, "closed_peer_closed", base.get("closed_peer_closed", 0) + 1)
         # parked, then gone: the owner notices the disconnect while it waits
         before = _stats(owner)
         s, nonce = R.connect(ep)
