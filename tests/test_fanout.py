@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -70,6 +71,10 @@ class Gated(memsem.Relay):
             self.reached.set()
             if not self.gate.wait(WAIT):
                 raise memsem.MemsemTimeoutError("test gate not opened", what="gate", timeout=WAIT)
+            if self._stop.is_set():  # closed while held here: this chunk never arrives
+                from memsem.refs._relay_upstream import RelayClosing
+
+                raise RelayClosing()
 
 
 # -- plans and the model ------------------------------------------------------------------------------
@@ -168,14 +173,24 @@ def test_a_relay_gone_mid_version_its_child_reattaches_to_the_grandparent(rt, so
     try:
         for r in relays:
             r.load(version=1, timeout=WAIT)
+        from_rank1 = relays[2].stats().chunks.get(1, 0)
         source.update(model(2))
         assert relays[1].reached.wait(WAIT)
+        # rank 2 holds a chunk of version 2 from rank 1 before rank 1 goes (else it finds rank 1
+        # gone before it ever attached, and takes the version from rank 0 with no re-attachment)
+        deadline = time.monotonic() + WAIT
+        while relays[2].stats().chunks.get(1, 0) <= from_rank1:
+            assert time.monotonic() < deadline, "rank 2 never read a chunk of version 2 from rank 1"
+            time.sleep(0.01)
         threading.Thread(target=relays[1].close, daemon=True).start()
+        while not relays[1]._stop.is_set():  # closing before its gate opens: it fetches nothing more
+            assert time.monotonic() < deadline, "rank 1's close never began"
+            time.sleep(0.001)
         relays[1].gate.set()
         into = fresh()
         assert relays[2].load(into, version=2, timeout=WAIT) == 2 and sha(into) == sha(model(2))
         st = relays[2].stats()
-        assert [(v, frm, to) for v, frm, to, _ in st.reattached] == [(2, 1, 0)]
+        assert [(v, frm, to) for v, frm, to, _ in st.reattached] == [(2, 1, 0)], st
         assert st.chunks[0] >= 1 and st.chunks[1] >= 1  # some from each, all checked
     finally:
         for r in relays:
