@@ -33,6 +33,10 @@ name) and ``<key>_ratio`` = median of per-round ratios, ``<key>_ratio_spread`` =
 Goals (issue 24): <= 1.2, <= 1.5, reported, <= 1.5. The processes: an owner process holds the
 10,000 windows (job of its own) and the one window (another job); the consumer is the calling
 process; the 16 consumers are forked by one spawned hub; the redis owners are one more process.
+
+One module, over 600 lines, because its figures share their owners (the processes holding the
+10,000 windows and names, published once) and their rounds: split, each part would publish
+its own 10,000 windows.
 """
 from __future__ import annotations
 
