@@ -362,20 +362,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         slot = (FIRST_BUCKET_VERSION + bucket) % 2
         what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
         t0 = loop.time()
-        deadline = t0 + self.timeout
-        for status, label in self._rollouts:
-            left = max(0.0, deadline - loop.time())
-            try:
-                failed = await core.submit(f"{label}: {what}", lambda st=status, t=left: _await_word(st, slot, t))
-            except memsem.PeerLostError as exc:
-                raise memsem.PeerLostError(f"{label} died before it could {what} (bucket slot {slot}): {exc}") from exc
-            except memsem.MemsemTimeoutError as exc:
-                raise memsem.MemsemTimeoutError(f"{label} did not {what} within {self.timeout:g} s",
-                                                what=label, timeout=self.timeout) from exc
-            if failed:
-                raw = await core.submit(f"{label}: its error", status.get)
-                msg = bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
-                raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {msg}")
+        await self._await_words(loop, self._rollouts, slot, what, f" (bucket slot {slot})")
         await core.submit("clear slot words", lambda: [core.clear_ready(st.spec, slot) for st, _ in self._rollouts])
         return loop.time() - t0 if bucket >= 2 else 0.0
 
@@ -388,23 +375,31 @@ class MemsemCheckpointEngine(CheckpointEngine):
             PeerLostError: a rollout died or left the sync (named, with its error).
             MemsemTimeoutError: a rollout did not copy the last bucket within ``timeout``.
         """
+        await self._await_words(loop, self._everyone, (FIRST_BUCKET_VERSION + last) % 2,
+                                f"copy the last bucket ({last})")
+
+    async def _await_words(self, loop: asyncio.AbstractEventLoop, rollouts: list[tuple[Any, str]], slot: int,
+                           what: str, where: str = "") -> None:
+        """Wait, within one ``timeout``, for the word of ``slot`` of each of ``rollouts``.
+
+        Raises:
+            PeerLostError: a rollout died while awaited, or marked "failed" (named, with its message).
+            MemsemTimeoutError: a rollout's word was not marked within ``timeout``.
+        """
         core = self.runtime.core
-        slot = (FIRST_BUCKET_VERSION + last) % 2
-        what = f"copy the last bucket ({last})"
         deadline = loop.time() + self.timeout
-        for status, label in self._everyone:
+        for status, label in rollouts:
             left = max(0.0, deadline - loop.time())
             try:
                 failed = await core.submit(f"{label}: {what}", lambda st=status, t=left: _await_word(st, slot, t))
             except memsem.PeerLostError as exc:
-                raise memsem.PeerLostError(f"{label} died before it could {what}: {exc}") from exc
+                raise memsem.PeerLostError(f"{label} died before it could {what}{where}: {exc}") from exc
             except memsem.MemsemTimeoutError as exc:
                 raise memsem.MemsemTimeoutError(f"{label} did not {what} within {self.timeout:g} s",
                                                 what=label, timeout=self.timeout) from exc
             if failed:
                 raw = await core.submit(f"{label}: its error", status.get)
-                msg = bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
-                raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {msg}")
+                raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {_failure_message(raw)}")
 
     # -- rollout ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -484,8 +479,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                                             what=label, timeout=self.timeout) from exc
         raw = bytes(await self.runtime.core.submit(f"{label}: its bucket window", status.get))
         if status.is_ready(W_FAILED):
-            msg = raw[:RELAY_AT].split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
-            raise memsem.PeerLostError(f"{label} left the sync before it relayed the buckets: {msg}")
+            raise memsem.PeerLostError(f"{label} left the sync before it relayed the buckets: {_failure_message(raw)}")
         (n,) = struct.unpack_from("<I", raw, RELAY_AT)
         if not 0 < n <= STATUS_BYTES - RELAY_AT - 4:
             raise memsem.MemsemError(f"{label}'s status window holds no bucket window ref ({n} bytes)")
@@ -548,6 +542,11 @@ class MemsemCheckpointEngine(CheckpointEngine):
             if not task.done():
                 task.cancel()
             follower.close()
+
+
+def _failure_message(raw: Any) -> str:
+    """The message a rollout that left wrote into its status window (its first half)."""
+    return bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
 
 
 def _label(i: int, md: dict[str, Any]) -> str:
