@@ -110,6 +110,21 @@ class Owner:
             for t in cmd["tiles"]:
                 rt.core.clear_ready(self.wins[cmd["name"]].spec, t)
             return {}
+        if op == "hold_pushes":  # the watch hub tells no subscriber of a change until release_pushes
+            self.held = []
+            for w in list(rt.core.server.hub._windows.values()):
+                for sub in list(w.subs):
+                    orig = sub.notify
+                    sub.notify = lambda: None
+                    self.held.append((sub, orig))
+            return {"held": len(self.held)}
+        if op == "release_pushes":
+            for sub, orig in getattr(self, "held", []):
+                sub.notify = orig
+                sub.dirty = True
+                orig()
+            self.held = []
+            return {}
         if op == "write":
             with rt.write_section(self.wins[cmd["name"]]) as ws:
                 self.arrays[cmd["name"]][:] = cmd["value"]

@@ -84,6 +84,19 @@ def test_get_put_small_and_pipelined_large(owner, rt):
     assert out[1] == 100 and out[-1] == 0
 
 
+def test_bytes_an_owner_counts_as_served_are_the_bytes_that_moved(owner, rt):
+    """The owner sends a GET straight from the window, one non-blocking send per bracket: a
+    send the socket takes only in part (always, for 32 MiB pipelined in 1 MiB chunks) counts
+    what it moved, so the owner's served bytes equal what the consumer loaded."""
+    n = 32 * MiB
+    w = _ref(rt, owner("publish", name="big", n=n // 8)["ref"])
+    before = owner("stats")["stats"]["bytes_by_route"].get("loopback", 0)
+    for _ in range(3):
+        assert w.get()[-1] == n // 8 - 1
+    served = owner("stats")["stats"]["bytes_by_route"].get("loopback", 0) - before
+    assert served == rt.stats().bytes_by_route["tcp"] == 3 * n
+
+
 def test_owner_minted_sub_range_is_all_a_consumer_gets(owner, rt):
     owner("publish", name="w", n=1024)
     narrow = _ref(rt, owner("bytes", name="w", offset=64, nbytes=16)["ref"])
@@ -353,6 +366,40 @@ def test_remote_ready_words(owner, rt):
     ro = _ref(rt, owner("publish", name="ro", n=1024, access="r", tile_bytes=1024)["ref"])
     with pytest.raises(memsem.AccessDeniedError):
         ro.mark_ready(0)
+
+
+@pytest.mark.parametrize("how", ["clear", "mark", "rows"])
+def test_a_consumer_reads_its_own_ready_word_writes(owner, rt, how):
+    """A consumer that writes a ready word at the owner (clear_ready, mark_ready, rows that
+    complete a tile) reads its own write at once: never the word as it was before. The owner's
+    pushes are held meanwhile (its watch hub tells no subscriber), so the consumer's mirror
+    can only learn of the write by catching up itself: a clear followed by a wait that saw
+    the cleared mark is how a trainer overwrote a bucket a rollout was still reading."""
+    fs = memsem.FieldSet.from_bytes(bytes.fromhex(owner(
+        "fields", name="batch", tile_rows=4, fields={"obs": [[16, 2], "float32"]})["set"]), rt)
+    obs = fs["obs"]
+    assert rt.route(obs).kind == "tcp"
+    owner("put_rows", set="batch", field="obs", start=0, stop=4, value=1.0)
+    obs.wait_tiles(0, 1, timeout=20)  # the mirror holds tile 0's mark (pushed)
+    assert owner("hold_pushes")["held"] >= 1
+    try:
+        if how == "clear":
+            rt.core.clear_ready(obs.spec, 0)
+            assert not obs.is_ready(0)
+            with pytest.raises(memsem.MemsemTimeoutError, match="tile 0"):
+                obs.wait_tiles(0, 1, timeout=0.2)
+        elif how == "mark":
+            obs.mark_rows(4, 8)
+            assert obs.is_ready(1)
+            obs.wait_tiles(1, 2, timeout=0.2)
+        else:  # two writes of half a tile each: the second completes tile 2 at the owner
+            obs.put_rows(8, np.full((2, 2), 3.0, np.float32))
+            assert not obs.is_ready(2)
+            obs.put_rows(10, np.full((2, 2), 4.0, np.float32))
+            obs.wait_rows(8, 12, timeout=0.2)
+            assert obs.get_rows(8, 12, timeout=20).tolist() == [[3.0] * 2] * 2 + [[4.0] * 2] * 2
+    finally:
+        owner("release_pushes")
 
 
 def test_old_marks_never_satisfy_a_new_generation(owner, rt):

@@ -92,6 +92,17 @@ class Worker:
         rt = self.engine._rt
         return {} if rt is None else dict(rt.stats().bytes_by_route)
 
+    def placement(self) -> dict:
+        """Where this actor runs: its network namespace, memsem node, the directory its
+        runtime opened and the memsem settings it inherited."""
+        rt = self.engine._rt
+        return {"netns": os.readlink("/proc/self/ns/net"), "node": memsem.native.node_id(),
+                "directory": None if rt is None else type(rt.core.directory).__name__,
+                "engines": None if rt is None else rt.engines,
+                "ops": None if rt is None else dict(rt.stats().ops_by_route),
+                "errors": None if rt is None else dict(rt.stats().errors),
+                "env": sorted(k for k in os.environ if k.startswith("MEMSEM_"))}
+
     def check_weights(self):
         if self.role == "trainer":
             return 0
@@ -241,7 +252,9 @@ def _setup(trainer: list, rollout: list) -> None:
     ray.get(calls, timeout=120)
 
 
-def _rounds(trainer: list, rollout: list, readers: int = 1) -> list[dict]:
+def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | None = None) -> list[dict]:
+    """Three rounds of verl's update; each worker's bytes by route (and, into ``placements``,
+    where each one ran) before the workers go."""
     workers = trainer + rollout
     try:
         for step in range(1, 4):
@@ -256,6 +269,8 @@ def _rounds(trainer: list, rollout: list, readers: int = 1) -> list[dict]:
             counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
             assert all(c > 0 for c in counts[len(trainer):])
         routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
+        if placements is not None:
+            placements.extend(ray.get([w.placement.remote() for w in workers], timeout=120))
         for w in workers:
             ray.get(w.execute_checkpoint_engine.remote("close"), timeout=120)
         return routes

@@ -176,8 +176,12 @@ class Bracket:
     def is_open(self) -> bool:
         return bool(self._c.is_open)
 
-    def close(self, failed: bool = False) -> Outcome:
-        """Every check after the copy: generation, the slot's sequence (torn?), lease, telemetry."""
+    def close(self, failed: bool = False, moved: int | None = None) -> Outcome:
+        """Every check after the copy: generation, the slot's sequence (torn?), lease, telemetry.
+        ``moved``: the bytes the copy moved when it moved less than it opened (a non-blocking
+        send or receive): what the telemetry counts (default: every byte opened)."""
+        if moved is not None and 0 <= moved < self._c.nbytes:
+            self._c.nbytes = moved
         return settle(self._res, _lib.memsem_bracket_close(self._c, 1 if failed else 0))
 
 

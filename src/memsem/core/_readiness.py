@@ -65,6 +65,7 @@ class Readiness:
             if not words:
                 return res, None
             cb = self.mirrors.control(res, spec)
+            cb.settle()  # this runtime's own writes at the owner are read back, never a word before them
         if cb.generation != spec.generation:
             self._core.resolver.drop(spec.gva, res)
             raise tr.stale(spec, cb.generation)
@@ -90,6 +91,8 @@ class Readiness:
             raise
         except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
             raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
+        finally:
+            self.mirrors.wrote(res)  # even a failed request may have changed the word
 
     def mark(self, spec: RefSpec, tile: int) -> None:
         """Release-store tile ``tile``'s ready word with the ref's generation and wake waiters."""
@@ -136,17 +139,24 @@ class Readiness:
                 except _ready.RowsOverflow as exc:
                     raise ValueError(f"{spec.label}: {exc}") from None
             try:
-                return res.engine.add_rows(res.remote_for(spec), t, rows, total)
-            except RemoteOutcome as exc:
-                if exc.status == Status.RANGE:
-                    raise ValueError(f"{spec.label}: tile {t}: {rows} more rows would pass its {total} at the "
-                                     "owner: rows written twice") from None
-                raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
-            except StaleReferenceError:
-                self._core.resolver.drop(spec.gva, res)
-                raise
-            except (EngineError, AccessDeniedError) as exc:
-                raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
+                return self._remote_add_rows(spec, res, t, rows, total)
+            finally:
+                self.mirrors.wrote(res)
+
+    def _remote_add_rows(self, spec: RefSpec, res: Resolution, t: int, rows: int, total: int) -> int:
+        """``add_rows`` at the owner on another node (its outcomes translated once)."""
+        try:
+            return res.engine.add_rows(res.remote_for(spec), t, rows, total)
+        except RemoteOutcome as exc:
+            if exc.status == Status.RANGE:
+                raise ValueError(f"{spec.label}: tile {t}: {rows} more rows would pass its {total} at the "
+                                 "owner: rows written twice") from None
+            raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
+        except StaleReferenceError:
+            self._core.resolver.drop(spec.gva, res)
+            raise
+        except (EngineError, AccessDeniedError) as exc:
+            raise engine_failure(exc, res, spec, put=True, lease=None, version=0) from exc
 
     def is_ready(self, spec: RefSpec, tile: int) -> bool:
         with self._held(spec) as (_, cb):
@@ -205,9 +215,11 @@ class Readiness:
     def _wait(self, spec: RefSpec, res: Resolution, cb: Any, tile: int, t: float,
               stop: Callable[[], None] | None = None) -> None:
         gen = spec.generation
+        remote = isinstance(cb, RemoteControl)
         self._word_wait(spec, res, cb, f"tile {tile} of {spec.label}", t, state="not ready",
-                        during=f"tile {tile}", stop=stop).until(cb.ready_addr(tile), lambda v: v == gen,
-                                                     mirror=cb if isinstance(cb, RemoteControl) else None)
+                        during=f"tile {tile}", stop=stop).until(
+            cb.ready_addr(tile), lambda v: v == gen, mirror=cb if remote else None,
+            sync=cb.sync if remote and cb.mode == WatchMode.READ else None)  # read: as new as its last read
 
     def _word_wait(self, spec: RefSpec, res: Resolution, cb: Any, what: str, t: float, *, state: str,
                    during: str, detail: Callable[[], str] | None = None,

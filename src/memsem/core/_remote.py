@@ -76,6 +76,8 @@ class RemoteControl:
         self.lost: str | None = None
         self.sub: Any = None
         self.checked = time.monotonic()
+        #: this runtime changed words at the owner since the mirror last caught up (``wrote``)
+        self._wrote = False
         native.store_release(self.addr(W_GENERATION), res.generation)
         self._res = weakref.ref(res)
         self._spec = spec
@@ -177,6 +179,43 @@ class RemoteControl:
                 return  # moving now: the next read decides
         self.apply([(WATCH_HEADER, W_GENERATION, g)])
 
+    def wrote(self) -> None:
+        """This runtime changed a word at the owner (``set_ready``, ``add_rows``, through the
+        engine's data path): the next read of the mirror (``settle``) catches up first, so a
+        runtime always reads its own writes (a clear is never followed by the mark it cleared)."""
+        self._wrote = True
+
+    def settle(self) -> None:
+        """Before the mirror is read: when this runtime wrote words at the owner since the last
+        catch-up, catch up now (pushed: the subscription's ``sync``, one round trip that returns
+        once every change the owner made before it is applied here; read: one-sided reads of
+        every word). A no-op otherwise.
+
+        Raises:
+            PeerLostError / StaleReferenceError: as ``sync``. MemsemTimeoutError: no answer
+                within the runtime's timeout.
+        """
+        if not self._wrote:
+            return
+        self._wrote = False
+        try:
+            if self.mode == "read":
+                self.sync()
+                return
+            res, sub = self._res(), self.sub
+            if res is None or sub is None or self.lost is not None:
+                return  # nothing to catch up with: the watch is made again (current) before it is read
+            timeout = self._core.timeout if self._core is not None else 10.0
+            try:
+                sub.sync(timeout)
+            except MemsemTimeoutError:
+                raise
+            except MemsemError as exc:
+                raise tr.chain(self._failure(res, exc), exc) from exc
+        except BaseException:
+            self._wrote = True
+            raise
+
     def sync(self) -> None:
         """Bring the words up to date now (one-sided reads; pushed mirrors are current)."""
         if self.mode != "read":
@@ -276,6 +315,13 @@ class RemoteWords:
         except (EngineError, AccessDeniedError) as exc:  # an owner's outcome or refusal, translated once
             raise engine_failure(exc, res, spec, put=False, lease=None, version=0) from exc
         m.lost = None
+
+    def wrote(self, res: Resolution) -> None:
+        """This runtime changed words of ``res``'s window at the owner: its mirror, if there is
+        one, catches up before it is read next (``RemoteControl.settle``)."""
+        m = self._mirrors.get(res)
+        if m is not None:
+            m.wrote()
 
     def recover(self, res: Resolution, spec: RefSpec, m: RemoteControl) -> None:
         """The subscription ended: say why (``PeerLostError`` for a dead or unreachable owner,

@@ -274,7 +274,7 @@ class Grant:
             moved = io(b.address, nbytes)
             failed = False
         finally:
-            o = b.close(failed)
+            o = b.close(failed, moved)  # counted: what moved, not what the socket was offered
         return o, moved
 
     def set_ready(self, tile: int, ready: bool) -> Outcome:

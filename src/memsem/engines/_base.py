@@ -508,8 +508,11 @@ class Engine(abc.ABC):
         count)`` (``WATCH_HEADER``/``WATCH_READY``). ``on_update(changes)`` gets ``(kind, index,
         value)`` triples, first the words' current values (before ``watch`` returns), then every
         change, in order, from the engine's thread; ``on_lost(reason)`` once when the
-        subscription ends without ``close``. Returns a handle with ``close()``. Blocks at most
-        ``timeout`` s for the owner's first answer."""
+        subscription ends without ``close``. Returns a handle with ``close()`` and
+        ``sync(timeout)``, which returns once every change the owner made before the call was
+        passed to ``on_update`` (so a consumer that wrote a word through ``set_ready`` or
+        ``add_rows`` reads its own write). Blocks at most ``timeout`` s for the owner's first
+        answer."""
         raise NotSupportedError(f"engine {self.name!r} cannot watch control words of a remote window")
 
     def read_words(self, remote: RemoteRegion, kind: int, index: int, count: int) -> list[int]:

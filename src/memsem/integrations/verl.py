@@ -4,7 +4,7 @@ Select it by config, no patch to verl::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=memsem
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=memsem.integrations.verl
-    # optional: ...checkpoint_engine.engine_kwargs.memsem.directory=redis://host:6379/0
+    # across nodes nothing more (the ray directory); optional: ...engine_kwargs.memsem.directory=redis://host:6379/0
 
 How the refs travel: through verl's own metadata channel, no name lookup and no job secret.
 verl calls ``prepare()`` on every worker before each sync, hands the results to
@@ -58,7 +58,9 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
 
 Errors are exceptions (``memsem.MemsemError`` subclasses, ``MemsemTimeoutError``), never an
 ``exit``. Every wait is bounded by ``timeout``. Same node: route host/shm; across nodes the
-windows are reached through memsem's remote routes (tcp, rdma) and a ``redis://`` directory.
+windows are reached through memsem's remote routes (tcp, rdma), on the ``ray`` directory that
+memsem opens inside a Ray job by itself (verl's workers are Ray actors: nothing to set), or on a
+``redis://`` directory named by ``directory``.
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
         rollout_dtype: kept for verl's signature (tensors travel in their own dtype).
         is_master: True on the actor that sends (verl passes ``rank == 0``): its ``prepare``
             publishes the bucket window, whose ref travels to the rollouts in verl's metadata.
-        directory: memsem directory URL (``local`` by default; ``redis://`` across nodes).
+        directory: memsem directory URL (default: ``MEMSEM_DIRECTORY``, else ``ray`` inside a Ray
+            job, as verl's workers are, else ``local``; ``redis://host:port/db``: a Redis server).
         timeout: bound in seconds of every wait (joins, buckets, write sections).
         meta_bytes: bytes reserved per slot for the bucket's metadata.
         fanout: "chain" (default: the trainer's link carries each bucket once; every rollout

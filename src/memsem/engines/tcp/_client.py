@@ -492,6 +492,19 @@ class WatchHandle:
         self.wc, self.token, self.handle = wc, token, handle
         self.closed = False
 
+    def sync(self, timeout: float) -> None:
+        """Return once every word change the owner made before this call reached it is applied
+        here (SYNC: the owner sends what it has not sent yet, then OK; the reader thread
+        applies EVENT frames in order, before it hands over the reply). Blocks at most
+        ``timeout`` s.
+
+        Raises:
+            PeerLostError: the watch connection is lost. MemsemTimeoutError: no reply in time.
+        """
+        if self.closed:
+            return
+        self.wc.request_body(W.OP_SYNC, self.handle, b"", time.monotonic() + timeout, "watch")
+
     def close(self) -> None:
         if self.closed:
             return

@@ -52,7 +52,7 @@ class Requests:
         self.table: dict[int, Callable[..., Job | None]] = {
             W.OP_OPEN: self.open, W.OP_CLOSE: self.close_handle, W.OP_GET: self.get, W.OP_PUT: self.put,
             W.OP_MARK: self.mark, W.OP_CLEAR: self.mark, W.OP_WATCH: self.watch, W.OP_UNWATCH: self.unwatch,
-            W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin,
+            W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin, W.OP_SYNC: self.sync,
         }
 
     def _parked(self, s: Session, g: Any, wait_until: float) -> Generator[tuple[int, float], None, bool]:
@@ -348,6 +348,17 @@ class Requests:
         sub.flush = self.srv.flush
         sub.dirty = False  # the current values, then OK: the consumer starts in step
         yield from self.srv.send_now(s, W.events(handle, sub.collect()) + W.REP.pack(W.OK, 0, handle, rid, 0, 0)) or ()
+
+    def sync(self, s: Session, op: int, handle: int, rid: int, *_: int) -> Job | None:
+        """SYNC: what changed in the words of the handle's subscription since they were last
+        sent, then OK. This loop ran every request the consumer sent before (on any of its
+        connections) whose reply it had when it sent SYNC, so its own MARK / CLEAR are in the
+        words collected here: after OK its mirror holds them (or anything later)."""
+        if s.kind != W.KIND_WATCH:
+            return self.srv.deny(s, handle, rid, "sync request refused (not a watch connection)", True)
+        sub = s.subs.get(handle)
+        changes = sub.collect() if sub is not None else []
+        return self.srv.send_now(s, W.events(handle, changes) + W.REP.pack(W.OK, 0, handle, rid, 0, 0))
 
     def unwatch(self, s: Session, op: int, handle: int, *_: int) -> None:
         sub = s.subs.pop(handle, None)

@@ -22,7 +22,9 @@ credential's token and its proof for the challenge ``nonce | handle``), CLOSE (n
 write section, capped by the owner), PUT, MARK / CLEAR (offset: the tile; a MARK whose arg is
 ``rows | total << 32`` counts rows of the tile instead, reply OK with the rows written so far:
 the owner marks it once complete), WATCH / UNWATCH
-(watch connections; UNWATCH has no reply), PIN (arg: the version to hold, 0 the latest;
+(watch connections; UNWATCH has no reply), SYNC (watch connections: the words of the handle's
+subscription that changed since they were last sent, as EVENT, then OK: a consumer that wrote a
+word through its data connection reads its own write once SYNC returns), PIN (arg: the version to hold, 0 the latest;
 offset: the ttl in ms, capped by the owner; wait_ms as for GET; reply OK with the version
 held: the owner's writer does not overwrite it until UNPIN, the ttl, or the end of the
 session that holds it), UNPIN (arg: the version; no reply).
@@ -50,7 +52,7 @@ from typing import Any
 from memsem.native import lib as _lib
 
 MAGIC = b"MSTC"
-PROTOCOL = 2
+PROTOCOL = 3
 KIND_DATA, KIND_WATCH = 0, 1
 HELLO_OK, HELLO_FULL = 0, 1
 HELLO = struct.Struct("<4sHH16s")
@@ -62,7 +64,7 @@ TGT = struct.Struct("<B3xII")
 EVT = struct.Struct("<B3xIQ")
 H16 = struct.Struct("<H")
 
-OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH, OP_PIN, OP_UNPIN = range(1, 11)
+OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH, OP_PIN, OP_UNPIN, OP_SYNC = range(1, 12)
 #: reservations (PIN) one grant holds at once
 MAX_PINS = 8
 OK, DATA, OUTCOME, DENIED, FULL, ERROR, EVENT = range(7)
