@@ -293,13 +293,16 @@ def veth_pair(prefix: str = PREFIX, subnet_octet: int | None = None,
         _teardown(created)
 
 
-def shape(ns_name: str, ifname: str, rate_mbit: float, burst_bytes: int | None = None) -> None:
+def shape(ns_name: str, ifname: str, rate_mbit: float, burst_bytes: int | None = None,
+          queue_ms: float = 50.0) -> None:
     """Rate-limit what ``ifname`` in namespace ``ns_name`` sends to ``rate_mbit`` Mbit/s with a
     token bucket (``tc qdisc replace ... root tbf``; this kernel has tbf, not netem).
 
     ``burst_bytes`` (default: 4 ms at the rate, at least 128 KiB) must hold the largest packet
     the interface hands the qdisc: veth passes GSO packets of up to 64 KiB, and tbf drops
-    packets larger than its bucket. Packets wait at most 50 ms in the queue (then TCP backs off).
+    packets larger than its bucket. Packets wait at most ``queue_ms`` in the queue (tbf's
+    ``latency``; beyond it they are dropped and TCP backs off): a bulk TCP stream keeps that
+    queue nearly full, so every small message behind it on the same link waits about as long.
     Raises NetnsError (with tc's stderr) when tc refuses.
     """
     if not (isinstance(rate_mbit, (int, float)) and rate_mbit > 0):
@@ -307,7 +310,7 @@ def shape(ns_name: str, ifname: str, rate_mbit: float, burst_bytes: int | None =
     burst = burst_bytes or max(128 << 10, int(rate_mbit * 1e6 / 8 * 0.004))
     tc = shutil.which("tc") or "/usr/sbin/tc"
     cmd = [tc, "qdisc", "replace", "dev", ifname, "root", "tbf", "rate", f"{rate_mbit}mbit",
-           "burst", str(burst), "latency", "50ms"]
+           "burst", str(burst), "latency", f"{queue_ms:g}ms"]
     cp = _ip("netns", "exec", ns_name, *cmd, check=False)
     if cp.returncode != 0:
         raise NetnsError(f"{' '.join(cmd)} in {ns_name} failed (rc={cp.returncode}): {cp.stderr.strip()}")
@@ -322,7 +325,8 @@ def tx_bytes(ns_name: str, ifname: str = "veth0") -> int:
 
 
 @contextlib.contextmanager
-def star(n: int, prefix: str = PREFIX, *, rate_mbit: float | None = None) -> Iterator[list[Namespace]]:
+def star(n: int, prefix: str = PREFIX, *, rate_mbit: float | None = None,
+         queue_ms: float = 50.0) -> Iterator[list[Namespace]]:
     """``n`` namespaces on one subnet, each joined by veth to a bridge in a hub namespace:
     ``<prefix>-s<i>-<pid>-<k>`` get 10.202.x.(i + 1)/24 (``addr``); every one reaches every
     other (``peer_addr`` is the first one's address). The hub (``<prefix>-h-<pid>-<k>``) holds
@@ -355,8 +359,8 @@ def star(n: int, prefix: str = PREFIX, *, rate_mbit: float | None = None) -> Ite
             _ip("-n", ns.name, "addr", "add", f"{ns.addr}/{ns.prefixlen}", "dev", ns.ifname)
             _ip("-n", ns.name, "link", "set", ns.ifname, "up")
             if rate_mbit is not None:
-                shape(ns.name, ns.ifname, rate_mbit)
-                shape(hub.name, f"p{i}", rate_mbit)
+                shape(ns.name, ns.ifname, rate_mbit, queue_ms=queue_ms)
+                shape(hub.name, f"p{i}", rate_mbit, queue_ms=queue_ms)
         _wait_link_up(*leaves)
         yield leaves
     finally:

@@ -82,8 +82,26 @@ class Worker:
                 await asyncio.sleep(3600)  # killed meanwhile
         return len(self.received)
 
+    def corrupt_relayed_bucket(self, index: int) -> None:
+        """Make this rollout a faulty relay: it stops checking digests and flips a data byte of
+        bucket ``index`` in the slot it re-serves, before committing it."""
+        engine = self.engine
+
+        def verify(buf, head, version):
+            if head["index"] == index:
+                buf[engine.meta_bytes] ^= 0xFF
+
+        engine._verify = verify
+
     def is_stalled(self) -> bool:
         return self.stalled
+
+    def received_so_far(self) -> tuple[int, int, list[str]]:
+        """(weights received, weights of the model, names of those received that are not the
+        trainer's of this round)."""
+        sd = self.model.state_dict()
+        wrong = [k for k, v in self.received.items() if not torch.equal(v, sd[k] + self.round)]
+        return len(self.received), len(sd), wrong
 
     def pid(self) -> int:
         return os.getpid()
@@ -219,6 +237,42 @@ def test_a_rollout_that_leaves_mid_sync_is_reported_by_name(ray_cluster, redis_u
             except (ray.exceptions.RayError, TimeoutError):
                 pass
         del keep
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def test_a_relay_that_passes_on_wrong_bytes_is_caught_by_the_trainers_digest(ray_cluster):
+    """A chain of 3 rollouts whose first one (a relay) flips a byte of bucket 1 after it
+    received it and re-serves it unchecked: rollout 2 refuses the bucket against the trainer's
+    digest, read from the trainer's own digest window (DigestMismatchError naming rollout 1,
+    the bucket and the version; nothing of it yielded), and the trainer's send_weights raises
+    PeerLostError carrying that down the chain."""
+    trainer, rollout = _workers(2, 3)
+    workers = trainer + rollout
+    try:
+        _setup(trainer, rollout)
+        ray.get(rollout[0].corrupt_relayed_bucket.remote(1), timeout=60)
+        sends = [w.update_weights.remote(1) for w in trainer]
+        received = [w.update_weights.remote(1) for w in rollout]
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(sends[0], timeout=TIMEOUT + 60)
+        assert isinstance(info.value, memsem.PeerLostError), repr(info.value)
+        text = str(info.value)
+        assert "DigestMismatchError" in text and "bucket 1 (version 3)" in text, text
+        assert re.search(r"rollout 1 \(pid \d+ on '[^']*'\) served wrong bytes", text), text
+        with pytest.raises(ray.exceptions.RayTaskError) as second:
+            ray.get(received[1], timeout=TIMEOUT)
+        assert isinstance(second.value, memsem.DigestMismatchError), repr(second.value)
+        assert "rollout 1 (pid" in str(second.value) and "none were accepted" in str(second.value)
+        # rollout 2's consumer got the weights of bucket 0 alone, each equal to the trainer's
+        n, total, wrong = ray.get(rollout[1].received_so_far.remote(), timeout=60)
+        assert 0 < n < total and wrong == [], (n, total, wrong)
+        for ref in received[::2] + sends[1:]:
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
     finally:
         for w in workers:
             ray.kill(w)

@@ -2,7 +2,8 @@
 
 ``memsem bench --fanout [--json]`` (root: it makes network namespaces). A trainer node and N
 rollout nodes (N = 1, 2, 4, 8) on a bridge, every node's link shaped with ``tc tbf`` to
-``--rate-mbit`` in each direction (tests/netns/netns.py: ``star(rate_mbit=)``; so it needs a
+``--rate-mbit`` in each direction, packets queued at most ``MEMSEM_FANOUT_QUEUE_MS`` (default 50;
+tbf's ``latency``) (tests/netns/netns.py: ``star(rate_mbit=)``; so it needs a
 source checkout), a redis directory in the trainer's namespace. For each N, in the same
 namespaces:
 
@@ -204,8 +205,9 @@ def _cpu_ticks() -> tuple[int, int]:
 
 def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, model_mib: int = 64,
             chunk_kib: int = 1024, reps: int = 2, kinds: tuple[str, ...] = ("star", "auto", "tree", "gloo"),
-            log: Any = None) -> dict[str, Any]:
-    """Run everything (see the module docstring); returns the figures."""
+            log: Any = None, queue_ms: float = 50.0) -> dict[str, Any]:
+    """Run everything (see the module docstring); returns the figures. ``queue_ms``: the most
+    a packet waits in a shaped link's queue (tbf's ``latency``)."""
     root = _checkout()
     sys.path.insert(0, str(root / "tests" / "netns"))
     import netns
@@ -232,7 +234,7 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
     rcpu: dict[tuple[str, int], float] = {}
     say_ = log or (lambda *a: None)
     for n in ns:
-        with netns.star(n + 1, rate_mbit=rate_mbit) as nodes, redis_server.redis_server(ns=nodes[0], binary=binary) as srv:
+        with netns.star(n + 1, rate_mbit=rate_mbit, queue_ms=queue_ms) as nodes, redis_server.redis_server(ns=nodes[0], binary=binary) as srv:
             job, secret = f"fo{os.getpid()}{secrets.token_hex(3)}", secrets.token_hex(16)
             trainer = _Proc(nodes[0], me + ["trainer"] + common, _env("node-t", srv.url, job, secret))
             procs = [trainer]
@@ -323,7 +325,8 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
         "fanout_model_error": max(p["rel_err"] for p in model_pts) if model_pts else None,
         "fanout_star_s": meas["star"], "fanout_chain_s": meas["chain"], "fanout_tree_s": meas["tree"],
         "fanout_gloo_s": meas["gloo"], "fanout_egress_ratio_by_n": egress, "fanout_commit_s": commit,
-        "fanout_rate_mbit": rate_mbit, "fanout_model_mib": model_mib, "fanout_chunk_kib": chunk_kib,
+        "fanout_rate_mbit": rate_mbit, "fanout_queue_ms": queue_ms, "fanout_model_mib": model_mib,
+        "fanout_chunk_kib": chunk_kib,
         "fanout_hop_latency_s": hop, "fanout_rtt_s": rtt, "fanout_digest_chunk_s": dig,
         "fanout_model_points": model_pts, "fanout_plans": plans,
         "fanout_cpu_busy": {f"{k}_{n}": v for (k, n), v in busy.items()},
@@ -335,7 +338,8 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
 
 
 def _print_table(f: dict[str, Any]) -> None:
-    print(f"fan-out over links shaped to {f['fanout_rate_mbit']} Mbit/s, model {f['fanout_model_mib']} MiB, "
+    print(f"fan-out over links shaped to {f['fanout_rate_mbit']} Mbit/s (queue {f.get('fanout_queue_ms', 50):g} ms), "
+          f"model {f['fanout_model_mib']} MiB, "
           f"chunks of {f['fanout_chunk_kib']} KiB, per-hop latency {f['fanout_hop_latency_s'] * 1e3:.2f} ms, "
           f"trainer commit {f['fanout_commit_s']:.3f} s")
     print(f"{'N':>3} {'star s':>9} {'chain s':>9} {'tree s':>9} {'gloo s':>9} {'egress':>7}")
@@ -412,8 +416,9 @@ def run_fanout(args: Any) -> int:
     rate = float(os.environ.get("MEMSEM_FANOUT_RATE_MBIT", "200"))
     mib = int(os.environ.get("MEMSEM_FANOUT_MODEL_MIB", "64"))
     chunk = int(os.environ.get("MEMSEM_FANOUT_CHUNK_KIB", "1024"))
+    queue = float(os.environ.get("MEMSEM_FANOUT_QUEUE_MS", "50"))
     try:
-        f = figures(rate_mbit=rate, model_mib=mib, chunk_kib=chunk,
+        f = figures(rate_mbit=rate, model_mib=mib, chunk_kib=chunk, queue_ms=queue,
                     log=(lambda s: print(s, file=sys.stderr, flush=True)))
     except SystemExit as exc:
         print(exc, file=sys.stderr)

@@ -45,6 +45,13 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
   bucket (its slot: metadata and bytes of that one version) into one of two local buffers
   while the previous bucket's tensors are being consumed, and checks the bucket's index and
   step.
+* Every bucket is checked end to end: the trainer writes its ``sha256`` digest (of the header,
+  the metadata and the data bytes) into entry b of its **digest window** (published in
+  ``prepare()`` beside the bucket window, its ref in the master's metadata) before it commits
+  bucket b, and every rollout, having copied bucket b from whoever serves it, reads entry b
+  from the trainer itself (32 bytes, never through a relay) and compares before it yields a
+  tensor or re-serves the bucket: a relay that passes on wrong bytes is named in a
+  ``DigestMismatchError`` and nothing of the bucket is accepted (the sync then ends as below).
 * Awaiting a rollout's word is a memsem wait on that rollout's window, so a rollout that dies
   is reported by memsem's liveness (its process on the same node; its connection and heartbeat
   across nodes) as ``PeerLostError`` naming the rollout, within the library's liveness bound,
@@ -65,6 +72,7 @@ memsem opens inside a Ray job by itself (verl's workers are Ray actors: nothing 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import secrets
@@ -99,6 +107,12 @@ RELAY_AT = 2048
 #: rollout k re-serves it to rollout k + 1 from a bucket window of its own), "star" (every rollout
 #: reads every bucket from the trainer)
 FANOUTS = ("chain", "star")
+#: the trainer's digest of every bucket (hashlib name, bytes), in its digest window: entry b is
+#: bucket b's, written before the bucket is committed and read by every rollout from the trainer
+#: itself (never through a relay)
+DIGEST, DIGEST_SIZE = "sha256", 32
+#: buckets one sync may have (the digest window's entries: 2 MiB)
+MAX_BUCKETS = 1 << 16
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -149,6 +163,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
         self.rank: int | None = None
         self.world_size: int | None = None
         self._window: Any = None  # the bucket window (published on the master, a ref elsewhere)
+        self._digests: Any = None  # the master's digest window (published there, a ref on rollouts)
+        self._source_label = "the trainer"  # who serves this rollout its buckets
         self._status: Any = None  # this engine's status window (not on the master)
         #: (status ref, label) of the rollouts this engine sends to: the master's (every rollout
         #: in a star, rollout 1 in a chain), a relay's (the next rollout in the chain)
@@ -179,7 +195,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
         if self.is_master:
             cap = self.meta_bytes + self.bucket_size
             self._window = rt.publish(np.zeros(cap, np.uint8), slots=2)
+            self._digests = rt.publish(np.zeros(MAX_BUCKETS * DIGEST_SIZE, np.uint8), access="r")
             out["window"] = self._window.to_bytes().hex()
+            out["digests"] = self._digests.to_bytes().hex()
             out["fanout"] = self.fanout
         else:
             # (a relay's bucket window is published in init_process_group, once this engine
@@ -250,9 +268,14 @@ class MemsemCheckpointEngine(CheckpointEngine):
             self._everyone = [(rt.ref(bytes.fromhex(md["status"])), _label(i, md)) for i, md in enumerate(rollouts, 1)]
             self._rollouts = self._everyone[:1] if self.fanout == "chain" else list(self._everyone)
         elif self.rank > 0:
+            if not isinstance(master_metadata.get("digests"), str):
+                raise ValueError("master_metadata has no digest window: the trainer runs another version of this backend")
             self._window = rt.ref(bytes.fromhex(master_metadata["window"]))
+            self._digests = rt.ref(bytes.fromhex(master_metadata["digests"]))
+            self._source_label = f"the trainer (pid {master_metadata.get('pid')} on {master_metadata.get('node')!r})"
             if upstream is not None:
                 self._upstream = (rt.ref(bytes.fromhex(upstream["status"])), _label(self.rank - 1, upstream))
+                self._source_label = self._upstream[1]
             if rollouts:
                 md = rollouts[0]
                 self._rollouts = [(rt.ref(bytes.fromhex(md["status"])), _label(self.rank + 1, md))]
@@ -271,17 +294,18 @@ class MemsemCheckpointEngine(CheckpointEngine):
 
     def _drop_windows(self) -> None:
         rt = self._rt
-        for ref, owned in ((self._window, self.is_master), (self._relay, True), (self._status, True)):
+        for ref, owned in ((self._window, self.is_master), (self._digests, self.is_master), (self._relay, True),
+                           (self._status, True)):
             if ref is not None and owned and rt is not None and not rt.closed:
                 rt.unpublish(ref, timeout=self.timeout)
-        self._window = self._status = self._relay = self._upstream = None
+        self._window = self._digests = self._status = self._relay = self._upstream = None
         self._rollouts, self._everyone = [], []
 
     def close(self) -> None:
         if self._rt is not None:
             self._rt.close()
             self._rt = None
-        self._window = self._status = self._relay = self._upstream = None
+        self._window = self._digests = self._status = self._relay = self._upstream = None
         self._rollouts, self._everyone = [], []
 
     # -- trainer ----------------------------------------------------------------------------------
@@ -317,7 +341,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             async for tm, chunk in split_weight_chunks(weights, self.bucket_size):
                 entry = [tm.name, str(tm.dtype), list(tm.shape), tm.chunk_offset, tm.chunk_size, 0]
                 if meta and (offset + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
-                    self._seal(sec, buckets, False, step, meta)
+                    await self._seal(sec, buckets, False, step, meta, offset)
                     blocked += sec.blocked_s
                     sec.commit()
                     buckets += 1
@@ -330,7 +354,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 data[offset:offset + tm.chunk_size].copy_(chunk.reshape(-1).view(torch.uint8).cpu())
                 meta.append(entry)
                 offset += tm.chunk_size
-            self._seal(sec, buckets, True, step, meta)
+            await self._seal(sec, buckets, True, step, meta, offset)
             blocked += sec.blocked_s
             sec.commit()
             buckets += 1
@@ -345,12 +369,30 @@ class MemsemCheckpointEngine(CheckpointEngine):
     def _meta_len(self, meta: list) -> int:
         return _HEAD.size + len(json.dumps(meta, separators=(",", ":")))
 
-    def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list) -> None:
+    async def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list, used: int) -> None:
+        """Write bucket ``index``'s header and metadata, then its digest (over the header, the
+        metadata and the ``used`` data bytes) into entry ``index`` of the digest window, before
+        the caller commits the bucket.
+
+        Raises:
+            MemsemError: more than ``MAX_BUCKETS`` buckets in one sync.
+        """
+        if index >= MAX_BUCKETS:
+            raise memsem.MemsemError(f"a sync of more than {MAX_BUCKETS} buckets: raise the bucket size "
+                                     f"(update_weights_bucket_megabytes; {self.bucket_size} bytes now)")
         body = json.dumps(meta, separators=(",", ":")).encode()
         arr = sec.array()
         head = _HEAD.pack(_MAGIC, index, 1 if last else 0, step, len(body))
         arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
         arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
+        rt, at = self.runtime, index * DIGEST_SIZE
+
+        def put() -> None:
+            d = _digest(arr, _HEAD.size + len(body), self.meta_bytes, used)
+            with rt.write_section(self._digests, copy=False, timeout=self.timeout) as ds:
+                ds.array()[at:at + DIGEST_SIZE] = np.frombuffer(d, np.uint8)
+
+        await rt.core.submit(f"digest of bucket {index}", put)
 
     async def _await_slot(self, loop: asyncio.AbstractEventLoop, bucket: int) -> float:
         """Before bucket ``bucket`` is written: every rollout is done with what its slot holds
@@ -436,7 +478,23 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
         if global_steps is not None and step != int(global_steps):
             raise memsem.MemsemError(f"bucket {index} is of step {step}, this rollout expects {global_steps}")
-        return {"meta": meta, "last": bool(last)}
+        return {"meta": meta, "last": bool(last), "index": index, "head": _HEAD.size + mlen, "used": used}
+
+    def _verify(self, buf: np.ndarray, head: dict[str, Any], version: int) -> None:
+        """Bucket ``head["index"]`` in ``buf`` against the trainer's digest of it, read from the
+        trainer's digest window (never through a relay). Blocking (a worker thread runs it).
+
+        Raises:
+            DigestMismatchError: the bytes are not the trainer's; names who served them.
+        """
+        index = head["index"]
+        want = self._digests.bytes(index * DIGEST_SIZE, DIGEST_SIZE).get().tobytes()
+        got = _digest(buf, head["head"], self.meta_bytes, head["used"])
+        if got != want:
+            raise memsem.DigestMismatchError(
+                f"bucket {index} (version {version}) does not match the trainer's {DIGEST} digest: "
+                f"{self._source_label} served wrong bytes (none were accepted)",
+                relay=self._source_label, version=version, chunk=index)
 
     def _report_failure(self, why: str) -> None:
         """Tell the trainer (or the rollout before this one in a chain) this rollout leaves the
@@ -517,6 +575,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
             try:
                 got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
                 head = self._check_bucket(win, buf, got, version, global_steps)
+                # before it is yielded or re-served: the trainer's bytes, whoever served them
+                await rt.core.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
             except BaseException:
                 if sec is not None:
                     sec.abort()
@@ -545,6 +605,15 @@ class MemsemCheckpointEngine(CheckpointEngine):
             if not task.done():
                 task.cancel()
             follower.close()
+
+
+def _digest(buf: Any, head: int, meta_bytes: int, used: int) -> bytes:
+    """The bucket digest: of its header and metadata (``buf[:head]``) and its data bytes
+    (``used`` from ``meta_bytes``); the rest of the slot holds older buckets' bytes."""
+    h = hashlib.new(DIGEST)
+    h.update(memoryview(buf[:head]))
+    h.update(memoryview(buf[meta_bytes:meta_bytes + used]))
+    return h.digest()
 
 
 def _failure_message(raw: Any) -> str:
