@@ -8,6 +8,7 @@ Orders are forced with events in the relays' hook (``Relay._on_event``); bounds 
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 
@@ -109,6 +110,22 @@ def test_model_orders_the_plans_and_auto_picks_the_least():
     big = fanout_plan(1024, model_bytes=m, chunk_bytes=4 << 20, link=link)
     assert big.kind == "tree" and "tree" in big.why
     assert model_time("tree", 1024, m, 4 << 20, link, degree=big.degree) < model_time("chain", 1024, m, 4 << 20, link)
+
+
+def test_chunks_in_flight_keep_the_link_busy_and_no_more():
+    """A relay asks its parent for the fewest chunks at once that cover a round trip: each one
+    more delays every hop of a chain by a chunk's transfer (the chain's last rank finished 7 x
+    ~3 chunk times late at 4 in flight over 200 Mbit/s links)."""
+    from memsem.refs._fanout_plan import chunks_in_flight
+
+    slow = LinkModel(25e6, 1.2e-3)  # 1 MiB takes 42 ms: one round trip is covered by a second chunk
+    assert chunks_in_flight(slow, 1 << 20) == 2
+    assert chunks_in_flight(slow, 16 << 10) == 1 + math.ceil(1.2e-3 / ((16 << 10) / 25e6))  # 3
+    fast = LinkModel(12.5e9, 20e-6)  # 64 KiB takes 5 us: more in flight, up to the cap
+    assert chunks_in_flight(fast, 64 << 10) == 5 and chunks_in_flight(fast, 4 << 10, most=8) == 8
+    assert chunks_in_flight(None, 1 << 20) == 4
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        chunks_in_flight(slow, 0)
 
 
 # -- the relay protocol ---------------------------------------------------------------------------------

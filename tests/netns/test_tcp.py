@@ -219,7 +219,7 @@ def test_put_refused_by_range_or_access_closes_without_reading(owner, rt):
     assert owner("read", name="w")["head"][:2] == [0, 1]
 
 
-@pytest.mark.parametrize("what", ["open-body", "hello", "op", "watch-on-data"])
+@pytest.mark.parametrize("what", ["open-body", "hello", "op", "watch-on-data", "sync-on-data"])
 def test_malformed_requests_close_the_connection(owner, rt, what):
     w = _ref(rt, owner("publish", name="w", n=64)["ref"])
     ep = _endpoint(rt, w)
@@ -234,6 +234,8 @@ def test_malformed_requests_close_the_connection(owner, rt, what):
             s.sendall(W.REQ.pack(W.OP_OPEN, 0, 1, 1, 0, 1 << 30, 0, 0))
         elif what == "op":
             s.sendall(W.REQ.pack(200, 0, 1, 1, 0, 0, 0, 0))
+        elif what == "sync-on-data":
+            s.sendall(W.REQ.pack(W.OP_SYNC, 0, 1, 1, 0, 0, 0, 0))
         else:
             s.sendall(W.REQ.pack(W.OP_WATCH, 0, 1, 1, 0, 12, 0, 0))
     assert _closed_by_peer(s)

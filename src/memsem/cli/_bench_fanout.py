@@ -90,9 +90,10 @@ def node_rollout(a: Any) -> None:
     import memsem
 
     with memsem.Runtime(engines=ENGINES, timeout=300) as rt:
+        link = memsem.LinkModel(a.rate_mbit * 1e6 / 8 * PAYLOAD_EFFICIENCY, a.hop_s)
         relay = memsem.Relay(rt, "policy", rank=a.rank, world=a.world, plan=memsem.fanout_plan(
-            a.world, kind=a.plan, model_bytes=a.model_mib * MiB, chunk_bytes=a.chunk_kib << 10,
-            link=memsem.LinkModel(a.rate_mbit * 1e6 / 8 * PAYLOAD_EFFICIENCY, a.hop_s)), timeout=300)
+            a.world, kind=a.plan, model_bytes=a.model_mib * MiB, chunk_bytes=a.chunk_kib << 10, link=link),
+            link=link, timeout=300)  # the link also sets the chunks in flight (Relay.auto_depth)
         relay.prepare(60)
         into = rt.lookup_state_dict("policy").empty_like("numpy")
         relay.load(into, version=1, timeout=600)  # the version published at start: not timed
@@ -204,7 +205,7 @@ def _cpu_ticks() -> tuple[int, int]:
 
 
 def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, model_mib: int = 64,
-            chunk_kib: int = 1024, reps: int = 2, kinds: tuple[str, ...] = ("star", "auto", "tree", "gloo"),
+            chunk_kib: int = 512, reps: int = 2, kinds: tuple[str, ...] = ("star", "auto", "tree", "gloo"),
             log: Any = None, queue_ms: float = 50.0) -> dict[str, Any]:
     """Run everything (see the module docstring); returns the figures. ``queue_ms``: the most
     a packet waits in a shaped link's queue (tbf's ``latency``)."""
@@ -415,7 +416,7 @@ def run_fanout(args: Any) -> int:
         return 2
     rate = float(os.environ.get("MEMSEM_FANOUT_RATE_MBIT", "200"))
     mib = int(os.environ.get("MEMSEM_FANOUT_MODEL_MIB", "64"))
-    chunk = int(os.environ.get("MEMSEM_FANOUT_CHUNK_KIB", "1024"))
+    chunk = int(os.environ.get("MEMSEM_FANOUT_CHUNK_KIB", "512"))
     queue = float(os.environ.get("MEMSEM_FANOUT_QUEUE_MS", "50"))
     try:
         f = figures(rate_mbit=rate, model_mib=mib, chunk_kib=chunk, queue_ms=queue,

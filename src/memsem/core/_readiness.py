@@ -65,7 +65,8 @@ class Readiness:
             if not words:
                 return res, None
             cb = self.mirrors.control(res, spec)
-            cb.settle()  # this runtime's own writes at the owner are read back, never a word before them
+            if cb.settle():  # this runtime's own writes at the owner are read back, never a word before them
+                cb = self.mirrors.control(res, spec)  # its watch ended meanwhile: made again, current
         if cb.generation != spec.generation:
             self._core.resolver.drop(spec.gva, res)
             raise tr.stale(spec, cb.generation)

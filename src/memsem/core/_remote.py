@@ -185,33 +185,38 @@ class RemoteControl:
         runtime always reads its own writes (a clear is never followed by the mark it cleared)."""
         self._wrote = True
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """Before the mirror is read: when this runtime wrote words at the owner since the last
         catch-up, catch up now (pushed: the subscription's ``sync``, one round trip that returns
         once every change the owner made before it is applied here; read: one-sided reads of
-        every word). A no-op otherwise.
+        every word). A no-op otherwise. Returns True when the subscription ended meanwhile
+        (the caller gets the mirror again: ``RemoteWords.control`` makes a new one, which starts
+        from the owner's current words, this runtime's writes included).
 
         Raises:
             PeerLostError / StaleReferenceError: as ``sync``. MemsemTimeoutError: no answer
                 within the runtime's timeout.
         """
         if not self._wrote:
-            return
+            return False
         self._wrote = False
         try:
             if self.mode == "read":
                 self.sync()
-                return
+                return False
             res, sub = self._res(), self.sub
             if res is None or sub is None or self.lost is not None:
-                return  # nothing to catch up with: the watch is made again (current) before it is read
-            timeout = self._core.timeout if self._core is not None else 10.0
+                return self.lost is not None
             try:
-                sub.sync(timeout)
+                sub.sync(self._core.timeout if self._core is not None else 10.0)
             except MemsemTimeoutError:
                 raise
+            except PeerLostError as exc:  # the watch connection ended (not the owner, necessarily)
+                self.on_lost(str(exc))
+                return True
             except MemsemError as exc:
                 raise tr.chain(self._failure(res, exc), exc) from exc
+            return False
         except BaseException:
             self._wrote = True
             raise

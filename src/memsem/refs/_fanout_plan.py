@@ -67,6 +67,17 @@ def _depth(rank: int, degree: int) -> int:
     return d
 
 
+def chunks_in_flight(link: "LinkModel | None", chunk_bytes: int, most: int = 8) -> int:
+    """Chunks a relay requests at once from its parent: with a link model, the fewest that keep
+    the link busy, ``1 + ceil(hop_latency / chunk time)``, between 2 and ``most`` (each chunk
+    more in flight delays every hop of a chain by one chunk's transfer: the parent's link sends
+    the requests in turn); without one, 4."""
+    if link is None:
+        return min(4, most)
+    chunk_s = _args.count(chunk_bytes, "chunk_bytes", minimum=1, unit="bytes") / float(link.bandwidth)
+    return max(2, min(most, 1 + math.ceil(float(link.hop_latency) / chunk_s)))
+
+
 def model_time(kind: str, world: int, model_bytes: int, chunk_bytes: int, link: LinkModel, *,
                degree: int = 2) -> float:
     """Modelled seconds until all ``world`` ranks hold one version (see the module docstring).

@@ -66,7 +66,7 @@ from memsem._errors import (
 )
 from memsem.core import Wait
 from memsem.gva import RefSpec
-from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, plan as make_plan
+from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, chunks_in_flight, plan as make_plan
 from memsem.refs._fanout_source import Digests, digest_of
 from memsem.refs._relay_upstream import (
     MANIFEST_BYTES,
@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 
 #: the follower thread's pause after an error before it tries again (seconds; a close ends it)
 RETRY_S = 0.5
+#: the most chunks in flight upstream that ``depth=None`` picks (see ``Relay``)
+MAX_AUTO_DEPTH = 8
 
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -134,10 +136,15 @@ class Relay:
             ``link`` picks by the model for the trainer's sizes (read when the trainer is
             found: ``plan`` is final after ``prepare``); without ``link``, a chain. All ranks
             must use the same plan.
-        link: a :class:`LinkModel` for ``plan="auto"``.
+        link: a :class:`LinkModel` of the rollouts' links: picks the plan when ``plan="auto"``,
+            and the chunks in flight when ``depth`` is not given.
         slots: versions held (and served) at once (>= 2, so a version being fanned out is not
             dropped when the next one starts).
-        depth: chunks moved at once (requests in flight upstream).
+        depth: chunks moved at once (requests in flight upstream). Default: with ``link``, the
+            fewest that keep the link busy, ``1 + ceil(hop_latency / chunk time)`` (2 to
+            ``MAX_AUTO_DEPTH``): each chunk more in flight adds one chunk's transfer time to
+            every hop of a chain (the parent's link sends the requests in turn), so on a link
+            whose chunk time exceeds a round trip, 2; without ``link``, 4 (``chunks_in_flight``).
         attach_timeout: seconds to wait for a parent that is not there (not started, or gone
             without its record expiring yet) before passing over it to the rank above.
         timeout: bound of each blocking step (seconds, default the runtime's).
@@ -150,7 +157,7 @@ class Relay:
     """
 
     def __init__(self, runtime: Any, name: str, *, rank: int, world: int, plan: FanoutPlan | str = "auto",
-                 link: LinkModel | None = None, slots: int = 2, depth: int = 4, attach_timeout: float = 10.0,
+                 link: LinkModel | None = None, slots: int = 2, depth: int | None = None, attach_timeout: float = 10.0,
                  timeout: float | None = None, on_mismatch: str = "raise", follow: bool = True) -> None:
         core = usable_core(as_core(runtime))
         if not isinstance(name, str) or not name:
@@ -158,9 +165,10 @@ class Relay:
         world = _args.count(world, "world", minimum=1)
         self.rank = _args.index(rank, "rank", world, of=f"{world} rollouts")
         auto_link: LinkModel | None = None
+        if link is not None and not isinstance(link, LinkModel):
+            raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
+        self._link = link
         if plan == "auto" and link is not None:
-            if not isinstance(link, LinkModel):
-                raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
             auto_link = link  # the plan is made once the trainer's sizes are known
             plan = make_plan(world, kind="chain")
         elif isinstance(plan, str):
@@ -172,7 +180,7 @@ class Relay:
         self.name = name
         self.world = world
         self.slots = _args.count(slots, "slots", minimum=2, maximum=16)
-        self.depth = _args.count(depth, "depth", minimum=1, maximum=64)
+        self.depth = None if depth is None else _args.count(depth, "depth", minimum=1, maximum=64)
         self.attach_timeout = _args.timeout(attach_timeout, "attach_timeout", positive=True)
         self.timeout = _args.timeout_or(timeout, core.timeout)
         self.on_mismatch = on_mismatch
@@ -189,7 +197,7 @@ class Relay:
         self._up = Upstreams(core, name, rank=self.rank, world=world, plan=plan, auto_link=auto_link,
                              attach_timeout=self.attach_timeout, timeout=self.timeout, stop=self._check_stop,
                              on_reattach=self._note_reattach)
-        self._pool = _futures.ThreadPoolExecutor(self.depth, thread_name_prefix=f"memsem-relay{self.rank}")
+        self._pool = _futures.ThreadPoolExecutor(self.depth or MAX_AUTO_DEPTH, thread_name_prefix=f"memsem-relay{self.rank}")
         buf = np.zeros(MANIFEST_BYTES, np.uint8)
         self._manifest = TensorRef(core.publish_spec(buf, name=manifest_name(name, self.rank), access="r", slots=2),
                                    core)
@@ -480,7 +488,7 @@ class Relay:
                 if k is not None:
                     futs[self._pool.submit(self._fetch, up, h, k, dg)] = k
 
-            for _ in range(self.depth):
+            for _ in range(self.depth or chunks_in_flight(self._link, dg.chunk_bytes, MAX_AUTO_DEPTH)):
                 submit()
             while futs:
                 done, _ = _futures.wait(futs, timeout=self.timeout + 1.0, return_when=_futures.FIRST_COMPLETED)
