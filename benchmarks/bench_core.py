@@ -15,8 +15,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import memsem
 from memsem.cli import _bench_measure as M
 
