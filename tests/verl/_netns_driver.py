@@ -6,7 +6,7 @@ with ``PYTHONPATH`` naming tests/verl (the actors' class comes from test_verl_ba
 Connects to the two-node Ray cluster, places 2 trainers on node ``node_a`` (namespace A) and 2
 rollouts on node ``node_b`` (namespace B), runs test_verl_backend's 3 rounds of verl's update
 (every received weight equal to the trainer's, checked in the rollouts) and prints one JSON
-object on its last line: every worker's bytes by route and placement. Nothing memsem-specific is
+object on its last line: every worker's bytes by route and placement, and the buckets sent. Nothing memsem-specific is
 set anywhere: no directory, no engines, no job, no secret.
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ def main(address: str) -> None:
     trainer = [t.Worker.options(resources={"node_a": 0.01}).remote("trainer", i) for i in range(2)]
     rollout = [t.Worker.options(resources={"node_b": 0.01}).remote("rollout", i) for i in range(2)]
     placements: list[dict] = []
-    routes = t._rounds(trainer, rollout, placements=placements)
-    print(json.dumps({"routes": routes, "placements": placements}))
+    stats: dict = {}
+    routes = t._rounds(trainer, rollout, placements=placements, stats=stats)
+    print(json.dumps({"routes": routes, "placements": placements, "buckets": stats["buckets"]}))
 
 
 if __name__ == "__main__":

@@ -187,13 +187,20 @@ def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url, num_rollo
     directory and no job secret: the same 3 rounds, every weight equal, every byte a rollout
     loaded came over the tcp route, and the chain holds: what an owner served (its server's
     copies out of its own windows count as its route ``loopback``) is exactly what the next one
-    in the chain loaded over tcp, so the trainer's link carried the buckets once."""
+    in the chain loaded over tcp, so the trainer's link carried the buckets once; besides, every
+    rollout read each bucket's 32-byte digest from the trainer itself."""
+    from memsem.integrations.verl import DIGEST_SIZE
+
     assert "MEMSEM_JOB_SECRET" not in os.environ
-    routes = _rounds(*_workers(2, num_rollout, redis_url))
+    stats: dict = {}
+    routes = _rounds(*_workers(2, num_rollout, redis_url), stats=stats)
+    digests = stats["buckets"] * DIGEST_SIZE  # what each rollout read from the trainer's digest window
     chain = [routes[0]] + routes[2:]  # the trainer (its idle second actor sends nothing), the rollouts
     for k, r in enumerate(chain[1:], 1):
-        assert set(r) <= {"tcp", "loopback"} and r.get("tcp", 0) > 0, routes
-        assert chain[k - 1].get("loopback", 0) == r["tcp"], (k, routes)  # served upstream == loaded here
+        assert set(r) <= {"tcp", "loopback"} and r.get("tcp", 0) > digests, routes
+        # served upstream == loaded here (from the trainer: also every other rollout's digests)
+        want = r["tcp"] + (num_rollout - 1) * digests if k == 1 else r["tcp"] - digests
+        assert chain[k - 1].get("loopback", 0) == want, (k, digests, routes)
     assert chain[-1].get("loopback", 0) == 0, routes  # the last rollout serves nothing
 
 
@@ -306,16 +313,20 @@ def _setup(trainer: list, rollout: list) -> None:
     ray.get(calls, timeout=120)
 
 
-def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | None = None) -> list[dict]:
+def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | None = None,
+            stats: dict | None = None) -> list[dict]:
     """Three rounds of verl's update; each worker's bytes by route (and, into ``placements``,
-    where each one ran) before the workers go."""
+    where each one ran; into ``stats``, ``buckets``: the buckets sent in all) before the
+    workers go."""
     workers = trainer + rollout
+    buckets = 0
     try:
         for step in range(1, 4):
             _setup(trainer, rollout)
             # update weights of all workers (trainer and rollouts concurrently)
             out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
             assert out[0]["memsem/buckets"] > 1 and out[1] == {}
+            buckets += int(out[0]["memsem/buckets"])
             assert out[0]["memsem/trainer_readers"] == readers  # who reads the trainer's window
             assert all(n > 0 for n in out[len(trainer):])
             # finalize; every received weight equals the trainer's of this round
@@ -325,6 +336,8 @@ def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | N
         routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
         if placements is not None:
             placements.extend(ray.get([w.placement.remote() for w in workers], timeout=120))
+        if stats is not None:
+            stats["buckets"] = buckets
         for w in workers:
             ray.get(w.execute_checkpoint_engine.remote("close"), timeout=120)
         return routes

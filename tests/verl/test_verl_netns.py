@@ -13,7 +13,8 @@ Checked: 3 rounds with every received weight equal to the trainer's (in the roll
 trainers and rollouts ran in different namespaces on different memsem nodes, each runtime on the
 ray directory with no MEMSEM_ setting but the node; the chain holds across the link (what the
 trainer served is what rollout 1 loaded over tcp, and rollout 2, on rollout 1's node, loaded
-rollout 1's copy without tcp); the veth link carried at least those bytes out of A.
+rollout 1's copy without tcp; each rollout also read every bucket's 32-byte digest from the
+trainer itself); the veth link carried at least those bytes out of A.
 
 Needs root (namespaces); skips otherwise, fails under CI (MEMSEM_REQUIRE_NETNS=1).
 """
@@ -118,9 +119,10 @@ def test_verl_across_two_namespace_nodes(two_ray_nodes):
         assert w["env"] == ["MEMSEM_NODE_ID"], w  # nothing memsem-specific set but the node
         assert w["directory"] in (None, "RayDirectory"), w  # the idle second trainer may open none
     assert all(w["directory"] == "RayDirectory" for w in (trainers[0], *rollouts)), where
+    digests = out["buckets"] * 32  # each rollout read every bucket's digest from the trainer itself
     trainer, r1, r2 = ({k: v for k, v in r.items() if v} for r in (routes[0], routes[2], routes[3]))
     assert set(r1) == {"tcp"}, routes  # rollout 1 loaded every bucket over the link
-    assert trainer.get("loopback", 0) == r1["tcp"], routes  # served by the trainer == loaded by rollout 1
-    assert "tcp" not in r2 and set(r2) <= {"host/shm", "host/cma"}, routes  # rollout 2: rollout 1's copy, on node B
-    assert r2.get("host/shm", 0) == r1["tcp"], routes  # every bucket rollout 1 received, once
+    assert trainer.get("loopback", 0) == r1["tcp"] + digests, routes  # served == loaded by the rollouts
+    assert r2.get("tcp", 0) == digests and set(r2) <= {"host/shm", "host/cma", "tcp"}, routes
+    assert r2.get("host/shm", 0) == r1["tcp"] - digests, routes  # every bucket rollout 1 received, once, on node B
     assert sent >= r1["tcp"], (sent, routes)  # and those bytes crossed the link
