@@ -593,6 +593,80 @@ def test_automatic_tiles_small_is_one_get_large_overlaps():
         assert n == big.nbytes and p.stats.mover == "native"
 
 
+def test_default_tiling_is_decided_once_per_resolution_and_bounded():
+    """A loop of small pipelines with the default arguments decides the tiling of each range once
+    per resolution (kept on it); a republished window (a new resolution) decides again, from its
+    own size; and the kept plans stay bounded however many ranges are piped."""
+    from memsem.pipeline import _pipeline
+
+    with memsem.Runtime() as rt:
+        data = pattern(256 << 10)
+        ref = rt.publish(data, name="memo")
+        res = rt.core.resolve(ref.spec)
+        with rt.pipeline(ref) as p1:
+            got1 = b"".join(t.raw.tobytes() for t in p1)
+        with rt.pipeline(ref) as p2:
+            got2 = b"".join(t.raw.tobytes() for t in p2)
+        assert got1 == got2 == data.tobytes()
+        plans = [v for k, v in res.memo.items() if k[0] == "pipeline"]
+        assert len(plans) == 1 and (p1.tile_bytes, p1.n_tiles, p1.mode) == (p2.tile_bytes, p2.n_tiles, p2.mode)
+        with rt.pipeline(ref, tile_bytes=4096, zero_copy=False) as p3:  # arguments given: not kept
+            assert len(p3) == 64 and sum(t.nbytes for t in p3) == data.nbytes
+        assert len(res.memo) == 1
+        for k in range(3 * _pipeline._MEMO_LIMIT):  # many ranges: the kept plans stay bounded
+            with rt.pipeline(ref.bytes(k * 64, 4096)) as p:
+                assert [t.raw.tobytes() for t in p] == [data[k * 64:k * 64 + 4096].tobytes()]
+        assert 0 < len(res.memo) <= _pipeline._MEMO_LIMIT
+        rt.unpublish(ref)
+        big = pattern(64 << 20, seed=3)
+        ref2 = rt.publish(big, name="memo")
+        with rt.pipeline(ref2, zero_copy=False) as p4:  # its own size decides: several tiles
+            assert len(p4) > 1
+            assert sum(t.nbytes for t in p4) == big.nbytes
+        assert rt.core.resolve(ref2.spec) is not res
+
+
+def test_one_tile_pipelines_are_counted_by_telemetry():
+    """Pipelines the caller moves alone (one tile, no mover) count like the others: pipelines,
+    tiles, bytes, and one first-tile latency sample each; none is lost when threads close
+    pipelines at once, and none when more close than are queued between two reads."""
+    from memsem.core import _telemetry
+
+    with memsem.Runtime() as rt:
+        ref = rt.publish(pattern(64 << 10))
+        for _ in range(3):
+            with rt.pipeline(ref, zero_copy=False) as p:
+                assert sum(t.nbytes for t in p) == 64 << 10
+            assert p.stats.mover == "caller" and len(p) == 1
+        st = rt.stats()
+        assert st.pipelines["count"] == 3 and st.pipelines["tiles"] == 3
+        assert st.pipelines["bytes_moved"] == 3 * (64 << 10)
+        assert st.pipelines["overlap_ratio"] == 0.0 and st.pipelines["move_s"] > 0
+        assert st.latency_us["pipeline_first_tile"]["n"] == 3
+        per = _telemetry._PIPE_FOLD // 2 + 7  # four threads: past the fold bound, twice
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                for _ in range(per):
+                    with rt.pipeline(ref) as q:
+                        for t in q:
+                            t.release()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads)
+        st = rt.stats()
+        assert st.pipelines["count"] == 3 + 4 * per and st.pipelines["tiles"] == 3 + 4 * per
+        assert st.pipelines["bytes_moved"] == (3 + 4 * per) * (64 << 10)
+        assert st.latency_us["pipeline_first_tile"]["n"] == 3 + 4 * per
+
+
 def test_given_tile_bytes_are_honoured_and_their_cost_explained():
     with memsem.Runtime() as rt:
         ref = rt.publish(pattern(64 << 10))

@@ -118,11 +118,13 @@ class Resolution:
             runtime's own window. peer: the owner's liveness. plan: the native plan (cdata);
             addr: its address (for ``memsem._hot.copy``; valid while this object lives).
         direct: the hot path copies natively (same node). writable: published access "rw".
+        memo: facts the layers above derive from this resolution alone (a pipeline's default
+            tiling per range), dropped with it; bounded by its users.
     """
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
                  "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
-                 "resolver", "telemetry", "timeout", "strategy", "_ident", "_core", "_released", "__weakref__")
+                 "resolver", "telemetry", "timeout", "strategy", "memo", "_ident", "_core", "_released", "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
                  remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer,
@@ -134,6 +136,7 @@ class Resolution:
         self.telemetry = core.telemetry
         self.timeout = core.timeout
         self.mint = mint
+        self.memo: dict[object, object] = {}
         self._remotes: dict[object, RemoteRegion] = {}
         self.info = info
         self.gva = info.gva

@@ -8,6 +8,7 @@ of live resolutions and the totals folded in from released ones. Operations off 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import resource
 import threading
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from memsem.core._resolve import Resolution
 
 _NB = native.LAT_BUCKETS
+#: queued pipeline records folded into the totals at once (bounds the queue between reads)
+_PIPE_FOLD = 256
 #: lower bound in ns of every latency bucket (the last bucket is open-ended)
 BUCKET_FLOOR_NS = np.array([native.lib.memsem_lat_bucket_floor(b) for b in range(_NB)], np.float64)
 #: error kinds counted (``Stats.errors``)
@@ -111,6 +114,9 @@ class Telemetry:
         self.bounce_bytes = 0
         self.registrations: defaultdict[str, int] = defaultdict(int)
         self.pipelines: defaultdict[str, float] = defaultdict(float)
+        #: closed pipelines' figures not yet folded into ``pipelines`` (appends and pops of a
+        #: deque are atomic: a pipeline's close takes no lock)
+        self._pipes: collections.deque[tuple] = collections.deque()
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
 
     # -- hot-path counters live in plans ----------------------------------------------------------
@@ -178,25 +184,52 @@ class Telemetry:
             self._sections[0] += 1
             self._sections[1] += float(blocked_s)
 
-    def record_pipeline(self, st: Any) -> None:
-        """Add one finished pipeline's :class:`memsem.pipeline.PipelineStats`."""
-        with self._lock:
-            p = self.pipelines
+    def record_pipeline(self, delivered: int, bytes_moved: int, move_s: float, caller_wait_s: float,
+                        ready_wait_s: float, overlap_ratio: float, first_tile_s: float | None) -> None:
+        """Add one finished pipeline's figures (those of its ``PipelineStats``): tiles delivered,
+        bytes moved, seconds moving, the caller's seconds waiting for tiles and for ready words,
+        the overlap ratio, and the first tile's latency in seconds (None: no tile was
+        delivered), also a ``pipeline_first_tile`` latency sample. Takes no lock: the figures
+        are queued and folded into the totals when they are read (or every ``_PIPE_FOLD``)."""
+        q = self._pipes
+        q.append((delivered, bytes_moved, move_s, caller_wait_s, ready_wait_s, overlap_ratio, first_tile_s))
+        if len(q) >= _PIPE_FOLD:
+            with self._lock:
+                self._fold_pipelines()
+
+    def _fold_pipelines(self) -> None:
+        """Fold the queued pipelines' figures into the totals (the caller holds the lock)."""
+        q = self._pipes
+        if not q:
+            return
+        p = self.pipelines
+        key = ("pipeline_first_tile", MIXED_ROUTE)
+        bucket = native.lib.memsem_lat_bucket
+        while True:
+            try:
+                delivered, moved, move_s, wait_s, ready_s, ov, first = q.popleft()
+            except IndexError:
+                return
             p["count"] += 1
-            p["tiles"] += st.delivered
-            p["bytes_moved"] += st.bytes_moved
-            p["move_s"] += st.move_s
-            p["caller_wait_s"] += st.caller_wait_s
-            p["ready_wait_s"] += st.ready_wait_s
-            p["overlap_ratio"] = st.overlap_ratio
-            if st.first_tile_s is not None:
-                p["first_tile_s"] = st.first_tile_s
-        if st.first_tile_s is not None:
-            self.record_latency("pipeline_first_tile", int(st.first_tile_s * 1e9))
+            p["tiles"] += delivered
+            p["bytes_moved"] += moved
+            p["move_s"] += move_s
+            p["caller_wait_s"] += wait_s
+            p["ready_wait_s"] += ready_s
+            p["overlap_ratio"] = ov
+            if first is not None:
+                p["first_tile_s"] = first
+                ns = max(0, int(first * 1e9))
+                h = self._hist.get(key)
+                if h is None:
+                    h = self._hist[key] = np.zeros(_NB, np.int64)
+                h[bucket(ns)] += 1
+                self._sum[key] = self._sum.get(key, 0) + ns
 
     # -- reading ----------------------------------------------------------------------------------
     def _sums(self) -> tuple[dict[str, list[int]], dict[tuple[str, str], np.ndarray], dict[tuple[str, str], int]]:
         with self._lock:
+            self._fold_pipelines()
             routes = {k: list(v) for k, v in self._routes.items()}
             hist = {k: v.copy() for k, v in self._hist.items()}
             sums = dict(self._sum)
@@ -243,6 +276,7 @@ class Telemetry:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with self._lock:
             errors = dict(self.errors)
+            self._fold_pipelines()
             pipelines = dict(self.pipelines)
             sections = {"committed": self._sections[0], "blocked_s": self._sections[1]}
         return Stats({r: c[1] for r, c in routes.items()}, {r: c[0] for r, c in routes.items()},

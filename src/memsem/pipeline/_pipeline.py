@@ -40,7 +40,7 @@ from memsem.gva import RefSpec
 from memsem.pipeline import _tiling
 from memsem.pipeline._handoff import Handoff
 from memsem.pipeline._movers import reap_unjoined, wait_ready
-from memsem.pipeline._stats import PipelineStats, Summary, overlap
+from memsem.pipeline._stats import PipelineStats, overlap
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ DEFAULT_DEPTH = 2
 
 _perf = time.perf_counter
 _U8 = np.dtype(np.uint8)
-#: guards every pipeline's count of held tiles and its compute intervals (a tile may be
-#: released from any thread); the sections are a few bytecodes, so one lock serves them all
+#: guards every tile's release (a tile may be released from any thread, once), its pipeline's
+#: count of released tiles and compute intervals; the sections are a few bytecodes, so one lock
+#: serves them all
 _HELD_LOCK = threading.Lock()
 
 
@@ -100,11 +101,8 @@ class Tile:
 
     def release(self) -> None:
         """Hand the slot back to the mover. Safe twice; any thread."""
-        if self._released:
-            return
-        self._released = True
-        self._array = self._raw = None  # type: ignore[assignment]
-        self._pipe._release(self)
+        if not self._released:
+            self._pipe._release(self)
 
     def __enter__(self) -> "Tile":
         return self
@@ -115,6 +113,72 @@ class Tile:
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
         return f"<Tile {self.index} bytes [{self.offset}, {self.offset + self.nbytes}) {state}>"
+
+
+# ----------------------------------------------------------------------------------------------
+#: plans kept per resolution (distinct ranges piped with the default tiling); past it, forgotten
+_MEMO_LIMIT = 64
+
+
+class _Plan:
+    """What a pipeline over one range decides from the ref, its resolution and the arguments
+    (the route, view or copy, the tiling and why); raises for arguments that contradict the
+    window. A plan of the default arguments is kept on the resolution (``Resolution.memo``)."""
+
+    __slots__ = ("route", "wait_ready", "window_tile_bytes", "n_ready", "dtype", "row_bytes", "flat", "view",
+                 "mode", "tile_bytes", "n_tiles", "why")
+
+    def __init__(self, spec: RefSpec, res: Any, tile_bytes: int | None, wait_ready: bool | None,
+                 zero_copy: bool | None, has_out: bool) -> None:
+        route = self.route = res.route
+        info = res.info
+        has_ready = info.n_ready > 0 and info.tile_bytes > 0
+        if wait_ready is None:
+            wait_ready = has_ready
+        elif wait_ready and not has_ready:
+            raise ValueError(f"wait_ready=True but {spec.label} was published without tiles "
+                             "(no ready words); publish with tile_bytes= or tiles=")
+        self.wait_ready = wait_ready
+        self.window_tile_bytes = info.tile_bytes
+        self.n_ready = info.n_ready
+        dtype = self.dtype = _dtypes.numpy_dtype(spec.dtype_code)
+        shape = spec.shape
+        self.row_bytes = rb = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        self.flat = rb == 1 and len(shape) == 1 and dtype is _U8
+        nbytes = spec.nbytes
+        # A double-buffered versioned window: its owner rewrites the slots, so nothing may view
+        # them (a view would show the next version being written); tiles are copies.
+        slotted = res.cb is not None and res.cb.n_slots > 1
+        why = "auto"
+        if zero_copy is None:
+            view = not has_out and route.zero_copy and not slotted
+            if view and tile_bytes is None and not has_ready and nbytes \
+                    and not _tiling.prefer_view(nbytes, route.alpha, route.beta):
+                view, why = False, "small"
+        elif zero_copy:
+            if not route.zero_copy:
+                raise NotSupportedError(f"zero_copy=True but route {route.kind} to {spec.label} cannot "
+                                        f"map the window ({route.reason})")
+            if slotted:
+                raise NotSupportedError(f"zero_copy=True but {spec.label} is a double-buffered versioned "
+                                        "window (its owner rewrites the slots): nothing can view it; copy "
+                                        "it (zero_copy=None or False), with lease=ref.pin() for one version")
+            view = True
+        else:
+            view = False
+        self.view = view
+        self.mode = "view" if view else ("out" if has_out else "staged")
+        if tile_bytes is not None:
+            why = "tile_bytes given"
+        elif has_ready:
+            tile_bytes, why = info.tile_bytes, "the window's own tiles"
+        elif view or nbytes == 0:
+            tile_bytes, why = max(1, nbytes), "view" if nbytes else "empty"
+        else:
+            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, rb, dtype.itemsize)[0]
+        self.tile_bytes = tile_bytes
+        self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
+        self.why = why
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +225,7 @@ class Pipeline:
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
                  "_t0", "_lease", "_version", "_flat", "_window_tile_bytes", "_n_ready", "_dtype", "_row_bytes", "_why",
                  "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
-                 "_next", "_current", "_held", "_closed", "_finished", "_failed",
+                 "_next", "_current", "_out", "_back", "_closed", "_finished", "_failed",
                  "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
                  "_caller_tiles", "_computes", "_recorded",
                  "__weakref__")
@@ -204,56 +268,32 @@ class Pipeline:
         self._lease = lease
         self._version = version
         res = runtime.resolve(spec)
-        route = self.route = res.route
-        info = res.info
-        has_ready = info.n_ready > 0 and info.tile_bytes > 0
-        if wait_ready is None:
-            wait_ready = has_ready
-        elif wait_ready and not has_ready:
-            raise ValueError(f"wait_ready=True but {spec.label} was published without tiles "
-                             "(no ready words); publish with tile_bytes= or tiles=")
-        self.wait_ready = wait_ready
-        self._window_tile_bytes = info.tile_bytes
-        self._n_ready = info.n_ready
-
-        dtype = self._dtype = _dtypes.numpy_dtype(spec.dtype_code)
-        shape = spec.shape
-        self._row_bytes = rb = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
-        self._flat = rb == 1 and len(shape) == 1 and dtype is _U8
+        if tile_bytes is None and wait_ready is None and zero_copy is None and out is None:
+            # The default tiling of a range depends on nothing but the range and its resolution:
+            # decided once per resolution (a loop of small pipelines pays it once).
+            key = ("pipeline", spec.offset, spec.nbytes, spec.dtype_code, spec.shape)
+            memo = res.memo
+            plan = memo.get(key)
+            if plan is None:
+                plan = _Plan(spec, res, None, None, None, False)
+                if len(memo) >= _MEMO_LIMIT:
+                    memo.clear()
+                memo[key] = plan
+        else:
+            plan = _Plan(spec, res, tile_bytes, wait_ready, zero_copy, out is not None)
+        self.route = plan.route
+        self.wait_ready = plan.wait_ready
+        self._window_tile_bytes = plan.window_tile_bytes
+        self._n_ready = plan.n_ready
+        self._dtype = plan.dtype
+        self._row_bytes = plan.row_bytes
+        self._flat = plan.flat
+        view = plan.view
+        self.mode = plan.mode
+        self.tile_bytes = tile_bytes = plan.tile_bytes
+        self.n_tiles = plan.n_tiles
+        self._why = plan.why
         nbytes = spec.nbytes
-        # A double-buffered versioned window: its owner rewrites the slots, so nothing may view
-        # them (a view would show the next version being written); tiles are copies.
-        slotted = res.cb is not None and res.cb.n_slots > 1
-        why = "auto"
-        if zero_copy is None:
-            view = out is None and route.zero_copy and not slotted
-            if view and tile_bytes is None and not has_ready and nbytes \
-                    and not _tiling.prefer_view(nbytes, route.alpha, route.beta):
-                view, why = False, "small"
-        elif zero_copy:
-            if not route.zero_copy:
-                raise NotSupportedError(f"zero_copy=True but route {route.kind} to {spec.label} cannot "
-                                        f"map the window ({route.reason})")
-            if slotted:
-                raise NotSupportedError(f"zero_copy=True but {spec.label} is a double-buffered versioned "
-                                        "window (its owner rewrites the slots): nothing can view it; copy "
-                                        "it (zero_copy=None or False), with lease=ref.pin() for one version")
-            view = True
-        else:
-            view = False
-        self.mode = "view" if view else ("out" if out is not None else "staged")
-
-        if tile_bytes is not None:
-            why = "tile_bytes given"
-        elif has_ready:
-            tile_bytes, why = info.tile_bytes, "the window's own tiles"
-        elif view or nbytes == 0:
-            tile_bytes, why = max(1, nbytes), "view" if nbytes else "empty"
-        else:
-            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, self._row_bytes, dtype.itemsize)[0]
-        self.tile_bytes = tile_bytes
-        self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
-        self._why = why
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
         self._n_slots = min(depth, self.n_tiles)
@@ -278,7 +318,7 @@ class Pipeline:
         self._handoff: Handoff | None = None  # the caller's side of a mover, from tile 0 on
         self._next = 0
         self._current: Tile | None = None
-        self._held = 0
+        self._out = self._back = 0  # tiles handed out (the caller thread) / released (any thread)
         self._closed = self._finished = self._recorded = False
         self._failed: BaseException | None = None
         self._t_first: float | None = None
@@ -374,8 +414,7 @@ class Pipeline:
         else:
             arr, rows = self._typed(raw, off, n)
         tile = Tile(self, index, off, n, raw, arr, rows, version, t1)
-        with _HELD_LOCK:
-            self._held += 1
+        self._out += 1
         self._current = tile
         self._next = index + 1
         return tile
@@ -394,7 +433,10 @@ class Pipeline:
             self._caller_ready(index)
         if dst is None:
             slots = self._slots
-            dst = slots[index % self._n_slots, :n] if slots is not None else self._base[off:off + n]
+            if slots is None:
+                dst = self._base[off:off + n]
+            else:
+                dst = slots[index % self._n_slots] if n == self._slot_bytes else slots[index % self._n_slots, :n]
         t = _perf()
         if self._version:
             version = self.runtime.transfer(self.spec, "get", off, dst, lease=self._lease, version=self._version)
@@ -422,7 +464,11 @@ class Pipeline:
     def _release(self, tile: Tile) -> None:
         t = _perf()
         with _HELD_LOCK:
-            self._held -= 1
+            if tile._released:  # released by another thread meanwhile
+                return
+            tile._released = True
+            tile._array = tile._raw = None  # type: ignore[assignment]
+            self._back += 1
             self._computes.append((tile._t_out, t))
         h = self._handoff
         if h is not None:
@@ -442,7 +488,7 @@ class Pipeline:
     @property
     def tiles_held(self) -> int:
         """Tiles handed out and not yet released (0 or 1 with the iterator protocol)."""
-        return self._held
+        return self._out - self._back
 
     @property
     def free_slots(self) -> int:
@@ -451,7 +497,7 @@ class Pipeline:
         if self.mode == "view":
             return 0
         h = self._handoff
-        return max(0, self._n_slots - self._held - (h.ahead(self._next) if h is not None else 0))
+        return max(0, self._n_slots - (self._out - self._back) - (h.ahead(self._next) if h is not None else 0))
 
     # -- lifetime --------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -492,7 +538,16 @@ class Pipeline:
             return
         self._recorded = True
         try:
-            self.runtime.telemetry.record_pipeline(self._summary())
+            if self._handoff is None:  # the caller moved every tile (none overlapped its compute)
+                move_s = self._caller_move_s
+                self.runtime.telemetry.record_pipeline(
+                    self._next, self._caller_bytes, move_s, self._caller_wait_s, self._caller_ready_s,
+                    0.0 if move_s > 0 else 1.0, None if self._t_first is None else self._t_first - self._t0)
+            else:
+                move_s, ready_s, _, moved, moves, computes = self._parts()
+                self.runtime.telemetry.record_pipeline(
+                    self._next, moved, move_s, self._caller_wait_s, ready_s, overlap(moves, computes, move_s),
+                    None if self._t_first is None else self._t_first - self._t0)
         except Exception:  # telemetry must never break the data path
             log.debug("recording pipeline telemetry failed", exc_info=True)
 
@@ -541,11 +596,6 @@ class Pipeline:
             overlap_ratio=overlap(moves, computes, move_s), bytes_moved=moved, mover=self.mover,
             caller_tiles=self._caller_tiles, late_tiles=0 if h is None else h.late_tiles,
             explanation=self.explanation)
-
-    def _summary(self) -> Summary:
-        move_s, ready_s, _, moved, moves, computes = self._parts()
-        return Summary(self._next, moved, move_s, self._caller_wait_s, ready_s, overlap(moves, computes, move_s),
-                       None if self._t_first is None else self._t_first - self._t0)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"at tile {self._next}/{self.n_tiles}"

@@ -72,21 +72,6 @@ class PipelineStats:
                 f"{self.explanation}")
 
 
-
-class Summary:
-    """What the runtime's telemetry keeps of a closed pipeline (``record_pipeline``): the
-    figures of its stats without building them."""
-
-    __slots__ = ("delivered", "bytes_moved", "move_s", "caller_wait_s", "ready_wait_s", "overlap_ratio",
-                 "first_tile_s")
-
-    def __init__(self, delivered: int, bytes_moved: int, move_s: float, caller_wait_s: float, ready_wait_s: float,
-                 overlap_ratio: float, first_tile_s: float | None) -> None:
-        self.delivered, self.bytes_moved, self.move_s = delivered, bytes_moved, move_s
-        self.caller_wait_s, self.ready_wait_s = caller_wait_s, ready_wait_s
-        self.overlap_ratio, self.first_tile_s = overlap_ratio, first_tile_s
-
-
 def overlap(moves: list[tuple[float, float]], computes: list[tuple[float, float]], move_s: float) -> float:
     """Fraction of ``move_s`` (all moves) during which the caller computed, ``moves`` being the
     intervals of the mover's moves (the caller's own never overlap its computing); 1.0 when

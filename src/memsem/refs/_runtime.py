@@ -14,6 +14,7 @@ from memsem._buffers import check_buffer
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
 from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
+from memsem.pipeline import Pipeline
 from memsem.topology import Route
 
 
@@ -372,8 +373,6 @@ class Runtime:
         window's tile size, else an automatic choice; ``out`` receives the whole ref;
         ``zero_copy`` forces or forbids views).
         """
-        from memsem.pipeline import Pipeline
-
         return Pipeline(self._core, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
