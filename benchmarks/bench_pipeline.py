@@ -499,7 +499,7 @@ def report(r: dict[str, Any]) -> str:
                   f"{v['ratio_p75']:.2f}] (vs a get into a new array: {v['alloc_ratio']:.3f})"
                   for v in r["vs_get"]["sizes"].values()]
         per = ", ".join(f"{k[len('pipeline_vs_get_min_'):]} {v:.3f}" for k, v in r.items()
-                        if k.startswith("pipeline_vs_get_min_"))
+                        if k.startswith("pipeline_vs_get_min_") and not k.endswith("_spread"))
         lines.append(f"     pipeline_vs_get_min       = {r['pipeline_vs_get_min']:.3f}x ({per})   (goal >= 1.0)")
         lines += [f"     one-tile pipeline beyond its get ({k}, 64 KiB): {v['fixed_us']:.1f} us "
                   f"(get {v['get_us']:.1f} us, "

@@ -21,9 +21,12 @@ import math
 #: a futex wake when the caller sleeps), seconds; measured 5-25 us on a 2-vCPU VM (more when the
 #: tiles just moved evicted the interpreter's data from the caches)
 TILE_COST_S = 20e-6
-#: modelled cost of handing a pipeline's first run to the mover pool (waking a parked worker),
-#: seconds
-START_COST_S = 50e-6
+#: modelled cost of handing a pipeline's first run to the mover pool (waking a parked worker,
+#: and the caller's first tiles taken while that worker is not yet running), seconds. At 50 us
+#: a 4 MiB ref on host/cma was cut into 6 tiles and lost to get-then-compute (0.81-0.83 of it,
+#: ``benchmarks/bench_pipeline.py --parts vs_get``, 2-vCPU VM, idle); at 150 us it is one get
+#: (0.90-0.94) while 8 MiB still gets 8 tiles (0.99-1.11) and 16 MiB on as before
+START_COST_S = 150e-6
 #: modelled fixed cost of a pipeline's view of the window (a lease acquired and released, the
 #: view's mapping and generation checks, the array's finalizer), seconds; a ref whose modelled
 #: copy costs less is copied instead. Measured about 30 us idle and 80 us loaded on a 2-vCPU VM,
