@@ -620,10 +620,28 @@ def test_default_tiling_is_decided_once_per_resolution_and_bounded():
         rt.unpublish(ref)
         big = pattern(64 << 20, seed=3)
         ref2 = rt.publish(big, name="memo")
-        with rt.pipeline(ref2, zero_copy=False) as p4:  # its own size decides: several tiles
-            assert len(p4) > 1
-            assert sum(t.nbytes for t in p4) == big.nbytes
-        assert rt.core.resolve(ref2.spec) is not res
+        with rt.pipeline(ref2) as p4:  # the default path again: its own size decides (a view)
+            assert p4.mode == "view" and p4.tile_bytes == big.nbytes and len(p4) == 1
+            assert all(np.array_equal(t.raw, big) for t in p4)
+        res2 = rt.core.resolve(ref2.spec)
+        assert res2 is not res and ("pipeline", 0, big.nbytes, ref2.spec.dtype_code, ref2.spec.shape) in res2.memo
+
+
+def test_the_movers_modelled_start_depends_on_who_moves():
+    """The node's native worker is modelled to start dearer than a thread off the node (measured:
+    4 MiB on host/cma cut in 6 tiles lost to one get): on a host/cma-like model 4 MiB is one get
+    for the native worker and several tiles for a thread, 16 MiB tiles for both; a pipeline's
+    explanation names the start it was planned with."""
+    cma = (2e-6, 6e9)
+    assert _tiling.choose_tiles(4 << 20, *cma, 1, 1, _tiling.NATIVE_START_COST_S)[1] == 1
+    assert _tiling.choose_tiles(4 << 20, *cma, 1, 1, _tiling.START_COST_S)[1] > 1
+    assert _tiling.choose_tiles(16 << 20, *cma, 1, 1, _tiling.NATIVE_START_COST_S)[1] > 1
+    with memsem.Runtime() as rt:
+        ref = rt.publish(pattern(64 << 10))
+        with rt.pipeline(ref, zero_copy=False) as p:
+            start = _tiling.NATIVE_START_COST_S if rt.core.resolve(ref.spec).direct else _tiling.START_COST_S
+            assert _tiling.fmt_s(start) in p.explanation
+            assert sum(t.nbytes for t in p) == 64 << 10
 
 
 def test_one_tile_pipelines_are_counted_by_telemetry():

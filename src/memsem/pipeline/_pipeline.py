@@ -84,16 +84,18 @@ class Tile:
         """The tile's data: ``(rows, *shape[1:])`` of the ref's dtype when the tile covers whole
         rows, a 1-D array of the dtype when it starts and ends on element boundaries, else flat
         uint8. Read-only in view mode over a read-only ref."""
-        if self._released:
+        a = self._array  # read first: a release by another thread clears it after setting the flag
+        if a is None or self._released:
             raise MemsemError(f"tile {self.index} was released; its slot may hold another tile now")
-        return self._array
+        return a
 
     @property
     def raw(self) -> np.ndarray:
         """The tile's bytes as a flat uint8 array (same lifetime rule as ``array``)."""
-        if self._released:
+        a = self._raw
+        if a is None or self._released:
             raise MemsemError(f"tile {self.index} was released; its slot may hold another tile now")
-        return self._raw
+        return a
 
     @property
     def released(self) -> bool:
@@ -126,11 +128,13 @@ class _Plan:
     window. A plan of the default arguments is kept on the resolution (``Resolution.memo``)."""
 
     __slots__ = ("route", "wait_ready", "window_tile_bytes", "n_ready", "dtype", "row_bytes", "flat", "view",
-                 "mode", "tile_bytes", "n_tiles", "why")
+                 "mode", "tile_bytes", "n_tiles", "why", "start_s")
 
     def __init__(self, spec: RefSpec, res: Any, tile_bytes: int | None, wait_ready: bool | None,
                  zero_copy: bool | None, has_out: bool) -> None:
         route = self.route = res.route
+        # the mover's modelled start: the node's native copy worker, or a thread off the node
+        self.start_s = _tiling.NATIVE_START_COST_S if res.direct else _tiling.START_COST_S
         info = res.info
         has_ready = info.n_ready > 0 and info.tile_bytes > 0
         if wait_ready is None:
@@ -175,7 +179,7 @@ class _Plan:
         elif view or nbytes == 0:
             tile_bytes, why = max(1, nbytes), "view" if nbytes else "empty"
         else:
-            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, rb, dtype.itemsize)[0]
+            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, rb, dtype.itemsize, self.start_s)[0]
         self.tile_bytes = tile_bytes
         self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
         self.why = why
@@ -223,7 +227,8 @@ class Pipeline:
     """
 
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
-                 "_t0", "_lease", "_version", "_flat", "_window_tile_bytes", "_n_ready", "_dtype", "_row_bytes", "_why",
+                 "_t0", "_lease", "_version", "_start_s", "_flat", "_window_tile_bytes", "_n_ready", "_dtype",
+                 "_row_bytes", "_why",
                  "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
                  "_next", "_current", "_out", "_back", "_closed", "_finished", "_failed",
                  "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
@@ -293,6 +298,7 @@ class Pipeline:
         self.tile_bytes = tile_bytes = plan.tile_bytes
         self.n_tiles = plan.n_tiles
         self._why = plan.why
+        self._start_s = plan.start_s
         nbytes = spec.nbytes
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
@@ -333,7 +339,8 @@ class Pipeline:
         """Why this tile count, and what each tile costs (also in ``stats.explanation``)."""
         why, r = self._why, self.route
         if why in ("auto", "small"):
-            text = _tiling.explain_auto(self.spec.nbytes, self.tile_bytes, self.n_tiles, r.alpha, r.beta)
+            text = _tiling.explain_auto(self.spec.nbytes, self.tile_bytes, self.n_tiles, r.alpha, r.beta,
+                                        self._start_s)
             return text + ("; " + _tiling.explain_copied(self.spec.nbytes, r.alpha, r.beta) if why == "small" else "")
         if why == "view":
             return "one tile: nothing moves (views of the window); pass tile_bytes= for smaller tiles"
@@ -375,8 +382,9 @@ class Pipeline:
     def __next__(self) -> Tile:
         if self._failed is not None:
             raise self._failed
-        if self._current is not None:
-            self._current.release()
+        cur = self._current  # one read: another thread's release may clear it meanwhile
+        if cur is not None:
+            cur.release()
             self._current = None
         index = self._next
         if index >= self.n_tiles:
@@ -515,8 +523,9 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        if self._current is not None:
-            self._current.release()
+        cur = self._current  # one read: another thread's release may clear it meanwhile
+        if cur is not None:
+            cur.release()
             self._current = None
         if self._t_end is None:
             self._t_end = _perf()

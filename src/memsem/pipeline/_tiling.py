@@ -21,12 +21,15 @@ import math
 #: a futex wake when the caller sleeps), seconds; measured 5-25 us on a 2-vCPU VM (more when the
 #: tiles just moved evicted the interpreter's data from the caches)
 TILE_COST_S = 20e-6
-#: modelled cost of handing a pipeline's first run to the mover pool (waking a parked worker,
-#: and the caller's first tiles taken while that worker is not yet running), seconds. At 50 us
-#: a 4 MiB ref on host/cma was cut into 6 tiles and lost to get-then-compute (0.81-0.83 of it,
-#: ``benchmarks/bench_pipeline.py --parts vs_get``, 2-vCPU VM, idle); at 150 us it is one get
-#: (0.90-0.94) while 8 MiB still gets 8 tiles (0.99-1.11) and 16 MiB on as before
-START_COST_S = 150e-6
+#: modelled cost of handing a pipeline's first run to a mover thread (routes off the node, whose
+#: tiles a Python thread moves), seconds
+START_COST_S = 50e-6
+#: the same for the native copy worker of the node's routes (``Resolution.direct``: host/shm,
+#: host/cma), including the caller's first tiles taken while that worker is not yet running.
+#: At 50 us a 4 MiB ref on host/cma was cut into 6 tiles and lost to get-then-compute (0.81-0.83
+#: of it, ``benchmarks/bench_pipeline.py --parts vs_get``, 2-vCPU VM, idle); at 150 us it is one
+#: get (0.88-0.94) while 8 MiB still gets 8 tiles (0.99-1.11) and 16 MiB on as before
+NATIVE_START_COST_S = 150e-6
 #: modelled fixed cost of a pipeline's view of the window (a lease acquired and released, the
 #: view's mapping and generation checks, the array's finalizer), seconds; a ref whose modelled
 #: copy costs less is copied instead. Measured about 30 us idle and 80 us loaded on a 2-vCPU VM,
@@ -54,28 +57,31 @@ def fmt_s(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
-def auto_tiles(nbytes: int, alpha: float, beta: float, *, row_bytes: int = 1, itemsize: int = 1) -> tuple[int, str]:
+def auto_tiles(nbytes: int, alpha: float, beta: float, *, row_bytes: int = 1, itemsize: int = 1,
+               start_s: float = START_COST_S) -> tuple[int, str]:
     """The tile size the pipeline picks for a ref of ``nbytes`` bytes on a route whose cost
     model is ``alpha + bytes / beta`` seconds, and why (a sentence).
 
-    A pipeline pays ``START_COST_S + n x TILE_COST_S`` for ``n`` tiles and, for a consumer whose
-    compute takes about as long as the move (what a pipeline is for), hides ``move x (1 - 1/n)``
-    of it. The choice is the ``n`` (at most ``AUTO_MAX_TILES``) with the largest modelled saving,
+    A pipeline pays ``start_s + n x TILE_COST_S`` for ``n`` tiles (``start_s``: the mover's
+    start, ``START_COST_S`` for a thread, ``NATIVE_START_COST_S`` for the node's native worker)
+    and, for a consumer whose compute takes about as long as the move (what a pipeline is for),
+    hides ``move x (1 - 1/n)`` of it. The choice is the ``n`` (at most ``AUTO_MAX_TILES``) with the largest modelled saving,
     provided the saving is at least ``AUTO_MIN_GAIN`` of get-then-compute and the fixed costs stay
     within ``AUTO_LOSS`` of the move (what a consumer that computes nothing loses against one
     get); else one tile (a plain get). Tiles are whole rows (``row_bytes``), and whole multiples of
     ``TILE_ALIGN`` bytes where the rows allow.
     """
-    tile, n = choose_tiles(nbytes, alpha, beta, row_bytes, itemsize)
-    return tile, explain_auto(nbytes, tile, n, alpha, beta)
+    tile, n = choose_tiles(nbytes, alpha, beta, row_bytes, itemsize, start_s)
+    return tile, explain_auto(nbytes, tile, n, alpha, beta, start_s)
 
 
-def choose_tiles(nbytes: int, alpha: float, beta: float, row_bytes: int, itemsize: int) -> tuple[int, int]:
+def choose_tiles(nbytes: int, alpha: float, beta: float, row_bytes: int, itemsize: int,
+                 start_s: float = START_COST_S) -> tuple[int, int]:
     """``(tile_bytes, n_tiles)`` of :func:`auto_tiles`, without the sentence."""
     move = alpha + nbytes / beta
     best, gain = 1, 0.0
     for n in range(2, AUTO_MAX_TILES + 1):
-        cost = START_COST_S + n * TILE_COST_S
+        cost = start_s + n * TILE_COST_S
         if cost > AUTO_LOSS * move:
             break
         g = move * (1 - 1 / n) - cost
@@ -104,13 +110,13 @@ def explain_copied(nbytes: int, alpha: float, beta: float) -> str:
             f"view's lease and checks (about {fmt_s(VIEW_COST_S)})")
 
 
-def explain_auto(nbytes: int, tile: int, n: int, alpha: float, beta: float) -> str:
+def explain_auto(nbytes: int, tile: int, n: int, alpha: float, beta: float, start_s: float = START_COST_S) -> str:
     move = alpha + nbytes / beta
     if n == 1:
         return (f"one tile (a plain get): moving {fmt_bytes(nbytes)} takes about {fmt_s(move)}, too "
-                f"little for overlap to repay starting a mover ({fmt_s(START_COST_S)}) and "
+                f"little for overlap to repay starting a mover ({fmt_s(start_s)}) and "
                 f"handing tiles over ({fmt_s(TILE_COST_S)} each)")
-    cost = START_COST_S + n * TILE_COST_S
+    cost = start_s + n * TILE_COST_S
     return (f"{n} tiles of {fmt_bytes(tile)} (automatic): moving {fmt_bytes(nbytes)} takes about "
             f"{fmt_s(move)}; with compute as long as the move the pipeline hides about "
             f"{fmt_s(move * (1 - 1 / n))} of it for {fmt_s(cost)} of hand-offs (a consumer that "
