@@ -227,8 +227,7 @@ class Pipeline:
     """
 
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
-                 "_t0", "_lease", "_version", "_start_s", "_flat", "_window_tile_bytes", "_n_ready", "_dtype",
-                 "_row_bytes", "_why",
+                 "_t0", "_lease", "_version", "_plan",
                  "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
                  "_next", "_current", "_out", "_back", "_closed", "_finished", "_failed",
                  "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
@@ -286,19 +285,13 @@ class Pipeline:
                 memo[key] = plan
         else:
             plan = _Plan(spec, res, tile_bytes, wait_ready, zero_copy, out is not None)
+        self._plan = plan
         self.route = plan.route
         self.wait_ready = plan.wait_ready
-        self._window_tile_bytes = plan.window_tile_bytes
-        self._n_ready = plan.n_ready
-        self._dtype = plan.dtype
-        self._row_bytes = plan.row_bytes
-        self._flat = plan.flat
         view = plan.view
         self.mode = plan.mode
         self.tile_bytes = tile_bytes = plan.tile_bytes
         self.n_tiles = plan.n_tiles
-        self._why = plan.why
-        self._start_s = plan.start_s
         nbytes = spec.nbytes
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
@@ -337,10 +330,10 @@ class Pipeline:
     @property
     def explanation(self) -> str:
         """Why this tile count, and what each tile costs (also in ``stats.explanation``)."""
-        why, r = self._why, self.route
+        why, r = self._plan.why, self.route
         if why in ("auto", "small"):
             text = _tiling.explain_auto(self.spec.nbytes, self.tile_bytes, self.n_tiles, r.alpha, r.beta,
-                                        self._start_s)
+                                        self._plan.start_s)
             return text + ("; " + _tiling.explain_copied(self.spec.nbytes, r.alpha, r.beta) if why == "small" else "")
         if why == "view":
             return "one tile: nothing moves (views of the window); pass tile_bytes= for smaller tiles"
@@ -359,20 +352,21 @@ class Pipeline:
 
     def _ready_plan(self, index: int) -> range:
         """Window tiles (ready words) that pipeline tile ``index`` overlaps."""
-        return _tiling.ready_words(self.spec.offset, self.spec.nbytes, self.tile_bytes, self._window_tile_bytes,
-                                   self._n_ready, index)
+        plan = self._plan
+        return _tiling.ready_words(self.spec.offset, self.spec.nbytes, self.tile_bytes, plan.window_tile_bytes,
+                                   plan.n_ready, index)
 
     def _typed(self, raw: np.ndarray, off: int, n: int) -> tuple[np.ndarray, tuple[int, int] | None]:
-        rb = self._row_bytes
+        rb, dtype = self._plan.row_bytes, self._plan.dtype
         shape = self.spec.shape
         if rb == 1 and len(shape) == 1:  # uint8-like 1-D ref: the bytes are the rows
-            return (raw if self._dtype is _U8 else raw.view(self._dtype)), (off, off + n)
+            return (raw if dtype is _U8 else raw.view(dtype)), (off, off + n)
         if len(shape) >= 1 and rb and off % rb == 0 and n % rb == 0:
             r0 = off // rb
-            return raw.view(self._dtype).reshape((n // rb,) + tuple(shape[1:])), (r0, r0 + n // rb)
-        isz = self._dtype.itemsize
+            return raw.view(dtype).reshape((n // rb,) + tuple(shape[1:])), (r0, r0 + n // rb)
+        isz = dtype.itemsize
         if off % isz == 0 and n % isz == 0:
-            return raw.view(self._dtype), None
+            return raw.view(dtype), None
         return raw, None
 
     # -- iteration -------------------------------------------------------------------------------
@@ -417,7 +411,7 @@ class Pipeline:
         self._caller_wait_s += t1 - t0
         if self._t_first is None:
             self._t_first = t1
-        if self._flat:  # uint8-like 1-D ref: the bytes are the rows
+        if self._plan.flat:  # uint8-like 1-D ref: the bytes are the rows
             arr, rows = raw, (off, off + n)
         else:
             arr, rows = self._typed(raw, off, n)
@@ -457,7 +451,8 @@ class Pipeline:
 
     def _start_handoff(self) -> None:
         res = self.runtime.resolve(self.spec)
-        ready = (self._window_tile_bytes, self._n_ready, self._ready_plan) if self.wait_ready else None
+        plan = self._plan
+        ready = (plan.window_tile_bytes, plan.n_ready, self._ready_plan) if self.wait_ready else None
         if not Handoff.can_watch(res, ready):
             return  # nothing native can watch the owner's liveness: the caller moves every tile
         h = Handoff(self, self.runtime, self.spec, res, tile_bytes=self.tile_bytes, n_tiles=self.n_tiles,
