@@ -2,6 +2,10 @@
 the link it was measured on; goal verdicts follow the figures. No timing is asserted."""
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from memsem.cli import _bench_tcp as B
 
 
@@ -18,6 +22,27 @@ def test_bench_tcp_prints_every_key_and_the_link():
     assert isinstance(fig["tcp_owner_threads_1000_idle"], int) and fig["tcp_owner_threads_1000_idle"] >= 1
     verdicts = B.goals_met(fig)
     assert set(verdicts) == set(B.GOALS) and all(isinstance(v, bool) for v in verdicts.values())
+    # the placement the figures name is the one each process ran with (as it read its affinity)
+    allowed = sorted(os.sched_getaffinity(0))
+    one_cpu = [allowed[0]]
+    assert fig["tcp_affinity_one_core"] == {"owner": one_cpu, "consumer": one_cpu}, fig
+    assert isinstance(fig["tcp_get_64B_us_one_core"], float) and fig["tcp_get_64B_us_one_core"] > 0, fig
+    assert isinstance(fig["tcp_get_64B_vs_socket_one_core"], float), fig
+    if len(allowed) >= 2:
+        assert fig["tcp_affinity"] == {"owner": [allowed[-1]], "consumer": one_cpu}, fig
+        assert fig["tcp_placement"] == f"apart: owner CPU {allowed[-1]}, consumer CPU {allowed[0]}"
+        assert fig["tcp_placement"] in note
+    else:
+        assert fig["tcp_placement"] == "unpinned", fig
+
+
+def test_placement_names_its_cpus_and_refuses_others():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert B.placement_cpus("shared") == (allowed[0], allowed[0])
+    assert B.placement_cpus("none") is None
+    assert B.placement_cpus("apart") == ((allowed[-1], allowed[0]) if len(allowed) >= 2 else None)
+    with pytest.raises(ValueError, match="placement must be .* got 'together'"):
+        B.placement_cpus("together")
 
 
 def test_goal_verdicts():

@@ -621,12 +621,15 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
         console.print(escape(f"  state dict {mb} MB in 300 tensors; {f('weight_sync_rounds')} rounds; "
                              f"Ray from {f('ray_python') or '-'}"))
 
-    tcp = table(f"tcp route against a plain socket, link {f('tcp_link') or '-'} (interleaved rounds)",
-                "figure", "median", "p10 .. p90", "unit, what")
+    tcp = table(f"tcp route against a plain socket, link {f('tcp_link') or '-'}, {f('tcp_placement') or '-'} "
+                "(interleaved rounds)", "figure", "median", "p10 .. p90", "unit, what")
     for k, what in (("tcp_get_64B_us", "us, memsem get, 64 B"),
                     ("socket_rtt_64B_us", "us, plain socket, same link"),
                     ("socket_rtt_64B_us_loopback", "us, plain socket, loopback"),
                     ("socket_veth_vs_loopback", "x, the link's share"),
+                    ("tcp_get_64B_us_one_core", "us, memsem get, both on one CPU"),
+                    ("socket_rtt_64B_us_one_core", "us, plain socket, both on one CPU"),
+                    ("tcp_get_64B_vs_socket_one_core", "x, CPU per request vs socket"),
                     ("tcp_get_64MiB_GBps", "GB/s, memsem get, 64 MiB"),
                     ("socket_64MiB_GBps", "GB/s, plain socket"),
                     ("remote_first_tile_ratio", "x, 1st tile / tile get")):

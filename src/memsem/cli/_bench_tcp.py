@@ -18,12 +18,24 @@ Figures (medians; GB/s = 1e9 bytes/s):
 ``socket_rtt_64B_us_loopback``  the same plain-socket round trip to a server process on the
                            consumer's own loopback (veth runs only): where the baseline's swing
                            comes from
+``tcp_get_64B_us_one_core``  the 64 B rounds again with owner and consumer on one CPU (and
+                           ``socket_rtt_64B_us_one_core``, ``tcp_get_64B_vs_socket_one_core``):
+                           a round trip is then the CPU both sides spend on it
+``tcp_placement``          the CPUs of the main run, e.g. "apart: owner CPU 1, consumer CPU 0";
+                           ``tcp_affinity``: the CPUs each process read as its own
 ``tcp_owner_rss_MiB_1000_idle``  growth of the owner's RSS with 1,000 idle connections (each
                            authenticated and used for one 64 B get, then silent)
 ``tcp_owner_threads_1000_idle``  the owner process's threads meanwhile
 ``tcp_owner_rss_MiB_2000_unauth``  growth of the owner's RSS with 2,000 connections that never
                            authenticate (half stall before the hello, half after it)
 =========================  ===================================================================
+
+Placement: every process of the owner's side (the memsem owner, the plain-socket servers) runs
+on one CPU and the consumer's on another (``placement_cpus("apart")``), the model of two nodes,
+each with CPUs of its own. Unpinned, the scheduler placed the two sides per run, and the plain
+socket's 64 B round trip here is 13-14 us when both share a core and 55-60 us across two (a
+wake-up of the other, idle core): the earlier runs' ratios swung with that (0.30-14), not with
+the code.
 
 Ratios (``RATIO_KEYS``) are medians of per-round ratios: the sides run interleaved in rounds of
 100 calls (30 rounds quick), the order reversed every other round; ``<key>_spread`` is
@@ -79,7 +91,9 @@ RATIO_KEYS = ("tcp_get_64B_vs_socket", "tcp_get_64B_vs_socket_loopback", "socket
 #: every key ``figures`` returns
 ALL_KEYS = KEYS + tuple(k for k in RATIO_KEYS if k not in KEYS) + tuple(f"{k}_spread" for k in RATIO_KEYS) + (
     "socket_rtt_64B_us_loopback", "socket_rtt_64B_us_spread", "socket_rtt_64B_us_loopback_spread",
-    "tcp_get_64B_us_spread", "tcp_get_64MiB_GBps_spread", "socket_64MiB_GBps_spread")
+    "tcp_get_64B_us_spread", "tcp_get_64MiB_GBps_spread", "socket_64MiB_GBps_spread", "tcp_placement",
+    "tcp_get_64B_us_one_core", "socket_rtt_64B_us_one_core", "tcp_get_64B_vs_socket_one_core",
+    "tcp_get_64B_vs_socket_one_core_spread", "tcp_affinity", "tcp_affinity_one_core")
 _HDR = struct.Struct("<QQ")
 _QUIT = (1 << 64) - 1
 
@@ -172,6 +186,8 @@ def _producer() -> None:
         print(json.dumps({"small": small.to_bytes().hex(), "big": big.to_bytes().hex(),
                           "tile": tile.to_bytes().hex(), "pipe": pipe.to_bytes().hex(),
                           "host": host, "socket_port": port_box[0], "pid": os.getpid(),
+                          "owner_cpu": os.environ.get("MEMSEM_BENCH_CPU"),
+                          "owner_affinity": sorted(os.sched_getaffinity(0)),
                           "link": os.environ.get("MEMSEM_BENCH_LINK", "loopback")}), flush=True)
         sys.stdin.readline()
 
@@ -199,18 +215,49 @@ def socket_client_run(host: str, port: int, size: int, iters: int, quit: bool = 
             "gbps": size / med, "intact": bool(intact)}
 
 
+def _pin_from_env() -> None:
+    """This process (every thread it starts after) on the CPU ``MEMSEM_BENCH_CPU`` names."""
+    cpu = os.environ.get("MEMSEM_BENCH_CPU")
+    if cpu:
+        os.sched_setaffinity(0, {int(cpu)})
+
+
+def placement_cpus(placement: str) -> tuple[int, int] | None:
+    """``(owner CPU, consumer CPU)`` for ``placement``, or None (not pinned: fewer than two CPUs
+    allowed to this process for "apart", or "none" asked for).
+
+    "apart" (the model of two nodes: each side's processes on a CPU of its own) puts the owner
+    on the highest CPU this process may use and the consumer on the lowest; "shared" puts both
+    on the lowest (a round trip is then the CPU both sides spend on it, no wake-up of an idle
+    core). Unpinned, the scheduler decides per run, and a plain-socket round trip here is
+    13-14 us on one core and 55-60 us across two (measured): the baseline then swings with
+    placement, not with the code.
+    """
+    if placement not in ("apart", "shared", "none"):
+        raise ValueError(f"placement must be 'apart', 'shared' or 'none', got {placement!r}")
+    allowed = sorted(os.sched_getaffinity(0))
+    if placement == "none" or (placement == "apart" and len(allowed) < 2):
+        return None
+    return (allowed[-1] if placement == "apart" else allowed[0]), allowed[0]
+
+
 def _p10_p90(values: list[float]) -> tuple[float, float]:
     xs = sorted(values)
     q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
     return q[0], q[-1]
 
 
-def _loopback_server() -> tuple[subprocess.Popen, int]:
+def _loopback_server(cpu: str | None) -> tuple[subprocess.Popen, int]:
     """A plain-socket baseline server in a process of its own on this namespace's loopback:
-    the same baseline without the veth between the two namespaces."""
+    the same baseline without the veth between the two namespaces (on the owner's CPU ``cpu``
+    when the owner is pinned)."""
+    env = dict(os.environ)
+    env.pop("MEMSEM_BENCH_CPU", None)
+    if cpu is not None:
+        env["MEMSEM_BENCH_CPU"] = cpu
     p = subprocess.Popen([sys.executable, "-m", "memsem.cli._bench_tcp", "--role", "socket-server",
                           "--addr", "127.0.0.1:0", "--size", str(SMALL)],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
     if not line:
         p.kill()
@@ -347,7 +394,7 @@ def _median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1e3
 
 
-def _consumer(quick: bool) -> None:
+def _consumer(quick: bool, small_only: bool = False) -> None:
     import numpy as np
 
     import memsem
@@ -372,7 +419,7 @@ def _consumer(quick: bool) -> None:
         sides["tcp"] = lambda: small.get(out=out)
         sides["socket"] = lambda: base.get(omv)
         if info.get("link") == "veth":  # the same baseline on this namespace's loopback
-            lo_proc, lo_port = _loopback_server()
+            lo_proc, lo_port = _loopback_server(info.get("owner_cpu"))
             lo = SocketClient("127.0.0.1", lo_port)
             lomv = memoryview(bytearray(SMALL))
             sides["socket_lo"] = lambda: lo.get(lomv)
@@ -389,6 +436,19 @@ def _consumer(quick: bool) -> None:
                     fn()
                     ts.append(now() - t0)
                 per[k].append(med(ts))
+        if small_only:
+            base.quit()
+            if lo_proc is not None:
+                lo.quit()
+                lo_proc.wait(10)
+            small.get(out=out)
+            res = {"route": route, "intact": bool((out == np.arange(SMALL, dtype=np.uint8)).all()),
+                   "affinity": {"owner": info["owner_affinity"], "consumer": sorted(os.sched_getaffinity(0))},
+                   "tcp_get_64B_us": med(per["tcp"]) / 1e3, "socket_rtt_64B_us": med(per["socket"]) / 1e3,
+                   "ratios": {"tcp_get_64B_vs_socket": _ratios(per["tcp"], per["socket"])},
+                   "rounds_us": {k: [v / 1e3 for v in vs] for k, vs in per.items()}}
+            print(json.dumps(res), flush=True)
+            return
         dst = np.empty(BIG, np.uint8)
         dmv = memoryview(dst)
         big.get(out=dst)
@@ -429,6 +489,7 @@ def _consumer(quick: bool) -> None:
         costs = connection_costs(small, info["pid"])
         res: dict[str, Any] = {**costs,
             "route": route, "intact": intact,
+            "affinity": {"owner": info["owner_affinity"], "consumer": sorted(os.sched_getaffinity(0))},
             "tcp_get_64B_us": med(per["tcp"]) / 1e3, "socket_rtt_64B_us": med(per["socket"]) / 1e3,
             "tcp_get_64MiB_GBps": BIG / med(mem_t), "socket_64MiB_GBps": BIG / med(sock_t),
             "tile_get_1MiB_us": med(one) / 1e3, "first_tile_us": med(first) / 1e3,
@@ -492,53 +553,69 @@ def veth_pair() -> Iterator[tuple[list[str], list[str], str]]:
             subprocess.run([ip, "netns", "del", n], capture_output=True)
 
 
-def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str | None]:
-    """Run both nodes and return ``(figures, note)``; figures hold ``KEYS`` (None where not
-    measured) and the note says which link was measured, or why something was skipped.
-
-    ``link``: "auto" (veth where namespaces can be made, else loopback), "veth" or "loopback".
-    """
-    if link not in ("auto", "veth", "loopback"):
-        raise ValueError(f"link must be 'auto', 'veth' or 'loopback', got {link!r}")
-    why = namespaces_possible() if link != "loopback" else "loopback asked for"
-    if link == "veth" and why:
-        return {k: None for k in ALL_KEYS}, f"tcp figures over veth skipped: {why}"
-    link = "loopback" if why else "veth"
+def _run_nodes(quick: bool, why: str | None, link: str, cpus: tuple[int, int] | None,
+               small_only: bool = False) -> dict[str, Any]:
+    """One producer and one consumer process (in two namespaces unless ``why``), pinned to
+    ``cpus`` (owner, consumer) when given: the consumer's result."""
     job = f"benchtcp{os.getpid()}{secrets.token_hex(2)}"
     me = [sys.executable, "-m", "memsem.cli._bench_tcp"]
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     env = dict(os.environ, MEMSEM_JOB=job, MEMSEM_DIRECTORY="local")
+    env.pop("MEMSEM_BENCH_CPU", None)
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    with contextlib.ExitStack() as stack:
+        if why:
+            pa, pb, host = [], [], "127.0.0.1"
+        else:
+            pa, pb, host = stack.enter_context(veth_pair())
+        penv = dict(env, MEMSEM_NODE_ID="bench-node-a", MEMSEM_TCP_HOST=host, MEMSEM_BENCH_LINK=link)
+        cenv = dict(env, MEMSEM_NODE_ID="bench-node-b")
+        if cpus is not None:  # each "node" on a core of its own, or both on one (see placement_cpus)
+            penv["MEMSEM_BENCH_CPU"], cenv["MEMSEM_BENCH_CPU"] = str(cpus[0]), str(cpus[1])
+        prod = subprocess.Popen(pa + me + ["--role", "producer"], env=penv, **pipes)
+        try:
+            line = prod.stdout.readline()
+            if not line:
+                raise RuntimeError(f"producer failed: {prod.stderr.read()[-2000:]}")
+            flags = (["--quick"] if quick else []) + (["--small-only"] if small_only else [])
+            cons = subprocess.Popen(pb + me + ["--role", "consumer"] + flags, env=cenv, **pipes)
+            out, err = cons.communicate(line, timeout=900)
+            if cons.returncode != 0:
+                raise RuntimeError(f"consumer failed: {err[-2000:]}")
+            return json.loads(out.strip().splitlines()[-1])
+        finally:
+            with contextlib.suppress(OSError):
+                prod.stdin.write("\n")
+                prod.stdin.flush()
+            try:
+                prod.wait(30)
+            except subprocess.TimeoutExpired:
+                prod.kill()
+                prod.wait(5)
+
+
+def figures(quick: bool = True, link: str = "auto", placement: str = "apart") -> tuple[dict[str, Any], str | None]:
+    """Run both nodes and return ``(figures, note)``; figures hold ``KEYS`` (None where not
+    measured) and the note says which link and placement were measured, or why something was
+    skipped.
+
+    ``link``: "auto" (veth where namespaces can be made, else loopback), "veth" or "loopback".
+    ``placement``: the CPUs of the main run (``placement_cpus``; "apart" by default). After it,
+    the 64 B rounds run once more with both processes on one CPU (``*_one_core`` keys): what
+    each round trip costs in CPU, beside what it costs in time between two "nodes".
+    """
+    if link not in ("auto", "veth", "loopback"):
+        raise ValueError(f"link must be 'auto', 'veth' or 'loopback', got {link!r}")
+    cpus = placement_cpus(placement)
+    why = namespaces_possible() if link != "loopback" else "loopback asked for"
+    if link == "veth" and why:
+        return {k: None for k in ALL_KEYS}, f"tcp figures over veth skipped: {why}"
+    link = "loopback" if why else "veth"
     empty: dict[str, Any] = {k: None for k in ALL_KEYS}
     try:
-        with contextlib.ExitStack() as stack:
-            if why:
-                pa, pb, host = [], [], "127.0.0.1"
-            else:
-                pa, pb, host = stack.enter_context(veth_pair())
-            penv = dict(env, MEMSEM_NODE_ID="bench-node-a", MEMSEM_TCP_HOST=host, MEMSEM_BENCH_LINK=link)
-            cenv = dict(env, MEMSEM_NODE_ID="bench-node-b")
-            prod = subprocess.Popen(pa + me + ["--role", "producer"], env=penv, **pipes)
-            try:
-                line = prod.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"producer failed: {prod.stderr.read()[-2000:]}")
-                cons = subprocess.Popen(pb + me + ["--role", "consumer"] + (["--quick"] if quick else []),
-                                        env=cenv, **pipes)
-                out, err = cons.communicate(line, timeout=900)
-                if cons.returncode != 0:
-                    raise RuntimeError(f"consumer failed: {err[-2000:]}")
-                res = json.loads(out.strip().splitlines()[-1])
-            finally:
-                with contextlib.suppress(OSError):
-                    prod.stdin.write("\n")
-                    prod.stdin.flush()
-                try:
-                    prod.wait(30)
-                except subprocess.TimeoutExpired:
-                    prod.kill()
-                    prod.wait(5)
+        res = _run_nodes(quick, why, link, cpus)
+        one = _run_nodes(quick, why, link, placement_cpus("shared"), small_only=True)
     except Exception as exc:  # the rest of the bench goes on; the note says what failed
         return empty, f"tcp figures: {type(exc).__name__}: {exc}"
     if res.get("route") != "tcp" or not res.get("intact"):
@@ -560,7 +637,18 @@ def figures(quick: bool = True, link: str = "auto") -> tuple[dict[str, Any], str
     for k, name in (("tcp", "tcp_get_64MiB_GBps"), ("socket", "socket_64MiB_GBps")):
         v = res.get("rounds_GBps", {}).get(k)
         fig[f"{name}_spread"] = [round(x, 3) for x in _p10_p90(v)] if v else None
-    note = f"tcp figures over {link}" + (f" ({why})" if why else " (veth pair between two network namespaces)")
+    fig["tcp_placement"] = "unpinned" if cpus is None else f"{placement}: owner CPU {cpus[0]}, consumer CPU {cpus[1]}"
+    fig["tcp_affinity"] = res.get("affinity")  # the CPUs each process ran on, as it saw them
+    if one.get("route") == "tcp" and one.get("intact"):
+        st = one["ratios"]["tcp_get_64B_vs_socket"]
+        fig["tcp_get_64B_us_one_core"] = round(one["tcp_get_64B_us"], 3)
+        fig["socket_rtt_64B_us_one_core"] = round(one["socket_rtt_64B_us"], 3)
+        fig["tcp_get_64B_vs_socket_one_core"] = None if st["value"] is None else round(st["value"], 3)
+        fig["tcp_get_64B_vs_socket_one_core_spread"] = (None if st["value"] is None
+                                                        else [round(st["p10"], 3), round(st["p90"], 3)])
+        fig["tcp_affinity_one_core"] = one.get("affinity")
+    note = (f"tcp figures over {link}" + (f" ({why})" if why else " (veth pair between two network namespaces)")
+            + f", {fig['tcp_placement']}")
     return fig, note
 
 
@@ -598,8 +686,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=SMALL, help=argparse.SUPPRESS)
     ap.add_argument("--iters", type=int, default=1000, help=argparse.SUPPRESS)
     ap.add_argument("--quit", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--small-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     host, _, port = args.addr.rpartition(":")
+    _pin_from_env()
     if args.role == "socket-server":
         socket_server(host, int(port), max(args.size, BIG), lambda p: print(json.dumps({"port": p}), flush=True))
         return 0
@@ -610,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         _producer()
         return 0
     if args.role == "consumer":
-        _consumer(args.quick)
+        _consumer(args.quick, args.small_only)
         return 0
     fig, note = figures(args.quick)
     if args.json:
