@@ -258,6 +258,7 @@ uint64_t memsem_monotonic_ns(void);
 #define MEMSEM_PIPE_LATE 38       /* memsem_pipe_wait / take_over: the worker's copy of the tile is late */
 #define MEMSEM_PIPE_SLICE_NS 20000000   /* longest sleep of a worker between re-checks */
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
+#define MEMSEM_PIPE_SLOT_SPIN_NS 200000 /* a worker spins this long for a slot before sleeping */
 #define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
