@@ -99,6 +99,14 @@ def test_torch_and_dlpack_buffers_take_the_door(rt):
     assert t.tolist() == list(range(16))
     ref.put(torch.full((16,), 2.0))
     assert ref.get().tolist() == [2.0] * 16
+    ref.get(np.empty(16, np.float32))  # the ref keeps its native route...
+    kept = ref._hot
+    ref.put(torch.full((16,), 3.0))
+    for _ in range(2):  # ...and a tensor the call does not take goes through the door, route kept
+        t = torch.zeros(16)
+        assert ref.get(t) is t and t.tolist() == [3.0] * 16 and ref._hot is kept
+    with pytest.raises(ValueError, match="holds 8 bytes"):
+        ref.get(torch.zeros(2))  # the door's own errors, through the kept route too
     with pytest.raises(ValueError, match="conjugate"):
         ref.bytes(0, 16).bind(rt).get(torch.zeros(2, dtype=torch.complex64).conj())
 
@@ -195,3 +203,75 @@ def test_xcopy_inline_range_that_cannot_finish_goes_to_a_worker(rt):
     batch.wait(20)
     assert isinstance(batch.errors[0], StaleReferenceError)
     assert batch.results[1].state == memsem.State.DONE
+
+
+# -- a ref's own memo of its native route (TensorRef._hot) ------------------------------------------
+def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
+    """After one plain get a ref's next ones are one native call on the resolution it kept; a
+    resolution dropped since (the cache's bound), a retired window, a closed runtime are each
+    seen at the next get, never bytes of a window that is gone."""
+    a = rt.alloc(64, np.uint8)
+    a[:] = 1
+    ref = rt.publish(a, access="rw")
+    out = np.zeros(64, np.uint8)
+    ref.get(out)
+    kept = ref._hot
+    res = rt.core.resolver.cache[ref.spec.gva]
+    assert kept is not None and kept[6] is res and kept[1] == res.addr
+    a[:] = 2
+    assert (ref.get(out) == 2).all() and ref._hot is kept  # served by the kept resolution
+    rt.core.resolver.drop(ref.spec.gva)  # as the cache's bound does
+    assert res.closed
+    a[:] = 3
+    assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again, settled
+    assert (ref.get(out) == 3).all() and ref._hot is not None and ref._hot[6] is not res
+    assert ref._hot[6] is rt.core.resolver.cache[ref.spec.gva]
+    rt.unpublish(ref)
+    out[:] = 9
+    with pytest.raises(StaleReferenceError):
+        ref.get(out)
+    assert (out == 9).all()  # nothing of the retired window was copied
+
+
+def test_kept_routes_stay_right_past_the_cache_bound(rt):
+    """More windows than the cache holds, read in turn twice: the resolutions the bound dropped
+    are closed under the refs that kept them; each refuses natively at its ref's next get and
+    is replaced; every get returns its own window's bytes."""
+    limit = rt.core.resolver.limit
+    n = limit + 64
+    arrays, refs = [], []
+    for i in range(n):
+        a = rt.alloc(64, np.uint8)
+        a[:] = i % 251
+        arrays.append(a)
+        refs.append(rt.publish(a))
+    out = np.empty(64, np.uint8)
+    for i, r in enumerate(refs):
+        assert (r.get(out) == i % 251).all(), i
+    kept = [r._hot[6] for r in refs]
+    assert sum(res.closed for res in kept) == n - limit  # dropped by the bound, still kept
+    for i, r in enumerate(refs):
+        assert (r.get(out) == i % 251).all(), i
+        assert r._hot is not None and not r._hot[6].closed
+    assert sum(r._hot[6] is not res for r, res in zip(refs, kept)) >= n - limit  # replaced
+
+
+def test_a_kept_route_is_the_refs_runtime_and_spec_only():
+    """A ref keeps its route for the runtime and spec it read through: bound to another
+    runtime (as after fork, where a ref's closed runtime gives way to the default one) or
+    given another spec, the kept route is not used."""
+    with memsem.Runtime() as r1, memsem.Runtime() as r2:
+        a = r1.alloc(64, np.uint8)
+        a[:] = 5
+        ref = r1.publish(a)
+        b = r2.alloc(64, np.uint8)
+        b[:] = 6
+        other = r2.publish(b)
+        out = np.empty(64, np.uint8)
+        ref.get(out)
+        assert ref._hot is not None and ref._hot[0] is r1.core
+        twin = r2.ref(ref.to_bytes())  # same window through the other runtime
+        twin._hot = ref._hot  # even a route kept by another runtime's ref
+        assert (twin.get(out) == 5).all() and twin._hot[0] is r2.core
+        ref.spec = other.spec  # a ref pointed elsewhere reads there, never a's bytes
+        assert (ref.get(out) == 6).all() and ref._hot[5] is other.spec

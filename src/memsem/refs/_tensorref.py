@@ -6,13 +6,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from memsem import _args, _dtypes
+from memsem import _args, _dtypes, _hot, native
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
 from memsem.core import Completion, Lease, RuntimeCore, current_core
 
-
+_hot_copy = _hot.copy  # one native call: the buffer's door checks, then memsem_plan_copy
+_RC_BUFFER = _hot.RC_BUFFER
+_ATTN = native.lib.MEMSEM_RC_ATTENTION
 _UINT8 = _dtypes.code_of("uint8")
 
 
@@ -73,13 +75,17 @@ class TensorRef:
         access: "r" or "rw".
     """
 
-    __slots__ = ("spec", "_rt")
+    __slots__ = ("spec", "_rt", "_hot")
 
     def __init__(self, spec: RefSpec, runtime: Any = None) -> None:
         if not isinstance(spec, RefSpec):
             raise TypeError(f"spec must be a RefSpec, got {type(spec).__name__}")
         self.spec = spec
         self._rt = as_core(runtime)
+        #: ``Transfers.hot_args`` of the last plain get (None: none yet, or not a native route):
+        #: the next one is a single native call that reads no cache, the spec or the resolution
+        #: (with 10,000 windows in turn, each object a get reads is a cache miss)
+        self._hot: tuple[Any, ...] | None = None
 
     # -- identity --------------------------------------------------------------------------------
     @property
@@ -239,6 +245,20 @@ class TensorRef:
             raise TypeError(f"with_version must be True or False, got {with_version!r}")
         if out is not None:
             if with_version is False:
+                if lease is None and version.__class__ is int and not version:  # a plain get
+                    h = self._hot
+                    if h is not None and h[0] is rt and h[5] is self.spec:
+                        rc = _hot_copy(h[1], 0, h[2], out, h[3], h[4], 0)
+                        if not rc & _ATTN:
+                            return out
+                        if rc == _RC_BUFFER:  # not a plain buffer (torch...): its door, route kept
+                            return rt.transfers.after_hot(rc, h[6], self.spec, out)[1]
+                        self._hot = None  # closed since, torn, moved...: settled, then kept anew
+                        rt.transfers.after_hot(rc, h[6], self.spec, out)
+                    else:
+                        rt.transfers.get(self.spec, out, None, 0)
+                    self._hot = rt.transfers.hot_args(self.spec)
+                    return out
                 return rt.transfers.get(self.spec, out, lease, version)
             return Versioned(*rt.transfers.get_versioned(self.spec, out, lease, version))
         fw = framework or self._default_framework()
