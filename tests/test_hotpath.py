@@ -226,11 +226,19 @@ def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
     assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again, settled
     assert (ref.get(out) == 3).all() and ref._hot is not None and ref._hot[6] is not res
     assert ref._hot[6] is rt.core.resolver.cache[ref.spec.gva]
+    ref.put(np.full(64, 4, np.uint8))  # puts go through the kept route too
+    assert (a == 4).all() and ref._hot[7] is True
+    rt.core.resolver.drop(ref.spec.gva)
+    ref.put(np.full(64, 5, np.uint8))  # refused natively (closed), settled, kept anew
+    assert (a == 5).all() and not ref._hot[6].closed
     rt.unpublish(ref)
     out[:] = 9
     with pytest.raises(StaleReferenceError):
         ref.get(out)
     assert (out == 9).all()  # nothing of the retired window was copied
+    with pytest.raises(StaleReferenceError):
+        ref.put(np.full(64, 6, np.uint8))
+    assert (a == 5).all()  # nor written into it
 
 
 def test_kept_routes_stay_right_past_the_cache_bound(rt):
@@ -275,3 +283,17 @@ def test_a_kept_route_is_the_refs_runtime_and_spec_only():
         assert (twin.get(out) == 5).all() and twin._hot[0] is r2.core
         ref.spec = other.spec  # a ref pointed elsewhere reads there, never a's bytes
         assert (ref.get(out) == 6).all() and ref._hot[5] is other.spec
+
+
+def test_a_kept_route_of_a_read_only_ref_never_writes(rt):
+    """A read-only ref keeps its route for gets; its puts still take the door and are refused,
+    the window's bytes unchanged."""
+    a = rt.alloc(16, np.uint8)
+    a[:] = 3
+    ro = rt.publish(a, access="r")
+    out = np.empty(16, np.uint8)
+    assert (ro.get(out) == 3).all() and ro._hot is not None and ro._hot[7] is False
+    for _ in range(2):
+        with pytest.raises(AccessDeniedError):
+            ro.put(np.zeros(16, np.uint8))
+    assert (a == 3).all() and (ro.get(out) == 3).all()

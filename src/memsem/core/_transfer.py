@@ -380,16 +380,16 @@ class Transfers:
         return self._get(spec, out, lease, version)
 
     def hot_args(self, spec: RefSpec) -> tuple[Any, ...] | None:
-        """What a ref keeps to make its next plain gets one native call without a cache lookup:
-        ``(core, plan address, offset, nbytes, dtype code, spec, resolution)`` when ``spec``'s
-        cached resolution copies here natively (same node), else None. The tuple holds the
+        """What a ref keeps to make its next plain gets and puts one native call without a cache
+        lookup: ``(core, plan address, offset, nbytes, dtype code, spec, resolution, writable)``
+        (writable: the ref may put) when ``spec``'s cached resolution copies here natively (same node), else None. The tuple holds the
         resolution, so the plan's memory outlives every call through it; a resolution closed
         since (dropped, retired) refuses in the native call (its use word), which the ref then
         settles with :meth:`after_hot` and forgets."""
         res = self._cache.get(spec.gva)
         if (res is not None and res.direct and res.generation == spec.generation and res.key == spec.key
                 and not res.closed):
-            return (self._core, res.addr, spec.offset, spec.nbytes, spec.dtype_code, spec, res)
+            return (self._core, res.addr, spec.offset, spec.nbytes, spec.dtype_code, spec, res, spec.access == "rw")
         return None
 
     def after_hot(self, rc: int, res: Resolution, spec: RefSpec, out: Any, lease: Lease | None = None,
@@ -400,6 +400,14 @@ class Transfers:
             flat, info = as_byte_array(out, "out", writable=True)
             return self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version), out
         return self._get(spec, out, lease, version)
+
+    def after_hot_put(self, rc: int, res: Resolution, spec: RefSpec, src: Any) -> int:
+        """A put's ``memsem._hot.copy`` result word that needs attention (as :meth:`after_hot`):
+        the version overwritten."""
+        if rc != _RC_BUFFER:
+            flat, info = as_byte_array(src, "src", writable=False)
+            return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, None, 0)
+        return self._put(spec, src, None)
 
     def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> tuple[int, Any]:
         if out is None:

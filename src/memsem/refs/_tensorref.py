@@ -321,7 +321,22 @@ class TensorRef:
         rt = self._rt
         if rt is None or rt.closed:
             rt = usable_core(rt)
-        rt.transfers.put(self.spec, src, lease)
+        if lease is not None:
+            rt.transfers.put(self.spec, src, lease)
+            return
+        h = self._hot  # the route the last plain get or put kept (see get)
+        if h is not None and h[7] and h[0] is rt and h[5] is self.spec:
+            rc = _hot_copy(h[1], 1, h[2], src, h[3], h[4])
+            if not rc & _ATTN:
+                return
+            if rc == _RC_BUFFER:
+                rt.transfers.after_hot_put(rc, h[6], self.spec, src)
+                return
+            self._hot = None
+            rt.transfers.after_hot_put(rc, h[6], self.spec, src)
+        else:
+            rt.transfers.put(self.spec, src, None)
+        self._hot = rt.transfers.hot_args(self.spec)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final.
