@@ -8,6 +8,12 @@ refuses it with the error naming the argument. These tests hold both halves to t
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import multiprocessing as mp
+import os
+import weakref
+
 import numpy as np
 import pytest
 
@@ -16,7 +22,10 @@ from memsem import AccessDeniedError, LeaseExpiredError, StaleReferenceError, _d
 from memsem import native
 from memsem.core import Status
 
+from tests._agent import Agent
 from tests._proc import recv, reap, spawn
+
+SPAWN = mp.get_context("spawn")
 
 PLAIN = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
          "float16", "float32", "float64", "complex64", "complex128"]
@@ -217,20 +226,27 @@ def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
     ref.get(out)
     kept = ref._hot
     res = rt.core.resolver.cache[ref.spec.gva]
-    assert kept is not None and kept[6] is res and kept[1] == res.addr
+    assert kept is not None and kept[0][0] is res and kept[1] == res.addr
     a[:] = 2
     assert (ref.get(out) == 2).all() and ref._hot is kept  # served by the kept resolution
     rt.core.resolver.drop(ref.spec.gva)  # as the cache's bound does
-    assert res.closed
+    assert res.closed and kept[0] == [None]  # released: the ref's route no longer holds it
     a[:] = 3
-    assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again, settled
-    assert (ref.get(out) == 3).all() and ref._hot is not None and ref._hot[6] is not res
-    assert ref._hot[6] is rt.core.resolver.cache[ref.spec.gva]
+    assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again
+    assert (ref.get(out) == 3).all() and ref._hot is not None and ref._hot[0][0] is not res
+    assert ref._hot[0][0] is rt.core.resolver.cache[ref.spec.gva]
+    busy = rt.core.resolver.cache[ref.spec.gva]
+    assert busy.enter()  # a copy running through it: closed by the drop, released only after
+    rt.core.resolver.drop(ref.spec.gva)
+    assert busy.closed and ref._hot[0][0] is busy
+    assert (ref.get(out) == 3).all()  # refused natively (closed), settled through it
+    busy.leave()
+    assert ref._hot[0] == [None] or ref._hot[0][0] is not busy
     ref.put(np.full(64, 4, np.uint8))  # puts go through the kept route too
-    assert (a == 4).all() and ref._hot[7] is True
+    assert (a == 4).all() and ref._hot[6] is True
     rt.core.resolver.drop(ref.spec.gva)
     ref.put(np.full(64, 5, np.uint8))  # refused natively (closed), settled, kept anew
-    assert (a == 5).all() and not ref._hot[6].closed
+    assert (a == 5).all() and not ref._hot[0][0].closed
     rt.unpublish(ref)
     out[:] = 9
     with pytest.raises(StaleReferenceError):
@@ -243,8 +259,8 @@ def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
 
 def test_kept_routes_stay_right_past_the_cache_bound(rt):
     """More windows than the cache holds, read in turn twice: the resolutions the bound dropped
-    are closed under the refs that kept them; each refuses natively at its ref's next get and
-    is replaced; every get returns its own window's bytes."""
+    are freed though refs kept routes through them; each such ref resolves again at its next
+    get; every get returns its own window's bytes."""
     limit = rt.core.resolver.limit
     n = limit + 64
     arrays, refs = [], []
@@ -256,12 +272,10 @@ def test_kept_routes_stay_right_past_the_cache_bound(rt):
     out = np.empty(64, np.uint8)
     for i, r in enumerate(refs):
         assert (r.get(out) == i % 251).all(), i
-    kept = [r._hot[6] for r in refs]
-    assert sum(res.closed for res in kept) == n - limit  # dropped by the bound, still kept
+    assert sum(r._hot[0][0] is None for r in refs) == n - limit  # dropped by the bound: let go
     for i, r in enumerate(refs):
         assert (r.get(out) == i % 251).all(), i
-        assert r._hot is not None and not r._hot[6].closed
-    assert sum(r._hot[6] is not res for r, res in zip(refs, kept)) >= n - limit  # replaced
+        assert r._hot is not None and not r._hot[0][0].closed
 
 
 def test_a_kept_route_is_the_refs_runtime_and_spec_only():
@@ -277,10 +291,10 @@ def test_a_kept_route_is_the_refs_runtime_and_spec_only():
         other = r2.publish(b)
         out = np.empty(64, np.uint8)
         ref.get(out)
-        assert ref._hot is not None and ref._hot[0] is r1.core
+        assert ref._hot is not None and ref._hot[7] is r1.core.token
         twin = r2.ref(ref.to_bytes())  # same window through the other runtime
         twin._hot = ref._hot  # even a route kept by another runtime's ref
-        assert (twin.get(out) == 5).all() and twin._hot[0] is r2.core
+        assert (twin.get(out) == 5).all() and twin._hot[7] is r2.core.token
         ref.spec = other.spec  # a ref pointed elsewhere reads there, never a's bytes
         assert (ref.get(out) == 6).all() and ref._hot[5] is other.spec
 
@@ -292,8 +306,89 @@ def test_a_kept_route_of_a_read_only_ref_never_writes(rt):
     a[:] = 3
     ro = rt.publish(a, access="r")
     out = np.empty(16, np.uint8)
-    assert (ro.get(out) == 3).all() and ro._hot is not None and ro._hot[7] is False
+    assert (ro.get(out) == 3).all() and ro._hot is not None and ro._hot[6] is False
     for _ in range(2):
         with pytest.raises(AccessDeniedError):
             ro.put(np.zeros(16, np.uint8))
     assert (a == 3).all() and (ro.get(out) == 3).all()
+
+
+def test_a_kept_route_keeps_nothing_alive_the_cache_dropped(rt):
+    """A resolution the cache dropped is freed (its mappings, its owner's pidfd), though refs
+    that kept a route through it live on (they keep only its plan's memory); the next get
+    resolves again."""
+    refs = []
+    for i in range(3):
+        a = rt.alloc(64, np.uint8)
+        a[:] = i
+        refs.append((rt.publish(a), a))
+    out = np.empty(64, np.uint8)
+    for ref, _ in refs:
+        ref.get(out)
+    weak = [weakref.ref(ref._hot[0][0]) for ref, _ in refs]
+    assert all(w() is not None for w in weak)
+    for ref, _ in refs:
+        rt.core.resolver.drop(ref.spec.gva)
+    gc.collect()
+    assert [w() for w in weak] == [None, None, None]
+    for i, (ref, _) in enumerate(refs):
+        assert (ref.get(out) == i).all() and ref._hot[0][0] is not None
+
+
+def _pidfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    return n
+
+
+@pytest.mark.multiproc
+def test_kept_routes_hold_no_dead_owners_pidfd(rt):
+    """Refs to windows of owners that died keep none of their pidfds open once the cache dropped
+    the resolutions: at most the resolver's bounded memo of owners does (found by review)."""
+    resolver = rt.core.resolver
+    resolver.limit = resolver.cap = 1  # its memo of dropped windows' owners: 4 x limit
+    agents = [Agent(SPAWN, timeout=30.0) for _ in range(6)]
+    try:
+        base = _pidfds()
+        refs = [rt.ref(a.call("publish", i, 64, True, "r", None)) for i, a in enumerate(agents)]
+        out = np.empty(64, np.uint8)
+        for r in refs:
+            r.get(out)
+            r.get(out)
+        assert all(r._hot is not None for r in refs)
+        for a in agents:
+            a.kill()
+        for r in refs:
+            resolver.drop(r.spec.gva)
+        gc.collect()
+        assert _pidfds() - base <= 4 * resolver.limit + 1
+    finally:
+        for a in agents:
+            a.kill()
+
+
+def test_an_unbound_refs_kept_route_keeps_no_closed_runtime_alive():
+    """An unbound ref reads through the current runtime; once that runtime is closed, what the
+    ref keeps holds none of it (found by review), and the ref reads through the next one."""
+    owner = memsem.Runtime(timeout=5)  # not entered: the unbound ref reads through the newest
+    try:
+        a = owner.alloc(64, np.uint8)
+        a[:] = 8
+        b = owner.publish(a).to_bytes()
+        cons = memsem.Runtime(timeout=5)
+        ref = memsem.TensorRef.from_bytes(b)  # unbound: the newest open runtime, cons
+        out = np.empty(64, np.uint8)
+        ref.get(out)
+        assert ref._hot is not None and ref._hot[7] is cons.core.token
+        w = weakref.ref(cons.core)
+        cons.close()
+        del cons
+        gc.collect()
+        assert w() is None, "a ref's kept route kept a closed runtime alive"
+        assert ref._hot[0] == [None]
+        out[:] = 0
+        assert (ref.get(out) == 8).all() and ref._hot[7] is owner.core.token  # the current one now
+    finally:
+        owner.close()

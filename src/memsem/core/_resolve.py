@@ -124,7 +124,7 @@ class Resolution:
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
                  "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
-                 "resolver", "telemetry", "timeout", "strategy", "memo", "_ident", "_core", "_released", "__weakref__")
+                 "resolver", "telemetry", "timeout", "strategy", "memo", "keeper", "_ident", "_core", "_released", "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
                  remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer,
@@ -149,6 +149,9 @@ class Resolution:
         self.slot = -1
         self._ident = core.identity
         self._released = False
+        #: ``[self]`` while this resolution is unreleased, ``[None]`` after: what refs that keep
+        #: its route hold (``Transfers.hot_args``), so they never keep it past its release
+        self.keeper: list[Any] | None = None
         plan = self.plan = native.new_plan()
         self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
         self.use = UseWord(_ffi.addressof(plan, "use"))
@@ -245,6 +248,8 @@ class Resolution:
         if self._released:
             return
         self._released = True
+        if self.keeper is not None:
+            self.keeper[0] = None  # refs keeping this route let go of it (its plan is closed)
         self._core.telemetry.absorb(self)
         cb = self.cb
         for r in [self.remote, *self._remotes.values()]:

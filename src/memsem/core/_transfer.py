@@ -381,15 +381,24 @@ class Transfers:
 
     def hot_args(self, spec: RefSpec) -> tuple[Any, ...] | None:
         """What a ref keeps to make its next plain gets and puts one native call without a cache
-        lookup: ``(core, plan address, offset, nbytes, dtype code, spec, resolution, writable)``
-        (writable: the ref may put) when ``spec``'s cached resolution copies here natively (same node), else None. The tuple holds the
-        resolution, so the plan's memory outlives every call through it; a resolution closed
-        since (dropped, retired) refuses in the native call (its use word), which the ref then
-        settles with :meth:`after_hot` and forgets."""
+        lookup: ``(keeper, plan address, offset, nbytes, dtype code, spec, writable, this
+        runtime's ``token``, plan)`` (writable: the ref may put) when ``spec``'s cached
+        resolution copies here natively (same node), else None.
+
+        ``keeper`` is the resolution's ``[resolution]``, emptied (``[None]``) at its release, so
+        a ref never keeps a released resolution, its owner's pidfd or its runtime alive; the
+        plan (its native memory, about 2 KiB) stays with the ref, so a call racing the release
+        reads valid memory, whose use word, closed before any release, refuses it. A mapping is
+        released only by a release, so no plan a ref can reach copies through a released
+        mapping."""
         res = self._cache.get(spec.gva)
         if (res is not None and res.direct and res.generation == spec.generation and res.key == spec.key
                 and not res.closed):
-            return (self._core, res.addr, spec.offset, spec.nbytes, spec.dtype_code, spec, res, spec.access == "rw")
+            keeper = res.keeper
+            if keeper is None:
+                keeper = res.keeper = [res]
+            return (keeper, res.addr, spec.offset, spec.nbytes, spec.dtype_code, spec, spec.access == "rw",
+                    self._core.token, res.plan)
         return None
 
     def after_hot(self, rc: int, res: Resolution, spec: RefSpec, out: Any, lease: Lease | None = None,

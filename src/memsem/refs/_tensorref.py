@@ -82,9 +82,9 @@ class TensorRef:
             raise TypeError(f"spec must be a RefSpec, got {type(spec).__name__}")
         self.spec = spec
         self._rt = as_core(runtime)
-        #: ``Transfers.hot_args`` of the last plain get (None: none yet, or not a native route):
-        #: the next one is a single native call that reads no cache, the spec or the resolution
-        #: (with 10,000 windows in turn, each object a get reads is a cache miss)
+        #: ``Transfers.hot_args`` of the last plain get or put (None: none yet, or not a native
+        #: route): the next one is a single native call that reads neither the cache nor the
+        #: spec (with 10,000 windows in turn, each object a get reads is a cache miss)
         self._hot: tuple[Any, ...] | None = None
 
     # -- identity --------------------------------------------------------------------------------
@@ -247,14 +247,18 @@ class TensorRef:
             if with_version is False:
                 if lease is None and version.__class__ is int and not version:  # a plain get
                     h = self._hot
-                    if h is not None and h[0] is rt and h[5] is self.spec:
-                        rc = _hot_copy(h[1], 0, h[2], out, h[3], h[4], 0)
+                    if h is not None and h[5] is self.spec and h[7] is rt.token:
+                        rc = _hot_copy(h[1], 0, h[2], out, h[3], h[4], 0)  # h holds the plan
                         if not rc & _ATTN:
                             return out
-                        if rc == _RC_BUFFER:  # not a plain buffer (torch...): its door, route kept
-                            return rt.transfers.after_hot(rc, h[6], self.spec, out)[1]
-                        self._hot = None  # closed since, torn, moved...: settled, then kept anew
-                        rt.transfers.after_hot(rc, h[6], self.spec, out)
+                        res = h[0][0]
+                        if rc == _RC_BUFFER and res is not None:  # not a plain buffer: its door
+                            return rt.transfers.after_hot(rc, res, self.spec, out)[1]
+                        self._hot = None  # released, torn, moved...: settled, then kept anew
+                        if res is None:
+                            rt.transfers.get(self.spec, out, None, 0)
+                        else:
+                            rt.transfers.after_hot(rc, res, self.spec, out)
                     else:
                         rt.transfers.get(self.spec, out, None, 0)
                     self._hot = rt.transfers.hot_args(self.spec)
@@ -325,15 +329,19 @@ class TensorRef:
             rt.transfers.put(self.spec, src, lease)
             return
         h = self._hot  # the route the last plain get or put kept (see get)
-        if h is not None and h[7] and h[0] is rt and h[5] is self.spec:
+        if h is not None and h[6] and h[5] is self.spec and h[7] is rt.token:
             rc = _hot_copy(h[1], 1, h[2], src, h[3], h[4])
             if not rc & _ATTN:
                 return
-            if rc == _RC_BUFFER:
-                rt.transfers.after_hot_put(rc, h[6], self.spec, src)
+            res = h[0][0]
+            if rc == _RC_BUFFER and res is not None:
+                rt.transfers.after_hot_put(rc, res, self.spec, src)
                 return
             self._hot = None
-            rt.transfers.after_hot_put(rc, h[6], self.spec, src)
+            if res is None:
+                rt.transfers.put(self.spec, src, None)
+            else:
+                rt.transfers.after_hot_put(rc, res, self.spec, src)
         else:
             rt.transfers.put(self.spec, src, None)
         self._hot = rt.transfers.hot_args(self.spec)
