@@ -151,7 +151,7 @@ class Resolution:
         self._released = False
         #: ``[self]`` while this resolution is unreleased, ``[None]`` after: what refs that keep
         #: its route hold (``Transfers.hot_args``), so they never keep it past its release
-        self.keeper: list[Any] | None = None
+        self.keeper: list[Resolution | None] | None = None
         plan = self.plan = native.new_plan()
         self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
         self.use = UseWord(_ffi.addressof(plan, "use"))
