@@ -410,13 +410,13 @@ class Transfers:
             return self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version), out
         return self._get(spec, out, lease, version)
 
-    def after_hot_put(self, rc: int, res: Resolution, spec: RefSpec, src: Any) -> int:
+    def after_hot_put(self, rc: int, res: Resolution, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
         """A put's ``memsem._hot.copy`` result word that needs attention (as :meth:`after_hot`):
         the version overwritten."""
         if rc != _RC_BUFFER:
             flat, info = as_byte_array(src, "src", writable=False)
-            return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, None, 0)
-        return self._put(spec, src, None)
+            return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0)
+        return self._put(spec, src, lease)
 
     def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> tuple[int, Any]:
         if out is None:
@@ -442,9 +442,7 @@ class Transfers:
                                    *lease.native_args(spec))
                 if not rc & _ATTN:
                     return rc >> _SHIFT
-                if rc != _RC_BUFFER:
-                    flat, info = as_byte_array(src, "src", writable=False)
-                    return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0)
+                return self.after_hot_put(rc, res, spec, src, lease)
         return self._put(spec, src, lease)
 
     def _put(self, spec: RefSpec, src: Any, lease: Lease | None) -> int:

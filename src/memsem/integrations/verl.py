@@ -34,7 +34,9 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
 * A rollout marks both slot words of its status window when it joins, and the word of slot s
   again once it has copied the bucket out of slot s. Before the trainer writes a bucket into
   slot s it waits for word s of every rollout it sends to (all of them in a star, rollout 1 in
-  a chain), then clears them; a relaying rollout does the same with the rollout after it before
+  a chain), then clears them and looks at their "failed" words once more (a rollout that
+  leaves between the look and the clear marks "failed" first: its failure is never cleared
+  away with the slot word); a relaying rollout does the same with the rollout after it before
   it receives the next bucket into its own slot s: every writer is at most two buckets ahead of
   its slowest reader and never overwrites a bucket someone still needs. A relay publishes its
   bucket window in ``init_process_group`` and puts its ref into its status window
@@ -408,8 +410,36 @@ class MemsemCheckpointEngine(CheckpointEngine):
         what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
         t0 = loop.time()
         await self._await_words(loop, self._rollouts, slot, what, f" (bucket slot {slot})")
-        await core.submit("clear slot words", lambda: [core.clear_ready(st.spec, slot) for st, _ in self._rollouts])
+        left = await core.submit("clear slot words", lambda: self._clear_words(slot))
+        if left is not None:
+            await self._left(left[0], left[1], what)
         return loop.time() - t0 if bucket >= 2 else 0.0
+
+    def _clear_words(self, slot: int) -> tuple[Any, str] | None:
+        """Clear word ``slot`` of every rollout this engine sends to, then look at their
+        "failed" words again: returns the first rollout that failed, else None. Blocking.
+
+        A rollout that leaves marks "failed" before its slot words, so a clear that erased the
+        slot mark of a failure (marked between the wait's look and this clear) comes after its
+        "failed" mark, which the look after the clear sees: the failure is never lost with the
+        word (the final wait, on that very word, would otherwise wait out its timeout).
+        """
+        core = self.runtime.core
+        for st, _ in self._rollouts:
+            core.clear_ready(st.spec, slot)
+        for st, label in self._rollouts:
+            if st.is_ready(W_FAILED):
+                return st, label
+        return None
+
+    async def _left(self, status: Any, label: str, what: str) -> None:
+        """Raise that ``label`` (its status window ``status``) left the sync, with its message.
+
+        Raises:
+            PeerLostError: always.
+        """
+        raw = await self.runtime.core.submit(f"{label}: its error", status.get)
+        raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {_failure_message(raw)}")
 
     async def _await_done(self, loop: asyncio.AbstractEventLoop, last: int) -> None:
         """After the last bucket (index ``last``): every rollout has copied it (its word of that
@@ -443,8 +473,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 raise memsem.MemsemTimeoutError(f"{label} did not {what} within {self.timeout:g} s",
                                                 what=label, timeout=self.timeout) from exc
             if failed:
-                raw = await core.submit(f"{label}: its error", status.get)
-                raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {_failure_message(raw)}")
+                await self._left(status, label, what)
 
     # -- rollout ----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -251,17 +251,9 @@ class TensorRef:
                         rc = _hot_copy(h[1], 0, h[2], out, h[3], h[4], 0)  # h holds the plan
                         if not rc & _ATTN:
                             return out
-                        res = h[0][0]
-                        if rc == _RC_BUFFER and res is not None:  # not a plain buffer: its door
-                            return rt.transfers.after_hot(rc, res, self.spec, out)[1]
-                        self._hot = None  # released, torn, moved...: settled, then kept anew
-                        if res is None:
-                            rt.transfers.get(self.spec, out, None, 0)
-                        else:
-                            rt.transfers.after_hot(rc, res, self.spec, out)
+                        self._settle_kept(rt, h[0][0], rc, False, out)
                     else:
-                        rt.transfers.get(self.spec, out, None, 0)
-                    self._hot = rt.transfers.hot_args(self.spec)
+                        self._settle_kept(rt, None, 0, False, out)
                     return out
                 return rt.transfers.get(self.spec, out, lease, version)
             return Versioned(*rt.transfers.get_versioned(self.spec, out, lease, version))
@@ -333,18 +325,34 @@ class TensorRef:
             rc = _hot_copy(h[1], 1, h[2], src, h[3], h[4])
             if not rc & _ATTN:
                 return
-            res = h[0][0]
-            if rc == _RC_BUFFER and res is not None:
-                rt.transfers.after_hot_put(rc, res, self.spec, src)
-                return
-            self._hot = None
-            if res is None:
-                rt.transfers.put(self.spec, src, None)
-            else:
-                rt.transfers.after_hot_put(rc, res, self.spec, src)
+            self._settle_kept(rt, h[0][0], rc, True, src)
         else:
-            rt.transfers.put(self.spec, src, None)
-        self._hot = rt.transfers.hot_args(self.spec)
+            self._settle_kept(rt, None, 0, True, src)
+
+    def _settle_kept(self, rt: Any, res: Any, rc: int, put: bool, buf: Any) -> None:
+        """The plain get (``put`` False: into ``buf``) or put (from ``buf``) that the kept route
+        did not finish: ``rc``, the result word of its native call that needs attention, with
+        ``res`` the resolution it copied through, or ``res`` None (no route kept, or its
+        resolution released since): the whole path. Keeps the route anew after it.
+
+        Raises:
+            What the get or put raises.
+        """
+        tr = rt.transfers
+        anew = res is None or rc != _RC_BUFFER  # RC_BUFFER: not a plain buffer, its door; the route stays
+        if anew:
+            self._hot = None  # released, torn, moved...: settled, then kept anew
+        if res is None:
+            if put:
+                tr.put(self.spec, buf, None)
+            else:
+                tr.get(self.spec, buf, None, 0)
+        elif put:
+            tr.after_hot_put(rc, res, self.spec, buf)
+        else:
+            tr.after_hot(rc, res, self.spec, buf)
+        if anew:
+            self._hot = tr.hot_args(self.spec)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final.
