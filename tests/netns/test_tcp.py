@@ -557,3 +557,153 @@ def test_a_process_reads_its_own_window_through_tcp_when_it_prefers_tcp():
         assert np.array_equal(ref.get(), a)
         ref.bytes(5, 3).put(np.array([9, 9, 9], np.uint8))
         assert a[5:8].tolist() == [9, 9, 9]
+
+
+# -- the kept route: a ref's next plain small get or put is one bracket around one request ------------
+def _conn(rt, ref):
+    """This thread's data connection to the owner of ``ref`` (the engine's own)."""
+    remote = rt.core.resolve(ref.spec).remote_for(ref.spec)
+    return rt.engine("tcp")._local.conns[remote.endpoint], remote.credential.token
+
+
+def test_the_kept_route_serves_small_gets_and_puts_each_counted(owner, rt):
+    w = _ref(rt, owner("publish", name="k", n=8)["ref"])  # 64 bytes
+    out = np.empty(8, np.int64)
+    w.get(out=out)
+    assert w._wire is not None and w._hot is None  # kept (the whole path ran once)
+    conn, _ = _conn(rt, w)
+    before = rt.stats().bytes_by_route["tcp"]
+    for i in range(40):
+        w.put(np.full(8, i, np.int64))
+        w.get(out=out)
+        assert (out == i).all()
+        raw = np.empty(64, np.uint8)  # raw bytes into uint8 take the kept route too
+        w.get(out=raw)
+        assert (raw.view(np.int64) == i).all()
+    assert owner("read", name="k")["head"] == [39] * 8
+    assert rt.stats().bytes_by_route["tcp"] - before == 40 * 3 * 64  # every bracket counted
+    assert _conn(rt, w)[0] is conn  # one connection throughout
+
+
+def test_the_kept_route_never_reads_through_a_recycled_handle(owner, rt):
+    """Handles are recycled: after the kept handle is closed, another window's OPEN takes its
+    number; the kept route must notice and never return that window's bytes."""
+    a = _ref(rt, owner("publish", name="ha", n=8, kind="full", value=1)["ref"])
+    b = _ref(rt, owner("publish", name="hb", n=8, kind="full", value=2)["ref"])
+    out = np.empty(8, np.int64)
+    a.get(out=out)
+    conn, token = _conn(rt, a)
+    h = conn.handles[token]
+    conn.forget(token)  # closed with the next request; its number is free again
+    b.get(out=out)
+    assert (out == 2).all() and conn.handles[_conn(rt, b)[1]] == h  # b took a's number
+    a.get(out=out)
+    assert (out == 1).all()
+
+
+@pytest.mark.parametrize("how", [socket.SHUT_WR, socket.SHUT_RD, "close"])
+def test_the_kept_route_after_its_connection_failed(owner, rt, how):
+    """The connection fails under the kept route before the request leaves (SHUT_WR), after
+    it left (SHUT_RD: the reply never comes), or is closed: the get is made again on a new
+    connection, with the right bytes, and the route is kept anew."""
+    w = _ref(rt, owner("publish", name="f", n=8)["ref"])
+    out = np.empty(8, np.int64)
+    w.get(out=out)
+    conn, _ = _conn(rt, w)
+    if how == "close":
+        conn.close()
+    else:
+        conn.sock.shutdown(how)
+    out[:] = -1
+    w.get(out=out)
+    assert (out == np.arange(8)).all()
+    fresh, _ = _conn(rt, w)
+    assert fresh is not conn and conn.closed
+    w.get(out=out)
+    assert (out == np.arange(8)).all() and _conn(rt, w)[0] is fresh
+
+
+def test_the_kept_route_is_one_threads(owner, rt):
+    """A route is kept for the thread that made it (connections are per thread): another
+    thread's gets and puts take their own connection, and both keep returning right bytes."""
+    w = _ref(rt, owner("publish", name="t", n=8, kind="full", value=0)["ref"])
+    errors, seen = [], set()
+    turn = [threading.Event(), threading.Event()]
+
+    def run(k):
+        out = np.empty(8, np.int64)
+        try:
+            for i in range(20):
+                assert turn[k].wait(30)
+                turn[k].clear()
+                w.put(np.full(8, 2 * i + k, np.int64))
+                w.get(out=out)
+                assert (out == 2 * i + k).all(), (k, i, out)
+                seen.add(id(_conn(rt, w)[0]))
+                turn[1 - k].set()  # the other thread's turn: the ref alternates threads
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            turn[1 - k].set()
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+    for t in ts:
+        t.start()
+    turn[0].set()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    assert len(seen) == 2  # each thread its own connection
+    assert owner("read", name="t")["head"] == [39] * 8
+
+
+def test_the_kept_route_refuses_what_the_whole_path_refuses(owner, rt):
+    r = _ref(rt, owner("publish", name="ro", n=8, access="r")["ref"])
+    out = np.empty(8, np.int64)
+    r.get(out=out)
+    assert r._wire is not None
+    with pytest.raises(memsem.AccessDeniedError):
+        r.put(np.zeros(8, np.int64))
+    assert owner("read", name="ro")["head"] == list(range(8))
+    with pytest.raises(TypeError, match="out"):
+        r.get(out=np.empty(16, np.float32))  # same size, another dtype: never reinterpreted
+    with pytest.raises(ValueError, match="out"):
+        r.get(out=np.empty(7, np.int64))
+    r.get(out=out)
+    assert (out == np.arange(8)).all()
+
+
+def test_the_kept_route_after_republish_is_stale(owner, rt):
+    w = _ref(rt, owner("publish", name="s", n=8)["ref"])
+    out = np.empty(8, np.int64)
+    w.get(out=out)
+    assert w._wire is not None
+    owner("unpublish", name="s")
+    owner("republish", name="s")
+    out[:] = -1
+    with pytest.raises(memsem.StaleReferenceError):
+        w.get(out=out)
+    with pytest.raises(memsem.StaleReferenceError):
+        w.put(np.zeros(8, np.int64))
+
+
+def test_the_kept_route_waits_out_an_open_write_section(owner, rt):
+    """The owner answers BUSY while a write section is open: the kept get takes the retry
+    loop (asleep on the window's word), and returns the committed version's bytes."""
+    w = _ref(rt, owner("publish_versioned", name="v", n=8)["ref"])
+    out = np.empty(8, np.int64)
+    assert w.get(out=out, with_version=True).version == 1
+    w.get(out=out)
+    assert w._wire is not None
+    owner("hold_section", name="v")
+    got: list = []
+    busy0 = rt.stats().errors["busy"]
+    t = threading.Thread(target=lambda: got.append(w.get(out=np.empty(8, np.int64))))
+    t.start()
+    for _ in range(600):  # the get met the open section (counted), then the section closes
+        if rt.stats().errors["busy"] > busy0:
+            break
+        time.sleep(0.05)
+    assert rt.stats().errors["busy"] > busy0
+    owner("release_section", name="v")
+    t.join(30)
+    assert got and (got[0] == 1).all()  # hold_section wrote nothing: version 2 holds 1s

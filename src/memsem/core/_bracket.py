@@ -24,7 +24,7 @@ caller's loop around these, bounded by the one wait (``memsem.core._wait``).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memsem import native
 from memsem._errors import AccessDeniedError, EngineError, MemsemError
@@ -42,6 +42,7 @@ _STATUS = _lib.MEMSEM_RC_STATUS_MASK
 _SHIFT = _lib.MEMSEM_RC_VERSION_SHIFT
 _LAST_OUT = _lib.MEMSEM_RC_LAST_OUT
 _CHECK_PEER = _lib.MEMSEM_RC_CHECK_PEER
+_FLAGS = (1 << _SHIFT) - 1
 #: any status or flag of a result word: the slow path (a plain success is the version << 16)
 ATTENTION = _lib.MEMSEM_RC_ATTENTION
 #: the largest version a window has (native ``MEMSEM_VERSION_MAX``, 2**48 - 1)
@@ -185,6 +186,42 @@ class Bracket:
         return settle(self._res, _lib.memsem_bracket_close(self._c, 1 if failed else 0))
 
 
+class KeptBracket:
+    """The bracket of a kept route (``memsem.core._transfer.KeptWire``): one native bracket
+    reused copy after copy (a route is kept for one thread: one copy at a time) on a plan the
+    route holds without its resolution (``keeper[0]``, None once released). Its calls return
+    native result words, as ``memsem._hot.copy`` does, which the route's caller settles
+    through the whole path when they need attention.
+    """
+
+    __slots__ = ("_plan", "_c")
+
+    def __init__(self, plan: Any) -> None:
+        self._plan = plan
+        self._c = _ffi.new("memsem_bracket *")
+
+    def open(self, put: bool, offset: int, nbytes: int) -> int:
+        """Every check of a copy of the latest version before it (as :meth:`Bracket.open`):
+        0 when open (the copy is counted in flight until :meth:`close` or :meth:`undo`), else
+        the result word of the refusal (nothing open)."""
+        return _lib.memsem_bracket_open(self._c, self._plan, 1 if put else 0, offset, nbytes, 0, 0, 0)
+
+    def close(self, version: int) -> int:
+        """Every check after a copy of ``version``'s bytes (the version the owner moved): the
+        result word with ``version`` in its value bits, or a status (the copy does not count)."""
+        rc = _lib.memsem_bracket_close(self._c, 0)
+        if rc & _STATUS:
+            return rc
+        return (rc & _FLAGS) | version << _SHIFT
+
+    def undo(self, keeper: list[Any]) -> Outcome | None:
+        """Close after a failed copy: what the close found (a moved generation explains most
+        failures), settled on the resolution still kept (None: released since)."""
+        rc = _lib.memsem_bracket_close(self._c, 1)
+        res = keeper[0]
+        return settle(res, rc) if res is not None else None
+
+
 def failure(o: Outcome, res: "Resolution", spec: RefSpec, *, put: bool = False, lease: "Lease | None" = None,
             version: int = 0) -> BaseException:
     """The memsem error of the failed outcome ``o`` of a copy of ``spec`` through ``res``: the one
@@ -264,5 +301,5 @@ def value_of(rc: int) -> int:
     return rc >> _SHIFT
 
 
-__all__ = ["ATTENTION", "Bracket", "Outcome", "RETRY", "Status", "VERSION_MAX", "attention", "engine_failure",
+__all__ = ["ATTENTION", "Bracket", "KeptBracket", "Outcome", "RETRY", "Status", "VERSION_MAX", "attention", "engine_failure",
            "failure", "settle", "value_of"]

@@ -31,7 +31,7 @@ from memsem.gva._control_block import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, 
 from memsem.core import _translate as tr
 from memsem.core._completion import Batch, Completion, State
 from memsem.core._lease import Lease
-from memsem.core._bracket import ATTENTION, Bracket, Outcome, Status, engine_failure, failure, settle
+from memsem.core._bracket import ATTENTION, Bracket, KeptBracket, Outcome, Status, engine_failure, failure, settle
 from memsem.core._remote import RemoteWords
 from memsem.core._resolve import Resolution, Resolver, Strategy, remote_slots
 from memsem.core._wait import Wait, window_checks
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
+#: a kept route that cannot serve (``KeptWire.transfer``): nothing done; keep it anew (every
+#: attention bit: a result word no native call returns)
+ROUTE_STALE = native.lib.MEMSEM_RC_ATTENTION
 _hot_copy = _hot.copy
 _RC_BUFFER = _hot.RC_BUFFER
 _DONE = State.DONE
@@ -401,6 +404,24 @@ class Transfers:
                     self._core.token, res.plan)
         return None
 
+    def kept_wire(self, spec: RefSpec) -> "KeptWire | None":
+        """What a ref keeps to make its next plain gets and puts of ``spec`` one bracket around
+        one request (:class:`KeptWire`) when ``spec``'s cached resolution reaches another
+        node's window through an owner-checked engine that keeps a small-request path for this
+        thread (``Engine.kept``: tcp), else None. Holds what ``hot_args`` holds (the
+        resolution's keeper, its plan, this runtime's token), never the resolution."""
+        res = self._cache.get(spec.gva)
+        if (res is None or res.direct or res.closed or res.strategy is not Strategy.OWNER_CHECKED
+                or res.generation != spec.generation or res.key != spec.key):
+            return None
+        requests = res.engine.kept(res.remote_for(spec), spec.nbytes)
+        if requests is None:
+            return None
+        keeper = res.keeper
+        if keeper is None:
+            keeper = res.keeper = [res]
+        return KeptWire(keeper, spec, self._core.token, res.plan, requests)
+
     def after_hot(self, rc: int, res: Resolution, spec: RefSpec, out: Any, lease: Lease | None = None,
                   version: int = 0) -> tuple[int, Any]:
         """A get's ``memsem._hot.copy`` result word that needs attention: the buffer's own door
@@ -491,9 +512,85 @@ class Transfers:
         return self._xcopier.xcopy(pairs, lease=lease)
 
 
+class KeptWire:
+    """A ref's kept route to another node's window through an owner-checked engine
+    (``Transfers.kept_wire``): a plain get or put of the whole ref is the copy bracket on the
+    resolution's plan (opened and closed natively: range, permission, liveness due, in-flight
+    count, telemetry) around one small request on the engine's kept path
+    (``Engine.kept``), without the cache lookup, the retry loop or the engine's lookups.
+    The owner checks the request as any other (generation, key, version, seqlock).
+
+    :meth:`transfer` returns a result word as ``memsem._hot.copy`` does: without attention
+    bits, done (the version moved in the high bits); ``RC_BUFFER``, nothing done and the
+    route stays (the buffer needs the Python door, or the owner's outcome asks for the retry
+    loop: the whole path makes the request again); :data:`ROUTE_STALE`, nothing done and the route
+    must be kept anew (another thread, a closed connection, a recycled handle); a status of
+    the bracket's open, nothing done (the whole path settles it). An owner's refusal or an
+    engine failure under the request is raised as the whole path raises it.
+    """
+
+    __slots__ = ("keeper", "spec", "token", "writable", "_bracket", "_at", "_n", "_code", "_requests")
+
+    def __init__(self, keeper: list[Any], spec: RefSpec, token: object, plan: Any, requests: Any) -> None:
+        self.keeper = keeper
+        self.spec = spec
+        self.token = token
+        self.writable = spec.access == "rw"
+        self._bracket = KeptBracket(plan)
+        self._at = spec.offset
+        self._n = spec.nbytes
+        self._code = spec.dtype_code
+        self._requests = requests
+
+    def transfer(self, transfers: "Transfers", put: bool, buf: Any) -> int:
+        """Get the ref's bytes into ``buf`` (``put`` False) or put them from it; see the class
+        docstring for the result word.
+
+        Raises:
+            What the whole path raises for the owner's refusal or an engine failure.
+        """
+        c = self._requests.usable()
+        if c is None:
+            return ROUTE_STALE
+        n, want = self._n, self._code
+        if buf.__class__ is not np.ndarray or buf.nbytes != n:
+            return _RC_BUFFER
+        code = _PLAIN.get(buf.dtype)
+        flags = buf.flags
+        if (code is None or not flags.c_contiguous or (not put and not flags.writeable)
+                or (code != want and code != _UINT8 and want != _UINT8)):
+            return _RC_BUFFER
+        mv = memoryview(buf)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        b = self._bracket
+        rc = b.open(put, self._at, n)
+        if rc:
+            return rc  # refused: nothing open
+        try:
+            v = self._requests.small(c, put, self._at, mv)
+        except RemoteOutcome as exc:
+            b.undo(self.keeper)
+            refused = Outcome.remote(exc)
+            res = self.keeper[0]
+            if refused.retry or res is None:
+                return _RC_BUFFER  # a write section open, a torn copy...: the retry loop asks again
+            raise transfers._engine_error(exc, res, self.spec, put, None, 0, refused) from exc
+        except BaseException as exc:
+            closed = b.undo(self.keeper)
+            res = self.keeper[0]
+            if res is None or closed is None:
+                raise
+            raise transfers._engine_error(exc, res, self.spec, put, None, 0, closed) from exc
+        if v is None:  # the connection failed under the request: the whole path makes it again
+            b.undo(self.keeper)
+            return ROUTE_STALE
+        return b.close(v)
+
+
 def _size_mismatch(arg: str, n: int, spec: RefSpec) -> ValueError:
     return ValueError(f"{arg} holds {n} bytes; the ref is {spec.nbytes} bytes "
                       f"({spec.shape} {_dtypes.name_of(spec.dtype_code)})")
 
 
-__all__ = ["Transfers"]
+__all__ = ["KeptWire", "ROUTE_STALE", "Transfers"]

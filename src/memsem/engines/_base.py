@@ -469,6 +469,14 @@ class Engine(abc.ABC):
         """
         raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
 
+    def kept(self, remote: RemoteRegion, nbytes: int) -> Any:
+        """A small-request path for the next gets and puts of ``nbytes`` bytes of ``remote``
+        made by this thread, which a ref keeps (owner-checked engines; tcp: this thread's
+        connection and its handle for the credential, ``memsem.engines.tcp._client.KeptRequests``),
+        or None (the default: the engine has none, or none is open now). The owner checks
+        every request made through it as any other; the runtime brackets each one."""
+        return None
+
     def reserve_version(self, remote: RemoteRegion, version: int, ttl: float) -> int:
         """Ask the owner to hold version ``version`` (0: its latest) of ``remote``'s window for
         ``ttl`` seconds at most (its writer does not overwrite it meanwhile; the owner caps the

@@ -10,7 +10,7 @@ from memsem import _args, _dtypes, _hot, native
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.core import Completion, Lease, RuntimeCore, current_core
+from memsem.core import ROUTE_STALE, Completion, KeptWire, Lease, RuntimeCore, current_core
 
 _hot_copy = _hot.copy  # one native call: the buffer's door checks, then memsem_plan_copy
 _RC_BUFFER = _hot.RC_BUFFER
@@ -75,7 +75,7 @@ class TensorRef:
         access: "r" or "rw".
     """
 
-    __slots__ = ("spec", "_rt", "_hot")
+    __slots__ = ("spec", "_rt", "_hot", "_wire")
 
     def __init__(self, spec: RefSpec, runtime: Any = None) -> None:
         if not isinstance(spec, RefSpec):
@@ -86,6 +86,10 @@ class TensorRef:
         #: route): the next one is a single native call that reads neither the cache nor the
         #: spec (with 10,000 windows in turn, each object a get reads is a cache miss)
         self._hot: tuple[Any, ...] | None = None
+        #: ``Transfers.kept_wire`` of the last plain get or put when it went to another node's
+        #: window through an owner-checked engine (tcp): the next one is one bracket around one
+        #: request on this thread's connection (None: none kept)
+        self._wire: KeptWire | None = None
 
     # -- identity --------------------------------------------------------------------------------
     @property
@@ -252,8 +256,15 @@ class TensorRef:
                         if not rc & _ATTN:
                             return out
                         self._settle_kept(rt, h[0][0], rc, False, out)
-                    else:
-                        self._settle_kept(rt, None, 0, False, out)
+                        return out
+                    w = self._wire
+                    if w is not None and w.spec is self.spec and w.token is rt.token:
+                        rc = w.transfer(rt.transfers, False, out)
+                        if not rc & _ATTN:
+                            return out
+                        self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, False, out)
+                        return out
+                    self._settle_kept(rt, None, 0, False, out)
                     return out
                 return rt.transfers.get(self.spec, out, lease, version)
             return Versioned(*rt.transfers.get_versioned(self.spec, out, lease, version))
@@ -326,8 +337,15 @@ class TensorRef:
             if not rc & _ATTN:
                 return
             self._settle_kept(rt, h[0][0], rc, True, src)
-        else:
-            self._settle_kept(rt, None, 0, True, src)
+            return
+        w = self._wire
+        if w is not None and w.writable and w.spec is self.spec and w.token is rt.token:
+            rc = w.transfer(rt.transfers, True, src)
+            if not rc & _ATTN:
+                return
+            self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, True, src)
+            return
+        self._settle_kept(rt, None, 0, True, src)
 
     def _settle_kept(self, rt: Any, res: Any, rc: int, put: bool, buf: Any) -> None:
         """The plain get (``put`` False: into ``buf``) or put (from ``buf``) that the kept route
@@ -341,7 +359,7 @@ class TensorRef:
         tr = rt.transfers
         anew = res is None or rc != _RC_BUFFER  # RC_BUFFER: not a plain buffer, its door; the route stays
         if anew:
-            self._hot = None  # released, torn, moved...: settled, then kept anew
+            self._hot = self._wire = None  # released, torn, moved...: settled, then kept anew
         if res is None:
             if put:
                 tr.put(self.spec, buf, None)
@@ -353,6 +371,8 @@ class TensorRef:
             tr.after_hot(rc, res, self.spec, buf)
         if anew:
             self._hot = tr.hot_args(self.spec)
+            if self._hot is None:
+                self._wire = tr.kept_wire(self.spec)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final.

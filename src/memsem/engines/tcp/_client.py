@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ _INF = float("inf")
 RECV_BYTES = 2 * W.REP.size + W.SMALL_BYTES
 _REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
 _pack_req, _unpack_rep = W.REQ.pack, W.REP.unpack_from
+_get_ident, _monotonic = threading.get_ident, time.monotonic
 
 
 class Lost(Exception):
@@ -249,6 +251,43 @@ class Connection:
         """Give a reservation back (no reply: sent now, not with the next request)."""
         self.send(W.REQ.pack(W.OP_UNPIN, 0, h, 0, 0, 0, version, 0), deadline)
 
+    def small(self, h: int, put: bool, offset: int, mv: memoryview, version: int, wait_ms: int,
+              deadline: float) -> int:
+        """One GET or PUT of ``len(mv)`` (at most ``SMALL_BYTES``) bytes at ``offset``: one send of
+        the request (and a put's bytes), then its reply, mostly whole in one receive. Returns
+        the version moved. Raises as :meth:`transfer`."""
+        n = len(mv)
+        rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
+        head = _pack_req(W.OP_PUT if put else W.OP_GET, 0, h, rid, offset, n, version, wait_ms)
+        self.send(head + mv if put else head, deadline)
+        lo = self._lo
+        if self._hi - lo < _REP_SIZE:
+            self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
+            lo = self._lo
+        buf = self._buf
+        if put:
+            status, flags, _, got, value, nbytes = _unpack_rep(buf, lo)
+            if status == _OK and got == rid:
+                self._lo = lo + _REP_SIZE
+                return value
+        elif self._hi - lo >= 2 * _REP_SIZE + n:  # header, bytes and trailer are here
+            status, _, _, got, _, nbytes = _unpack_rep(buf, lo)
+            if status == _DATA and got == rid and nbytes == n:
+                status, flags, _, got, value, nbytes = _unpack_rep(buf, lo + _REP_SIZE + n)
+                if status == _OK and got == rid:
+                    mv[:] = self._mv[lo + _REP_SIZE:lo + _REP_SIZE + n]
+                    self._lo = lo + 2 * _REP_SIZE + n
+                    return value
+        status, flags, value, nbytes = self.reply(rid, deadline)
+        if status == W.DATA and not put:
+            if nbytes != n:
+                raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {n} were asked")
+            self.read_into(mv, deadline)
+            status, flags, value, nbytes = self.reply(rid, deadline)
+        if status == W.OK:
+            return value
+        return self.answer(status, flags, value, nbytes, deadline, "put" if put else "get")
+
     def transfer(self, h: int, deadline: float, wait_ms: int, put: bool, offset: int, mv: memoryview,
                  version: int) -> int:
         """Move ``len(mv)`` bytes at ``offset``: one request, or chunks of ``CHUNK_BYTES`` with
@@ -263,32 +302,8 @@ class Connection:
         n = len(mv)
         op = W.OP_PUT if put else W.OP_GET
         what = "put" if put else "get"
-        if n <= _SMALL:  # one request (the common case, kept short)
-            rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
-            head = _pack_req(op, 0, h, rid, offset, n, version, wait_ms)
-            self.send(head + mv if put else head, deadline)
-            lo = self._lo
-            if self._hi - lo < _REP_SIZE:
-                self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
-                lo = self._lo
-            if not put and self._hi - lo >= 2 * _REP_SIZE + n:  # header, bytes and trailer are here
-                buf = self._buf
-                status, _, _, got, _, nbytes = _unpack_rep(buf, lo)
-                if status == _DATA and got == rid and nbytes == n:
-                    status, flags, _, got, value, nbytes = _unpack_rep(buf, lo + _REP_SIZE + n)
-                    if status == _OK and got == rid:
-                        mv[:] = self._mv[lo + _REP_SIZE:lo + _REP_SIZE + n]
-                        self._lo = lo + 2 * _REP_SIZE + n
-                        return value
-            status, flags, value, nbytes = self.reply(rid, deadline)
-            if status == W.DATA and not put:
-                if nbytes != n:
-                    raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {n} were asked")
-                self.read_into(mv, deadline)
-                status, flags, value, nbytes = self.reply(rid, deadline)
-            if status == W.OK:
-                return value
-            return self.answer(status, flags, value, nbytes, deadline, what)
+        if n <= _SMALL:  # one request (the common case)
+            return self.small(h, put, offset, mv, version, wait_ms, deadline)
         if n <= W.CHUNK_BYTES:
             chunks = [(0, n)]
         else:
@@ -521,4 +536,56 @@ class WatchHandle:
             wc._free.append(self.handle)
 
 
-__all__ = ["Connection", "Lost", "RECV_BYTES", "WatchConnection", "WatchHandle"]
+class KeptRequests:
+    """One thread's connection to an owner and its handle for one credential, kept by a ref for
+    its next small gets and puts (``TcpEngine.kept``): :meth:`small` is ``Connection.small`` on
+    it, without the engine's lookups of connection and handle.
+
+    It serves only while it is what the engine itself would use (:meth:`usable`): the thread
+    that made it, the connection open and in step (no bytes buffered, no CLOSE queued), and
+    the handle still this credential's (handles are recycled). The connection is held weakly:
+    the engine owns it (and closes it at its close). A connection that fails under a request
+    is closed here, so the engine's whole path (``TcpEngine._call``) opens a new one and makes
+    the request again, with its retries and its error boundary.
+    """
+
+    __slots__ = ("_conn", "_token", "_handle", "_tid", "_wait_ms", "_timeout")
+
+    def __init__(self, conn: Connection, token: bytes, handle: int, wait_ms: int, timeout: float) -> None:
+        self._conn = weakref.ref(conn)
+        self._token = token
+        self._handle = handle
+        self._tid = threading.get_ident()
+        self._wait_ms = wait_ms
+        self._timeout = timeout
+
+    def usable(self) -> Connection | None:
+        """The connection, when a request may go through it now from this thread; else None."""
+        c = self._conn()
+        if (c is None or c.closed or c._closing or c._lo != c._hi or _get_ident() != self._tid
+                or c.handles.get(self._token) != self._handle):
+            return None
+        return c
+
+    def small(self, c: Connection, put: bool, offset: int, mv: memoryview) -> int | None:
+        """``Connection.small`` of the latest version on ``c`` (from :meth:`usable`), bounded by
+        the engine's timeout: the version moved, or None when the connection failed under it
+        (it is closed now; nothing moved that counts).
+
+        Raises:
+            RemoteOutcome: the owner's outcome (the connection stays in step). Anything else
+                ``Connection.small`` raises (the connection is closed first).
+        """
+        try:
+            return c.small(self._handle, put, offset, mv, 0, self._wait_ms, _monotonic() + self._timeout)
+        except Lost:
+            c.close()
+            return None
+        except RemoteOutcome:
+            raise
+        except BaseException:
+            c.close()
+            raise
+
+
+__all__ = ["Connection", "KeptRequests", "Lost", "RECV_BYTES", "WatchConnection", "WatchHandle"]

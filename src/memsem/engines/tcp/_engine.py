@@ -27,7 +27,7 @@ from memsem.engines._base import (
     WatchMode,
 )
 from memsem.engines.tcp import _wire as W
-from memsem.engines.tcp._client import Connection, Lost, WatchConnection, WatchHandle
+from memsem.engines.tcp._client import Connection, KeptRequests, Lost, WatchConnection, WatchHandle
 from memsem.engines.tcp._server import Server
 
 #: connections one request may try (a connection that failed under it is replaced; requests
@@ -255,6 +255,22 @@ class TcpEngine(Engine):
         the owner's runtime counts for every producer and marks the tile once complete);
         returns the rows written so far. Raises as ``get``."""
         return self._call(remote, Connection.count_rows, tile, rows, total)
+
+    def kept(self, remote: RemoteRegion, nbytes: int) -> KeptRequests | None:
+        """This thread's connection to ``remote``'s owner and its handle for ``remote``'s
+        credential, for a ref's next gets and puts of ``nbytes`` (at most ``SMALL_BYTES``;
+        see :class:`KeptRequests`); None when either is not open now (the whole path opens
+        them) or ``nbytes`` is larger."""
+        if not isinstance(remote, TcpRemote) or nbytes > W.SMALL_BYTES or self._closed:
+            return None
+        conns = getattr(self._local, "conns", None)
+        c = conns.get(remote.endpoint) if conns else None
+        if c is None or c.closed:
+            return None
+        h = c.handles.get(remote.credential.token)
+        if h is None:
+            return None
+        return KeptRequests(c, remote.credential.token, h, self._wait_ms, self.timeout or W.DEFAULT_TIMEOUT)
 
     def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(connection, handle, deadline, wait_ms, *args)`` on this thread's connection to
