@@ -16,9 +16,25 @@
  *
  * The GIL is kept for copies under MEMSEM_HOT_GIL_BYTES (releasing and re-acquiring it costs
  * more than such a copy) and released for larger ones.
+ *
+ * wire() is the same for a kept wire route (memsem.core.KeptWire: a small get or put of another
+ * node's window through tcp): door, bracket open, the request on the connection's socket, the
+ * receives of its reply for one slice, and for a plain reply the copy and the bracket's close.
+ * Only the plain case is finished here; every other reply, and anything that takes longer
+ * than a slice, is handed back with its bytes in the connection's buffer to the one reader of
+ * the connection (memsem/engines/tcp/_client.py, Connection.small_reply), which knows the
+ * whole protocol (memsem/engines/tcp/_wire.py; the reply header layout is read here as defined
+ * there, checked by tests/test_wire_native.py against its structs).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <endian.h>
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 #include "memsem_native.h"
 
@@ -56,6 +72,26 @@ static int format_code(const char *fmt, Py_ssize_t itemsize) {
 
 #define UINT8_CODE 3
 
+/* The door of a buffer object: a C-contiguous buffer of exactly nbytes (writable for a get)
+ * whose format is a plain number or bool in native byte order, of the ref's dtype ``want`` or
+ * uint8 on either side (-1: any plain dtype). 1 with ``view`` held (release it), else 0 with
+ * nothing held and no Python error set: the Python door (memsem._buffers) accepts it or raises
+ * the error that names the argument. */
+static int door(PyObject *buf, int put, uint64_t nbytes, long want, Py_buffer *view) {
+    int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (put ? 0 : PyBUF_WRITABLE);
+    if (PyObject_GetBuffer(buf, view, flags) != 0) {
+        PyErr_Clear(); /* not a buffer, read-only, not contiguous, a format it cannot export */
+        return 0;
+    }
+    int code = format_code(view->format, view->itemsize);
+    int fits = code != 0 && (uint64_t)view->len == nbytes;
+    /* the ref's dtype or uint8 on either side (raw bytes), for a get's destination as for a
+     * put's source */
+    if (fits && want >= 0 && code != want && code != UINT8_CODE && want != UINT8_CODE) fits = 0;
+    if (!fits) PyBuffer_Release(view);
+    return fits;
+}
+
 static int as_u64(PyObject *o, uint64_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
@@ -92,20 +128,7 @@ static PyObject *hot_copy(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
 
     Py_buffer view;
-    int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (put ? 0 : PyBUF_WRITABLE);
-    if (PyObject_GetBuffer(args[3], &view, flags) != 0) {
-        PyErr_Clear(); /* not a buffer, read-only, not contiguous, a format it cannot export */
-        return PyLong_FromUnsignedLongLong(MEMSEM_RC_BUFFER);
-    }
-    int code = format_code(view.format, view.itemsize);
-    int fits = code != 0 && (uint64_t)view.len == nbytes;
-    /* the ref's dtype or uint8 on either side (raw bytes), for a get's destination as for a
-     * put's source: the Python door raises the TypeError naming the argument */
-    if (fits && want >= 0 && code != want && code != UINT8_CODE && want != UINT8_CODE) fits = 0;
-    if (!fits) {
-        PyBuffer_Release(&view);
-        return PyLong_FromUnsignedLongLong(MEMSEM_RC_BUFFER);
-    }
+    if (!door(args[3], put, nbytes, want, &view)) return PyLong_FromUnsignedLongLong(MEMSEM_RC_BUFFER);
     uint64_t local = (uint64_t)(uintptr_t)view.buf;
     uint64_t rc;
     memsem_plan *p = (memsem_plan *)(uintptr_t)plan;
@@ -120,8 +143,186 @@ static PyObject *hot_copy(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromUnsignedLongLong(rc);
 }
 
+
+/* ---- the kept wire route's request (memsem.core.KeptWire, memsem.engines.tcp) --------------- */
+
+/* Reply header of the tcp wire (memsem/engines/tcp/_wire.py, REP "<BBHIQQ"): status u8 | flags
+ * u8 | handle u16 | req_id u32 | value u64 | nbytes u64, little endian. */
+#define REP_SIZE 24
+#define REP_OK 0
+#define REP_DATA 1
+
+static uint64_t rd64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return le64toh(v);
+}
+
+static uint32_t rd32(const unsigned char *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return le32toh(v);
+}
+
+/* The reply of request ``rid`` is whole in rb[0:got] and plain: a get's DATA of n bytes and
+ * its OK trailer, a put's OK. The version it names, else -1 (anything else: the caller's
+ * Python reads it). */
+static int64_t plain_reply(const unsigned char *rb, size_t got, int put, uint32_t rid, uint64_t n) {
+    if (put) {
+        if (got != REP_SIZE || rb[0] != REP_OK || rd32(rb + 4) != rid) return -1;
+        return (int64_t)rd64(rb + 8);
+    }
+    if (got != 2 * REP_SIZE + n || rb[0] != REP_DATA || rd32(rb + 4) != rid || rd64(rb + 16) != n) return -1;
+    const unsigned char *t = rb + REP_SIZE + n;
+    if (t[0] != REP_OK || rd32(t + 4) != rid) return -1;
+    return (int64_t)rd64(t + 8);
+}
+
+/* One wait of at most slice_ms for ``events`` on fd: 1 ready, 0 the slice passed, -errno. */
+static int wait_fd(int fd, short events, int slice_ms) {
+    struct pollfd pfd = {fd, events, 0};
+    for (;;) {
+        int r = poll(&pfd, 1, slice_ms);
+        if (r > 0) return 1;
+        if (r == 0) return 0;
+        if (errno != EINTR) return -errno;
+    }
+}
+
+PyDoc_STRVAR(wire_doc,
+"wire(bracket, plan, fd, put, offset, buf, nbytes, code, head, rid, rbuf, slice_ms) -> int\n\n"
+"One small request of a kept wire route: the door of ``buf`` (as copy), the copy bracket at\n"
+"address ``bracket`` opened on the plan at address ``plan`` (window byte ``offset``), the\n"
+"request ``head`` (and for a put the ``nbytes`` of ``buf``) sent on the connected socket ``fd``,\n"
+"and the receives of its reply into ``rbuf`` for at most ``slice_ms`` ms. A plain reply of\n"
+"request ``rid`` (a get's DATA and OK trailer, whose bytes are copied into ``buf``; a put's OK)\n"
+"closes the bracket: the close's result with the owner's version in the value bits. Else:\n"
+"MEMSEM_RC_BUFFER (the door: nothing done), the bracket's refusal (nothing done),\n"
+"MEMSEM_RC_WIRE_PENDING with the bytes received in the value bits (the bracket is open, the\n"
+"request sent: the caller reads the rest of its reply from rbuf[:got] on), MEMSEM_RC_WIRE_LOST\n"
+"with the errno (0: closed by the peer) in the value bits (the bracket is open: the caller\n"
+"undoes it and drops the connection). The GIL is released around the socket calls.");
+
+static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "wire() takes 12 arguments");
+        return NULL;
+    }
+    uint64_t baddr, plan, offset, nbytes, rid;
+    if (as_u64(args[0], &baddr) || as_u64(args[1], &plan) || as_u64(args[4], &offset) ||
+        as_u64(args[6], &nbytes) || as_u64(args[9], &rid))
+        return NULL;
+    long fd = PyLong_AsLong(args[2]);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    int put = PyObject_IsTrue(args[3]);
+    if (put < 0) return NULL;
+    long want = PyLong_AsLong(args[7]);
+    if (want == -1 && PyErr_Occurred()) return NULL;
+    long slice_ms = PyLong_AsLong(args[11]);
+    if (slice_ms == -1 && PyErr_Occurred()) return NULL;
+    if (baddr == 0 || plan == 0 || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "wire(): bracket, plan or fd is not valid");
+        return NULL;
+    }
+    char *head;
+    Py_ssize_t head_len;
+    if (PyBytes_AsStringAndSize(args[8], &head, &head_len) < 0) return NULL;
+    Py_buffer rv;
+    if (PyObject_GetBuffer(args[10], &rv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if ((uint64_t)rv.len < 2 * REP_SIZE + nbytes) {
+        PyBuffer_Release(&rv);
+        PyErr_SetString(PyExc_ValueError, "wire(): rbuf cannot hold the reply");
+        return NULL;
+    }
+    Py_buffer view;
+    if (!door(args[5], put, nbytes, want, &view)) {
+        PyBuffer_Release(&rv);
+        return PyLong_FromUnsignedLongLong(MEMSEM_RC_BUFFER);
+    }
+    memsem_bracket *b = (memsem_bracket *)(uintptr_t)baddr;
+    uint64_t rc = memsem_bracket_open(b, (memsem_plan *)(uintptr_t)plan, put, offset, nbytes, 0, 0, 0);
+    if (rc != MEMSEM_OK) goto done;
+
+    unsigned char *rb = (unsigned char *)rv.buf;
+    size_t cap = (size_t)rv.len, got = 0;
+    size_t need = put ? REP_SIZE : 2 * REP_SIZE + (size_t)nbytes;
+    int lost = -1; /* >= 0: the connection failed (the errno; 0 closed by the peer) */
+    Py_BEGIN_ALLOW_THREADS
+    struct iovec iov[2] = {{head, (size_t)head_len}, {view.buf, put ? (size_t)nbytes : 0}};
+    struct msghdr msg = {0};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = put && nbytes ? 2 : 1;
+    size_t left = (size_t)head_len + (put ? (size_t)nbytes : 0);
+    while (left) {
+        ssize_t k = sendmsg((int)fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k > 0) {
+            left -= (size_t)k;
+            while (k > 0 && msg.msg_iovlen) { /* drop what was sent from the front */
+                size_t take = (size_t)k < msg.msg_iov[0].iov_len ? (size_t)k : msg.msg_iov[0].iov_len;
+                msg.msg_iov[0].iov_base = (char *)msg.msg_iov[0].iov_base + take;
+                msg.msg_iov[0].iov_len -= take;
+                k -= (ssize_t)take;
+                if (!msg.msg_iov[0].iov_len) {
+                    msg.msg_iov++;
+                    msg.msg_iovlen--;
+                }
+            }
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd((int)fd, POLLOUT, (int)slice_ms);
+            if (r > 0) continue;
+            lost = r < 0 ? -r : ETIMEDOUT; /* a small request the socket does not take in a slice */
+            break;
+        }
+        lost = k < 0 ? errno : EPIPE;
+        break;
+    }
+    while (lost < 0 && got < need) {
+        ssize_t k = recv((int)fd, rb + got, cap - got, MSG_DONTWAIT);
+        if (k > 0) {
+            got += (size_t)k;
+            if (got >= REP_SIZE && rb[0] != (put ? REP_OK : REP_DATA)) break; /* not plain: Python */
+            continue;
+        }
+        if (k == 0) {
+            lost = 0;
+            break;
+        }
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int r = wait_fd((int)fd, POLLIN, (int)slice_ms);
+            if (r > 0) continue;
+            if (r < 0) lost = -r;
+            break; /* the slice passed: the caller waits on, with its deadline */
+        }
+        lost = errno;
+    }
+    Py_END_ALLOW_THREADS
+    if (lost >= 0) {
+        rc = MEMSEM_RC_WIRE_LOST | ((uint64_t)lost << MEMSEM_RC_VERSION_SHIFT);
+        goto done;
+    }
+    int64_t v = plain_reply(rb, got, put, (uint32_t)rid, nbytes);
+    if (v < 0) {
+        rc = MEMSEM_RC_WIRE_PENDING | ((uint64_t)got << MEMSEM_RC_VERSION_SHIFT);
+        goto done;
+    }
+    if (!put && nbytes) memcpy(view.buf, rb + REP_SIZE, (size_t)nbytes);
+    rc = memsem_bracket_close(b, 0);
+    if (!(rc & MEMSEM_RC_STATUS_MASK))
+        rc = (rc & ((1ull << MEMSEM_RC_VERSION_SHIFT) - 1)) | ((uint64_t)v << MEMSEM_RC_VERSION_SHIFT);
+done:
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&rv);
+    return PyLong_FromUnsignedLongLong(rc);
+}
+
 static PyMethodDef hot_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))hot_copy, METH_FASTCALL, copy_doc},
+    {"wire", (PyCFunction)(void (*)(void))hot_wire, METH_FASTCALL, wire_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -135,7 +336,9 @@ PyMODINIT_FUNC PyInit__hot(void) {
     PyObject *m = PyModule_Create(&hot_module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "RC_BUFFER", MEMSEM_RC_BUFFER) < 0 ||
-        PyModule_AddIntConstant(m, "GIL_BYTES", MEMSEM_HOT_GIL_BYTES) < 0) {
+        PyModule_AddIntConstant(m, "GIL_BYTES", MEMSEM_HOT_GIL_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "RC_WIRE_PENDING", MEMSEM_RC_WIRE_PENDING) < 0 ||
+        PyModule_AddIntConstant(m, "RC_WIRE_LOST", MEMSEM_RC_WIRE_LOST) < 0) {
         Py_DECREF(m);
         return NULL;
     }

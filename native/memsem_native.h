@@ -110,6 +110,12 @@ typedef struct memsem_plan {
 #define MEMSEM_RC_BUFFER 13
 /* MEMSEM_RC_VERSION_RANGE: the version asked for is beyond MEMSEM_VERSION_MAX (nothing moved). */
 #define MEMSEM_RC_VERSION_RANGE 14
+/* memsem._hot.wire only (a kept wire route's request): the bracket is open and the request
+ * sent; the value is the bytes of the reply received so far (the caller reads the rest). */
+#define MEMSEM_RC_WIRE_PENDING 15
+/* memsem._hot.wire only: the bracket is open and the connection failed (the value: errno, 0
+ * when the peer closed it); the caller undoes the bracket and drops the connection. */
+#define MEMSEM_RC_WIRE_LOST 16
 /* memsem._hot.copy keeps the GIL for copies of fewer bytes than this (and releases it above). */
 #define MEMSEM_HOT_GIL_BYTES 65536
 /* Flags in bits 8-15. */

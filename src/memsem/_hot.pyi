@@ -6,3 +6,9 @@ GIL_BYTES: int
 
 def copy(plan: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: int,
          version: int = 0, lease_slot: int = 0, lease_id: int = 0) -> int: ...
+
+RC_WIRE_PENDING: int
+RC_WIRE_LOST: int
+
+def wire(bracket: int, plan: int, fd: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: int,
+         head: bytes, rid: int, rbuf: bytearray, slice_ms: int) -> int: ...

@@ -194,11 +194,18 @@ class KeptBracket:
     through the whole path when they need attention.
     """
 
-    __slots__ = ("_plan", "_c")
+    __slots__ = ("_plan", "_c", "_address")
 
     def __init__(self, plan: Any) -> None:
         self._plan = plan
         self._c = _ffi.new("memsem_bracket *")
+        self._address = int(_ffi.cast("uintptr_t", self._c))
+
+    @property
+    def address(self) -> int:
+        """Address of the native bracket (for a native call that opens and closes it:
+        ``memsem._hot.wire``)."""
+        return self._address
 
     def open(self, put: bool, offset: int, nbytes: int) -> int:
         """Every check of a copy of the latest version before it (as :meth:`Bracket.open`):

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
+_PENDING, _LOST = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST
+_STATUS = native.lib.MEMSEM_RC_STATUS_MASK
 #: a kept route that cannot serve (``KeptWire.transfer``): nothing done; keep it anew (every
 #: attention bit: a result word no native call returns)
 ROUTE_STALE = native.lib.MEMSEM_RC_ATTENTION
@@ -420,7 +422,7 @@ class Transfers:
         keeper = res.keeper
         if keeper is None:
             keeper = res.keeper = [res]
-        return KeptWire(keeper, spec, self._core.token, res.plan, requests)
+        return KeptWire(keeper, spec, self._core.token, res.plan, res.addr, requests)
 
     def after_hot(self, rc: int, res: Resolution, spec: RefSpec, out: Any, lease: Lease | None = None,
                   version: int = 0) -> tuple[int, Any]:
@@ -529,14 +531,17 @@ class KeptWire:
     engine failure under the request is raised as the whole path raises it.
     """
 
-    __slots__ = ("keeper", "spec", "token", "writable", "_bracket", "_at", "_n", "_code", "_requests")
+    __slots__ = ("keeper", "spec", "token", "writable", "_bracket", "_plan_address", "_at", "_n", "_code",
+                 "_requests")
 
-    def __init__(self, keeper: list[Any], spec: RefSpec, token: object, plan: Any, requests: Any) -> None:
+    def __init__(self, keeper: list[Any], spec: RefSpec, token: object, plan: Any, plan_address: int,
+                 requests: Any) -> None:
         self.keeper = keeper
         self.spec = spec
         self.token = token
         self.writable = spec.access == "rw"
         self._bracket = KeptBracket(plan)
+        self._plan_address = plan_address
         self._at = spec.offset
         self._n = spec.nbytes
         self._code = spec.dtype_code
@@ -549,26 +554,24 @@ class KeptWire:
         Raises:
             What the whole path raises for the owner's refusal or an engine failure.
         """
-        c = self._requests.usable()
+        kr = self._requests
+        c = kr.usable()
         if c is None:
             return ROUTE_STALE
-        n, want = self._n, self._code
-        if buf.__class__ is not np.ndarray or buf.nbytes != n:
-            return _RC_BUFFER
-        code = _PLAIN.get(buf.dtype)
-        flags = buf.flags
-        if (code is None or not flags.c_contiguous or (not put and not flags.writeable)
-                or (code != want and code != _UINT8 and want != _UINT8)):
-            return _RC_BUFFER
+        b = self._bracket
+        rc = kr.call(c, b.address, self._plan_address, put, self._at, buf, self._n, self._code)
+        st = rc & _STATUS
+        if st != _PENDING and st != _LOST:
+            return rc  # done, or nothing done (the door, the bracket's refusal or close)
+        if st == _LOST:  # the connection failed under the request: the whole path makes it again
+            kr.drop(c)
+            b.undo(self.keeper)
+            return ROUTE_STALE
         mv = memoryview(buf)
         if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
-        b = self._bracket
-        rc = b.open(put, self._at, n)
-        if rc:
-            return rc  # refused: nothing open
         try:
-            v = self._requests.small(c, put, self._at, mv)
+            v = kr.finish(c, rc, put, mv)
         except RemoteOutcome as exc:
             b.undo(self.keeper)
             refused = Outcome.remote(exc)

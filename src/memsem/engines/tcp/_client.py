@@ -21,9 +21,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from memsem import _hot
 from memsem._errors import AccessDeniedError, EngineError, MemsemError, PeerLostError
 from memsem.engines._base import Credential, RemoteOutcome
 from memsem.engines.tcp import _wire as W
+from memsem.native import lib as _lib
 
 if TYPE_CHECKING:
     from memsem.engines.tcp._engine import TcpEngine, TcpRemote
@@ -36,6 +38,13 @@ RECV_BYTES = 2 * W.REP.size + W.SMALL_BYTES
 _REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
 _pack_req, _unpack_rep = W.REQ.pack, W.REP.unpack_from
 _get_ident, _monotonic = threading.get_ident, time.monotonic
+_OP_GET, _OP_PUT = W.OP_GET, W.OP_PUT
+_wire = _hot.wire
+_SHIFT = _lib.MEMSEM_RC_VERSION_SHIFT
+#: how long the native call of a kept request waits for its reply before Python waits on
+_SLICE_MS = int(W.POLL_SLICE * 1000)
+#: the native call's results that leave a request in flight (:meth:`KeptRequests.call`)
+RC_WIRE_PENDING, RC_WIRE_LOST = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST
 
 
 class Lost(Exception):
@@ -72,6 +81,7 @@ class Connection:
         #: between slices of a send, and of a receive: the deadline and the owner's liveness
         self._waited = self._recv_waited = lambda d: engine.waited(remote, d)
         self.sock = engine.open_socket(remote, deadline)
+        self.fd = self.sock.fileno()
         try:
             W.configure(self.sock, engine.bounds, W.POLL_SLICE)
             magic, proto, status, nonce = W.HELLO.unpack(self.take(W.HELLO.size, deadline))
@@ -256,10 +266,15 @@ class Connection:
         """One GET or PUT of ``len(mv)`` (at most ``SMALL_BYTES``) bytes at ``offset``: one send of
         the request (and a put's bytes), then its reply, mostly whole in one receive. Returns
         the version moved. Raises as :meth:`transfer`."""
-        n = len(mv)
         rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
-        head = _pack_req(W.OP_PUT if put else W.OP_GET, 0, h, rid, offset, n, version, wait_ms)
+        head = _pack_req(W.OP_PUT if put else W.OP_GET, 0, h, rid, offset, len(mv), version, wait_ms)
         self.send(head + mv if put else head, deadline)
+        return self.small_reply(rid, put, mv, deadline)
+
+    def small_reply(self, rid: int, put: bool, mv: memoryview, deadline: float) -> int:
+        """The reply of the small request ``rid`` (see :meth:`small`), from what is buffered
+        on: a get's bytes go into ``mv``. Returns the version moved; raises as :meth:`small`."""
+        n = len(mv)
         lo = self._lo
         if self._hi - lo < _REP_SIZE:
             self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
@@ -538,8 +553,9 @@ class WatchHandle:
 
 class KeptRequests:
     """One thread's connection to an owner and its handle for one credential, kept by a ref for
-    its next small gets and puts (``TcpEngine.kept``): :meth:`small` is ``Connection.small`` on
-    it, without the engine's lookups of connection and handle.
+    its next small gets and puts (``TcpEngine.kept``): :meth:`call` is one native call for the
+    request and its reply, without the engine's lookups of connection and handle; what it
+    does not finish, ``Connection.small_reply`` does (the one reader of the connection).
 
     It serves only while it is what the engine itself would use (:meth:`usable`): the thread
     that made it, the connection open and in step (no bytes buffered, no CLOSE queued), and
@@ -567,17 +583,32 @@ class KeptRequests:
             return None
         return c
 
-    def small(self, c: Connection, put: bool, offset: int, mv: memoryview) -> int | None:
-        """``Connection.small`` of the latest version on ``c`` (from :meth:`usable`), bounded by
-        the engine's timeout: the version moved, or None when the connection failed under it
-        (it is closed now; nothing moved that counts).
+    def call(self, c: Connection, bracket: int, plan: int, put: bool, offset: int, buf: Any, nbytes: int,
+             code: int) -> int:
+        """The request of ``nbytes`` of the latest version at ``offset`` on ``c`` (from
+        :meth:`usable`), with the copy bracket at address ``bracket`` on the plan at address
+        ``plan`` around it: one native call (``memsem._hot.wire``: the buffer's door, the
+        bracket's open, the request, the receives of its reply for one slice, the bracket's
+        close after a plain reply). Returns its result word: done, ``RC_BUFFER`` or the
+        bracket's refusal (nothing done), ``RC_WIRE_PENDING`` (bracket open, request sent:
+        :meth:`finish`), ``RC_WIRE_LOST`` (bracket open: :meth:`drop` the connection)."""
+        rid = c._rid = (c._rid + 1) & 0xFFFFFFFF
+        head = _pack_req(_OP_PUT if put else _OP_GET, 0, self._handle, rid, offset, nbytes, 0, self._wait_ms)
+        return _wire(bracket, plan, c.fd, put, offset, buf, nbytes, code, head, rid, c._buf, _SLICE_MS)
+
+    def finish(self, c: Connection, rc: int, put: bool, mv: memoryview) -> int | None:
+        """The rest of the reply of :meth:`call`'s request after ``RC_WIRE_PENDING`` (the bytes
+        received so far are in the connection's buffer), through ``Connection.small_reply``
+        with the engine's deadline: the version moved, or None when the connection failed
+        under it (it is closed now; nothing moved that counts).
 
         Raises:
             RemoteOutcome: the owner's outcome (the connection stays in step). Anything else
-                ``Connection.small`` raises (the connection is closed first).
+                ``Connection.small_reply`` raises (the connection is closed first).
         """
+        c._lo, c._hi = 0, rc >> _SHIFT
         try:
-            return c.small(self._handle, put, offset, mv, 0, self._wait_ms, _monotonic() + self._timeout)
+            return c.small_reply(c._rid, put, mv, _monotonic() + self._timeout)
         except Lost:
             c.close()
             return None
@@ -587,5 +618,11 @@ class KeptRequests:
             c.close()
             raise
 
+    @staticmethod
+    def drop(c: Connection) -> None:
+        """Close ``c`` after ``RC_WIRE_LOST`` (the engine's whole path opens a new one)."""
+        c.close()
 
-__all__ = ["Connection", "KeptRequests", "Lost", "RECV_BYTES", "WatchConnection", "WatchHandle"]
+
+__all__ = ["Connection", "KeptRequests", "Lost", "RC_WIRE_LOST", "RC_WIRE_PENDING", "RECV_BYTES", "WatchConnection",
+           "WatchHandle"]
