@@ -31,8 +31,10 @@
 
 #include <endian.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -178,11 +180,20 @@ static int64_t plain_reply(const unsigned char *rb, size_t got, int put, uint32_
     return (int64_t)rd64(t + 8);
 }
 
-/* One wait of at most slice_ms for ``events`` on fd: 1 ready, 0 the slice passed, -errno. */
-static int wait_fd(int fd, short events, int slice_ms) {
+static uint64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* One wait for ``events`` on fd until ``end`` (CLOCK_MONOTONIC ms; the one slice of the whole
+ * call, however many waits it takes): 1 ready, 0 the slice passed, -errno. */
+static int wait_fd(int fd, short events, uint64_t end) {
     struct pollfd pfd = {fd, events, 0};
     for (;;) {
-        int r = poll(&pfd, 1, slice_ms);
+        uint64_t t = now_ms();
+        if (t >= end) return 0;
+        int r = poll(&pfd, 1, (int)(end - t));
         if (r > 0) return 1;
         if (r == 0) return 0;
         if (errno != EINTR) return -errno;
@@ -194,7 +205,7 @@ PyDoc_STRVAR(wire_doc,
 "One small request of a kept wire route: the door of ``buf`` (as copy), the copy bracket at\n"
 "address ``bracket`` opened on the plan at address ``plan`` (window byte ``offset``), the\n"
 "request ``head`` (and for a put the ``nbytes`` of ``buf``) sent on the connected socket ``fd``,\n"
-"and the receives of its reply into ``rbuf`` for at most ``slice_ms`` ms. A plain reply of\n"
+"and the receives of its reply into ``rbuf`` for at most ``slice_ms`` ms in all. A plain reply of\n"
 "request ``rid`` (a get's DATA and OK trailer, whose bytes are copied into ``buf``; a put's OK)\n"
 "closes the bracket: the close's result with the owner's version in the value bits. Else:\n"
 "MEMSEM_RC_BUFFER (the door: nothing done), the bracket's refusal (nothing done),\n"
@@ -221,8 +232,8 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (want == -1 && PyErr_Occurred()) return NULL;
     long slice_ms = PyLong_AsLong(args[11]);
     if (slice_ms == -1 && PyErr_Occurred()) return NULL;
-    if (baddr == 0 || plan == 0 || fd < 0) {
-        PyErr_SetString(PyExc_ValueError, "wire(): bracket, plan or fd is not valid");
+    if (baddr == 0 || plan == 0 || fd < 0 || fd > INT_MAX || slice_ms < 0 || slice_ms > 3600000) {
+        PyErr_SetString(PyExc_ValueError, "wire(): bracket, plan, fd or slice_ms is not valid");
         return NULL;
     }
     char *head;
@@ -249,6 +260,7 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
     size_t need = put ? REP_SIZE : 2 * REP_SIZE + (size_t)nbytes;
     int lost = -1; /* >= 0: the connection failed (the errno; 0 closed by the peer) */
     Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ms() + (uint64_t)slice_ms; /* one slice for the whole call */
     struct iovec iov[2] = {{head, (size_t)head_len}, {view.buf, put ? (size_t)nbytes : 0}};
     struct msghdr msg = {0};
     msg.msg_iov = iov;
@@ -272,7 +284,7 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
         }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int r = wait_fd((int)fd, POLLOUT, (int)slice_ms);
+            int r = wait_fd((int)fd, POLLOUT, end);
             if (r > 0) continue;
             lost = r < 0 ? -r : ETIMEDOUT; /* a small request the socket does not take in a slice */
             break;
@@ -293,7 +305,7 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int r = wait_fd((int)fd, POLLIN, (int)slice_ms);
+            int r = wait_fd((int)fd, POLLIN, end);
             if (r > 0) continue;
             if (r < 0) lost = -r;
             break; /* the slice passed: the caller waits on, with its deadline */

@@ -164,3 +164,34 @@ def test_the_call_checks_its_arguments(rt, pair):
     with pytest.raises(ValueError, match="not valid"):
         _hot.wire(0, res.addr, a.fileno(), 0, 0, np.zeros(N, np.uint8), N, 3, _head(False), RID,
                   bytearray(200), 10)
+
+
+def test_one_slice_bounds_the_whole_call_however_the_reply_trickles(rt, pair):
+    """A reply that trickles in (a byte every 5 ms: at least 0.56 s for the whole of it) is not
+    waited for past one slice in all: the call hands back what arrived, the bracket open."""
+    import threading
+    import time
+
+    a, z = pair
+    _, res, b = _window(rt)
+    reply = _data_reply(bytes(range(N)), 3)
+    stop = threading.Event()
+
+    def trickle():
+        for i in range(len(reply)):
+            if stop.is_set():
+                return
+            z.send(reply[i:i + 1])
+            time.sleep(0.005)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        rc, rbuf = _call(b, res, a, False, np.zeros(N, np.uint8), slice_ms=50)
+    finally:
+        stop.set()
+        t.join(10)
+    assert rc & STATUS == _hot.RC_WIRE_PENDING
+    got = rc >> SHIFT
+    assert got < len(reply) and bytes(rbuf[:got]) == reply[:got]
+    assert b.undo([res]) is not None

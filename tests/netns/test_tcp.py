@@ -583,6 +583,7 @@ def test_the_kept_route_serves_small_gets_and_puts_each_counted(owner, rt):
     assert owner("read", name="k")["head"] == [39] * 8
     assert rt.stats().bytes_by_route["tcp"] - before == 40 * 3 * 64  # every bracket counted
     assert _conn(rt, w)[0] is conn  # one connection throughout
+    assert _idle(rt, w)
 
 
 def test_the_kept_route_never_reads_through_a_recycled_handle(owner, rt):
@@ -621,6 +622,7 @@ def test_the_kept_route_after_its_connection_failed(owner, rt, how):
     assert fresh is not conn and conn.closed
     w.get(out=out)
     assert (out == np.arange(8)).all() and _conn(rt, w)[0] is fresh
+    assert _idle(rt, w)
 
 
 def test_the_kept_route_is_one_threads(owner, rt):
@@ -669,7 +671,7 @@ def test_the_kept_route_refuses_what_the_whole_path_refuses(owner, rt):
     with pytest.raises(ValueError, match="out"):
         r.get(out=np.empty(7, np.int64))
     r.get(out=out)
-    assert (out == np.arange(8)).all()
+    assert (out == np.arange(8)).all() and _idle(rt, r)
 
 
 def test_the_kept_route_after_republish_is_stale(owner, rt):
@@ -686,19 +688,38 @@ def test_the_kept_route_after_republish_is_stale(owner, rt):
         w.put(np.zeros(8, np.int64))
 
 
+def _idle(rt, ref):
+    """The resolution of ``ref`` has no copy in flight: its use word holds the cache's claim
+    alone (a bracket left open would hold it)."""
+    return rt.core.resolve(ref.spec).use.holders == 1
+
+
 def test_the_kept_route_waits_out_an_open_write_section(owner, rt):
-    """The owner answers BUSY while a write section is open: the kept get takes the retry
-    loop (asleep on the window's word), and returns the committed version's bytes."""
+    """The owner answers BUSY while a write section is open: the kept get (on the thread that
+    kept the route) takes the retry loop from that outcome (asleep on the window's word), and
+    returns the committed version's bytes."""
     w = _ref(rt, owner("publish_versioned", name="v", n=8)["ref"])
-    out = np.empty(8, np.int64)
-    assert w.get(out=out, with_version=True).version == 1
-    w.get(out=out)
-    assert w._wire is not None
-    owner("hold_section", name="v")
-    got: list = []
-    busy0 = rt.stats().errors["busy"]
-    t = threading.Thread(target=lambda: got.append(w.get(out=np.empty(8, np.int64))))
+    kept, go, got, errors = threading.Event(), threading.Event(), [], []
+
+    def reader():
+        out = np.empty(8, np.int64)
+        try:
+            w.get(out=out)
+            w.get(out=out)
+            got.append(w._wire is not None)  # this thread keeps the route
+            kept.set()
+            assert go.wait(30)
+            got.append(w.get(out=np.empty(8, np.int64)).copy())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            kept.set()
+
+    t = threading.Thread(target=reader)
     t.start()
+    assert kept.wait(30) and not errors and got == [True]
+    owner("hold_section", name="v")
+    busy0 = rt.stats().errors["busy"]
+    go.set()
     for _ in range(600):  # the get met the open section (counted), then the section closes
         if rt.stats().errors["busy"] > busy0:
             break
@@ -706,4 +727,34 @@ def test_the_kept_route_waits_out_an_open_write_section(owner, rt):
     assert rt.stats().errors["busy"] > busy0
     owner("release_section", name="v")
     t.join(30)
-    assert got and (got[0] == 1).all()  # hold_section wrote nothing: version 2 holds 1s
+    assert not errors, errors
+    assert (got[1] == 1).all()  # hold_section wrote nothing: the next version holds 1s
+    assert _idle(rt, w)
+
+
+@pytest.mark.parametrize("put", [False, True])
+def test_an_interrupt_as_the_kept_call_returns_leaves_nothing_open(owner, rt, monkeypatch, put):
+    """An exception raised as the native call returns (a signal handled then: KeyboardInterrupt)
+    leaves what moved unknown: the bracket is closed, the connection dropped (its reply may be
+    half read), and the next get reads the right bytes on a new connection."""
+    from memsem.engines.tcp import _client
+
+    w = _ref(rt, owner("publish", name="i", n=8)["ref"])
+    out = np.empty(8, np.int64)
+    w.get(out=out)
+    conn, _ = _conn(rt, w)
+    real = _client._wire
+
+    def interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_client, "_wire", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.put(np.arange(8, dtype=np.int64) * 3) if put else w.get(out=out)
+    monkeypatch.setattr(_client, "_wire", real)
+    assert conn.closed and _idle(rt, w)
+    out[:] = -1
+    w.get(out=out)
+    assert (out == (np.arange(8) * (3 if put else 1))).all()
+    assert _conn(rt, w)[0] is not conn and _idle(rt, w)

@@ -223,7 +223,8 @@ class KeptBracket:
 
     def undo(self, keeper: list[Any]) -> Outcome | None:
         """Close after a failed copy: what the close found (a moved generation explains most
-        failures), settled on the resolution still kept (None: released since)."""
+        failures), settled on the resolution still kept (None: released since). A bracket
+        that is not open is left as it is (the native close refuses it: EBADF)."""
         rc = _lib.memsem_bracket_close(self._c, 1)
         res = keeper[0]
         return settle(res, rc) if res is not None else None

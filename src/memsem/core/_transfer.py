@@ -524,10 +524,11 @@ class KeptWire:
 
     :meth:`transfer` returns a result word as ``memsem._hot.copy`` does: without attention
     bits, done (the version moved in the high bits); ``RC_BUFFER``, nothing done and the
-    route stays (the buffer needs the Python door, or the owner's outcome asks for the retry
-    loop: the whole path makes the request again); :data:`ROUTE_STALE`, nothing done and the route
-    must be kept anew (another thread, a closed connection, a recycled handle); a status of
-    the bracket's open, nothing done (the whole path settles it). An owner's refusal or an
+    route stays (the buffer needs the Python door); :data:`ROUTE_STALE`, nothing done and the
+    route must be kept anew (another thread, a closed connection, a recycled handle); a status
+    of the bracket (its refusal, or its close after the copy) or the owner's outcome that asks
+    for the retry loop (a write section open, a torn copy): nothing that counts was done, and
+    the retry loop starts from that outcome. An owner's refusal or an
     engine failure under the request is raised as the whole path raises it.
     """
 
@@ -559,7 +560,12 @@ class KeptWire:
         if c is None:
             return ROUTE_STALE
         b = self._bracket
-        rc = kr.call(c, b.address, self._plan_address, put, self._at, buf, self._n, self._code)
+        try:
+            rc = kr.call(c, b.address, self._plan_address, put, self._at, buf, self._n, self._code)
+        except BaseException:  # e.g. an interrupt as the call returns: what moved is unknown
+            kr.drop(c)
+            b.undo(self.keeper)  # closes the bracket if it is open (else refused, harmlessly)
+            raise
         st = rc & _STATUS
         if st != _PENDING and st != _LOST:
             return rc  # done, or nothing done (the door, the bracket's refusal or close)
@@ -576,8 +582,10 @@ class KeptWire:
             b.undo(self.keeper)
             refused = Outcome.remote(exc)
             res = self.keeper[0]
-            if refused.retry or res is None:
-                return _RC_BUFFER  # a write section open, a torn copy...: the retry loop asks again
+            if res is None:
+                return ROUTE_STALE
+            if refused.retry:  # a write section open, a torn copy...: the retry loop, from this outcome
+                return exc.status | exc.value << _SHIFT
             raise transfers._engine_error(exc, res, self.spec, put, None, 0, refused) from exc
         except BaseException as exc:
             closed = b.undo(self.keeper)

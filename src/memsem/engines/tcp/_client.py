@@ -81,7 +81,6 @@ class Connection:
         #: between slices of a send, and of a receive: the deadline and the owner's liveness
         self._waited = self._recv_waited = lambda d: engine.waited(remote, d)
         self.sock = engine.open_socket(remote, deadline)
-        self.fd = self.sock.fileno()
         try:
             W.configure(self.sock, engine.bounds, W.POLL_SLICE)
             magic, proto, status, nonce = W.HELLO.unpack(self.take(W.HELLO.size, deadline))
@@ -373,6 +372,10 @@ class Connection:
             self.closed = True
             sock = getattr(self, "sock", None)
             if sock is not None:
+                try:  # wakes a receive or send of another thread at once (a runtime's close
+                    sock.shutdown(socket.SHUT_RDWR)  # past its deadline), then the close
+                except OSError:
+                    pass
                 try:
                     sock.close()
                 except OSError:
@@ -581,6 +584,7 @@ class KeptRequests:
         if (c is None or c.closed or c._closing or c._lo != c._hi or _get_ident() != self._tid
                 or c.handles.get(self._token) != self._handle):
             return None
+        c.handles.move_to_end(self._token)  # least recently used first, as on the whole path
         return c
 
     def call(self, c: Connection, bracket: int, plan: int, put: bool, offset: int, buf: Any, nbytes: int,
@@ -591,10 +595,14 @@ class KeptRequests:
         bracket's open, the request, the receives of its reply for one slice, the bracket's
         close after a plain reply). Returns its result word: done, ``RC_BUFFER`` or the
         bracket's refusal (nothing done), ``RC_WIRE_PENDING`` (bracket open, request sent:
-        :meth:`finish`), ``RC_WIRE_LOST`` (bracket open: :meth:`drop` the connection)."""
+        :meth:`finish`), ``RC_WIRE_LOST`` (the connection failed or was closed: :meth:`drop`
+        it and undo the bracket, open or not)."""
+        fd = c.sock.fileno()  # -1 once closed (the socket's own fd, read now, as its methods do)
+        if fd < 0:
+            return RC_WIRE_LOST
         rid = c._rid = (c._rid + 1) & 0xFFFFFFFF
         head = _pack_req(_OP_PUT if put else _OP_GET, 0, self._handle, rid, offset, nbytes, 0, self._wait_ms)
-        return _wire(bracket, plan, c.fd, put, offset, buf, nbytes, code, head, rid, c._buf, _SLICE_MS)
+        return _wire(bracket, plan, fd, put, offset, buf, nbytes, code, head, rid, c._buf, _SLICE_MS)
 
     def finish(self, c: Connection, rc: int, put: bool, mv: memoryview) -> int | None:
         """The rest of the reply of :meth:`call`'s request after ``RC_WIRE_PENDING`` (the bytes
