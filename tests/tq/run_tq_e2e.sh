@@ -60,6 +60,10 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 # crawl (measured 5-7x slower with two busy loops; tq.init 20 s instead of 6 s). Run them at the
 # priority of everything else.
 export RAY_worker_niceness=${RAY_worker_niceness:-0}
+# Ray waits 30 s for its GCS server to write its port, then gives up; on a loaded 2-core machine
+# (CI beside two busy loops) the GCS took longer and every cluster of tests/ray failed to start.
+# 120 s is Ray's own wait for its slower (rocksdb) backend; a bound still, not a hope.
+export RAY_gcs_server_port_wait_time_s=${RAY_gcs_server_port_wait_time_s:-120}
 
 cd "$WORK" || exit 2
 start=$(date +%s.%N)

@@ -23,6 +23,10 @@ export RAY_USAGE_STATS_ENABLED=0
 # the two-namespace-node test needs root; under CI a machine that cannot make namespaces fails it
 export MEMSEM_REQUIRE_NETNS=${MEMSEM_REQUIRE_NETNS:-${CI:+1}}
 export RAY_worker_niceness=${RAY_worker_niceness:-0}
+# Ray waits 30 s for its GCS server to write its port, then gives up; on a loaded 2-core machine
+# (CI beside two busy loops) the GCS took longer and every cluster of tests/ray failed to start.
+# 120 s is Ray's own wait for its slower (rocksdb) backend; a bound still, not a hope.
+export RAY_gcs_server_port_wait_time_s=${RAY_gcs_server_port_wait_time_s:-120}
 cd "$ROOT"
 exec "$V/bin/python" -m pytest -q -p no:cacheprovider -o asyncio_default_fixture_loop_scope=function \
     --timeout 900 tests/verl
