@@ -189,9 +189,12 @@ class Bracket:
 class KeptBracket:
     """The bracket of a kept route (``memsem.core._transfer.KeptWire``): one native bracket
     reused copy after copy (a route is kept for one thread: one copy at a time) on a plan the
-    route holds without its resolution (``keeper[0]``, None once released). Its calls return
-    native result words, as ``memsem._hot.copy`` does, which the route's caller settles
-    through the whole path when they need attention.
+    route holds without its resolution (``keeper[0]``, None once released; ``plan`` is held
+    here so its memory outlives the resolution's release). The native call of the route's
+    request (``memsem._hot.wire``, given :attr:`address`) opens it, with every check of
+    :meth:`Bracket.open`; :meth:`close` and :meth:`undo` end it where that call left it open.
+    Both return native result words, as ``memsem._hot.copy`` does, which the route's caller
+    settles through the whole path when they need attention.
     """
 
     __slots__ = ("_plan", "_c", "_address")
@@ -206,12 +209,6 @@ class KeptBracket:
         """Address of the native bracket (for a native call that opens and closes it:
         ``memsem._hot.wire``)."""
         return self._address
-
-    def open(self, put: bool, offset: int, nbytes: int) -> int:
-        """Every check of a copy of the latest version before it (as :meth:`Bracket.open`):
-        0 when open (the copy is counted in flight until :meth:`close` or :meth:`undo`), else
-        the result word of the refusal (nothing open)."""
-        return _lib.memsem_bracket_open(self._c, self._plan, 1 if put else 0, offset, nbytes, 0, 0, 0)
 
     def close(self, version: int) -> int:
         """Every check after a copy of ``version``'s bytes (the version the owner moved): the
