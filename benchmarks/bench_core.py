@@ -16,7 +16,7 @@ import sys
 import time
 
 import memsem
-from memsem.cli import _bench_measure as M
+from memsem_bench import measure as M
 
 MiB = 1 << 20
 

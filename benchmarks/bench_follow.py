@@ -17,7 +17,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from memsem.cli import _bench_follow as B  # noqa: E402
+from memsem_bench import follow as B  # noqa: E402
 
 
 def main() -> None:

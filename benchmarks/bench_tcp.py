@@ -4,7 +4,7 @@
 
 For each link (loopback, and a veth pair between two network namespaces when run as root) a
 producer "node" and a consumer "node" (different MEMSEM_NODE_ID, so the route is tcp) measure,
-interleaved in one run (``memsem.cli._bench_tcp``):
+interleaved in one run (``memsem_bench.tcp``):
 
 * 64 B: ``TensorRef.get(out=)`` through the whole runtime path, and one request/response on a
   plain blocking socket (TCP_NODELAY, ``recv_into``) to a server thread in the producer;
@@ -13,7 +13,7 @@ interleaved in one run (``memsem.cli._bench_tcp``):
   tiles, over one 1 MiB remote get;
 * the 64 B rounds again with both processes on one CPU (what a round trip costs in CPU).
 
-``--placement`` (``_bench_tcp.placement_cpus``): "apart" (default) runs the owner's side on one
+``--placement`` (``memsem_bench.tcp.placement_cpus``): "apart" (default) runs the owner's side on one
 CPU and the consumer's on another, the model of two nodes; "shared" both on one CPU; "none" lets
 the scheduler place them (the plain socket's 64 B round trip then swings 13-60 us between runs
 here, with the placement).
@@ -33,7 +33,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from memsem.cli import _bench_tcp as B  # noqa: E402
+from memsem_bench import tcp as B  # noqa: E402
 
 
 def main() -> None:

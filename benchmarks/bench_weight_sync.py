@@ -2,7 +2,7 @@
 
 A synthetic state dict (~1 GB of ~300 mixed bf16/fp32 tensors; ``--quick``: 256 MB) from one
 trainer to 1, 2 and 4 rollout processes on this machine, every figure measured in this run (see
-``memsem.cli._bench_weights`` for what each one times). Prints one JSON object (the keys of
+``memsem_bench.weights`` for what each one times). Prints one JSON object (the keys of
 ``memsem bench --json`` for weight sync) and the goals of issue 13 beside them.
 
     python benchmarks/bench_weight_sync.py [--quick] [--json]
@@ -15,7 +15,7 @@ import sys
 
 
 def run(quick: bool = True) -> dict:
-    from memsem.cli._bench_weights import weight_sync_keys
+    from memsem_bench.weights import weight_sync_keys
 
     notes: list[str] = []
     fig = weight_sync_keys(quick, notes)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="256 MB instead of ~1 GB")
     p.add_argument("--json", action="store_true", help="print only the JSON object")
     a = p.parse_args(argv)
-    from memsem.cli._bench_weights import WEIGHT_GOALS, weight_goals_met
+    from memsem_bench.weights import WEIGHT_GOALS, weight_goals_met
 
     fig = run(a.quick)
     if a.json:

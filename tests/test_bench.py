@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem.cli import _bench, _bench_measure as M
+from memsem_bench import main as _bench, measure as M
 
 
 def test_ref_range_checked_on_cached_resolution():

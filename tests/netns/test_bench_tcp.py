@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from memsem.cli import _bench_tcp as B
+from memsem_bench import tcp as B
 
 
 def test_bench_tcp_prints_every_key_and_the_link():

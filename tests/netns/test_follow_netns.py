@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from memsem.cli._bench_follow import figures
+from memsem_bench.follow import figures
 
 
 @pytest.mark.netns

@@ -188,16 +188,16 @@ def test_cleanup_stale_ignores_live_and_foreign():
 
 
 def _socket_pair_run(server_ns, client_ns, host, client_args):
-    """Start the plain-socket baseline server (memsem.cli._bench_tcp) in server_ns (or here), run
+    """Start the plain-socket baseline server (memsem_bench.tcp) in server_ns (or here), run
     clients (in client_ns or here), return their JSON results."""
-    srv_cmd = [PY, "-m", "memsem.cli._bench_tcp", "--role", "socket-server", "--addr", f"{host}:0"]
+    srv_cmd = [PY, "-m", "memsem_bench.tcp", "--role", "socket-server", "--addr", f"{host}:0"]
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = server_ns.popen(srv_cmd, **kw) if server_ns else subprocess.Popen(srv_cmd, **kw)
     results = []
     try:
         port = json.loads(_readline(server, 30))["port"]
         for i, args in enumerate(client_args):
-            cmd = [PY, "-m", "memsem.cli._bench_tcp", "--role", "socket-client", "--addr", f"{host}:{port}", *args]
+            cmd = [PY, "-m", "memsem_bench.tcp", "--role", "socket-client", "--addr", f"{host}:{port}", *args]
             if i == len(client_args) - 1:
                 cmd.append("--quit")
             cp = (client_ns.run(cmd, timeout=300) if client_ns

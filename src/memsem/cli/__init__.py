@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(items.skipped)} skipped")
         return 0
     if args.cmd == "bench" and args.fanout:
-        from memsem.cli._bench_fanout import run_fanout
+        from memsem_bench.fanout import run_fanout
 
         return run_fanout(args)
     if args.cmd == "bench":
         try:
-            from memsem.cli._bench import run_bench
+            from memsem_bench.main import run_bench
         except ImportError as exc:
             print("memsem bench needs the bench extra's packages: pip install 'rich>=13' 'matplotlib>=3.7' "
                   f"'mpi4py>=3.1' mpich 'psutil>=5' ({exc})", file=sys.stderr)

@@ -72,7 +72,7 @@ def run_demo(args: Any) -> int:
     except ImportError:
         print("memsem demo needs rich and safetensors: pip install 'rich>=13' 'safetensors>=0.4'", file=sys.stderr)
         return 2
-    from memsem.cli import _bench_weights as W
+    from memsem_bench import weights as W
 
     console = Console(width=100)
     if args.consumers < 1:

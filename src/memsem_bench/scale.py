@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from memsem.cli._bench_measure import RatioStat
+from memsem_bench.measure import RatioStat
 
 N_WINDOWS = 10_000
 N_CONSUMERS = 16
@@ -470,7 +470,7 @@ def scale_keys(quick: bool, notes: list[str], stage: Callable[[str], None] = lam
     (setup only); every measurement runs with both owners idle."""
     import memsem
 
-    from memsem.cli._bench_measure import smoke
+    from memsem_bench.measure import smoke
 
     rounds = 3 if smoke() else 20 if quick else 60
     fig: dict[str, Any] = {"scale_windows": n, "scale_consumers": consumers, "scale_cpus": os.cpu_count()}

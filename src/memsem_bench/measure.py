@@ -1,6 +1,6 @@
 """Measurements behind ``memsem bench`` and ``benchmarks/``: memsem get / put / view / pipeline
 on every route this machine has, and the peers a user would otherwise pick (``np.copyto``,
-multiprocessing ``shared_memory`` plus a ``Pipe``, and MPI through ``memsem.cli._bench_mpi``),
+multiprocessing ``shared_memory`` plus a ``Pipe``, and MPI through ``memsem_bench.mpi``),
 all in one run.
 
 Every figure is a list of per-operation samples in nanoseconds; tables and the JSON report
@@ -512,7 +512,7 @@ def mpiexec_path() -> str | None:
 
 
 def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tuple[list[Series], str | None, dict]:
-    """Run ``memsem.cli._bench_mpi`` under ``mpiexec -n 2``; its JSON becomes three Series
+    """Run ``memsem_bench.mpi`` under ``mpiexec -n 2``; its JSON becomes three Series
     (Send/Recv one-way, RMA Get, RMA Put with passive-target locks)."""
     names = {"sendrecv": "MPI Send/Recv", "rma_get": "MPI RMA Get (lock)", "rma_put": "MPI RMA Put (lock)"}
     series = [Series(v, k, "mpi") for k, v in names.items()]
@@ -521,7 +521,7 @@ def mpi_series(sizes: list[int], *, quick: bool, timeout: float = 120.0) -> tupl
         for s in series:
             s.skipped = why
         return series, why, {}
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "memsem.cli._bench_mpi", "--pair-memsem",
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "memsem_bench.mpi", "--pair-memsem",
            "--sizes", ",".join(map(str, sizes))] + (["--quick"] if quick else [])
     env = dict(os.environ, MEMSEM_JOB=f"benchmpi{os.getpid()}")
     try:

@@ -504,7 +504,7 @@ class RayPeer:
     def __init__(self, python: pathlib.Path, total_bytes: int, n: int, rollouts: int, timeout: float = 600.0) -> None:
         root = pathlib.Path(__file__).resolve().parents[3]
         code = (f"import sys; sys.path.insert(0, {str(root / 'src')!r}); "
-                "from memsem.cli._bench_weights import _ray_serve; "
+                "from memsem_bench.weights import _ray_serve; "
                 f"_ray_serve({total_bytes}, {n}, {rollouts})")
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_worker_niceness="0")
         self.python = python
@@ -670,7 +670,7 @@ def weight_sync_keys(quick: bool, notes: list[str] | None = None) -> dict[str, A
     other round. Ratios (``gloo_vs_weight_sync_4r``, ``ray_vs_weight_sync_4r``,
     ``weight_sync_vs_copy_floor``, ``weight_sync_first_bucket_ratio``) are medians of per-round
     ratios, with ``<key>_spread`` = [p10, p90]."""
-    from memsem.cli._bench_measure import RatioStat, smoke, spread_keys
+    from memsem_bench.measure import RatioStat, smoke, spread_keys
 
     notes = notes if notes is not None else []
     tiny = smoke()

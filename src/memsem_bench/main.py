@@ -10,13 +10,13 @@ cost as the work grows (10,000 windows, 16 consumers, 10,000 names in redis).
 
 Every goal is a ratio of interleaved rounds: both sides measured round by round, the order
 reversed every other round, one ratio per round; the figure is the median of those ratios and
-``<key>_spread`` their [p10, p90] (``_bench_measure.RatioStat``). The console prints every table,
+``<key>_spread`` their [p10, p90] (``memsem_bench.measure.RatioStat``). The console prints every table,
 and every goal with "met", "not met", "reported" or "skipped" and the reason; ``--out`` gets
 ``bench.json`` (everything, with per-stage seconds) and four plots; ``--json`` prints one JSON
 object of the figures (null where a peer is missing) as the last line of stdout.
 
 One module, over 600 lines, because it is one command: ``memsem bench``'s goals, stages, tables
-and plots (the measurements themselves live in _bench_measure and the _bench_* modules).
+and plots (the measurements themselves live in memsem_bench.measure and the other modules of memsem_bench).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from rich.console import Console  # the bench extra; the CLI reports it missing
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memsem.cli import _bench_measure as M
-from memsem.cli._bench_measure import MiB, Series, fmt_size
+from memsem_bench import measure as M
+from memsem_bench.measure import MiB, Series, fmt_size
 
 @dataclasses.dataclass(frozen=True)
 class Goal:
@@ -246,7 +246,7 @@ def run_bench(args: Any) -> int:
         tick()
         fig = _core_keys(series, core, cma, mpi_info, pipe, int(bounce_host), extra["telemetry_ns_per_op"])
         stage("weight sync: memsem, gloo, Ray, copy floor")
-        fig.update(_section("weight sync", lambda: importlib.import_module("memsem.cli._bench_weights")
+        fig.update(_section("weight sync", lambda: importlib.import_module("memsem_bench.weights")
                             .weight_sync_keys(quick or smoke, notes), notes, reasons))
         tick()
         stage("tcp route vs a plain socket")
@@ -254,13 +254,13 @@ def run_bench(args: Any) -> int:
             notes.append(f"tcp route skipped: {tcp_why}")
             reasons["tcp_get_64B_us"] = tcp_why
         else:
-            fig.update(_section("tcp", lambda: importlib.import_module("memsem.cli._bench_tcp")
+            fig.update(_section("tcp", lambda: importlib.import_module("memsem_bench.tcp")
                                 .bench_figures(quick or smoke, notes), notes, reasons))
             if fig.get("tcp_get_64B_us") is None:
                 reasons.setdefault("tcp_get_64B_us", next((n for n in notes if n.startswith("tcp figures")),
                                                           "tcp figures failed"))
         tick()
-        scale = importlib.import_module("memsem.cli._bench_scale")
+        scale = importlib.import_module("memsem_bench.scale")
         fig.update(_section("scale", lambda: scale.scale_keys(quick or smoke, notes, stage,
                                                               n=300 if smoke else scale.N_WINDOWS,
                                                               consumers=4 if smoke else scale.N_CONSUMERS),

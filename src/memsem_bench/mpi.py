@@ -1,4 +1,4 @@
-"""MPI peers of ``memsem bench``; run as ``mpiexec -n 2 python -m memsem.cli._bench_mpi``.
+"""MPI peers of ``memsem bench``; run as ``mpiexec -n 2 python -m memsem_bench.mpi``.
 
 Rank 0 measures, rank 1 is the peer; rank 0 prints one JSON line with per-call samples (ns):
 

@@ -223,7 +223,7 @@ def figures(*, ns: tuple[int, ...] = (1, 2, 4, 8), rate_mbit: float = 200.0, mod
     import memsem
 
     py = sys.executable
-    me = [py, "-m", "memsem.cli._bench_fanout", "node"]
+    me = [py, "-m", "memsem_bench.fanout", "node"]
     common = ["--model-mib", str(model_mib), "--chunk-kib", str(chunk_kib), "--rate-mbit", str(rate_mbit)]
     nbytes = None
     meas: dict[str, dict[int, float]] = {"star": {}, "chain": {}, "tree": {}, "gloo": {}}

@@ -7,8 +7,8 @@ version's bytes being the version) and commits write sections back to back, or o
 ``step_ms`` (a training step's compute); the follower is ``Runtime.follow`` with its defaults
 (each load pinned at the owner), checks every load bit-exact and counts. Both run ``seconds``.
 
-    python -m memsem.cli._bench_follow --role trainer|follower ...   (one node of the pair)
-    memsem.cli._bench_follow.figures(link, ...)                       (both, and the figures)
+    python -m memsem_bench.follow --role trainer|follower ...   (one node of the pair)
+    memsem_bench.follow.figures(link, ...)                       (both, and the figures)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from memsem.cli._bench_tcp import namespaces_possible, veth_pair
+from memsem_bench.tcp import namespaces_possible, veth_pair
 
 ENGINES = ("loopback", "host", "tcp")
 
@@ -93,7 +93,7 @@ def figures(link: str = "loopback", *, seconds: float = 5.0, mib: int = 16, tens
     why = namespaces_possible() if link == "veth" else None
     if why:
         return {"link": link, "skipped": why}
-    me = [sys.executable, "-m", "memsem.cli._bench_follow", "--seconds", str(seconds), "--mib", str(mib),
+    me = [sys.executable, "-m", "memsem_bench.follow", "--seconds", str(seconds), "--mib", str(mib),
           "--tensors", str(tensors), "--step-ms", str(step_ms)]
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     env = dict(os.environ, MEMSEM_JOB=f"benchfollow{os.getpid()}{secrets.token_hex(2)}", MEMSEM_DIRECTORY="local")

@@ -45,7 +45,7 @@ Goals (issues 14, 24; not tests): tcp 64 B get <= 1.3 x the socket round trip; 6
 the socket's throughput; remote first tile <= 3 x one tile get (issue 21: the owner's RSS grows by
 at most 32 MiB with 1,000 idle connections).
 
-Run alone: ``python -m memsem.cli._bench_tcp [--quick] [--json]``.
+Run alone: ``python -m memsem_bench.tcp [--quick] [--json]``.
 
 One module, over 600 lines, because it is one benchmark: the tcp route and its plain-socket
 baseline, producer and consumer roles of one script, and the owner's cost of connections.
@@ -255,7 +255,7 @@ def _loopback_server(cpu: str | None) -> tuple[subprocess.Popen, int]:
     env.pop("MEMSEM_BENCH_CPU", None)
     if cpu is not None:
         env["MEMSEM_BENCH_CPU"] = cpu
-    p = subprocess.Popen([sys.executable, "-m", "memsem.cli._bench_tcp", "--role", "socket-server",
+    p = subprocess.Popen([sys.executable, "-m", "memsem_bench.tcp", "--role", "socket-server",
                           "--addr", "127.0.0.1:0", "--size", str(SMALL)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
@@ -266,8 +266,8 @@ def _loopback_server(cpu: str | None) -> tuple[subprocess.Popen, int]:
 
 
 def _ratios(num: list[float], den: list[float]) -> dict[str, Any]:
-    """Median of per-round ratios and their p10 / p90 (see ``_bench_measure.RatioStat``)."""
-    from memsem.cli._bench_measure import ratio_of_rounds
+    """Median of per-round ratios and their p10 / p90 (see ``memsem_bench.measure.RatioStat``)."""
+    from memsem_bench.measure import ratio_of_rounds
 
     st = ratio_of_rounds(num, den)
     return {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
@@ -399,7 +399,7 @@ def _consumer(quick: bool, small_only: bool = False) -> None:
 
     import memsem
 
-    from memsem.cli._bench_measure import smoke
+    from memsem_bench.measure import smoke
 
     info = json.loads(sys.stdin.readline())
     tiny = smoke()
@@ -558,7 +558,7 @@ def _run_nodes(quick: bool, why: str | None, link: str, cpus: tuple[int, int] | 
     """One producer and one consumer process (in two namespaces unless ``why``), pinned to
     ``cpus`` (owner, consumer) when given: the consumer's result."""
     job = f"benchtcp{os.getpid()}{secrets.token_hex(2)}"
-    me = [sys.executable, "-m", "memsem.cli._bench_tcp"]
+    me = [sys.executable, "-m", "memsem_bench.tcp"]
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     env = dict(os.environ, MEMSEM_JOB=job, MEMSEM_DIRECTORY="local")
     env.pop("MEMSEM_BENCH_CPU", None)
