@@ -166,18 +166,68 @@ static uint32_t rd32(const unsigned char *p) {
     return le32toh(v);
 }
 
-/* The reply of request ``rid`` is whole in rb[0:got] and plain: a get's DATA of n bytes and
- * its OK trailer, a put's OK. The version it names, else -1 (anything else: the caller's
- * Python reads it). */
-static int64_t plain_reply(const unsigned char *rb, size_t got, int put, uint32_t rid, uint64_t n) {
-    if (put) {
-        if (got != REP_SIZE || rb[0] != REP_OK || rd32(rb + 4) != rid) return -1;
-        return (int64_t)rd64(rb + 8);
+static uint16_t rd16(const unsigned char *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return le16toh(v);
+}
+
+/* One reply header at p: the one place the reply layout is read (the Python reader of the
+ * connection calls it through reply_header()). */
+typedef struct {
+    unsigned status, flags, handle;
+    uint32_t rid;
+    uint64_t value, nbytes;
+} rep_header;
+
+static rep_header rep_read(const unsigned char *p) {
+    rep_header h = {p[0], p[1], rd16(p + 2), rd32(p + 4), rd64(p + 8), rd64(p + 16)};
+    return h;
+}
+
+/* The reply of request ``rid`` on ``handle`` is whole in rb[0:got] and plain: a get's DATA of
+ * n bytes and its OK trailer, a put's OK, each of that request and handle, carrying nothing
+ * else, naming a version a window can have. The version it names, else -1: anything else is
+ * read by the caller's Python (Connection.check, which refuses what breaks the protocol);
+ * what is accepted here is a reply that check accepts too. */
+static int64_t plain_reply(const unsigned char *rb, size_t got, int put, uint32_t rid, unsigned handle,
+                           uint64_t n) {
+    if (got != (put ? REP_SIZE : 2 * REP_SIZE + n)) return -1;
+    rep_header t = rep_read(rb);
+    if (!put) {
+        if (t.status != REP_DATA || t.rid != rid || t.handle != handle || t.nbytes != n) return -1;
+        t = rep_read(rb + REP_SIZE + n);
     }
-    if (got != 2 * REP_SIZE + n || rb[0] != REP_DATA || rd32(rb + 4) != rid || rd64(rb + 16) != n) return -1;
-    const unsigned char *t = rb + REP_SIZE + n;
-    if (t[0] != REP_OK || rd32(t + 4) != rid) return -1;
-    return (int64_t)rd64(t + 8);
+    if (t.status != REP_OK || t.rid != rid || t.handle != handle || t.nbytes != 0 || t.value > MEMSEM_VERSION_MAX)
+        return -1;
+    return (int64_t)t.value;
+}
+
+PyDoc_STRVAR(reply_header_doc,
+"reply_header(buf, offset) -> (status, flags, handle, rid, value, nbytes)\n\n"
+"The tcp reply header (memsem/engines/tcp/_wire.py: 24 bytes, little endian) at ``offset`` of\n"
+"the buffer ``buf``: the one reader of the reply layout (the kept route's native call reads it\n"
+"through the same function).");
+
+static PyObject *hot_reply_header(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "reply_header() takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    if (off == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[0], &v, PyBUF_SIMPLE) != 0) return NULL;
+    if (off < 0 || off > v.len - REP_SIZE) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "reply_header(): the buffer holds no header at that offset");
+        return NULL;
+    }
+    rep_header h = rep_read((const unsigned char *)v.buf + off);
+    PyBuffer_Release(&v);
+    return Py_BuildValue("(IIIkKK)", h.status, h.flags, h.handle, (unsigned long)h.rid,
+                         (unsigned long long)h.value, (unsigned long long)h.nbytes);
 }
 
 static uint64_t now_ms(void) {
@@ -210,7 +260,9 @@ PyDoc_STRVAR(wire_doc,
 "closes the bracket: the close's result with the owner's version in the value bits. Else:\n"
 "MEMSEM_RC_BUFFER (the door: nothing done), the bracket's refusal (nothing done),\n"
 "MEMSEM_RC_WIRE_PENDING with the bytes received in the value bits (the bracket is open, the\n"
-"request sent: the caller reads the rest of its reply from rbuf[:got] on), MEMSEM_RC_WIRE_LOST\n"
+"request sent: the caller reads the rest of its reply from rbuf[:got] on), MEMSEM_RC_WIRE_SENDING\n"
+"with the bytes of the request sent in the value bits (the bracket is open; the socket took no\n"
+"more within the slice: the caller sends the rest, then reads the reply), MEMSEM_RC_WIRE_LOST\n"
 "with the errno (0: closed by the peer) in the value bits (the bracket is open: the caller\n"
 "undoes it and drops the connection). The GIL is released around the socket calls.");
 
@@ -259,13 +311,13 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
     size_t cap = (size_t)rv.len, got = 0;
     size_t need = put ? REP_SIZE : 2 * REP_SIZE + (size_t)nbytes;
     int lost = -1; /* >= 0: the connection failed (the errno; 0 closed by the peer) */
+    size_t left = (size_t)head_len + (put ? (size_t)nbytes : 0); /* bytes of the request not sent */
     Py_BEGIN_ALLOW_THREADS
     uint64_t end = now_ms() + (uint64_t)slice_ms; /* one slice for the whole call */
     struct iovec iov[2] = {{head, (size_t)head_len}, {view.buf, put ? (size_t)nbytes : 0}};
     struct msghdr msg = {0};
     msg.msg_iov = iov;
     msg.msg_iovlen = put && nbytes ? 2 : 1;
-    size_t left = (size_t)head_len + (put ? (size_t)nbytes : 0);
     while (left) {
         ssize_t k = sendmsg((int)fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (k > 0) {
@@ -286,13 +338,13 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             int r = wait_fd((int)fd, POLLOUT, end);
             if (r > 0) continue;
-            lost = r < 0 ? -r : ETIMEDOUT; /* a small request the socket does not take in a slice */
-            break;
+            if (r < 0) lost = -r;
+            break; /* the slice passed: the caller sends the rest within its deadline */
         }
         lost = k < 0 ? errno : EPIPE;
         break;
     }
-    while (lost < 0 && got < need) {
+    while (lost < 0 && !left && got < need) {
         ssize_t k = recv((int)fd, rb + got, cap - got, MSG_DONTWAIT);
         if (k > 0) {
             got += (size_t)k;
@@ -317,7 +369,13 @@ static PyObject *hot_wire(PyObject *self, PyObject *const *args, Py_ssize_t narg
         rc = MEMSEM_RC_WIRE_LOST | ((uint64_t)lost << MEMSEM_RC_VERSION_SHIFT);
         goto done;
     }
-    int64_t v = plain_reply(rb, got, put, (uint32_t)rid, nbytes);
+    if (left) { /* not all of the request went within the slice: the caller sends the rest */
+        rc = MEMSEM_RC_WIRE_SENDING |
+             ((uint64_t)((size_t)head_len + (put ? (size_t)nbytes : 0) - left) << MEMSEM_RC_VERSION_SHIFT);
+        goto done;
+    }
+    int64_t v = plain_reply(rb, got, put, (uint32_t)rid, head_len >= 4 ? rd16((const unsigned char *)head + 2) : 0,
+                            nbytes);
     if (v < 0) {
         rc = MEMSEM_RC_WIRE_PENDING | ((uint64_t)got << MEMSEM_RC_VERSION_SHIFT);
         goto done;
@@ -335,6 +393,7 @@ done:
 static PyMethodDef hot_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))hot_copy, METH_FASTCALL, copy_doc},
     {"wire", (PyCFunction)(void (*)(void))hot_wire, METH_FASTCALL, wire_doc},
+    {"reply_header", (PyCFunction)(void (*)(void))hot_reply_header, METH_FASTCALL, reply_header_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -350,7 +409,8 @@ PyMODINIT_FUNC PyInit__hot(void) {
     if (PyModule_AddIntConstant(m, "RC_BUFFER", MEMSEM_RC_BUFFER) < 0 ||
         PyModule_AddIntConstant(m, "GIL_BYTES", MEMSEM_HOT_GIL_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "RC_WIRE_PENDING", MEMSEM_RC_WIRE_PENDING) < 0 ||
-        PyModule_AddIntConstant(m, "RC_WIRE_LOST", MEMSEM_RC_WIRE_LOST) < 0) {
+        PyModule_AddIntConstant(m, "RC_WIRE_LOST", MEMSEM_RC_WIRE_LOST) < 0 ||
+        PyModule_AddIntConstant(m, "RC_WIRE_SENDING", MEMSEM_RC_WIRE_SENDING) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -116,6 +116,10 @@ typedef struct memsem_plan {
 /* memsem._hot.wire only: the bracket is open and the connection failed (the value: errno, 0
  * when the peer closed it); the caller undoes the bracket and drops the connection. */
 #define MEMSEM_RC_WIRE_LOST 16
+/* memsem._hot.wire only: the bracket is open and the socket did not take the whole request
+ * within the call's slice; the value is the bytes of it sent so far (the caller sends the
+ * rest within its deadline, then reads the reply). */
+#define MEMSEM_RC_WIRE_SENDING 17
 /* memsem._hot.copy keeps the GIL for copies of fewer bytes than this (and releases it above). */
 #define MEMSEM_HOT_GIL_BYTES 65536
 /* Flags in bits 8-15. */

@@ -12,6 +12,8 @@ import socket
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memsem
 from memsem import _hot, native
@@ -90,7 +92,8 @@ def test_a_plain_put_sends_the_bytes_after_the_header(rt, pair):
     assert got == _head(True) + src.tobytes()
 
 
-@pytest.mark.parametrize("case", ["half", "nothing", "other rid", "outcome", "short data"])
+@pytest.mark.parametrize("case", ["half", "nothing", "other rid", "outcome", "short data", "other handle",
+                                  "version past the largest", "OK carrying bytes"])
 def test_a_reply_that_is_not_plain_is_left_pending_with_what_arrived(rt, pair, case):
     """What the call cannot finish whole it leaves to the Python reader: the bytes received so
     far in the buffer, the bracket open, the destination untouched."""
@@ -100,7 +103,11 @@ def test_a_reply_that_is_not_plain_is_left_pending_with_what_arrived(rt, pair, c
     reply = {"half": _data_reply(payload, 3)[:40], "nothing": b"", "other rid": _data_reply(payload, 3, rid=RID + 1),
              "outcome": W.REP.pack(W.OUTCOME, Status.BUSY.value, 1, RID, 5, 0),
              "short data": W.REP.pack(W.DATA, 0, 1, RID, 0, N - 1) + payload[:N - 1]
-             + W.REP.pack(W.OK, 0, 1, RID, 3, 0)}[case]
+             + W.REP.pack(W.OK, 0, 1, RID, 3, 0),
+             "other handle": (W.REP.pack(W.DATA, 0, 2, RID, 0, N) + payload + W.REP.pack(W.OK, 0, 2, RID, 3, 0)),
+             "version past the largest": _data_reply(payload, W.VERSION_MAX + 1),
+             "OK carrying bytes": W.REP.pack(W.DATA, 0, 1, RID, 0, N) + payload + W.REP.pack(W.OK, 0, 1, RID, 3, 1)
+             }[case]
     if reply:
         z.sendall(reply)
     out = np.full(N, 0xEE, np.uint8)
@@ -195,3 +202,15 @@ def test_one_slice_bounds_the_whole_call_however_the_reply_trickles(rt, pair):
     got = rc >> SHIFT
     assert got < len(reply) and bytes(rbuf[:got]) == reply[:got]
     assert b.undo([res]) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**16 - 1), st.integers(0, 2**32 - 1),
+       st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 40))
+def test_the_one_reader_reads_what_the_wire_packs(status, flags, handle, rid, value, nbytes, at):
+    """The reply layout is read in one place (native/memsem_hot.c, ``reply_header``, which the
+    kept route's native call uses too): it agrees with the protocol's definition in _wire."""
+    buf = bytes(at) + W.REP.pack(status, flags, handle, rid, value, nbytes) + bytes(3)
+    assert _hot.reply_header(buf, at) == (status, flags, handle, rid, value, nbytes)
+    with pytest.raises(ValueError):
+        _hot.reply_header(buf, len(buf) - W.REP.size + 1)

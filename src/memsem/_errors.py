@@ -167,7 +167,11 @@ class EngineError(MemsemError):
         if name:
             detail.append(name)
         if errno is not None:
-            detail.append(f"errno {errno}: {os.strerror(errno)}")
+            try:
+                text = os.strerror(errno)
+            except (ValueError, OverflowError):  # a number no errno is (e.g. from a peer)
+                text = "not an errno"
+            detail.append(f"errno {errno}: {text}")
         if code is not None and errno is None:
             detail.append(f"code {code}")
         super().__init__(f"{message} ({', '.join(detail)})" if detail else message)

@@ -9,6 +9,9 @@ def copy(plan: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: i
 
 RC_WIRE_PENDING: int
 RC_WIRE_LOST: int
+RC_WIRE_SENDING: int
 
 def wire(bracket: int, plan: int, fd: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: int,
          head: bytes, rid: int, rbuf: bytearray, slice_ms: int) -> int: ...
+
+def reply_header(buf: Any, offset: int) -> tuple[int, int, int, int, int, int]: ...

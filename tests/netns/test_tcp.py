@@ -694,10 +694,19 @@ def _idle(rt, ref):
     return rt.core.resolve(ref.spec).use.holders == 1
 
 
-def test_the_kept_route_waits_out_an_open_write_section(owner, rt):
-    """The owner answers BUSY while a write section is open: the kept get (on the thread that
-    kept the route) takes the retry loop from that outcome (asleep on the window's word), and
-    returns the committed version's bytes."""
+def test_the_kept_route_waits_out_an_open_write_section(redis_url, job, rt):
+    """The owner answers BUSY while a write section is open (it parks a request 0.2 s at most
+    here): the kept get (on the thread that kept the route) takes the retry loop from that
+    outcome (asleep on the window's word) within its own deadline, and returns the committed
+    version's bytes."""
+    owner = Owner(redis_url, job, env={"MEMSEM_TCP_MAX_WAIT_S": "0.2"})
+    try:
+        _kept_route_waits_out_a_section(owner, rt)
+    finally:
+        owner.close()
+
+
+def _kept_route_waits_out_a_section(owner, rt):
     w = _ref(rt, owner("publish_versioned", name="v", n=8)["ref"])
     kept, go, got, errors = threading.Event(), threading.Event(), [], []
 

@@ -115,6 +115,17 @@ class Outcome:
         """The same call may succeed when made again (see ``RETRY``)."""
         return self.status in RETRY
 
+    @property
+    def waits(self) -> bool:
+        """The call may succeed once the window commits a version (a write section is open, or
+        the version asked for is not committed): wait for a commit, then make it again."""
+        return self.status is Status.BUSY
+
+    @property
+    def again(self) -> bool:
+        """The copy saw two versions (torn; nothing moved counts): make it again at once."""
+        return self.status is Status.TORN
+
     @classmethod
     def remote(cls, exc: RemoteOutcome) -> "Outcome":
         """The owner's native outcome carried back by an owner-checked engine."""

@@ -277,6 +277,19 @@ class Grant:
             o = b.close(failed, moved)  # counted: what moved, not what the socket was offered
         return o, moved
 
+    def partial(self, o: Outcome) -> Outcome:
+        """What the consumer is told when a reply's bytes went out in part before the brackets
+        around them failed with ``o``: the generation moved (GEN_AFTER), else the bytes are not
+        one version's (TORN: asked again)."""
+        if o.status in (Status.GEN_BEFORE, Status.GEN_AFTER):
+            return Outcome(Status.GEN_AFTER, o.value)
+        return Outcome(Status.TORN, 0)
+
+    def gone(self) -> Outcome:
+        """The outcome of a request on a grant whose window was retired (GEN_BEFORE, with the
+        generation now)."""
+        return Outcome(Status.GEN_BEFORE, self.current())
+
     def set_ready(self, tile: int, ready: bool) -> Outcome:
         """Mark (or clear) tile ``tile`` for this grant's generation, as the owner's own
         ``mark_ready`` / ``clear_ready`` would (waking local waiters and watchers). Returns the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
 
 _copy = native.lib.memsem_plan_copy
-_PENDING, _LOST = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST
+_PENDING, _LOST, _SENDING = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST, _hot.RC_WIRE_SENDING
 _STATUS = native.lib.MEMSEM_RC_STATUS_MASK
 #: a kept route that cannot serve (``KeptWire.transfer``): nothing done; keep it anew (every
 #: attention bit: a result word no native call returns)
@@ -104,7 +105,8 @@ class Transfers:
 
     # -- the one transfer -------------------------------------------------------------------------
     def transfer(self, spec: RefSpec, put: bool, offset: int, addr: int, n: int, keep: Any,
-                 lease: Lease | None = None, version: int = 0, signal_tile: int | None = None) -> int:
+                 lease: Lease | None = None, version: int = 0, signal_tile: int | None = None,
+                 deadline: float | None = None) -> int:
         """Move ``n`` bytes between ``addr`` (here; ``keep`` owns that memory) and the window at
         ``spec.offset + offset``. Blocking; remote completion. Returns the version whose bytes
         were read or overwritten.
@@ -112,7 +114,9 @@ class Transfers:
         ``version`` 0 reads the latest committed version, else exactly that one (callers pass
         it through ``_args.version``). ``signal_tile`` (puts): where the route's engine can
         signal tiles (mte ``aclshmemx_putmem_signal``) the tile's signal word is set after the
-        data.
+        data. ``deadline`` (``time.monotonic()``): the caller's, when a part of the call ran
+        already (a kept route's request): no request and no retry goes past it (None: the
+        runtime's timeout from now).
         """
         if offset < 0 or n < 0 or offset + n > spec.nbytes:
             raise tr.out_of_range(spec, offset, offset + n, spec.nbytes, "the ref")
@@ -127,18 +131,20 @@ class Transfers:
             raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
 
         def attempt(r: Resolution) -> Outcome:
-            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, signal_tile)
+            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, signal_tile, deadline)
 
         if res.strategy is Strategy.DIRECT:
             ls, lid = _lease_args(lease, spec)
             rc = _copy(res.plan, put, spec.offset + offset, addr, n, version, ls, lid)
             if not rc & _ATTN:
                 return rc >> _SHIFT
-            return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc))
-        return self.run(spec, res, attempt, put=put, lease=lease, version=version)
+            return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc),
+                            deadline=deadline)
+        return self.run(spec, res, attempt, put=put, lease=lease, version=version, deadline=deadline)
 
     def run(self, spec: RefSpec, res: Resolution, attempt: Callable[[Resolution], Outcome], *, put: bool = False,
-            lease: Lease | None = None, version: int = 0, first: Outcome | None = None) -> int:
+            lease: Lease | None = None, version: int = 0, first: Outcome | None = None,
+            deadline: float | None = None) -> int:
         """The one retry loop of a copy: ``attempt(resolution)`` tries it once and says what it
         came to (``first``: what a try made already came to); returns the version moved.
 
@@ -146,7 +152,8 @@ class Transfers:
         timeout): a closed resolution (resolved again), a liveness check that is due (done:
         ``PeerLostError`` when the owner died), an open write section or a version not yet
         committed (asleep on the word its close will move), a torn copy (made again, after
-        ``_TORN_SPINS`` immediate tries asleep like a write section). Every other outcome is
+        ``_TORN_SPINS`` immediate tries asleep like a write section). ``deadline``: the
+        caller's (``time.monotonic()``), which the wait never outlasts. Every other outcome is
         its memsem error (``_bracket.failure``).
 
         Raises:
@@ -167,7 +174,7 @@ class Transfers:
             if not o.retry:
                 raise failure(o, res, spec, put=put, lease=lease, version=version)
             if wait is None:
-                wait = self._busy_wait(spec, res, version)
+                wait = self._busy_wait(spec, res, version, deadline)
             if st is Status.CLOSED:
                 res = self._resolver.resolve(spec)  # raises RuntimeClosedError when closed
                 wait.rechecking(self._busy_checks(res, spec))
@@ -185,16 +192,20 @@ class Transfers:
             o = None
 
     def _settle(self, rc: int, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int,
-                keep: Any, lease: Lease | None, version: int) -> int:
+                keep: Any, lease: Lease | None, version: int, deadline: float | None = None) -> int:
         """A hot-path result word that needs attention (``memsem._hot.copy``): the retry loop."""
         def attempt(r: Resolution) -> Outcome:
-            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, None)
+            return self._attempt(r, spec, put, offset, addr, n, keep, lease, version, None, deadline)
 
-        return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc))
+        return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc),
+                        deadline=deadline)
 
-    def _busy_wait(self, spec: RefSpec, res: Resolution, version: int) -> Wait:
+    def _busy_wait(self, spec: RefSpec, res: Resolution, version: int, deadline: float | None) -> Wait:
         also = f" (or version {version} was not committed)" if version else ""
-        return Wait(f"{spec.label}: a write section", self._core.timeout, telemetry=self._core.telemetry,
+        t = self._core.timeout
+        if deadline is not None:
+            t = min(t, max(0.0, deadline - time.monotonic()))
+        return Wait(f"{spec.label}: a write section", t, telemetry=self._core.telemetry,
                     state=f"stayed open{also}; no bytes were returned, still", recheck=self._busy_checks(res, spec))
 
     def _busy_checks(self, res: Resolution, spec: RefSpec) -> Callable[[], None]:
@@ -217,7 +228,7 @@ class Transfers:
         wait.sleep_word(m.latest_addr, native.load_acquire(m.latest_addr), m)
 
     def _attempt(self, res: Resolution, spec: RefSpec, put: bool, offset: int, addr: int, n: int, keep: Any,
-                 lease: Lease | None, version: int, signal_tile: int | None) -> Outcome:
+                 lease: Lease | None, version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         """One try of a transfer through ``res``'s strategy (``Resolution.strategy``)."""
         ls, lid = _lease_args(lease, spec)
         at = spec.offset + offset
@@ -246,7 +257,8 @@ class Transfers:
                 lease.check("before the transfer")
             remote = res.remote_for(spec)
             if owner:
-                moved = eng.put_version(remote, at, flat) if put else eng.get_version(remote, at, flat, version)
+                moved = eng.put_version(remote, at, flat, deadline=deadline) if put else \
+                    eng.get_version(remote, at, flat, version, deadline=deadline)
             elif not put:
                 eng.get(remote, at, flat)
             elif signal_tile is not None and eng.can_signal(remote):
@@ -356,9 +368,13 @@ class Transfers:
     # protocol, then memsem_plan_copy with every window check. Whatever that call does not take
     # (torch tensors, DLPack, a wrong size or dtype...) it hands back untouched (RC_BUFFER) and
     # the Python door below accepts it or raises the error that names the argument.
-    def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0) -> Any:
+    def get(self, spec: RefSpec, out: Any = None, lease: Lease | None = None, version: int = 0,
+            deadline: float | None = None) -> Any:
         """Blocking get of the whole ref into ``out`` (or a new array of ``spec.shape`` and the
-        ref's dtype); returns it (``out``'s own object when given)."""
+        ref's dtype); returns it (``out``'s own object when given). ``deadline``: see
+        :meth:`transfer`."""
+        if deadline is not None:
+            return self._get(spec, out, lease, version, deadline)[1]
         return self.get_versioned(spec, out, lease, version)[1]
 
     def get_versioned(self, spec: RefSpec, out: Any = None, lease: Lease | None = None,
@@ -425,36 +441,44 @@ class Transfers:
         return KeptWire(keeper, spec, self._core.token, res.plan, res.addr, requests)
 
     def after_hot(self, rc: int, res: Resolution, spec: RefSpec, out: Any, lease: Lease | None = None,
-                  version: int = 0) -> tuple[int, Any]:
+                  version: int = 0, deadline: float | None = None) -> tuple[int, Any]:
         """A get's ``memsem._hot.copy`` result word that needs attention: the buffer's own door
-        (RC_BUFFER: nothing was done) or the retry loop. ``(version, out)``."""
+        (RC_BUFFER: nothing was done) or the retry loop. ``(version, out)``. ``deadline``: see
+        :meth:`transfer`."""
         if rc != _RC_BUFFER:
             flat, info = as_byte_array(out, "out", writable=True)
-            return self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version), out
-        return self._get(spec, out, lease, version)
+            return self._settle(rc, res, spec, False, 0, info.address, info.nbytes, flat, lease, version,
+                                deadline), out
+        return self._get(spec, out, lease, version, deadline)
 
-    def after_hot_put(self, rc: int, res: Resolution, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
+    def after_hot_put(self, rc: int, res: Resolution, spec: RefSpec, src: Any, lease: Lease | None = None,
+                      deadline: float | None = None) -> int:
         """A put's ``memsem._hot.copy`` result word that needs attention (as :meth:`after_hot`):
         the version overwritten."""
         if rc != _RC_BUFFER:
             flat, info = as_byte_array(src, "src", writable=False)
-            return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0)
-        return self._put(spec, src, lease)
+            return self._settle(rc, res, spec, True, 0, info.address, info.nbytes, flat, lease, 0, deadline)
+        return self._put(spec, src, lease, deadline)
 
-    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int) -> tuple[int, Any]:
+    def _get(self, spec: RefSpec, out: Any, lease: Lease | None, version: int,
+             deadline: float | None = None) -> tuple[int, Any]:
         if out is None:
             out = np.empty(spec.shape, _dtypes.numpy_dtype(spec.dtype_code))
             n = out.nbytes
-            return self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version), out
+            return self.transfer(spec, False, 0, array_address(out) if n else 0, n, out, lease, version,
+                                 deadline=deadline), out
         flat, info = as_byte_array(out, "out", writable=True)
         if info.nbytes != spec.nbytes:
             raise _size_mismatch("out", info.nbytes, spec)
         check_dtype("out", info.dtype_code, spec.dtype_code)
-        return self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version), out
+        return self.transfer(spec, False, 0, info.address, info.nbytes, flat, lease, version,
+                             deadline=deadline), out
 
-    def put(self, spec: RefSpec, src: Any, lease: Lease | None = None) -> int:
+    def put(self, spec: RefSpec, src: Any, lease: Lease | None = None, deadline: float | None = None) -> int:
         """Blocking put of ``src`` (exactly the ref's bytes, same dtype or uint8) into the window;
-        returns the version overwritten."""
+        returns the version overwritten. ``deadline``: see :meth:`transfer`."""
+        if deadline is not None:
+            return self._put(spec, src, lease, deadline)
         if spec.access == "rw" and (lease is None or lease.spec.gva == spec.gva):
             res = self._cache.get(spec.gva)
             if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
@@ -468,13 +492,13 @@ class Transfers:
                 return self.after_hot_put(rc, res, spec, src, lease)
         return self._put(spec, src, lease)
 
-    def _put(self, spec: RefSpec, src: Any, lease: Lease | None) -> int:
+    def _put(self, spec: RefSpec, src: Any, lease: Lease | None, deadline: float | None = None) -> int:
         flat, info = as_byte_array(src, "src", writable=False)
         n, code = info.nbytes, info.dtype_code
         if n != spec.nbytes:
             raise _size_mismatch("src", n, spec)
         check_dtype("src", code, spec.dtype_code)
-        return self.transfer(spec, True, 0, info.address, n, flat, lease)
+        return self.transfer(spec, True, 0, info.address, n, flat, lease, deadline=deadline)
 
     def get_range(self, spec: RefSpec, offset: int, buf: np.ndarray, lease: Lease | None = None) -> int:
         """Blocking get of ``buf.nbytes`` bytes from ``offset`` bytes into the ref into the flat
@@ -532,8 +556,8 @@ class KeptWire:
     engine failure under the request is raised as the whole path raises it.
     """
 
-    __slots__ = ("keeper", "spec", "token", "writable", "_bracket", "_plan_address", "_at", "_n", "_code",
-                 "_requests")
+    __slots__ = ("keeper", "spec", "token", "writable", "deadline", "_bracket", "_plan_address", "_at", "_n",
+                 "_code", "_requests")
 
     def __init__(self, keeper: list[Any], spec: RefSpec, token: object, plan: Any, plan_address: int,
                  requests: Any) -> None:
@@ -541,6 +565,9 @@ class KeptWire:
         self.spec = spec
         self.token = token
         self.writable = spec.access == "rw"
+        #: the deadline (``time.monotonic()``) of the last :meth:`transfer` that sent a request
+        #: (None: none did): what the whole path keeps to when it makes that request again
+        self.deadline: float | None = None
         self._bracket = KeptBracket(plan)
         self._plan_address = plan_address
         self._at = spec.offset
@@ -558,7 +585,9 @@ class KeptWire:
         kr = self._requests
         c = kr.usable()
         if c is None:
+            self.deadline = None
             return ROUTE_STALE
+        deadline = self.deadline = time.monotonic() + kr.timeout  # the caller's, for every step
         b = self._bracket
         try:
             rc = kr.call(c, b.address, self._plan_address, put, self._at, buf, self._n, self._code)
@@ -567,7 +596,7 @@ class KeptWire:
             b.undo(self.keeper)  # closes the bracket if it is open (else refused, harmlessly)
             raise
         st = rc & _STATUS
-        if st != _PENDING and st != _LOST:
+        if st != _PENDING and st != _LOST and st != _SENDING:
             return rc  # done, or nothing done (the door, the bracket's refusal or close)
         if st == _LOST:  # the connection failed under the request: the whole path makes it again
             kr.drop(c)
@@ -577,7 +606,7 @@ class KeptWire:
         if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
         try:
-            v = kr.finish(c, rc, put, mv)
+            v = kr.finish(c, rc, put, mv, deadline)
         except RemoteOutcome as exc:
             b.undo(self.keeper)
             refused = Outcome.remote(exc)

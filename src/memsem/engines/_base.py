@@ -450,9 +450,12 @@ class Engine(abc.ABC):
         """Copy ``src`` into ``remote`` at ``offset``; returns when the bytes are visible at the
         target (remote completion), not merely when ``src`` may be reused."""
 
-    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int, *,
+                    deadline: float | None = None) -> int:
         """``get`` of exactly version ``version`` (0: the latest committed one), checked by the
         owner (engines with ``versions``); returns the version whose bytes are in ``dst``.
+        ``deadline`` (``time.monotonic()``): the caller's bound of the whole request, retries
+        included (None: the engine's timeout from now).
 
         Raises:
             RemoteOutcome: the owner refused (its native outcome: a moved generation, a version
@@ -460,9 +463,10 @@ class Engine(abc.ABC):
         """
         raise NotSupportedError(f"engine {self.name!r} has no owner that checks versions")
 
-    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray, *,
+                    deadline: float | None = None) -> int:
         """``put`` checked by the owner (engines with ``versions``); returns, at remote
-        completion, the version whose bytes were overwritten.
+        completion, the version whose bytes were overwritten. ``deadline``: as ``get_version``.
 
         Raises:
             RemoteOutcome: the owner refused. NotSupportedError: not this engine.

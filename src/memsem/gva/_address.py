@@ -15,6 +15,7 @@ from typing import Any
 
 from memsem import _dtypes
 from memsem.engines._base import Descriptor, typed_field
+from memsem.gva._control_block import MAX_READY_WORDS
 
 RANK_SHIFT = 44
 RANK_LIMIT = 1 << (64 - RANK_SHIFT)
@@ -126,6 +127,9 @@ class WindowInfo:
                      "tile_bytes", "byte_offset"):
             if out[name] < 0:
                 raise ValueError(f"{what} field {name!r} must be >= 0, got {out[name]}")
+        if out["n_ready"] > min(MAX_READY_WORDS, max(out["nbytes"], 1)):
+            raise ValueError(f"{what} field 'n_ready' must be at most {min(MAX_READY_WORDS, max(out['nbytes'], 1))} "
+                             f"(a ready word per tile, a tile per byte at most), got {out['n_ready']}")
         if out["access"] not in ("r", "rw"):
             raise ValueError(f"{what} field 'access' must be 'r' or 'rw', got {out['access']!r}")
         if out["dtype_code"] not in _dtypes.codes():

@@ -262,7 +262,7 @@ class TensorRef:
                         rc = w.transfer(rt.transfers, False, out)
                         if not rc & _ATTN:
                             return out
-                        self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, False, out)
+                        self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, False, out, w.deadline)
                         return out
                     self._settle_kept(rt, None, 0, False, out)
                     return out
@@ -343,15 +343,17 @@ class TensorRef:
             rc = w.transfer(rt.transfers, True, src)
             if not rc & _ATTN:
                 return
-            self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, True, src)
+            self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, True, src, w.deadline)
             return
         self._settle_kept(rt, None, 0, True, src)
 
-    def _settle_kept(self, rt: Any, res: Any, rc: int, put: bool, buf: Any) -> None:
+    def _settle_kept(self, rt: Any, res: Any, rc: int, put: bool, buf: Any, deadline: float | None = None) -> None:
         """The plain get (``put`` False: into ``buf``) or put (from ``buf``) that the kept route
         did not finish: ``rc``, the result word of its native call that needs attention, with
         ``res`` the resolution it copied through, or ``res`` None (no route kept, or its
-        resolution released since): the whole path. Keeps the route anew after it.
+        resolution released since): the whole path, within ``deadline`` (``time.monotonic()``:
+        the kept route's, when it sent a request; None: the runtime's timeout from now). Keeps
+        the route anew after it.
 
         Raises:
             What the get or put raises.
@@ -362,13 +364,13 @@ class TensorRef:
             self._hot = self._wire = None  # released, torn, moved...: settled, then kept anew
         if res is None:
             if put:
-                tr.put(self.spec, buf, None)
+                tr.put(self.spec, buf, None, deadline)
             else:
-                tr.get(self.spec, buf, None, 0)
+                tr.get(self.spec, buf, None, 0, deadline)
         elif put:
-            tr.after_hot_put(rc, res, self.spec, buf)
+            tr.after_hot_put(rc, res, self.spec, buf, None, deadline)
         else:
-            tr.after_hot(rc, res, self.spec, buf)
+            tr.after_hot(rc, res, self.spec, buf, None, 0, deadline)
         if anew:
             self._hot = tr.hot_args(self.spec)
             if self._hot is None:

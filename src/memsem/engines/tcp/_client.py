@@ -36,15 +36,24 @@ _INF = float("inf")
 #: the receive buffer of a connection: a small GET's reply (header, bytes, trailer) fits whole
 RECV_BYTES = 2 * W.REP.size + W.SMALL_BYTES
 _REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
-_pack_req, _unpack_rep = W.REQ.pack, W.REP.unpack_from
+_pack_req = W.REQ.pack
+#: the one reader of the reply layout (native/memsem_hot.c, shared with the kept route's call)
+_unpack_rep = _hot.reply_header
 _get_ident, _monotonic = threading.get_ident, time.monotonic
 _OP_GET, _OP_PUT = W.OP_GET, W.OP_PUT
+#: the op :meth:`Connection.reply` is given for the trailer after a GET's bytes (OK or OUTCOME)
+TRAILER = -1
+_OP_NAMES = {W.OP_OPEN: "open", W.OP_GET: "get", TRAILER: "get", W.OP_PUT: "put", W.OP_MARK: "ready mark",
+             W.OP_CLEAR: "ready mark", W.OP_PIN: "pin", W.OP_WATCH: "watch", W.OP_SYNC: "watch"}
+_ERRNO = _lib.MEMSEM_RC_ERRNO
+_U64 = (1 << 64) - 1
 _wire = _hot.wire
 _SHIFT = _lib.MEMSEM_RC_VERSION_SHIFT
 #: how long the native call of a kept request waits for its reply before Python waits on
 _SLICE_MS = int(W.POLL_SLICE * 1000)
 #: the native call's results that leave a request in flight (:meth:`KeptRequests.call`)
-RC_WIRE_PENDING, RC_WIRE_LOST = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST
+RC_WIRE_PENDING, RC_WIRE_LOST, RC_WIRE_SENDING = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST, _hot.RC_WIRE_SENDING
+_STATUS = _lib.MEMSEM_RC_STATUS_MASK
 
 
 class Lost(Exception):
@@ -112,6 +121,8 @@ class Connection:
             return W.read_exact(self.sock, mv, deadline, self._recv_waited, at_least)
         except W.Closed:
             raise Lost("the owner closed the connection") from None
+        except MemsemError:  # the deadline (a TimeoutError, so an OSError too) or a dead owner:
+            raise            # never taken for a lost connection
         except OSError as exc:
             raise Lost(f"the connection failed: {exc}", exc.errno) from exc
 
@@ -123,21 +134,60 @@ class Connection:
         return out
 
     def frame(self, deadline: float) -> tuple[int, int, int, int, int, int]:
-        """The next reply header ``(status, flags, handle, rid, value, nbytes)``."""
-        self._fill(W.REP.size, deadline)
-        out = W.REP.unpack_from(self._buf, self._lo)
-        self._lo += W.REP.size
-        return out
-
-    def reply(self, rid: int, deadline: float) -> tuple[int, int, int, int]:
-        """The next reply header ``(status, flags, value, nbytes)``; it must answer ``rid``."""
+        """The next reply header ``(status, flags, handle, rid, value, nbytes)``, unchecked: the
+        one place a consumer reads the reply layout (:meth:`reply` checks it against its
+        request; the watch reader checks events)."""
         if self._hi - self._lo < _REP_SIZE:
             self._fill(_REP_SIZE, deadline)
-        status, flags, _, got, value, nbytes = _unpack_rep(self._buf, self._lo)
+        out = _unpack_rep(self._buf, self._lo)
         self._lo += _REP_SIZE
-        if got != rid and status != W.FULL:
-            raise EngineError(f"tcp reply from {self.endpoint} answers request {got}, not {rid}: "
-                              "the connection is out of step")
+        return out
+
+    def violation(self, what: str, why: str) -> EngineError:
+        """The error of a reply that breaks the protocol (the connection is out of step: the
+        caller drops it)."""
+        return EngineError(f"tcp {what} at {self.endpoint}: the owner broke the protocol ({why}); the "
+                           "connection is dropped", name="PROTOCOL")
+
+    def reply(self, rid: int, handle: int, op: int, deadline: float) -> tuple[int, int, int, int]:
+        """The next reply header ``(status, flags, value, nbytes)``, checked against its request
+        (``rid`` on ``handle``, of op ``op``; ``TRAILER``: the trailer after a GET's bytes):
+        its id and handle, a status that answers that op, and the bytes it may carry (none
+        after OK and OUTCOME, at most ``MAX_ERROR_TEXT`` of text). FULL (the owner refused the
+        connection) answers any request.
+
+        Raises:
+            EngineError: a reply that breaks the protocol (``name`` "PROTOCOL"). Lost,
+            MemsemTimeoutError, PeerLostError: as the receive.
+        """
+        return self.check(self.frame(deadline), rid, handle, op)
+
+    def check(self, header: tuple[int, int, int, int, int, int], rid: int, handle: int,
+              op: int) -> tuple[int, int, int, int]:
+        """``header`` (from :meth:`frame`) checked against its request, as :meth:`reply` says."""
+        status, flags, h, got, value, nbytes = header
+        what = _OP_NAMES.get(op, "request")
+        if status == W.FULL:
+            if nbytes > W.MAX_ERROR_TEXT:
+                raise self.violation(what, f"a FULL reply carries {nbytes} bytes of text")
+            return status, flags, value, nbytes
+        if got != rid or h != handle:
+            raise self.violation(what, f"a reply to request {got} on handle {h} came for request {rid} on "
+                                       f"handle {handle}")
+        if status == W.DATA:
+            if op != W.OP_GET:
+                raise self.violation(what, "DATA answers only a GET")
+        elif status == W.OK or status == W.OUTCOME:
+            if nbytes:
+                raise self.violation(what, f"{W.STATUS_NAMES[status]} carries {nbytes} bytes")
+        elif status == W.DENIED or status == W.ERROR:
+            if op == TRAILER:
+                raise self.violation(what, f"{W.STATUS_NAMES[status]} after a GET's bytes")
+            if nbytes > W.MAX_ERROR_TEXT:
+                raise self.violation(what, f"a reply carries {nbytes} bytes of text")
+        else:
+            raise self.violation(what, f"status {status} ({W.STATUS_NAMES.get(status, 'unknown')}) answers a "
+                                       "request")
         return status, flags, value, nbytes
 
     def read_into(self, mv: memoryview, deadline: float) -> None:
@@ -156,18 +206,25 @@ class Connection:
                 self._recv(mv[k:], deadline)
 
     def text(self, nbytes: int, deadline: float) -> str:
-        if nbytes > W.MAX_ERROR_TEXT:
-            raise EngineError(f"tcp reply from {self.endpoint} carries {nbytes} bytes of text")
-        b = bytearray(nbytes)
+        b = bytearray(nbytes)  # bounded by ``reply``
         self.read_into(memoryview(b), deadline)
         return b.decode(errors="replace")
 
-    def answer(self, status: int, flags: int, value: int, nbytes: int, deadline: float, what: str) -> int:
-        """A reply other than DATA: its value when OK, else the error it means (raised): the
-        owner's native outcome as :class:`RemoteOutcome`, a refusal as AccessDeniedError."""
+    def answer(self, status: int, flags: int, value: int, nbytes: int, deadline: float, what: str,
+               limit: int = W.VERSION_MAX) -> int:
+        """A reply other than DATA (from :meth:`reply`): its value when OK (at most ``limit``:
+        a version, a row count), else the error it means (raised): the owner's native outcome
+        as :class:`RemoteOutcome` (its status one an owner may send, an errno in range), a
+        refusal as AccessDeniedError."""
         if status == W.OK:
+            if value > limit:
+                raise self.violation(what, f"OK names {value}, more than {limit}")
             return value
         if status == W.OUTCOME:
+            if flags not in W.OWNER_OUTCOMES:
+                raise self.violation(what, f"an outcome of status {flags}, which no owner sends")
+            if flags == _ERRNO and not 0 < value <= W.ERRNO_MAX:
+                raise self.violation(what, f"an errno outcome of {value} (1 to {W.ERRNO_MAX})")
             raise RemoteOutcome(f"tcp {what} at {self.endpoint}: the owner's outcome {flags} (value {value})",
                                 status=flags, value=value)
         text = self.text(nbytes, deadline) if nbytes else ""
@@ -178,6 +235,27 @@ class Connection:
         raise EngineError(f"tcp {what} at {self.endpoint} failed at the owner: "
                           f"{text or W.STATUS_NAMES.get(status, status)}", name=W.STATUS_NAMES.get(status))
 
+    def result(self, rid: int, h: int, put: bool, mv: memoryview, deadline: float) -> int:
+        """The reply to the GET or PUT ``rid`` on handle ``h`` of ``len(mv)`` bytes: a GET's
+        DATA of exactly those bytes (into ``mv``) and its trailer, a PUT's OK. Returns the
+        version moved.
+
+        Raises:
+            RemoteOutcome: the owner's outcome (the connection stays in step). EngineError: a
+            reply that breaks the protocol (a GET answered OK without its bytes, DATA of another
+            size...) or a refusal; AccessDeniedError; as :meth:`reply`.
+        """
+        op = _OP_PUT if put else _OP_GET
+        status, flags, value, nbytes = self.reply(rid, h, op, deadline)
+        if status == _DATA:
+            if nbytes != len(mv):
+                raise self.violation("get", f"DATA of {nbytes} bytes answers a GET of {len(mv)}")
+            self.read_into(mv, deadline)
+            status, flags, value, nbytes = self.reply(rid, h, TRAILER, deadline)
+        elif status == _OK and not put:
+            raise self.violation("get", "a GET answered OK without its bytes")
+        return self.answer(status, flags, value, nbytes, deadline, "put" if put else "get")
+
     # -- sending ----------------------------------------------------------------------------------
     def send(self, data: Any, deadline: float) -> None:
         try:
@@ -185,6 +263,8 @@ class Connection:
                 closes, self._closing = b"".join(self._closing), []
                 W.write_all(self.sock, closes, deadline, self._waited)
             W.write_all(self.sock, data, deadline, self._waited)
+        except MemsemError:  # the deadline or a dead owner: never taken for a lost connection
+            raise
         except OSError as exc:
             raise Lost(f"the connection failed: {exc}", exc.errno) from exc
 
@@ -222,10 +302,10 @@ class Connection:
         h = self.new_handle()
         body = cred.token + cred.prove(self.nonce + W.H16.pack(h))
         rid = self.next_rid()
-        self.send(W.REQ.pack(W.OP_OPEN, 0, h, rid, 0, len(body), 0, 0) + body, deadline)
-        status, flags, value, nbytes = self.reply(rid, deadline)
         try:
-            self.answer(status, flags, value, nbytes, deadline, "open")
+            self.send(W.REQ.pack(W.OP_OPEN, 0, h, rid, 0, len(body), 0, 0) + body, deadline)
+            status, flags, value, nbytes = self.reply(rid, h, W.OP_OPEN, deadline)
+            self.answer(status, flags, value, nbytes, deadline, "open", limit=_U64)
         except BaseException:
             self._free.append(h)
             raise
@@ -237,76 +317,34 @@ class Connection:
         """One request without a body or data (MARK, CLEAR: ``arg`` the tile): its OK value."""
         rid = self.next_rid()
         self.send(W.REQ.pack(op, 0, h, rid, arg, 0, 0, 0), deadline)
-        status, flags, value, nbytes = self.reply(rid, deadline)
-        return self.answer(status, flags, value, nbytes, deadline, what)
+        status, flags, value, nbytes = self.reply(rid, h, op, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, what, limit=_U64)
 
     def count_rows(self, h: int, deadline: float, wait_ms: int, tile: int, rows: int, total: int) -> int:
         """A MARK of ``rows`` of tile ``tile``'s ``total`` (arg: ``rows | total << 32``): the rows
-        the owner counts as written so far."""
+        the owner counts as written so far (at most ``total``)."""
         rid = self.next_rid()
         self.send(W.REQ.pack(W.OP_MARK, 0, h, rid, tile, 0, rows | total << 32, 0), deadline)
-        status, flags, value, nbytes = self.reply(rid, deadline)
-        return self.answer(status, flags, value, nbytes, deadline, "row count")
+        status, flags, value, nbytes = self.reply(rid, h, W.OP_MARK, deadline)
+        return self.answer(status, flags, value, nbytes, deadline, "row count", limit=total)
 
     def pin(self, h: int, deadline: float, wait_ms: int, version: int, ttl_ms: int) -> int:
         """A reservation of ``version`` (0: the latest) held by this connection's session for
         ``ttl_ms`` at most: the version the owner holds."""
         rid = self.next_rid()
         self.send(W.REQ.pack(W.OP_PIN, 0, h, rid, ttl_ms, 0, version, wait_ms), deadline)
-        status, flags, value, nbytes = self.reply(rid, deadline)
+        status, flags, value, nbytes = self.reply(rid, h, W.OP_PIN, deadline)
         return self.answer(status, flags, value, nbytes, deadline, "pin")
 
     def unpin(self, h: int, deadline: float, wait_ms: int, version: int) -> None:
         """Give a reservation back (no reply: sent now, not with the next request)."""
         self.send(W.REQ.pack(W.OP_UNPIN, 0, h, 0, 0, 0, version, 0), deadline)
 
-    def small(self, h: int, put: bool, offset: int, mv: memoryview, version: int, wait_ms: int,
-              deadline: float) -> int:
-        """One GET or PUT of ``len(mv)`` (at most ``SMALL_BYTES``) bytes at ``offset``: one send of
-        the request (and a put's bytes), then its reply, mostly whole in one receive. Returns
-        the version moved. Raises as :meth:`transfer`."""
-        rid = self._rid = (self._rid + 1) & 0xFFFFFFFF
-        head = _pack_req(W.OP_PUT if put else W.OP_GET, 0, h, rid, offset, len(mv), version, wait_ms)
-        self.send(head + mv if put else head, deadline)
-        return self.small_reply(rid, put, mv, deadline)
-
-    def small_reply(self, rid: int, put: bool, mv: memoryview, deadline: float) -> int:
-        """The reply of the small request ``rid`` (see :meth:`small`), from what is buffered
-        on: a get's bytes go into ``mv``. Returns the version moved; raises as :meth:`small`."""
-        n = len(mv)
-        lo = self._lo
-        if self._hi - lo < _REP_SIZE:
-            self._fill(_REP_SIZE, deadline)  # whatever has arrived: mostly the whole reply
-            lo = self._lo
-        buf = self._buf
-        if put:
-            status, flags, _, got, value, nbytes = _unpack_rep(buf, lo)
-            if status == _OK and got == rid:
-                self._lo = lo + _REP_SIZE
-                return value
-        elif self._hi - lo >= 2 * _REP_SIZE + n:  # header, bytes and trailer are here
-            status, _, _, got, _, nbytes = _unpack_rep(buf, lo)
-            if status == _DATA and got == rid and nbytes == n:
-                status, flags, _, got, value, nbytes = _unpack_rep(buf, lo + _REP_SIZE + n)
-                if status == _OK and got == rid:
-                    mv[:] = self._mv[lo + _REP_SIZE:lo + _REP_SIZE + n]
-                    self._lo = lo + 2 * _REP_SIZE + n
-                    return value
-        status, flags, value, nbytes = self.reply(rid, deadline)
-        if status == W.DATA and not put:
-            if nbytes != n:
-                raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {n} were asked")
-            self.read_into(mv, deadline)
-            status, flags, value, nbytes = self.reply(rid, deadline)
-        if status == W.OK:
-            return value
-        return self.answer(status, flags, value, nbytes, deadline, "put" if put else "get")
-
     def transfer(self, h: int, deadline: float, wait_ms: int, put: bool, offset: int, mv: memoryview,
                  version: int) -> int:
-        """Move ``len(mv)`` bytes at ``offset``: one request, or chunks of ``CHUNK_BYTES`` with
-        up to ``PIPELINE_DEPTH`` in flight. Returns the version moved (the same for every
-        chunk).
+        """Move ``len(mv)`` bytes at ``offset``: one request (at most ``SMALL_BYTES``: one send of
+        the request and a put's bytes), or chunks of ``CHUNK_BYTES`` with up to
+        ``PIPELINE_DEPTH`` in flight. Returns the version moved (the same for every chunk).
 
         Raises:
             RemoteOutcome: the owner's outcome of a chunk (TORN: chunks of two versions). The
@@ -315,9 +353,11 @@ class Connection:
         """
         n = len(mv)
         op = W.OP_PUT if put else W.OP_GET
-        what = "put" if put else "get"
         if n <= _SMALL:  # one request (the common case)
-            return self.small(h, put, offset, mv, version, wait_ms, deadline)
+            rid = self.next_rid()
+            head = _pack_req(op, 0, h, rid, offset, n, version, wait_ms)
+            self.send(head + mv if put else head, deadline)
+            return self.result(rid, h, put, mv, deadline)
         if n <= W.CHUNK_BYTES:
             chunks = [(0, n)]
         else:
@@ -341,17 +381,12 @@ class Connection:
             send(i)
         seen = None
         failed: RemoteOutcome | None = None
+        what = "put" if put else "get"
         i = 0
         while i < len(rids):
             o, k = chunks[i]
-            status, flags, value, nbytes = self.reply(rids[i], deadline)
-            if status == W.DATA and not put:
-                if nbytes != k:
-                    raise EngineError(f"tcp get from {self.endpoint} answered {nbytes} bytes, {k} were asked")
-                self.read_into(mv[o:o + k], deadline)
-                status, flags, value, nbytes = self.reply(rids[i], deadline)
             try:
-                v = self.answer(status, flags, value, nbytes, deadline, what)
+                v = self.result(rids[i], h, put, mv[o:o + k], deadline)
             except RemoteOutcome as exc:
                 failed = failed or exc
             else:
@@ -403,16 +438,14 @@ class WatchConnection(Connection):
             if self.lost is not None:
                 raise PeerLostError(f"watch connection to {self.endpoint} was lost: {self.lost}")
             rid = self.next_rid()
-            slot: list[Any] = [threading.Event(), None]
+            slot: list[Any] = [threading.Event(), None, handle, op]
             self.pending[rid] = slot
-        try:
-            with self.send_lock:
-                self.send(W.REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body, deadline)
-            while not slot[0].wait(W.POLL_SLICE):
-                self._waited(deadline)
-        except BaseException:
-            self.pending.pop(rid, None)
-            raise
+        # A request that ends early (its deadline) stays pending: its late reply is read and
+        # dropped by the reader (a reply to no request breaks the protocol).
+        with self.send_lock:
+            self.send(W.REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body, deadline)
+        while not slot[0].wait(W.POLL_SLICE):
+            self._waited(deadline)
         if isinstance(slot[1], BaseException):
             raise slot[1]
         return slot[1]
@@ -470,14 +503,19 @@ class WatchConnection(Connection):
                     if sub is not None:
                         sub[0](changes)
                     continue
+                slot = self.pending.get(rid)
+                if slot is None:
+                    raise self.violation("watch", f"a reply to request {rid}, which is not pending")
+                # a violation ends the connection, and with it every pending request (_end)
+                status, flags, value, nbytes = self.check((status, flags, handle, rid, value, nbytes), rid,
+                                                          slot[2], slot[3])
+                del self.pending[rid]
                 try:
-                    out: Any = self.answer(status, flags, value, nbytes, _INF, "watch")
+                    out: Any = self.answer(status, flags, value, nbytes, _INF, "watch", limit=_U64)
                 except (RemoteOutcome, AccessDeniedError, EngineError) as exc:
                     out = exc
-                slot = self.pending.pop(rid, None)
-                if slot is not None:
-                    slot[1] = out
-                    slot[0].set()
+                slot[1] = out
+                slot[0].set()
         except BaseException as exc:  # noqa: BLE001 - ends every subscription of the connection
             reason = "closed" if isinstance(exc, W.Closed) else f"{type(exc).__name__}: {exc}"
         finally:
@@ -558,17 +596,18 @@ class KeptRequests:
     """One thread's connection to an owner and its handle for one credential, kept by a ref for
     its next small gets and puts (``TcpEngine.kept``): :meth:`call` is one native call for the
     request and its reply, without the engine's lookups of connection and handle; what it
-    does not finish, ``Connection.small_reply`` does (the one reader of the connection).
+    does not finish, :meth:`finish` does through ``Connection.result`` (the one reader of the
+    connection), within the same deadline.
 
     It serves only while it is what the engine itself would use (:meth:`usable`): the thread
     that made it, the connection open and in step (no bytes buffered, no CLOSE queued), and
     the handle still this credential's (handles are recycled). The connection is held weakly:
     the engine owns it (and closes it at its close). A connection that fails under a request
     is closed here, so the engine's whole path (``TcpEngine._call``) opens a new one and makes
-    the request again, with its retries and its error boundary.
+    the request again within the caller's deadline, with its retries and its error boundary.
     """
 
-    __slots__ = ("_conn", "_token", "_handle", "_tid", "_wait_ms", "_timeout")
+    __slots__ = ("_conn", "_token", "_handle", "_tid", "_wait_ms", "_timeout", "_head")
 
     def __init__(self, conn: Connection, token: bytes, handle: int, wait_ms: int, timeout: float) -> None:
         self._conn = weakref.ref(conn)
@@ -577,6 +616,12 @@ class KeptRequests:
         self._tid = threading.get_ident()
         self._wait_ms = wait_ms
         self._timeout = timeout
+        self._head = b""
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a request may take (the engine's timeout): what a caller's deadline adds."""
+        return self._timeout
 
     def usable(self) -> Connection | None:
         """The connection, when a request may go through it now from this thread; else None."""
@@ -594,29 +639,39 @@ class KeptRequests:
         ``plan`` around it: one native call (``memsem._hot.wire``: the buffer's door, the
         bracket's open, the request, the receives of its reply for one slice, the bracket's
         close after a plain reply). Returns its result word: done, ``RC_BUFFER`` or the
-        bracket's refusal (nothing done), ``RC_WIRE_PENDING`` (bracket open, request sent:
-        :meth:`finish`), ``RC_WIRE_LOST`` (the connection failed or was closed: :meth:`drop`
-        it and undo the bracket, open or not)."""
+        bracket's refusal (nothing done), ``RC_WIRE_PENDING`` (bracket open, request sent) or
+        ``RC_WIRE_SENDING`` (bracket open, part of the request sent): :meth:`finish`;
+        ``RC_WIRE_LOST`` (the connection failed or was closed: :meth:`drop` it and undo the
+        bracket, open or not)."""
         fd = c.sock.fileno()  # -1 once closed (the socket's own fd, read now, as its methods do)
         if fd < 0:
             return RC_WIRE_LOST
         rid = c._rid = (c._rid + 1) & 0xFFFFFFFF
-        head = _pack_req(_OP_PUT if put else _OP_GET, 0, self._handle, rid, offset, nbytes, 0, self._wait_ms)
+        head = self._head = _pack_req(_OP_PUT if put else _OP_GET, 0, self._handle, rid, offset, nbytes, 0,
+                                      self._wait_ms)
         return _wire(bracket, plan, fd, put, offset, buf, nbytes, code, head, rid, c._buf, _SLICE_MS)
 
-    def finish(self, c: Connection, rc: int, put: bool, mv: memoryview) -> int | None:
-        """The rest of the reply of :meth:`call`'s request after ``RC_WIRE_PENDING`` (the bytes
-        received so far are in the connection's buffer), through ``Connection.small_reply``
-        with the engine's deadline: the version moved, or None when the connection failed
-        under it (it is closed now; nothing moved that counts).
+    def finish(self, c: Connection, rc: int, put: bool, mv: memoryview, deadline: float) -> int | None:
+        """The rest of :meth:`call`'s request after ``RC_WIRE_SENDING`` (the bytes of the request
+        not sent yet) or ``RC_WIRE_PENDING`` (the bytes of the reply received so far are in the
+        connection's buffer), and its reply, through ``Connection.result`` within ``deadline``
+        (``time.monotonic()``: the caller's, taken before the native call): the version moved,
+        or None when the connection failed under it (it is closed now; nothing moved that
+        counts).
 
         Raises:
             RemoteOutcome: the owner's outcome (the connection stays in step). Anything else
-                ``Connection.small_reply`` raises (the connection is closed first).
+                ``Connection.result`` raises (MemsemTimeoutError at the deadline, a protocol
+                violation...: the connection is closed first).
         """
-        c._lo, c._hi = 0, rc >> _SHIFT
         try:
-            return c.small_reply(c._rid, put, mv, _monotonic() + self._timeout)
+            if rc & _STATUS == RC_WIRE_SENDING:
+                c._lo = c._hi = 0
+                rest = memoryview(self._head + mv if put else self._head)[rc >> _SHIFT:]
+                c.send(rest, deadline)
+            else:
+                c._lo, c._hi = 0, rc >> _SHIFT
+            return c.result(c._rid, self._handle, put, mv, deadline)
         except Lost:
             c.close()
             return None
@@ -632,5 +687,5 @@ class KeptRequests:
         c.close()
 
 
-__all__ = ["Connection", "KeptRequests", "Lost", "RC_WIRE_LOST", "RC_WIRE_PENDING", "RECV_BYTES", "WatchConnection",
+__all__ = ["Connection", "KeptRequests", "Lost", "RC_WIRE_LOST", "RC_WIRE_PENDING", "RC_WIRE_SENDING", "RECV_BYTES", "WatchConnection",
            "WatchHandle"]

@@ -210,10 +210,12 @@ class TcpEngine(Engine):
         """``put_version``."""
         self.put_version(remote, offset, src)
 
-    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int) -> int:
+    def get_version(self, remote: RemoteRegion, offset: int, dst: np.ndarray, version: int, *,
+                    deadline: float | None = None) -> int:
         """Copy ``dst.nbytes`` bytes at ``offset`` here; returns the version the owner read
-        (``version`` 0 asks for the latest, else exactly that one). Blocking, bounded by the
-        engine's timeout.
+        (``version`` 0 asks for the latest, else exactly that one). Blocking, bounded by
+        ``deadline`` (``time.monotonic()``; None: the engine's timeout from now), retries on
+        new connections included.
 
         Raises:
             RemoteOutcome: the owner's native outcome (the runtime translates it).
@@ -224,15 +226,16 @@ class TcpEngine(Engine):
         if offset < 0 or offset + n > remote.nbytes:
             self._check_range(remote, offset, n)
         mv = memoryview(dst).cast("B") if dst.ndim != 1 or dst.dtype != np.uint8 else memoryview(dst)
-        return self._call(remote, Connection.transfer, False, offset, mv, version)
+        return self._call(remote, Connection.transfer, False, offset, mv, version, deadline=deadline)
 
-    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray) -> int:
+    def put_version(self, remote: RemoteRegion, offset: int, src: np.ndarray, *,
+                    deadline: float | None = None) -> int:
         """Copy ``src`` to ``offset``; returns (at remote completion) the version overwritten.
-        Raises as ``get_version``."""
+        Bounded and raises as ``get_version``."""
         n = src.nbytes
         self._check_range(remote, offset, n)
         mv = memoryview(src).cast("B") if src.ndim != 1 or src.dtype != np.uint8 else memoryview(src)
-        return self._call(remote, Connection.transfer, True, offset, mv, 0)
+        return self._call(remote, Connection.transfer, True, offset, mv, 0, deadline=deadline)
 
     def reserve_version(self, remote: RemoteRegion, version: int, ttl: float) -> int:
         """A reservation of ``version`` (0: the latest) at the owner for ``ttl`` s at most (see
@@ -272,18 +275,19 @@ class TcpEngine(Engine):
             return None
         return KeptRequests(c, remote.credential.token, h, self._wait_ms, self.timeout or W.DEFAULT_TIMEOUT)
 
-    def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         """``fn(connection, handle, deadline, wait_ms, *args)`` on this thread's connection to
         the owner, the engine's one error boundary. A connection that failed under it is dropped
         (no late reply is ever taken for a later request) and the request made again on a new
         one, up to ``ATTEMPTS`` connections within the deadline; requests are idempotent (a put
         writes the same bytes again). An owner that refuses connections, is dead, or resets
-        every one is ``PeerLostError``."""
+        every one is ``PeerLostError``. ``deadline`` (``time.monotonic()``): the caller's bound of
+        every attempt (None: the engine's timeout from now); no request is made again past it."""
         if not isinstance(remote, TcpRemote):
             raise ValueError("remote was not attached by engine 'tcp'")
-        timeout = self.timeout or W.DEFAULT_TIMEOUT
-        deadline = time.monotonic() + timeout
-        wait_ms = self._wait_ms
+        if deadline is None:
+            deadline = time.monotonic() + (self.timeout or W.DEFAULT_TIMEOUT)
+        wait_ms = max(0, min(self._wait_ms, int((deadline - time.monotonic()) * 1000)))
         failures: list[Lost] = []
         for attempt in range(ATTEMPTS):
             if attempt:

@@ -3,9 +3,13 @@
 Dispatch is a table (``Requests.table``: op -> handler); a handler checks the request at once
 (its handle, range, direction) and returns nothing (answered, or no reply), or a *job*: a
 generator that yields what it waits for (``READ``, ``WRITE``, ``PARK``) with that wait's
-deadline, run by the server's loop (:mod:`memsem.engines.tcp._server`). Every copy of window
-bytes is one bracket around one non-blocking call (``Grant.move``) or one native copy
-(``Grant.copy``); the owner's native outcome goes back as it is (OUTCOME).
+deadline, run by the server's loop (:mod:`memsem.engines.tcp._server`), which reads the
+header and dispatches: each op is answered here and only here. Every copy of window bytes is
+one bracket around one non-blocking call (``Grant.move``) or one native copy (``Grant.copy``);
+the owner's outcome goes back as it is (OUTCOME). What an outcome means is the runtime's: the
+handlers ask it only whether to wait for a commit (``waits``), to try again at once (``again``)
+and what a reply cut short reports (``Grant.partial``); they never read a generation or a
+status themselves.
 """
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from memsem._errors import AccessDeniedError, MemsemError
 from memsem.engines.tcp import _wire as W
 from memsem.native import ffi as _ffi
-from memsem.native import lib as _lib
 from memsem.native import memcpy as _memcpy
 
 if TYPE_CHECKING:
@@ -26,9 +29,8 @@ if TYPE_CHECKING:
 READ, WRITE, PARK = 1, 2, 3
 #: ``Server.park``'s answers: try once more at once, or wait
 AGAIN, WAIT = 1, 2
-#: native statuses the server acts on (it carries every other one as is)
-_OK, _GEN_BEFORE, _GEN_AFTER, _BUSY, _TORN = (
-    _lib.MEMSEM_OK, _lib.MEMSEM_RC_GEN_BEFORE, _lib.MEMSEM_RC_GEN_AFTER, _lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_TORN)
+_REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
+_pack_rep = W.REP.pack_into
 #: zeros sent in place of the rest of a reply whose bytes stopped being valid mid-way
 _ZEROS = memoryview(bytes(W.CHUNK_BYTES))
 
@@ -112,7 +114,17 @@ class Requests:
 
     def get(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int,
              wait_ms: int) -> Job | None:
-        # (the common small GET was answered by the server's read already: one native copy)
+        """GET. The common small one is one native copy (bracket and copy) into the loop's reply
+        buffer and one send of header, bytes and trailer; anything unusual is a job."""
+        g = s.handles.get(handle)
+        if g is not None and n <= _SMALL and g.lo <= off and off + n <= g.hi:
+            srv = self.srv
+            v = g.copy(False, off, srv.saddr + _REP_SIZE, n, version)
+            if v is not None:
+                buf = srv.scratch
+                _pack_rep(buf, 0, _DATA, 0, handle, rid, 0, n)
+                _pack_rep(buf, _REP_SIZE + n, _OK, 0, handle, rid, v, 0)
+                return srv.send_now(s, srv.smv[:2 * _REP_SIZE + n])
         g, refused = self._grant(s, handle, rid)
         if g is None:
             return refused
@@ -149,28 +161,24 @@ class Requests:
 
         while hs < len(head) or done < n:
             o, k = g.move(False, off + done, n - done, v, sent)
-            status, value = int(o.status), o.value
             done += k  # on the wire, valid or not
-            if status == _OK:
+            if o.ok:
                 if hs and not fixed:
-                    v, fixed = value, True  # the version every later bracket must see
+                    v, fixed = o.value, True  # the version every later bracket must see
                 if hs < len(head) or done < n:
                     yield WRITE, time.monotonic() + self.srv.bounds.send_s
                 continue
             if not hs:  # nothing sent: a clean answer (or a wait)
-                if status == _BUSY and (yield from self._parked(s, g, wait_until)):
+                if o.waits and (yield from self._parked(s, g, wait_until)):
                     continue
-                if status == _TORN:  # a section opened under a send that took nothing
+                if o.again:  # a section opened under a send that took nothing
                     yield WRITE, time.monotonic() + self.srv.bounds.send_s
                     continue
-                yield from self.srv.outcome(s, handle, rid, status, value) or ()
+                yield from self.srv.outcome(s, handle, rid, o) or ()
                 return
-            # Bytes of the reply are out already: zeros for the rest, then the outcome
-            # (the generation moved, or the version's bytes are no longer whole: asked again).
-            if status not in (_GEN_BEFORE, _GEN_AFTER):
-                status, value = _TORN, 0
-            else:
-                status = _GEN_AFTER
+            # Bytes of the reply are out already: zeros for the rest, then what the runtime says
+            # such a reply reports (the generation moved, or the bytes are not one version's).
+            o = g.partial(o)
             while hs < len(head) or done < n:
                 if hs < len(head):
                     hs += W.send_some(sock, head[hs:])
@@ -178,7 +186,7 @@ class Requests:
                     done += W.send_some(sock, _ZEROS[:min(n - done, len(_ZEROS))])
                 if hs < len(head) or done < n:
                     yield WRITE, time.monotonic() + self.srv.bounds.send_s
-            yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            yield from self.srv.outcome(s, handle, rid, o) or ()
             return
         yield from self.srv.reply(s, W.OK, handle, rid, v) or ()
 
@@ -219,13 +227,10 @@ class Requests:
         src = int(_ffi.cast("uintptr_t", _ffi.from_buffer(buf))) if n else 0
         while True:
             o, _ = g.move(True, off, n, 0, lambda address, m: _memcpy(address, src, m) or m)
-            if int(o.status) == _BUSY and (yield from self._parked(s, g, wait_until)):
+            if o.waits and (yield from self._parked(s, g, wait_until)):
                 continue
             break
-        if int(o.status) == _OK:
-            yield from self.srv.reply(s, W.OK, handle, rid, o.value) or ()
-        else:
-            yield from self.srv.outcome(s, handle, rid, int(o.status), o.value) or ()
+        yield from self.srv.outcome(s, handle, rid, o) or ()
 
     def _put_job(self, s: Session, g: Any, handle: int, rid: int, off: int, n: int, wait_until: float) -> Job:
         """A large PUT straight into the window: each non-blocking receive is one bracket of its
@@ -238,31 +243,29 @@ class Requests:
         def recv(address: int, k: int) -> int:
             return W.recv_some(sock, _buffer(address, k))
 
-        status = value = 0
+        failed = None
         while done < n:
             o, k = g.move(True, off + done, n - done, v, recv)
-            status, value = int(o.status), o.value
             done += k  # off the wire, valid or not
-            if status == _OK:
+            if o.ok:
                 if k and not fixed:
-                    v, fixed = value, True
+                    v, fixed = o.value, True
                 if done < n and not k:
                     yield READ, time.monotonic() + self.srv.bounds.stall_s
                 continue
-            if not done and status == _BUSY and (yield from self._parked(s, g, wait_until)):
+            if not done and o.waits and (yield from self._parked(s, g, wait_until)):
                 continue
-            if done and status not in (_GEN_BEFORE, _GEN_AFTER):
-                status, value = _TORN, 0
+            failed = g.partial(o) if done else o
             while done < n:  # the rest of the payload, read and dropped
                 k = W.recv_some(sock, self.srv.smv[:min(n - done, len(self.srv.smv))])
                 done += k
                 if done < n and not k:
                     yield READ, time.monotonic() + self.srv.bounds.stall_s
             break
-        if status == _OK:
+        if failed is None:
             yield from self.srv.reply(s, W.OK, handle, rid, v) or ()
         else:
-            yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            yield from self.srv.outcome(s, handle, rid, failed) or ()
 
     def mark(self, s: Session, op: int, handle: int, rid: int, tile: int, n: int, arg: int, *_: int) -> Job | None:
         """MARK / CLEAR of a tile's ready word; a MARK with ``arg`` (rows << 32 | rows per tile)
@@ -277,9 +280,7 @@ class Requests:
                 o = g.set_ready(tile, op == W.OP_MARK)
         except (ValueError, AccessDeniedError) as exc:
             return self.srv.deny(s, handle, rid, str(exc), False)
-        if int(o.status) != _OK:
-            return self.srv.outcome(s, handle, rid, int(o.status), o.value)
-        return self.srv.reply(s, W.OK, handle, rid, o.value)
+        return self.srv.outcome(s, handle, rid, o)
 
     def pin(self, s: Session, op: int, handle: int, rid: int, ttl_ms: int, n: int, version: int,
             wait_ms: int) -> Job | None:
@@ -302,13 +303,9 @@ class Requests:
             except MemsemError as exc:
                 yield from self.srv.reply(s, W.ERROR, handle, rid, 0, f"{type(exc).__name__}: {exc}") or ()
                 return
-            status, value = int(o.status), o.value
-            if status == _BUSY and (yield from self._parked(s, g, wait_until)):
+            if o.waits and (yield from self._parked(s, g, wait_until)):
                 continue
-            if status == _OK:
-                yield from self.srv.reply(s, W.OK, handle, rid, value) or ()
-            else:
-                yield from self.srv.outcome(s, handle, rid, status, value) or ()
+            yield from self.srv.outcome(s, handle, rid, o) or ()
             return
 
     def unpin(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int, *_: int) -> None:
@@ -334,7 +331,7 @@ class Requests:
         if old is not None:
             old.close()
         if g.closed:
-            yield from self.srv.outcome(s, handle, rid, _GEN_BEFORE, g.current()) or ()
+            yield from self.srv.outcome(s, handle, rid, g.gone()) or ()
             return
         try:
             sub = g.watch(targets, lambda: self.srv.post(s))

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 _IN, _OUT, _RDHUP = select.EPOLLIN, select.EPOLLOUT, select.EPOLLRDHUP
 _GONE = select.EPOLLERR | select.EPOLLHUP | select.EPOLLRDHUP
-_REQ_SIZE, _REP_SIZE, _SMALL, _OP_GET, _DATA, _OK = W.REQ.size, W.REP.size, W.SMALL_BYTES, W.OP_GET, W.DATA, W.OK
-_unpack_req, _pack_rep = W.REQ.unpack_from, W.REP.pack_into
+_REQ_SIZE = W.REQ.size
+_unpack_req = W.REQ.unpack_from
 #: the deadline sweep's period (seconds): bounds are kept to within this
 SWEEP_S = 0.05
 _INF = float("inf")
@@ -331,9 +331,8 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------------------
     def _read(self, s: Session) -> None:
-        """Bytes of the next request header; dispatch when whole. The common small GET is
-        answered here: bracket and copy in one native call into the loop's reply buffer, one
-        send of header, bytes and trailer (anything unusual goes to its handler)."""
+        """Bytes of the next request header; dispatch by op when whole (each op is answered by
+        its handler in :mod:`memsem.engines.tcp._requests`, and only there)."""
         if s.hello:
             return self._hello(s)
         got = s.got
@@ -351,18 +350,6 @@ class Server:
         s.got = 0
         op, _, handle, rid, off, n, arg, wait_ms = _unpack_req(s.hdr)
         s.last = self.now
-        if op == _OP_GET and n <= _SMALL:
-            g = s.handles.get(handle)
-            if g is not None and g.lo <= off and off + n <= g.hi:
-                v = g.copy(False, off, self.saddr + _REP_SIZE, n, arg)
-                if v is not None:
-                    buf = self.scratch
-                    _pack_rep(buf, 0, _DATA, 0, handle, rid, 0, n)
-                    _pack_rep(buf, _REP_SIZE + n, _OK, 0, handle, rid, v, 0)
-                    job = self.send_now(s, self.smv[:2 * _REP_SIZE + n])
-                    if job is not None:
-                        self.start(s, job)
-                    return
         fn = self._ops.get(op)
         if fn is None:
             return self.end(s, "protocol")
@@ -442,9 +429,12 @@ class Server:
             return None
         return self.send(s, bytes(data[k:]))  # the rest, copied: ``data`` may be the loop's buffer
 
-    def outcome(self, s: Session, handle: int, rid: int, status: int, value: int) -> Job | None:
-        """The owner's native outcome, carried as is (status in ``flags``, its value)."""
-        return self.reply(s, W.OUTCOME, handle, rid, value, flags=status)
+    def outcome(self, s: Session, handle: int, rid: int, o: Any) -> Job | None:
+        """The owner's outcome ``o`` (its ``status`` and ``value``), carried as is (the status in
+        ``flags``); an OK outcome is an OK reply with its value."""
+        if o.ok:
+            return self.reply(s, W.OK, handle, rid, o.value)
+        return self.reply(s, W.OUTCOME, handle, rid, o.value, flags=int(o.status))
 
     def deny(self, s: Session, handle: int, rid: int, text: str, close: bool) -> Job | None:
         """A DENIED reply; ``close``: then end the connection (a request that cannot be skipped,

@@ -46,10 +46,13 @@ import os
 import resource
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 from memsem.native import lib as _lib
+
+_monotonic = time.monotonic
 
 MAGIC = b"MSTC"
 PROTOCOL = 3
@@ -72,6 +75,14 @@ OK, DATA, OUTCOME, DENIED, FULL, ERROR, EVENT = range(7)
 TORN_STATUS = _lib.MEMSEM_RC_TORN
 STATUS_NAMES = {OK: "OK", DATA: "DATA", OUTCOME: "OUTCOME", DENIED: "DENIED", FULL: "FULL",
                 ERROR: "ERROR", EVENT: "EVENT"}
+#: the native statuses an owner's OUTCOME may carry (``MEMSEM_RC_*`` of native/memsem_native.h,
+#: carried, never interpreted); anything else is a protocol violation
+OWNER_OUTCOMES = frozenset(range(_lib.MEMSEM_RC_CLOSED, _lib.MEMSEM_RC_CHECK_FIRST + 1)) | {_lib.MEMSEM_RC_VERSION_RANGE}
+#: the errno an OUTCOME of status ``MEMSEM_RC_ERRNO`` may carry (Linux errnos are below 4096)
+ERRNO_MAX = 4095
+#: the largest version a window has (``MEMSEM_VERSION_MAX``): the most an OK of a GET, PUT or PIN
+#: may name
+VERSION_MAX = _lib.MEMSEM_VERSION_MAX
 
 #: transfers larger than this go as chunks of this size, pipelined
 CHUNK_BYTES = 1 << 20
@@ -241,8 +252,10 @@ def read_exact(sock: socket.socket, mv: memoryview, deadline: float, waited: Cal
                at_least: int | None = None) -> int:
     """Fill ``mv`` (or at least its first ``at_least`` bytes, taking what else is there) from a
     blocking socket with a receive slice; ``waited(deadline)`` runs whenever a slice passed
-    with nothing, whatever byte the peer stalls at (it raises to end the wait). Returns the
-    bytes received.
+    with nothing, whatever byte the peer stalls at, and after any receive that leaves bytes
+    missing once ``deadline`` (``time.monotonic()``) has passed, so a peer that trickles its
+    bytes faster than the slice is cut at the deadline too (``waited`` raises to end the
+    wait). Returns the bytes received.
 
     Raises:
         Closed, OSError: as :func:`recv_some`; whatever ``waited`` raises.
@@ -257,9 +270,8 @@ def read_exact(sock: socket.socket, mv: memoryview, deadline: float, waited: Cal
             raise Closed("the peer closed the connection")
     while got < need:
         k = recv_some(sock, mv[got:])
-        if k:
-            got += k
-        else:
+        got += k
+        if got < need and (not k or _monotonic() >= deadline):
             waited(deadline)
     return got
 
@@ -267,7 +279,8 @@ def read_exact(sock: socket.socket, mv: memoryview, deadline: float, waited: Cal
 def write_all(sock: socket.socket, data: Any, deadline: float, waited: Callable[[float], None]) -> None:
     """Send all of ``data`` (bytes-like, 1-byte items) on a blocking socket with a send slice;
     ``waited(deadline)`` runs whenever a slice passed with nothing sent (a peer that stopped
-    reading).
+    reading), and after any send that leaves bytes unsent once ``deadline`` has passed (a peer
+    that reads a little at a time is cut at the deadline too).
 
     Raises:
         OSError: as :func:`send_some`; whatever ``waited`` raises.
@@ -282,9 +295,8 @@ def write_all(sock: socket.socket, data: Any, deadline: float, waited: Callable[
     mv = memoryview(data)
     while sent < n:
         k = send_some(sock, mv[sent:])
-        if k:
-            sent += k
-        else:
+        sent += k
+        if sent < n and (not k or _monotonic() >= deadline):
             waited(deadline)
 
 
