@@ -145,6 +145,19 @@ static PyObject *hot_copy(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromUnsignedLongLong(rc);
 }
 
+PyDoc_STRVAR(copy_buf_doc,
+"copy_buf(plan, put, offset, nbytes, code, buf) -> int\n\n"
+"copy() with the buffer last and no version or lease: what a ref's same-node route binds its\n"
+"plan, range and dtype into (functools.partial), so its plain get or put is one call of it.");
+
+static PyObject *hot_copy_buf(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_buf() takes 6 arguments");
+        return NULL;
+    }
+    PyObject *a[6] = {args[0], args[1], args[2], args[5], args[3], args[4]};
+    return hot_copy(self, a, 6);
+}
 
 /* ---- the kept wire route's request (memsem.core.KeptWire, memsem.engines.tcp) --------------- */
 
@@ -392,6 +405,7 @@ done:
 
 static PyMethodDef hot_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))hot_copy, METH_FASTCALL, copy_doc},
+    {"copy_buf", (PyCFunction)(void (*)(void))hot_copy_buf, METH_FASTCALL, copy_buf_doc},
     {"wire", (PyCFunction)(void (*)(void))hot_wire, METH_FASTCALL, wire_doc},
     {"reply_header", (PyCFunction)(void (*)(void))hot_reply_header, METH_FASTCALL, reply_header_doc},
     {NULL, NULL, 0, NULL},

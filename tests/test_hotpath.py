@@ -19,6 +19,7 @@ import pytest
 
 import memsem
 from memsem import AccessDeniedError, LeaseExpiredError, StaleReferenceError, _dtypes, _hot
+from memsem.core import PlanRoute
 from memsem import native
 from memsem.core import Status
 
@@ -109,11 +110,11 @@ def test_torch_and_dlpack_buffers_take_the_door(rt):
     ref.put(torch.full((16,), 2.0))
     assert ref.get().tolist() == [2.0] * 16
     ref.get(np.empty(16, np.float32))  # the ref keeps its native route...
-    kept = ref._hot
+    kept = ref._route
     ref.put(torch.full((16,), 3.0))
     for _ in range(2):  # ...and a tensor the call does not take goes through the door, route kept
         t = torch.zeros(16)
-        assert ref.get(t) is t and t.tolist() == [3.0] * 16 and ref._hot is kept
+        assert ref.get(t) is t and t.tolist() == [3.0] * 16 and ref._route is kept
     with pytest.raises(ValueError, match="holds 8 bytes"):
         ref.get(torch.zeros(2))  # the door's own errors, through the kept route too
     with pytest.raises(ValueError, match="conjugate"):
@@ -214,7 +215,7 @@ def test_xcopy_inline_range_that_cannot_finish_goes_to_a_worker(rt):
     assert batch.results[1].state == memsem.State.DONE
 
 
-# -- a ref's own memo of its native route (TensorRef._hot) ------------------------------------------
+# -- a ref's own memo of its native route (TensorRef._route) ------------------------------------------
 def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
     """After one plain get a ref's next ones are one native call on the resolution it kept; a
     resolution dropped since (the cache's bound), a retired window, a closed runtime are each
@@ -224,29 +225,29 @@ def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
     ref = rt.publish(a, access="rw")
     out = np.zeros(64, np.uint8)
     ref.get(out)
-    kept = ref._hot
+    kept = ref._route
     res = rt.core.resolver.cache[ref.spec.gva]
-    assert kept is not None and kept[0][0] is res and kept[1] == res.addr
+    assert kept is not None and kept.keeper[0] is res and isinstance(kept, PlanRoute)
     a[:] = 2
-    assert (ref.get(out) == 2).all() and ref._hot is kept  # served by the kept resolution
+    assert (ref.get(out) == 2).all() and ref._route is kept  # served by the kept resolution
     rt.core.resolver.drop(ref.spec.gva)  # as the cache's bound does
-    assert res.closed and kept[0] == [None]  # released: the ref's route no longer holds it
+    assert res.closed and kept.keeper == [None]  # released: the ref's route no longer holds it
     a[:] = 3
     assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again
-    assert (ref.get(out) == 3).all() and ref._hot is not None and ref._hot[0][0] is not res
-    assert ref._hot[0][0] is rt.core.resolver.cache[ref.spec.gva]
+    assert (ref.get(out) == 3).all() and ref._route is not None and ref._route.keeper[0] is not res
+    assert ref._route.keeper[0] is rt.core.resolver.cache[ref.spec.gva]
     busy = rt.core.resolver.cache[ref.spec.gva]
     assert busy.enter()  # a copy running through it: closed by the drop, released only after
     rt.core.resolver.drop(ref.spec.gva)
-    assert busy.closed and ref._hot[0][0] is busy
+    assert busy.closed and ref._route.keeper[0] is busy
     assert (ref.get(out) == 3).all()  # refused natively (closed), settled through it
     busy.leave()
-    assert ref._hot[0] == [None] or ref._hot[0][0] is not busy
+    assert ref._route.keeper == [None] or ref._route.keeper[0] is not busy
     ref.put(np.full(64, 4, np.uint8))  # puts go through the kept route too
-    assert (a == 4).all() and ref._hot[6] is True
+    assert (a == 4).all() and ref._route.writable is True
     rt.core.resolver.drop(ref.spec.gva)
     ref.put(np.full(64, 5, np.uint8))  # refused natively (closed), settled, kept anew
-    assert (a == 5).all() and not ref._hot[0][0].closed
+    assert (a == 5).all() and not ref._route.keeper[0].closed
     rt.unpublish(ref)
     out[:] = 9
     with pytest.raises(StaleReferenceError):
@@ -272,10 +273,10 @@ def test_kept_routes_stay_right_past_the_cache_bound(rt):
     out = np.empty(64, np.uint8)
     for i, r in enumerate(refs):
         assert (r.get(out) == i % 251).all(), i
-    assert sum(r._hot[0][0] is None for r in refs) == n - limit  # dropped by the bound: let go
+    assert sum(r._route.keeper[0] is None for r in refs) == n - limit  # dropped by the bound: let go
     for i, r in enumerate(refs):
         assert (r.get(out) == i % 251).all(), i
-        assert r._hot is not None and not r._hot[0][0].closed
+        assert r._route is not None and not r._route.keeper[0].closed
 
 
 def test_a_kept_route_is_the_refs_runtime_and_spec_only():
@@ -291,12 +292,12 @@ def test_a_kept_route_is_the_refs_runtime_and_spec_only():
         other = r2.publish(b)
         out = np.empty(64, np.uint8)
         ref.get(out)
-        assert ref._hot is not None and ref._hot[7] is r1.core.token
+        assert ref._route is not None and ref._route.token is r1.core.token
         twin = r2.ref(ref.to_bytes())  # same window through the other runtime
-        twin._hot = ref._hot  # even a route kept by another runtime's ref
-        assert (twin.get(out) == 5).all() and twin._hot[7] is r2.core.token
+        twin._route = ref._route  # even a route kept by another runtime's ref
+        assert (twin.get(out) == 5).all() and twin._route.token is r2.core.token
         ref.spec = other.spec  # a ref pointed elsewhere reads there, never a's bytes
-        assert (ref.get(out) == 6).all() and ref._hot[5] is other.spec
+        assert (ref.get(out) == 6).all() and ref._route.spec is other.spec
 
 
 def test_a_kept_route_of_a_read_only_ref_never_writes(rt):
@@ -306,7 +307,7 @@ def test_a_kept_route_of_a_read_only_ref_never_writes(rt):
     a[:] = 3
     ro = rt.publish(a, access="r")
     out = np.empty(16, np.uint8)
-    assert (ro.get(out) == 3).all() and ro._hot is not None and ro._hot[6] is False
+    assert (ro.get(out) == 3).all() and ro._route is not None and ro._route.writable is False
     for _ in range(2):
         with pytest.raises(AccessDeniedError):
             ro.put(np.zeros(16, np.uint8))
@@ -325,14 +326,14 @@ def test_a_kept_route_keeps_nothing_alive_the_cache_dropped(rt):
     out = np.empty(64, np.uint8)
     for ref, _ in refs:
         ref.get(out)
-    weak = [weakref.ref(ref._hot[0][0]) for ref, _ in refs]
+    weak = [weakref.ref(ref._route.keeper[0]) for ref, _ in refs]
     assert all(w() is not None for w in weak)
     for ref, _ in refs:
         rt.core.resolver.drop(ref.spec.gva)
     gc.collect()
     assert [w() for w in weak] == [None, None, None]
     for i, (ref, _) in enumerate(refs):
-        assert (ref.get(out) == i).all() and ref._hot[0][0] is not None
+        assert (ref.get(out) == i).all() and ref._route.keeper[0] is not None
 
 
 def _pidfds() -> int:
@@ -357,7 +358,7 @@ def test_kept_routes_hold_no_dead_owners_pidfd(rt):
         for r in refs:
             r.get(out)
             r.get(out)
-        assert all(r._hot is not None for r in refs)
+        assert all(r._route is not None for r in refs)
         for a in agents:
             a.kill()
         for r in refs:
@@ -381,14 +382,14 @@ def test_an_unbound_refs_kept_route_keeps_no_closed_runtime_alive():
         ref = memsem.TensorRef.from_bytes(b)  # unbound: the newest open runtime, cons
         out = np.empty(64, np.uint8)
         ref.get(out)
-        assert ref._hot is not None and ref._hot[7] is cons.core.token
+        assert ref._route is not None and ref._route.token is cons.core.token
         w = weakref.ref(cons.core)
         cons.close()
         del cons
         gc.collect()
         assert w() is None, "a ref's kept route kept a closed runtime alive"
-        assert ref._hot[0] == [None]
+        assert ref._route.keeper == [None]
         out[:] = 0
-        assert (ref.get(out) == 8).all() and ref._hot[7] is owner.core.token  # the current one now
+        assert (ref.get(out) == 8).all() and ref._route.token is owner.core.token  # the current one now
     finally:
         owner.close()

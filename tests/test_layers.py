@@ -51,7 +51,7 @@ def test_engines_know_nothing_of_generations_or_leases():
 
 #: modules of the runtime layer, each importing only the ones before it (docs/architecture.md)
 RUNTIME_ORDER = ["_telemetry", "_completion", "_async", "_staging", "_gc", "_liveness", "_translate", "_bracket",
-                 "_wait", "_resolve", "_lease", "_remote", "_xcopy", "_transfer", "_view", "_readiness", "_versions",
+                 "_wait", "_routes", "_resolve", "_lease", "_remote", "_xcopy", "_transfer", "_view", "_readiness", "_versions",
                  "_sections", "_names", "_publish", "_watches", "_serve", "_runtime_core"]
 
 

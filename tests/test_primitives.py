@@ -166,7 +166,7 @@ def test_a_torn_retry_storm_ends_within_the_timeout():
             with memsem.Runtime(timeout=0.3, **kw) as rt:
                 ref = rt.ref(priv_b if path in ("cma", "pipeline") else shm_b)
                 if path == "engine":
-                    assert rt.core.resolve(ref.spec).strategy.name == "ENGINE"
+                    assert rt.core.resolve(ref.spec).strategy.kind == "engine"
 
                 def call(path=path, rt=rt, ref=ref):
                     if path in ("get", "cma", "engine"):

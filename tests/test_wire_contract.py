@@ -2,7 +2,7 @@
 
 Against a scripted owner (tests/_scripted_owner.py: a real listening socket speaking the wire
 protocol, answering as each test says), on every path a reply takes: the whole path (one
-request, pipelined chunks), the kept route (memsem.core.KeptWire: the native call and what
+request, pipelined chunks), a ref's wire route (memsem.core.WireRoute: the native call and what
 Python finishes), puts, the hello and the watch connection's replies.
 
 * A reply is checked against its request before anything is reported done: its id and handle,
@@ -25,7 +25,7 @@ import pytest
 
 import memsem
 from memsem import EngineError, MemsemTimeoutError, PeerLostError, native
-from memsem.core import KeptWire
+from memsem.core import WireRoute
 from memsem.engines.tcp import TcpEngine
 from memsem.engines.tcp import _wire as W
 
@@ -218,7 +218,7 @@ def test_a_stalled_owner_is_a_timeout_not_a_lost_connection(engine, put):
 
 # -- the kept route ---------------------------------------------------------------------------------
 class _Kept:
-    """A kept wire route (core.KeptWire) to the scripted owner: a window of this runtime lends
+    """A ref's wire route (core.WireRoute) to the scripted owner: a window of this runtime lends
     its plan for the bracket; the engine's thread connection and handle are the route's."""
 
     def __init__(self, rt, engine, owner, n=N):
@@ -228,12 +228,10 @@ class _Kept:
         engine.get_version(self.remote, 0, np.zeros(n, np.uint8), 0)  # opens the connection and handle
         kr = engine.kept(self.remote, n)
         assert kr is not None
-        self.route = KeptWire(self.res.keeper or [self.res], self.ref.spec, rt.core.token, self.res.plan,
-                              self.res.addr, kr)
-        self.transfers = rt.core.transfers
+        self.route = WireRoute(self.res, self.ref.spec, rt.core.token, kr)
 
     def transfer(self, put, buf):
-        return self.route.transfer(self.transfers, put, buf)
+        return self.route.transfer(buf, put)
 
 
 @pytest.fixture

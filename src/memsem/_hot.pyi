@@ -7,6 +7,8 @@ GIL_BYTES: int
 def copy(plan: int, put: int | bool, offset: int, buf: Any, nbytes: int, code: int,
          version: int = 0, lease_slot: int = 0, lease_id: int = 0) -> int: ...
 
+def copy_buf(plan: int, put: int | bool, offset: int, nbytes: int, code: int, buf: Any) -> int: ...
+
 RC_WIRE_PENDING: int
 RC_WIRE_LOST: int
 RC_WIRE_SENDING: int

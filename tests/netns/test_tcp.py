@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import memsem
+from memsem.core import WireRoute
 from memsem.engines.tcp import _wire as W
 import tcp_raw as R
 from owner_proc import SECRET, Owner
@@ -570,7 +571,7 @@ def test_the_kept_route_serves_small_gets_and_puts_each_counted(owner, rt):
     w = _ref(rt, owner("publish", name="k", n=8)["ref"])  # 64 bytes
     out = np.empty(8, np.int64)
     w.get(out=out)
-    assert w._wire is not None and w._hot is None  # kept (the whole path ran once)
+    assert isinstance(w._route, WireRoute)  # kept (the whole path ran once)
     conn, _ = _conn(rt, w)
     before = rt.stats().bytes_by_route["tcp"]
     for i in range(40):
@@ -662,7 +663,7 @@ def test_the_kept_route_refuses_what_the_whole_path_refuses(owner, rt):
     r = _ref(rt, owner("publish", name="ro", n=8, access="r")["ref"])
     out = np.empty(8, np.int64)
     r.get(out=out)
-    assert r._wire is not None
+    assert isinstance(r._route, WireRoute)
     with pytest.raises(memsem.AccessDeniedError):
         r.put(np.zeros(8, np.int64))
     assert owner("read", name="ro")["head"] == list(range(8))
@@ -678,7 +679,7 @@ def test_the_kept_route_after_republish_is_stale(owner, rt):
     w = _ref(rt, owner("publish", name="s", n=8)["ref"])
     out = np.empty(8, np.int64)
     w.get(out=out)
-    assert w._wire is not None
+    assert isinstance(w._route, WireRoute)
     owner("unpublish", name="s")
     owner("republish", name="s")
     out[:] = -1
@@ -715,7 +716,7 @@ def _kept_route_waits_out_a_section(owner, rt):
         try:
             w.get(out=out)
             w.get(out=out)
-            got.append(w._wire is not None)  # this thread keeps the route
+            got.append(isinstance(w._route, WireRoute))  # this thread keeps the route
             kept.set()
             assert go.wait(30)
             got.append(w.get(out=np.empty(8, np.int64)).copy())

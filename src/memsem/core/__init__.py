@@ -11,8 +11,8 @@ from memsem.core._gc import collect
 from memsem.core._lease import Lease
 from memsem.core._sections import WriteSection
 from memsem.core._telemetry import Stats
-from memsem.core._transfer import ROUTE_STALE, KeptWire
+from memsem.core._routes import ROUTE_STALE, CopyRoute, PlanRoute, WireRoute
 from memsem.core._wait import Wait
 
 __all__ = ["ATTENTION", "Outcome", "Status", "settle", "Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
-           "KeptWire", "Lease", "ROUTE_STALE", "RuntimeCore", "current_core", "default_engines", "Stats", "Wait", "WriteSection"]
+           "Lease", "PlanRoute", "ROUTE_STALE", "CopyRoute", "WireRoute", "RuntimeCore", "current_core", "default_engines", "Stats", "Wait", "WriteSection"]

@@ -198,7 +198,7 @@ class Bracket:
 
 
 class KeptBracket:
-    """The bracket of a kept route (``memsem.core._transfer.KeptWire``): one native bracket
+    """The bracket of a kept route (``memsem.core._routes.WireRoute``): one native bracket
     reused copy after copy (a route is kept for one thread: one copy at a time) on a plan the
     route holds without its resolution (``keeper[0]``, None once released; ``plan`` is held
     here so its memory outlives the resolution's release). The native call of the route's

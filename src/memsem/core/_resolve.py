@@ -27,7 +27,6 @@ shrinks in a runtime's life; windows that retire are dropped by the sweep (``SWE
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import threading
 from typing import TYPE_CHECKING
@@ -41,7 +40,7 @@ from memsem._errors import (
     WindowNotFoundError,
 )
 from memsem.directory.local import job_is_derived
-from memsem.engines import Credential, Engine, GenerationCheck, RemoteRegion, WatchMode
+from memsem.engines import Credential, Engine, GenerationCheck, RemoteRegion
 from memsem.gva import (
     ControlBlock,
     RefSpec,
@@ -56,30 +55,11 @@ from memsem.gva._control_block import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
 from memsem.native import UseWord
 from memsem.core import _translate as tr
 from memsem.core._liveness import LIVENESS_CHECK_BYTES, LIVENESS_INTERVAL_S, Peer, record_alive
+from memsem.core._routes import CopyRoute, route_for
 from memsem.topology import Location, Route, choose_route
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
-
-class Strategy(enum.Enum):
-    """How the copies of a resolution run: chosen once, when the resolution is made, from
-    where the window lives and what its route's engine can check."""
-
-    #: same node: the CPU copies natively, one call (``memsem_plan_copy``: memcpy or
-    #: cross-memory attach) with every check of the bracket
-    DIRECT = "direct"
-    #: the engine moves the bytes inside the native bracket on the window's control block
-    #: mapped here (mte), or of a window whose generation the device enforces (rdma)
-    ENGINE = "engine"
-    #: another node, the owner's runtime checks every request (tcp): versioned and checked
-    #: calls go to ``Engine.get_version`` / ``put_version`` and the owner brackets each
-    OWNER_CHECKED = "owner-checked"
-    #: another node, the engine reads the owner's control words one-sidedly (rdma): versioned
-    #: reads run the seqlock over the wire (header words before and after the copy)
-    ONE_SIDED = "one-sided"
-    #: another node, and nothing checks the generation (a third-party engine): copies refused
-    UNCHECKED = "unchecked"
-
 
 #: resolutions a runtime keeps cached at first; older ones are dropped (and released when idle)
 RESOLUTION_LIMIT = 128
@@ -118,6 +98,7 @@ class Resolution:
             runtime's own window. peer: the owner's liveness. plan: the native plan (cdata);
             addr: its address (for ``memsem._hot.copy``; valid while this object lives).
         direct: the hot path copies natively (same node). writable: published access "rw".
+        strategy: the :class:`~memsem.core._routes.CopyRoute` its copies take (chosen once, here).
         memo: facts the layers above derive from this resolution alone (a pipeline's default
             tiling per range), dropped with it; bounded by its users.
     """
@@ -150,7 +131,7 @@ class Resolution:
         self._ident = core.identity
         self._released = False
         #: ``[self]`` while this resolution is unreleased, ``[None]`` after: what refs that keep
-        #: its route hold (``Transfers.hot_args``), so they never keep it past its release
+        #: its route hold (``hold``; ``memsem.core._routes.PlanRoute``), so they never keep it past its release
         self.keeper: list[Resolution | None] | None = None
         plan = self.plan = native.new_plan()
         self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
@@ -180,16 +161,7 @@ class Resolution:
             plan.nslots = 1
         d = remote.direct
         self.direct = d is not None and cb is not None
-        if self.direct:
-            self.strategy = Strategy.DIRECT
-        elif cb is not None:
-            self.strategy = Strategy.ENGINE
-        elif engine.enforces_generation == GenerationCheck.OWNER and engine.versions:
-            self.strategy = Strategy.OWNER_CHECKED
-        elif engine.enforces_generation == GenerationCheck.DEVICE:
-            self.strategy = Strategy.ONE_SIDED if engine.can_watch(remote) == WatchMode.READ else Strategy.ENGINE
-        else:
-            self.strategy = Strategy.UNCHECKED
+        self.strategy: CopyRoute = route_for(self)
         if self.direct:
             plan.base = d.address
             plan.pid = d.pid
@@ -231,6 +203,14 @@ class Resolution:
     def leave(self) -> None:
         if self.use.leave():
             self.release()
+
+    def hold(self) -> "list[Resolution | None]":
+        """The keeper a ref's route holds instead of this resolution: ``[self]`` while it is
+        unreleased, ``[None]`` after (``release`` empties it)."""
+        keeper = self.keeper
+        if keeper is None:
+            keeper = self.keeper = [None if self._released else self]
+        return keeper
 
     def close(self) -> None:
         """Drop the cache's claim; released now, or by the last running copy."""
@@ -516,11 +496,6 @@ class Resolver:
             raise
 
 
-def remote_slots(res: Resolution) -> int:
-    """Data slots of ``res``'s window as its directory record says (1, or 2 double-buffered)."""
-    return 2 if res.info.extra.get("slots", 1) == 2 else 1
-
-
 def remote_span(info: WindowInfo) -> int:
     """Bytes a route to ``info``'s window on another node reaches: one data slot, or both slots
     of a double-buffered window (its record says ``slots`` and ``slot_stride``).
@@ -547,5 +522,4 @@ def owner_credential(spec: RefSpec) -> Credential:
     return Credential(token, lambda challenge: credential_proof(key, challenge, token))
 
 
-__all__ = ["RESOLUTION_CAP", "RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "Strategy", "owner_credential",
-           "remote_slots"]
+__all__ = ["RESOLUTION_CAP", "RESOLUTION_LIMIT", "Resolution", "Resolver", "RuntimeClosedError", "owner_credential"]

@@ -174,7 +174,7 @@ class RuntimeCore:
         self.versions = Versions(self)
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="memsem-rt")
         #: an object unique to this runtime that keeps nothing alive: what a ref's kept route
-        #: (``Transfers.hot_args``) compares with, by identity, to know it was made here
+        #: (``memsem.core._routes.PlanRoute``) compares with, by identity, to know it was made here
         self.token = object()
         self.transfers = Transfers(self, self.resolver, self._pool, self.mirrors, workers)
         self._word_waiter: AsyncWordWaiter | None = None

@@ -34,7 +34,7 @@ from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
 from memsem.core._lease import Lease
-from memsem.core._resolve import Resolution, Strategy
+from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
 if TYPE_CHECKING:
@@ -268,12 +268,12 @@ class Versions:
                 raise ValueError(f"ranges[{i}]: bytes [{off}, {off + n}) lie outside {spec.label}'s "
                                  f"{total} bytes")
         res = self._resolve(spec)
-        if res.strategy is not Strategy.DIRECT:
+        if not res.direct:
             return self._gather_ranges(spec, ranges, version, lease, keep)
         ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
 
         def attempt(r: Resolution) -> Outcome:
-            if r.strategy is not Strategy.DIRECT:  # resolved again onto another route
+            if not r.direct:  # resolved again onto another route
                 return Outcome(Status.OK, self._gather_ranges(spec, ranges, version, lease, keep))
             b = Bracket(r)
             o = b.open(False, spec.offset, total, version, ls, lid)

@@ -24,7 +24,8 @@ from memsem.core import _translate as tr
 from memsem.core._completion import Batch, RangeResult, State
 from memsem.core._bracket import ATTENTION, Bracket, Status, failure, settle
 from memsem.core._lease import Lease
-from memsem.core._resolve import Resolution, Resolver, remote_slots
+from memsem.core._resolve import Resolution, Resolver
+from memsem.core._routes import remote_slots
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -50,7 +51,6 @@ class XCopier:
         self._core = core
         self._workers = workers
         self._resolver = resolver
-        self._cache = resolver.cache
         self._pool = pool
 
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
@@ -70,7 +70,7 @@ class XCopier:
         jobs = []
         lat: list[int] = []
         inline_left = XCOPY_INLINE_BYTES
-        cache = self._cache
+        cached = self._tx.cached
         now = time.perf_counter_ns
         for i, pair in enumerate(pairs):
             try:
@@ -87,8 +87,8 @@ class XCopier:
             results.append(r)
             # The inline lane (see the docstring): settled before the Batch exists.
             if buf is not None and spec.nbytes <= inline_left and (not put or spec.access == "rw"):
-                res = cache.get(spec.gva)
-                if res is not None and res.direct and res.generation == spec.generation and res.key == spec.key:
+                res = cached(spec)
+                if res is not None and res.direct:
                     t0 = now()
                     if lease is None:
                         rc = _hot_copy(res.addr, put, spec.offset, buf, spec.nbytes, spec.dtype_code)

@@ -58,6 +58,9 @@ def engine_class(name: str) -> type[Engine]:
         ValueError: no engine of that name.
         NotSupportedError: the engine's module cannot be imported here.
     """
+    cls = _LOADED.get(name)
+    if cls is not None:
+        return cls
     from memsem._errors import NotSupportedError
 
     target = _BUILTIN.get(name)
@@ -70,9 +73,14 @@ def engine_class(name: str) -> type[Engine]:
     try:
         import importlib
 
-        return getattr(importlib.import_module(module), attr)
+        cls = _LOADED[name] = getattr(importlib.import_module(module), attr)
     except ImportError as exc:
         raise NotSupportedError(f"engine {name!r} cannot be imported here: {exc}") from exc
+    return cls
+
+
+#: built-in engine classes loaded so far, by name (an import is looked up once)
+_LOADED: dict[str, type[Engine]] = {}
 
 
 __all__ = [

@@ -119,12 +119,17 @@ class ControlBlock:
     serving grant) pins it, so it is never unmapped under it.
     """
 
-    __slots__ = ("segment", "base", "n_ready", "n_lease", "n_inflight", "n_slots", "_lease0",
-                 "_inflight0", "_ready0", "__weakref__")
+    __slots__ = ("segment", "base", "n_ready", "n_lease", "n_inflight", "n_slots", "generation_addr", "seq_addr",
+                 "latest_addr", "_lease0", "_inflight0", "_ready0", "__weakref__")
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
-        self.base = segment.address
+        self.base = b = segment.address
+        #: addresses of the generation word, the slot sequence words (``n_slots`` consecutive
+        #: words) and the latest-version word
+        self.generation_addr = b + 8 * W_GENERATION
+        self.seq_addr = b + 8 * W_SEQ0
+        self.latest_addr = b + 8 * W_LATEST
         if segment.nbytes < 8 * HEADER_WORDS or self.word(W_MAGIC) != MAGIC:
             raise ValueError(f"segment {segment.name!r} is not a memsem control block")
         version = self.word(W_VERSION)
@@ -183,19 +188,6 @@ class ControlBlock:
     @property
     def generation(self) -> int:
         return native.load_acquire(self.base + 8 * W_GENERATION)
-
-    @property
-    def generation_addr(self) -> int:
-        return self.base + 8 * W_GENERATION
-
-    @property
-    def seq_addr(self) -> int:
-        """Address of the slot sequence words (``n_slots`` consecutive words)."""
-        return self.base + 8 * W_SEQ0
-
-    @property
-    def latest_addr(self) -> int:
-        return self.base + 8 * W_LATEST
 
     @property
     def latest(self) -> int:

@@ -6,14 +6,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from memsem import _args, _dtypes, _hot, native
+from memsem import _args, _dtypes, native
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.core import ROUTE_STALE, Completion, KeptWire, Lease, RuntimeCore, current_core
+from memsem.core import Completion, Lease, PlanRoute, RuntimeCore, WireRoute, current_core
 
-_hot_copy = _hot.copy  # one native call: the buffer's door checks, then memsem_plan_copy
-_RC_BUFFER = _hot.RC_BUFFER
 _ATTN = native.lib.MEMSEM_RC_ATTENTION
 _UINT8 = _dtypes.code_of("uint8")
 
@@ -75,21 +73,17 @@ class TensorRef:
         access: "r" or "rw".
     """
 
-    __slots__ = ("spec", "_rt", "_hot", "_wire")
+    __slots__ = ("spec", "_rt", "_route")
 
     def __init__(self, spec: RefSpec, runtime: Any = None) -> None:
         if not isinstance(spec, RefSpec):
             raise TypeError(f"spec must be a RefSpec, got {type(spec).__name__}")
         self.spec = spec
         self._rt = as_core(runtime)
-        #: ``Transfers.hot_args`` of the last plain get or put (None: none yet, or not a native
-        #: route): the next one is a single native call that reads neither the cache nor the
-        #: spec (with 10,000 windows in turn, each object a get reads is a cache miss)
-        self._hot: tuple[Any, ...] | None = None
-        #: ``Transfers.kept_wire`` of the last plain get or put when it went to another node's
-        #: window through an owner-checked engine (tcp): the next one is one bracket around one
-        #: request on this thread's connection (None: none kept)
-        self._wire: KeptWire | None = None
+        #: the route this ref's next plain get or put takes (``Transfers.ref_route``: a
+        #: ``PlanRoute`` on the same node, one native call that reads neither the cache nor the
+        #: spec; a ``WireRoute`` over tcp, one bracket around one request); None: none yet
+        self._route: PlanRoute | WireRoute | None = None
 
     # -- identity --------------------------------------------------------------------------------
     @property
@@ -250,21 +244,14 @@ class TensorRef:
         if out is not None:
             if with_version is False:
                 if lease is None and version.__class__ is int and not version:  # a plain get
-                    h = self._hot
-                    if h is not None and h[5] is self.spec and h[7] is rt.token:
-                        rc = _hot_copy(h[1], 0, h[2], out, h[3], h[4], 0)  # h holds the plan
+                    r = self._route
+                    if r is not None and r.spec is self.spec and r.token is rt.token:
+                        rc = r.get(out)  # same node: one native call
                         if not rc & _ATTN:
                             return out
-                        self._settle_kept(rt, h[0][0], rc, False, out)
-                        return out
-                    w = self._wire
-                    if w is not None and w.spec is self.spec and w.token is rt.token:
-                        rc = w.transfer(rt.transfers, False, out)
-                        if not rc & _ATTN:
-                            return out
-                        self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, False, out, w.deadline)
-                        return out
-                    self._settle_kept(rt, None, 0, False, out)
+                    else:
+                        r, rc = None, 0
+                    self._route = rt.transfers.after_route(self.spec, r, rc, False, out)
                     return out
                 return rt.transfers.get(self.spec, out, lease, version)
             return Versioned(*rt.transfers.get_versioned(self.spec, out, lease, version))
@@ -331,50 +318,14 @@ class TensorRef:
         if lease is not None:
             rt.transfers.put(self.spec, src, lease)
             return
-        h = self._hot  # the route the last plain get or put kept (see get)
-        if h is not None and h[6] and h[5] is self.spec and h[7] is rt.token:
-            rc = _hot_copy(h[1], 1, h[2], src, h[3], h[4])
+        r = self._route  # the route the last plain get or put took (see get)
+        if r is not None and r.writable and r.spec is self.spec and r.token is rt.token:
+            rc = r.put(src)
             if not rc & _ATTN:
                 return
-            self._settle_kept(rt, h[0][0], rc, True, src)
-            return
-        w = self._wire
-        if w is not None and w.writable and w.spec is self.spec and w.token is rt.token:
-            rc = w.transfer(rt.transfers, True, src)
-            if not rc & _ATTN:
-                return
-            self._settle_kept(rt, None if rc == ROUTE_STALE else w.keeper[0], rc, True, src, w.deadline)
-            return
-        self._settle_kept(rt, None, 0, True, src)
-
-    def _settle_kept(self, rt: Any, res: Any, rc: int, put: bool, buf: Any, deadline: float | None = None) -> None:
-        """The plain get (``put`` False: into ``buf``) or put (from ``buf``) that the kept route
-        did not finish: ``rc``, the result word of its native call that needs attention, with
-        ``res`` the resolution it copied through, or ``res`` None (no route kept, or its
-        resolution released since): the whole path, within ``deadline`` (``time.monotonic()``:
-        the kept route's, when it sent a request; None: the runtime's timeout from now). Keeps
-        the route anew after it.
-
-        Raises:
-            What the get or put raises.
-        """
-        tr = rt.transfers
-        anew = res is None or rc != _RC_BUFFER  # RC_BUFFER: not a plain buffer, its door; the route stays
-        if anew:
-            self._hot = self._wire = None  # released, torn, moved...: settled, then kept anew
-        if res is None:
-            if put:
-                tr.put(self.spec, buf, None, deadline)
-            else:
-                tr.get(self.spec, buf, None, 0, deadline)
-        elif put:
-            tr.after_hot_put(rc, res, self.spec, buf, None, deadline)
         else:
-            tr.after_hot(rc, res, self.spec, buf, None, 0, deadline)
-        if anew:
-            self._hot = tr.hot_args(self.spec)
-            if self._hot is None:
-                self._wire = tr.kept_wire(self.spec)
+            r, rc = None, 0
+        self._route = rt.transfers.after_route(self.spec, r, rc, True, src)
 
     def put_async(self, src: Any, *, lease: Lease | None = None) -> Completion:
         """Start a put; ``src`` must not change until the Completion is final.

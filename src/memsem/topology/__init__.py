@@ -126,9 +126,10 @@ def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descript
         a, b = costs.get(kind) or DEFAULT_COSTS.get(kind) or (100e-6, 1e9)
         ok.append(Route(engine, kind, why, a, b, zero_copy))
         excluded.update(cls.excludes)
-    for r in [r for r in ok if r.kind in excluded]:
-        ok.remove(r)
-        no.append((r.engine, excluded[r.kind]))
+    if excluded:
+        for r in [r for r in ok if r.kind in excluded]:
+            ok.remove(r)
+            no.append((r.engine, excluded[r.kind]))
     return ok, no
 
 
@@ -153,9 +154,15 @@ def choose_route(me: Location, owner: Location, descriptors: Mapping[str, Descri
         raise NotSupportedError(f"no route reaches the window (owner node {owner.node!r} pid "
                                 f"{owner.pid}): {detail}")
     else:
-        pick = min(ok, key=lambda r: r.cost(nbytes))
-    rejected = tuple(no) + tuple((r.engine, f"modeled slower ({r.kind})") for r in ok if r is not pick)
-    return dataclasses.replace(pick, rejected=rejected)
+        pick = ok[0]
+        for r in ok[1:]:
+            if r.alpha + nbytes / r.beta < pick.alpha + nbytes / pick.beta:  # Route.cost, the model
+                pick = r
+    rejected = list(no)
+    for r in ok:
+        if r is not pick:
+            rejected.append((r.engine, f"modeled slower ({r.kind})"))
+    return Route(pick.engine, pick.kind, pick.reason, pick.alpha, pick.beta, pick.zero_copy, tuple(rejected))
 
 
 def here(attrs: Mapping[str, Any] | None = None) -> Location:

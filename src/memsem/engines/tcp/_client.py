@@ -607,7 +607,7 @@ class KeptRequests:
     the request again within the caller's deadline, with its retries and its error boundary.
     """
 
-    __slots__ = ("_conn", "_token", "_handle", "_tid", "_wait_ms", "_timeout", "_head")
+    __slots__ = ("timeout", "_conn", "_token", "_handle", "_tid", "_wait_ms", "_head")
 
     def __init__(self, conn: Connection, token: bytes, handle: int, wait_ms: int, timeout: float) -> None:
         self._conn = weakref.ref(conn)
@@ -615,13 +615,9 @@ class KeptRequests:
         self._handle = handle
         self._tid = threading.get_ident()
         self._wait_ms = wait_ms
-        self._timeout = timeout
+        #: seconds a request may take (the engine's timeout): what a caller's deadline adds
+        self.timeout = timeout
         self._head = b""
-
-    @property
-    def timeout(self) -> float:
-        """Seconds a request may take (the engine's timeout): what a caller's deadline adds."""
-        return self._timeout
 
     def usable(self) -> Connection | None:
         """The connection, when a request may go through it now from this thread; else None."""
