@@ -43,3 +43,28 @@ def test_version_command():
     out = subprocess.run([sys.executable, "-m", "memsem.cli", "--version"], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == f"memsem {memsem.__version__}"
+
+
+def test_readme_lists_every_extra():
+    """README's Install section names every extra pyproject.toml defines (its list once missed
+    ``cli`` and ``tcp``)."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.search(r"# with an extra: ([^\n]*)", install).group(1).replace(" ", "").split(","))
+    assert listed == extras, (sorted(extras - listed), sorted(listed - extras))
+    described = set(re.findall(r"`([a-z]+)`", install.split("The extras:", 1)[1].split("\n\n", 1)[0]))
+    assert extras <= described, sorted(extras - described)
+
+
+def test_a_state_dicts_ref_is_the_size_the_docs_say():
+    """README and docs/weight-sync.md give the demo's checkpoint's state-dict ref as 111 bytes."""
+    from memsem.cli._demo import default_weights, load_state_dict
+
+    for doc in ("README.md", "docs/weight-sync.md"):
+        assert "111 bytes for the demo's" in " ".join((ROOT / doc).read_text().split()), doc
+    sd = load_state_dict(default_weights())
+    with memsem.Runtime() as rt:
+        ref = rt.publish_state_dict(sd, name="policy")
+        assert (len(sd), len(ref.to_bytes())) == (104, 111)

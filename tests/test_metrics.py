@@ -109,6 +109,29 @@ def test_pipeline_metrics(rt):
     assert 0.0 <= value(after, "memsem_pipeline_overlap_ratio") <= 1.0
 
 
+def test_a_weight_sync_only_job_leaves_the_pipeline_panel_empty(rt):
+    """docs/metrics.md: follow / load / stream feed no pipeline metric (the dashboard's
+    Pipelines panel is empty on such a job), while the bytes moved do count."""
+    model = {"w": np.zeros(4096, np.float32)}
+    sd = rt.publish_state_dict(model, name="policy", slots=2)
+    with memsem.Runtime(timeout=10.0) as cons, memsem.metrics.serve(cons) as server:
+        local = {"w": np.zeros(4096, np.float32)}
+        follower = cons.follow("policy", into=local, timeout=10)
+        assert next(follower)[0] == 1
+        sd.update({"w": np.ones(4096, np.float32)})
+        assert next(follower)[0] == 2 and (local["w"] == 1).all()
+        follower.close()
+        rsd = cons.lookup_state_dict("policy", timeout=10)
+        for bucket in rsd.stream({"w": np.zeros(4096, np.float32)}):
+            pass
+        after = scrape(server.url)
+    assert sum(v for (n, _), v in after.items() if n == "memsem_bytes_total") >= 3 * 4 * 4096
+    for name in ("memsem_pipeline_tiles_total", "memsem_pipeline_bytes_total", "memsem_pipelines_total",
+                 "memsem_pipeline_first_tile_seconds_count"):
+        assert value(after, name) == 0, name
+    assert not any(n == "memsem_pipeline_overlap_ratio" for n, _ in after)  # no sample at all
+
+
 def test_own_registry_and_a_closed_runtime_stops_cleanly():
     from prometheus_client import CollectorRegistry, generate_latest
 
