@@ -178,6 +178,34 @@ def test_collector_arguments_are_checked(rt):
         memsem.metrics.collector(rt, labels={"bad-name": "x"})
 
 
+def test_a_refused_label_says_what_is_wrong_with_it(rt):
+    """A hyphen is the problem of ``bad-label`` (not the reserved names); a reserved name is
+    refused as one memsem sets."""
+    with pytest.raises(ValueError) as info:
+        memsem.metrics.collector(rt, labels={"bad-label": "x"})
+    msg = str(info.value)
+    assert "'bad-label' is not a valid Prometheus label name" in msg and "'-' at position 3" in msg
+    assert "'bad_label'" in msg and "memsem sets" not in msg
+    with pytest.raises(ValueError, match="starts with a digit"):
+        memsem.metrics.collector(rt, labels={"9lives": "x"})
+    with pytest.raises(ValueError, match="'route' is a label memsem sets itself"):
+        memsem.metrics.collector(rt, labels={"route": "x"})
+    with pytest.raises(TypeError, match="must be a str"):
+        memsem.metrics.collector(rt, labels={3: "x"})
+
+
+def test_a_port_in_use_is_a_memsem_error_naming_it(rt):
+    with memsem.metrics.serve(rt) as first:
+        with pytest.raises(memsem.AddressInUseError) as info:
+            memsem.metrics.serve(rt, port=first.port)
+        assert value(scrape(first.url), "memsem_runtime_open") == 1  # the first one serves on
+    exc = info.value
+    assert isinstance(exc, memsem.MemsemError) and isinstance(exc, OSError)
+    assert exc.port == first.port and exc.addr == "127.0.0.1" and exc.errno == __import__("errno").EADDRINUSE
+    assert f"port {first.port} on 127.0.0.1 is in use" in str(exc) and "port=0" in str(exc)
+    assert isinstance(exc.__cause__, OSError)
+
+
 def test_the_jobs_own_rank_label_is_free(rt):
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -23,12 +23,15 @@ A collector holds its runtime weakly; once the runtime is closed (or gone) a scr
 """
 from __future__ import annotations
 
+import errno
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memsem import _args
+from memsem._errors import AddressInUseError
 
 try:
     from prometheus_client.core import (
@@ -56,6 +59,27 @@ SECTION_RETRY_KINDS = ("torn", "busy")
 
 #: the label memsem sets on every metric (the runtime's directory rank)
 RANK_LABEL = "memsem_rank"
+#: a Prometheus label name (https://prometheus.io/docs/concepts/data_model/): ASCII letters,
+#: digits and underscores, not starting with a digit; names starting with ``__`` are Prometheus'
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _check_label(name: Any, reserved: set[str]) -> None:
+    """Raise TypeError / ValueError naming ``name`` and what is wrong with it as an extra label."""
+    if not isinstance(name, str):
+        raise TypeError(f"labels: a label name must be a str, got {name!r}")
+    if not _LABEL_NAME.fullmatch(name):
+        bad = next((f"{c!r} at position {i}" for i, c in enumerate(name)
+                    if not (c.isascii() and (c.isalnum() or c == "_"))), None)
+        why = (f"it has {bad}" if bad else "it is empty" if not name else "it starts with a digit")
+        raise ValueError(f"labels: {name!r} is not a valid Prometheus label name ({why}): a label name is "
+                         "ASCII letters, digits and underscores, not starting with a digit, e.g. "
+                         f"{re.sub(r'[^a-zA-Z0-9_]', '_', name).lstrip('0123456789') or 'rank'!r}")
+    if name.startswith("__"):
+        raise ValueError(f"labels: {name!r} starts with '__', which Prometheus reserves for its own labels")
+    if name in reserved:
+        raise ValueError(f"labels: {name!r} is a label memsem sets itself (memsem sets "
+                         f"{', '.join(sorted(reserved))}): choose another name")
 
 #: name (without prefix) -> (type, labels, help); the one list the collector emits and
 #: docs/metrics.md shows (tests/test_metrics.py compares them)
@@ -111,9 +135,7 @@ class RuntimeCollector(Collector):
             raise TypeError(f"runtime must be a memsem Runtime, got {type(runtime).__name__}")
         extra = dict(labels or {})
         for k, v in extra.items():
-            if not isinstance(k, str) or not k.isidentifier() or k.startswith("__") or k in self._RESERVED:
-                raise ValueError(f"labels: {k!r} is not a free Prometheus label name (memsem sets "
-                                 f"{', '.join(sorted(self._RESERVED))})")
+            _check_label(k, self._RESERVED)
             if not isinstance(v, str):
                 raise TypeError(f"labels[{k!r}] must be a str, got {v!r}")
         if not isinstance(prefix, str) or not prefix.isidentifier():
@@ -210,7 +232,15 @@ class MetricsServer:
     def __init__(self, runtime: Any, *, port: int, addr: str, labels: Mapping[str, str] | None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(runtime, labels=labels))
-        self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise AddressInUseError(
+                f"memsem.metrics.serve: port {port} on {addr} is in use (another exporter or process "
+                f"listens there; `ss -ltnp 'sport = :{port}'` names it): pass another port, or port=0 "
+                "to pick a free one (server.port says which)", addr=addr, port=port) from exc
         self.addr = addr
         self.port = int(self._httpd.server_address[1])
         self._lock = threading.Lock()
@@ -257,7 +287,10 @@ def serve(runtime: Any, port: int = 0, addr: str = "127.0.0.1", *,
         A :class:`MetricsServer` (``.port``, ``.url``, ``.close()``, ``with`` support).
 
     Raises:
-        OSError: the port cannot be bound. TypeError / ValueError: bad argument.
+        AddressInUseError: ``port`` on ``addr`` is taken (a MemsemError and an OSError; its
+            message says what to do). OSError: the port cannot be bound for another reason
+            (e.g. a port below 1024 without the privilege). TypeError / ValueError: bad argument
+            (a label name that is not a valid Prometheus label name or one memsem sets).
     """
     port = _args.count(port, "port", maximum=65535)
     if not isinstance(addr, str) or not addr:
