@@ -132,6 +132,34 @@ def test_a_weight_sync_only_job_leaves_the_pipeline_panel_empty(rt):
     assert not any(n == "memsem_pipeline_overlap_ratio" for n, _ in after)  # no sample at all
 
 
+def test_follower_staleness_per_name(rt):
+    """Per followed name: the version the follower holds, the writer's latest, their difference
+    and the seconds since the last load; gone once the follower is closed."""
+    model = {"w": np.zeros(64, np.float32)}
+    sd = rt.publish_state_dict(model, name="policy", slots=2)
+    with memsem.Runtime(timeout=10.0) as cons, memsem.metrics.serve(cons) as server:
+        follower = cons.follow("policy", timeout=10)
+        assert next(follower)[0] == 1
+        for _ in range(2):
+            model["w"] += 1
+            sd.update(model)  # the follower does not load these (yet)
+        behind = scrape(server.url)
+        assert next(follower)[0] == 3
+        caught_up = scrape(server.url)
+        assert cons.stats().followers["policy"]["lag"] == 0
+        follower.close()
+        closed = scrape(server.url)
+    def of(samples, metric):  # the sample of the name "policy" (None: no sample)
+        return samples.get((metric, (("name", "policy"),)))
+
+    figures = ("memsem_follower_version", "memsem_follower_latest_version", "memsem_follower_lag_versions")
+    assert [of(behind, f) for f in figures] == [1, 3, 2]
+    assert [of(caught_up, f) for f in figures] == [3, 3, 0]
+    since = [of(s, "memsem_follower_seconds_since_load") for s in (behind, caught_up)]
+    assert all(x is not None and x >= 0 for x in since)
+    assert not [k for k in closed if k[0].startswith("memsem_follower_")]
+
+
 def test_own_registry_and_a_closed_runtime_stops_cleanly():
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -171,7 +199,7 @@ def test_serve_arguments_are_checked(rt, kwargs, exc):
 def test_collector_arguments_are_checked(rt):
     with pytest.raises(TypeError, match="runtime"):
         memsem.metrics.collector(object())
-    for name in ("route", "memsem_rank", "kind", "le"):
+    for name in ("route", "memsem_rank", "kind", "le", "name"):
         with pytest.raises(ValueError, match="label"):
             memsem.metrics.collector(rt, labels={name: "x"})
     with pytest.raises(ValueError, match="label"):
@@ -273,7 +301,10 @@ def _exercised_families():
         lease = cref.lease(ttl=30.0).acquire()
         sd = owner.publish_state_dict({"w": np.zeros(8, np.float32)}, name="policy", slots=2)
         sd.update({"w": np.ones(8, np.float32)})
+        follower = cons.follow("policy", timeout=10)
+        next(follower)
         text = generate_latest(reg).decode()
+        follower.close()
         lease.release()
     fams: dict[str, Any] = {}
     for f in text_string_to_metric_families(text):  # one family per collector: merge them

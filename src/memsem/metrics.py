@@ -110,6 +110,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "writer_blocked_seconds": ("counter", (),
                                "Seconds write sections on this runtime's windows waited for readers' pins "
                                "(a trainer's time blocked by rollouts)"),
+    "follower_version": ("gauge", ("name",),
+                         "Version a follower of the name holds: the last it loaded (the furthest behind when "
+                         "several follow it; 0 before its first load)"),
+    "follower_latest_version": ("gauge", ("name",), "Latest version the name's writer committed, read at the scrape"),
+    "follower_lag_versions": ("gauge", ("name",), "Versions a follower of the name is behind its writer (latest - held)"),
+    "follower_seconds_since_load": ("gauge", ("name",), "Seconds since a follower of the name last loaded a version"),
     "registrations": ("counter", ("engine",), "Regions registered with engines"),
     "peak_rss_bytes": ("gauge", (), "Peak resident set size of the process"),
 }
@@ -124,11 +130,12 @@ class RuntimeCollector(Collector):
         runtime: a :class:`memsem.Runtime` (held weakly).
         labels: extra constant labels (e.g. ``{"rank": "3", "job": "rollout"}``: the training
             job's own rank is free to use); names must be valid Prometheus label names and not
-            one memsem sets (``memsem_rank``, ``route``, ``op``, ``kind``, ``engine``, ``le``).
+            one memsem sets (``memsem_rank``, ``route``, ``op``, ``kind``, ``engine``, ``name``,
+            ``le``).
         prefix: metric name prefix (default ``memsem``).
     """
 
-    _RESERVED = {RANK_LABEL, "route", "op", "kind", "engine", "le"}
+    _RESERVED = {RANK_LABEL, "route", "op", "kind", "engine", "name", "le"}
 
     def __init__(self, runtime: Any, *, labels: Mapping[str, str] | None = None, prefix: str = "memsem") -> None:
         if not callable(getattr(runtime, "stats", None)):
@@ -211,6 +218,10 @@ class RuntimeCollector(Collector):
         ws = st.write_sections
         yield single("write_sections", ws.get("committed", 0))
         yield single("writer_blocked_seconds", ws.get("blocked_s", 0.0))
+        follows = st.followers
+        for key, name in (("held", "follower_version"), ("latest", "follower_latest_version"),
+                          ("lag", "follower_lag_versions"), ("since_load_s", "follower_seconds_since_load")):
+            yield by(name, {n: f[key] for n, f in follows.items() if key in f})
         yield by("registrations", st.registrations)
         yield single("peak_rss_bytes", st.peak_rss_bytes)
 
