@@ -193,7 +193,10 @@ class Follower:
         except MemsemTimeoutError as exc:
             if exc.what == what:
                 raise
-            raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
+            err = wait.error()  # one error naming the step, whatever wait ran out in it
+            if self.ref is None and self._name:  # the name never appeared (or not again): say so here
+                err = MemsemTimeoutError(f"{err}: {exc}", what=err.what, timeout=err.timeout)
+            raise err from exc
 
     def _next_window(self, wait: Wait, into: Any) -> tuple[int, Any]:
         while True:
