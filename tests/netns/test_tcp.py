@@ -25,6 +25,7 @@ import pytest
 import memsem
 from memsem.engines.tcp import _wire as W
 import tcp_raw as R
+from lines import reader
 from owner_proc import SECRET, Owner
 from redis_server import redis_server
 
@@ -525,7 +526,7 @@ def test_an_owner_preferring_tcp_serves_its_windows_from_its_own_memory(n, tmp_p
     p = subprocess.Popen([sys.executable, "-c", _PREFER_OWNER, str(n)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        line = p.stdout.readline()
+        line = reader(p).readline(120)  # bounded: an owner that hangs fails the test, never stalls it
         assert line, f"the owner did not start (rc {p.poll()})"
         hexes = line.split()
         with memsem.Runtime(engines=ENGINES, prefer="tcp", timeout=10) as rt:
@@ -541,7 +542,7 @@ def test_an_owner_preferring_tcp_serves_its_windows_from_its_own_memory(n, tmp_p
                 assert int(ref.bytes(0, 1).get()[0]) == 200 + k
         p.stdin.write("\n")
         p.stdin.flush()
-        assert p.stdout.readline().split() == ["200", "201"]  # the puts landed in the owner's memory
+        assert (reader(p).readline(60) or "").split() == ["200", "201"]  # the puts landed in the owner's memory
         assert p.wait(30) == 0
     finally:
         if p.poll() is None:
