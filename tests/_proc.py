@@ -57,6 +57,16 @@ def recv(conn, timeout=60.0):
     return msg
 
 
+def until(cond, timeout=20.0, what="condition"):
+    """Wait for ``cond()`` to hold, polling, at most ``timeout`` s (then AssertionError naming
+    ``what``): for a state the test can only observe, never to hope that time made it true."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout} s")
+        time.sleep(0.005)
+
+
 def reap(procs, timeout=20.0):
     deadline = time.monotonic() + timeout
     for p in procs:

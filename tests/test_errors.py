@@ -22,6 +22,7 @@ KWARGS = {
     "EngineError": {"code": -7, "errno": 104, "name": "aclshmem_finalize"},
     "MemsemTimeoutError": {"what": "version 3 of 'w'", "timeout": 1.0},
     "DigestMismatchError": {"relay": "rank 1", "version": 2},
+    "AddressInUseError": {"addr": "127.0.0.1", "port": 9464},
 }
 ERRORS = sorted(name for name in _errors.__all__ if isinstance(getattr(_errors, name), type))
 

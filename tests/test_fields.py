@@ -11,7 +11,7 @@ import pytest
 import memsem
 from memsem import FieldRef, FieldSchema, FieldSet, MemsemTimeoutError, TensorRef
 
-from tests._proc import recv, reap, spawn
+from tests._proc import recv, reap, spawn, until
 
 
 
@@ -133,17 +133,18 @@ def test_tile_events_in_readiness_order_and_as_ready():
         fs = rt.publish_fields({"a": ((8,), np.float32), "b": ((8,), np.int32)}, tile_rows=4)
         fs["b"].put_rows(4, np.arange(4, 8, dtype=np.int32))   # b tile 1 first
 
-        def produce():
-            time.sleep(0.05)
-            fs["a"].put_rows(0, np.zeros(4, np.float32))
-            time.sleep(0.05)
-            fs["b"].put_rows(0, np.zeros(4, np.int32))
-            time.sleep(0.05)
-            fs["a"].put_rows(4, np.zeros(4, np.float32))
+        events: list = []
+
+        def produce():  # each tile once the consumer reported the one before: the order is forced
+            for k, (name, start, dtype) in enumerate([("a", 0, np.float32), ("b", 0, np.int32),
+                                                      ("a", 4, np.float32)], start=1):
+                until(lambda: len(events) >= k, what=f"event {k}")
+                fs[name].put_rows(start, np.zeros(4, dtype))
 
         th = threading.Thread(target=produce, daemon=True)
         th.start()
-        events = [(r.name, t) for r, t in fs.tile_events(timeout=10)]
+        for r, t in fs.tile_events(timeout=10):
+            events.append((r.name, t))
         th.join(5)
         assert events == [("b", 1), ("a", 0), ("b", 0), ("a", 1)]
         assert [r.name for r in fs.as_ready(timeout=1)] == ["a", "b"]  # all done: scan order

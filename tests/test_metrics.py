@@ -109,6 +109,57 @@ def test_pipeline_metrics(rt):
     assert 0.0 <= value(after, "memsem_pipeline_overlap_ratio") <= 1.0
 
 
+def test_a_weight_sync_only_job_leaves_the_pipeline_panel_empty(rt):
+    """docs/metrics.md: follow / load / stream feed no pipeline metric (the dashboard's
+    Pipelines panel is empty on such a job), while the bytes moved do count."""
+    model = {"w": np.zeros(4096, np.float32)}
+    sd = rt.publish_state_dict(model, name="policy", slots=2)
+    with memsem.Runtime(timeout=10.0) as cons, memsem.metrics.serve(cons) as server:
+        local = {"w": np.zeros(4096, np.float32)}
+        follower = cons.follow("policy", into=local, timeout=10)
+        assert next(follower)[0] == 1
+        sd.update({"w": np.ones(4096, np.float32)})
+        assert next(follower)[0] == 2 and (local["w"] == 1).all()
+        follower.close()
+        rsd = cons.lookup_state_dict("policy", timeout=10)
+        for bucket in rsd.stream({"w": np.zeros(4096, np.float32)}):
+            pass
+        after = scrape(server.url)
+    assert sum(v for (n, _), v in after.items() if n == "memsem_bytes_total") >= 3 * 4 * 4096
+    for name in ("memsem_pipeline_tiles_total", "memsem_pipeline_bytes_total", "memsem_pipelines_total",
+                 "memsem_pipeline_first_tile_seconds_count"):
+        assert value(after, name) == 0, name
+    assert not any(n == "memsem_pipeline_overlap_ratio" for n, _ in after)  # no sample at all
+
+
+def test_follower_staleness_per_name(rt):
+    """Per followed name: the version the follower holds, the writer's latest, their difference
+    and the seconds since the last load; gone once the follower is closed."""
+    model = {"w": np.zeros(64, np.float32)}
+    sd = rt.publish_state_dict(model, name="policy", slots=2)
+    with memsem.Runtime(timeout=10.0) as cons, memsem.metrics.serve(cons) as server:
+        follower = cons.follow("policy", timeout=10)
+        assert next(follower)[0] == 1
+        for _ in range(2):
+            model["w"] += 1
+            sd.update(model)  # the follower does not load these (yet)
+        behind = scrape(server.url)
+        assert next(follower)[0] == 3
+        caught_up = scrape(server.url)
+        assert cons.stats().followers["policy"]["lag"] == 0
+        follower.close()
+        closed = scrape(server.url)
+    def of(samples, metric):  # the sample of the name "policy" (None: no sample)
+        return samples.get((metric, (("name", "policy"),)))
+
+    figures = ("memsem_follower_version", "memsem_follower_latest_version", "memsem_follower_lag_versions")
+    assert [of(behind, f) for f in figures] == [1, 3, 2]
+    assert [of(caught_up, f) for f in figures] == [3, 3, 0]
+    since = [of(s, "memsem_follower_seconds_since_load") for s in (behind, caught_up)]
+    assert all(x is not None and x >= 0 for x in since)
+    assert not [k for k in closed if k[0].startswith("memsem_follower_")]
+
+
 def test_own_registry_and_a_closed_runtime_stops_cleanly():
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -148,11 +199,39 @@ def test_serve_arguments_are_checked(rt, kwargs, exc):
 def test_collector_arguments_are_checked(rt):
     with pytest.raises(TypeError, match="runtime"):
         memsem.metrics.collector(object())
-    for name in ("route", "memsem_rank", "kind", "le"):
+    for name in ("route", "memsem_rank", "kind", "le", "name"):
         with pytest.raises(ValueError, match="label"):
             memsem.metrics.collector(rt, labels={name: "x"})
     with pytest.raises(ValueError, match="label"):
         memsem.metrics.collector(rt, labels={"bad-name": "x"})
+
+
+def test_a_refused_label_says_what_is_wrong_with_it(rt):
+    """A hyphen is the problem of ``bad-label`` (not the reserved names); a reserved name is
+    refused as one memsem sets."""
+    with pytest.raises(ValueError) as info:
+        memsem.metrics.collector(rt, labels={"bad-label": "x"})
+    msg = str(info.value)
+    assert "'bad-label' is not a valid Prometheus label name" in msg and "'-' at position 3" in msg
+    assert "'bad_label'" in msg and "memsem sets" not in msg
+    with pytest.raises(ValueError, match="starts with a digit"):
+        memsem.metrics.collector(rt, labels={"9lives": "x"})
+    with pytest.raises(ValueError, match="'route' is a label memsem sets itself"):
+        memsem.metrics.collector(rt, labels={"route": "x"})
+    with pytest.raises(TypeError, match="must be a str"):
+        memsem.metrics.collector(rt, labels={3: "x"})
+
+
+def test_a_port_in_use_is_a_memsem_error_naming_it(rt):
+    with memsem.metrics.serve(rt) as first:
+        with pytest.raises(memsem.AddressInUseError) as info:
+            memsem.metrics.serve(rt, port=first.port)
+        assert value(scrape(first.url), "memsem_runtime_open") == 1  # the first one serves on
+    exc = info.value
+    assert isinstance(exc, memsem.MemsemError) and isinstance(exc, OSError)
+    assert exc.port == first.port and exc.addr == "127.0.0.1" and exc.errno == __import__("errno").EADDRINUSE
+    assert f"port {first.port} on 127.0.0.1 is in use" in str(exc) and "port=0" in str(exc)
+    assert isinstance(exc.__cause__, OSError)
 
 
 def test_the_jobs_own_rank_label_is_free(rt):
@@ -222,7 +301,10 @@ def _exercised_families():
         lease = cref.lease(ttl=30.0).acquire()
         sd = owner.publish_state_dict({"w": np.zeros(8, np.float32)}, name="policy", slots=2)
         sd.update({"w": np.ones(8, np.float32)})
+        follower = cons.follow("policy", timeout=10)
+        next(follower)
         text = generate_latest(reg).decode()
+        follower.close()
         lease.release()
     fams: dict[str, Any] = {}
     for f in text_string_to_metric_families(text):  # one family per collector: merge them

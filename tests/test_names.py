@@ -297,6 +297,28 @@ def test_an_explicit_job_is_shared_and_a_launchers_run_id_scopes_the_default(mon
 
 
 # -- lookup --------------------------------------------------------------------------------------
+def test_a_name_that_never_appeared_says_so_with_the_job_hint(monkeypatch):
+    """A lookup's or a follower's timeout on a name that never appeared names the name, the job
+    and (for a job derived from the process group) MEMSEM_JOB in its own message, not only in
+    a chained cause; a job that was named gets no such hint."""
+    for var in ("MEMSEM_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    with memsem.Runtime(timeout=5) as rt:
+        job = rt.core.directory.job
+        with pytest.raises(memsem.MemsemTimeoutError) as info:
+            rt.lookup("never", timeout=0.05)
+        assert f"'never' in job '{job}'" in str(info.value) and "MEMSEM_JOB" in str(info.value)
+        with pytest.raises(memsem.MemsemTimeoutError) as info:
+            next(rt.follow("never", timeout=0.05))
+        msg = str(info.value)
+        assert msg.startswith("a version after 0 of window 'never' not loaded")
+        assert "'never' in job" in msg and "not published" in msg and "MEMSEM_JOB" in msg
+    with memsem.Runtime(timeout=5, job="named") as rt:
+        with pytest.raises(memsem.MemsemTimeoutError) as info:
+            next(rt.follow("never", timeout=0.05))
+        assert "in job 'named'" in str(info.value) and "MEMSEM_JOB" not in str(info.value)
+
+
 def test_lookup_waits_for_a_name_to_appear(directory):
     """A follower started before its trainer published: lookup(timeout=) waits (the order is
     forced: the publish happens only after the lookup read the directory and found nothing)."""

@@ -24,7 +24,7 @@ from memsem import MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostE
 from memsem.pipeline import Pipeline, PipelineStats
 from memsem.pipeline import _movers, _tiling
 
-from tests._proc import idle_producer as _idle_producer, recv, reap, spawn
+from tests._proc import idle_producer as _idle_producer, recv, reap, spawn, until
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -127,10 +127,10 @@ def test_slot_not_reused_before_release():
         p = rt.pipeline(ref, tile_bytes=4096, depth=2, zero_copy=False, timeout=10)
         t0 = next(p)
         snapshot = t0.raw.copy()
-        time.sleep(0.3)  # the mover moved tile 1 and now waits for a slot
+        time.sleep(0.3)  # the caller holds tile 0 (a lower bound, asserted below)
+        until(lambda: p.free_slots == 0, what="the mover moving tile 1 into the other slot")
         np.testing.assert_array_equal(t0.raw, snapshot)
         np.testing.assert_array_equal(snapshot, data[:4096])
-        assert p.free_slots == 0
         assert p.stats.caller_hold_s > 0.1
         t1 = next(p)  # advancing released tile 0
         assert t0.released and t1.index == 1

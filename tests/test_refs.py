@@ -263,3 +263,27 @@ def test_runtime_ref_rebuilds_every_kind_of_ref():
             other.ref(b"MSXX" + bytes(60))
         with pytest.raises(TypeError, match="bytes"):
             other.ref("MSR1")
+
+
+def test_a_state_dicts_load_is_strict_about_names_both_ways():
+    """``load(into)`` (strict by default) refuses an ``into`` with a name the state dict lacks
+    (it would keep its old values unnoticed) as it refuses a missing one, naming both, before
+    any byte moves; ``strict=False`` loads the names both have and leaves the others."""
+    with memsem.Runtime() as owner, memsem.Runtime() as other:
+        sd = other.ref(owner.publish_state_dict({"w": np.ones(4, np.float32), "b": np.full(2, 2.0)}).to_bytes())
+        into = {"w": np.zeros(4, np.float32), "b": np.zeros(2), "renamed.w": np.zeros(4, np.float32)}
+        for load in (sd.load, lambda d, **kw: sd.load_async(d, **kw).wait(30)):
+            with pytest.raises(KeyError) as info:
+                load(into)
+            msg = str(info.value)
+            assert "not in the state dict 'renamed.w'" in msg and "strict=False" in msg and "missing" not in msg
+            assert (into["w"] == 0).all() and (into["b"] == 0).all()  # nothing moved
+            with pytest.raises(KeyError, match=r"missing 'b'; not in the state dict 'renamed.w'"):
+                load({"w": into["w"], "renamed.w": into["renamed.w"]})
+            assert load(into, strict=False) == 1
+            assert (into["w"] == 1).all() and (into["b"] == 2).all() and (into["renamed.w"] == 0).all()
+            into["w"][:] = 0
+            into["b"][:] = 0
+        assert sd.load({"w": into["w"], "b": into["b"]}) == 1  # exactly its names: strict holds
+        with pytest.raises(TypeError, match="strict"):
+            sd.load(into, strict="no")

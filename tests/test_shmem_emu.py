@@ -276,17 +276,23 @@ def _scenario_asymmetric(s: _PE) -> dict:
     return {}
 
 
-def _scenario_barrier_timeout(s: _PE) -> dict:
+def _scenario_barrier_timeout(s: _PE, timed_out: str) -> dict:
+    """PE 1 joins the barrier only once PE 0's barrier timed out (PE 0 creates the file
+    ``timed_out`` then): the order is forced, not hoped for with a sleep."""
     lib = s.lib
     if s.pe == 0:
         t0 = time.monotonic()
         lib.aclshmem_barrier_all()
         elapsed = time.monotonic() - t0
+        open(timed_out, "x").close()
         code, msg = s.err()
         assert code == lib.ACLSHMEM_TIMEOUT_ERROR and "timed out" in msg, (code, msg)
         assert 0.9 <= elapsed < 60, elapsed  # no tight upper bound: load stretches waits
     else:
-        time.sleep(2.0)   # never joins the barrier in time
+        deadline = time.monotonic() + 60
+        while not os.path.exists(timed_out):  # never joins the barrier in time
+            assert time.monotonic() < deadline, "PE 0's barrier never returned"
+            time.sleep(0.01)
         lib.aclshmem_barrier_all()
         code, msg = s.err()
         assert code == lib.ACLSHMEM_INNER_ERROR and "barrier" in msg, (code, msg)
@@ -459,8 +465,8 @@ def test_asymmetric_malloc_is_refused(emu_lib: str) -> None:
 
 
 @pytest.mark.multiproc
-def test_barrier_times_out_instead_of_hanging(emu_lib: str) -> None:
-    run_pes(emu_lib, 2, "barrier_timeout", pe_opts={"ctl_timeout": 1})
+def test_barrier_times_out_instead_of_hanging(emu_lib: str, tmp_path) -> None:
+    run_pes(emu_lib, 2, "barrier_timeout", pe_opts={"ctl_timeout": 1}, timed_out=str(tmp_path / "pe0"))
 
 
 @pytest.mark.multiproc

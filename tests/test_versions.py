@@ -17,15 +17,8 @@ import numpy as np
 import pytest
 
 import memsem
+from tests._proc import until as _until
 from tests.conftest import run_children
-
-
-def _until(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout} s")
-        time.sleep(0.005)
 
 
 # -- single slot ---------------------------------------------------------------------------------

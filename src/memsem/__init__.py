@@ -6,6 +6,7 @@ engines and tile-ready events. See docs/architecture.md.
 """
 from memsem._errors import (
     AccessDeniedError,
+    AddressInUseError,
     DigestMismatchError,
     EngineError,
     LeaseExpiredError,
@@ -43,7 +44,7 @@ from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, Wri
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccessDeniedError", "Batch", "DigestMismatchError", "FanoutPlan", "FanoutSource", "LinkModel", "Relay",
+    "AccessDeniedError", "AddressInUseError", "Batch", "DigestMismatchError", "FanoutPlan", "FanoutSource", "LinkModel", "Relay",
     "RelayStats", "fanout_plan", "model_time", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet", "Followable", "Follower",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NameHeldError", "NotSupportedError", "OutOfMemoryError",

@@ -189,6 +189,36 @@ class MemsemTimeoutError(MemsemError, TimeoutError):
         self.timeout = timeout
 
 
+class AddressInUseError(MemsemError, OSError):
+    """A server of memsem's (the metrics exporter) could not listen: its address and port are
+    taken by another process or server (``errno`` is ``EADDRINUSE``). The message says what to
+    do: another port, or port 0 to pick a free one.
+
+    Attributes:
+        addr: the address asked for. port: the TCP port asked for.
+    """
+
+    def __init__(self, message: str, *, addr: str | None = None, port: int | None = None) -> None:
+        super().__init__(_errno.EADDRINUSE, message)  # an OSError: errno, strerror
+        self.addr = addr
+        self.port = port
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_os_error, (type(self), self.errno, self.strerror, dict(self.__dict__))
+
+
+def _rebuild_os_error(cls: type, code: int, message: str, state: dict) -> "MemsemError":
+    """Unpickle a memsem error that is an OSError (its errno and strerror are set by OSError's
+    own constructor, not kept in its ``__dict__``)."""
+    exc = cls.__new__(cls)
+    OSError.__init__(exc, code, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+__all__ += ["AddressInUseError"]
+
+
 class RuntimeClosedError(MemsemError):
     """The runtime this call (or the ref it was made through) is bound to was closed, or belongs
     to the parent of this forked process."""

@@ -23,12 +23,15 @@ A collector holds its runtime weakly; once the runtime is closed (or gone) a scr
 """
 from __future__ import annotations
 
+import errno
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memsem import _args
+from memsem._errors import AddressInUseError
 
 try:
     from prometheus_client.core import (
@@ -56,6 +59,27 @@ SECTION_RETRY_KINDS = ("torn", "busy")
 
 #: the label memsem sets on every metric (the runtime's directory rank)
 RANK_LABEL = "memsem_rank"
+#: a Prometheus label name (https://prometheus.io/docs/concepts/data_model/): ASCII letters,
+#: digits and underscores, not starting with a digit; names starting with ``__`` are Prometheus'
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _check_label(name: Any, reserved: set[str]) -> None:
+    """Raise TypeError / ValueError naming ``name`` and what is wrong with it as an extra label."""
+    if not isinstance(name, str):
+        raise TypeError(f"labels: a label name must be a str, got {name!r}")
+    if not _LABEL_NAME.fullmatch(name):
+        bad = next((f"{c!r} at position {i}" for i, c in enumerate(name)
+                    if not (c.isascii() and (c.isalnum() or c == "_"))), None)
+        why = (f"it has {bad}" if bad else "it is empty" if not name else "it starts with a digit")
+        raise ValueError(f"labels: {name!r} is not a valid Prometheus label name ({why}): a label name is "
+                         "ASCII letters, digits and underscores, not starting with a digit, e.g. "
+                         f"{re.sub(r'[^a-zA-Z0-9_]', '_', name).lstrip('0123456789') or 'rank'!r}")
+    if name.startswith("__"):
+        raise ValueError(f"labels: {name!r} starts with '__', which Prometheus reserves for its own labels")
+    if name in reserved:
+        raise ValueError(f"labels: {name!r} is a label memsem sets itself (memsem sets "
+                         f"{', '.join(sorted(reserved))}): choose another name")
 
 #: name (without prefix) -> (type, labels, help); the one list the collector emits and
 #: docs/metrics.md shows (tests/test_metrics.py compares them)
@@ -86,6 +110,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "writer_blocked_seconds": ("counter", (),
                                "Seconds write sections on this runtime's windows waited for readers' pins "
                                "(a trainer's time blocked by rollouts)"),
+    "follower_version": ("gauge", ("name",),
+                         "Version a follower of the name holds: the last it loaded (the furthest behind when "
+                         "several follow it; 0 before its first load)"),
+    "follower_latest_version": ("gauge", ("name",), "Latest version the name's writer committed, read at the scrape"),
+    "follower_lag_versions": ("gauge", ("name",), "Versions a follower of the name is behind its writer (latest - held)"),
+    "follower_seconds_since_load": ("gauge", ("name",), "Seconds since a follower of the name last loaded a version"),
     "registrations": ("counter", ("engine",), "Regions registered with engines"),
     "peak_rss_bytes": ("gauge", (), "Peak resident set size of the process"),
 }
@@ -100,20 +130,19 @@ class RuntimeCollector(Collector):
         runtime: a :class:`memsem.Runtime` (held weakly).
         labels: extra constant labels (e.g. ``{"rank": "3", "job": "rollout"}``: the training
             job's own rank is free to use); names must be valid Prometheus label names and not
-            one memsem sets (``memsem_rank``, ``route``, ``op``, ``kind``, ``engine``, ``le``).
+            one memsem sets (``memsem_rank``, ``route``, ``op``, ``kind``, ``engine``, ``name``,
+            ``le``).
         prefix: metric name prefix (default ``memsem``).
     """
 
-    _RESERVED = {RANK_LABEL, "route", "op", "kind", "engine", "le"}
+    _RESERVED = {RANK_LABEL, "route", "op", "kind", "engine", "name", "le"}
 
     def __init__(self, runtime: Any, *, labels: Mapping[str, str] | None = None, prefix: str = "memsem") -> None:
         if not callable(getattr(runtime, "stats", None)):
             raise TypeError(f"runtime must be a memsem Runtime, got {type(runtime).__name__}")
         extra = dict(labels or {})
         for k, v in extra.items():
-            if not isinstance(k, str) or not k.isidentifier() or k.startswith("__") or k in self._RESERVED:
-                raise ValueError(f"labels: {k!r} is not a free Prometheus label name (memsem sets "
-                                 f"{', '.join(sorted(self._RESERVED))})")
+            _check_label(k, self._RESERVED)
             if not isinstance(v, str):
                 raise TypeError(f"labels[{k!r}] must be a str, got {v!r}")
         if not isinstance(prefix, str) or not prefix.isidentifier():
@@ -189,6 +218,10 @@ class RuntimeCollector(Collector):
         ws = st.write_sections
         yield single("write_sections", ws.get("committed", 0))
         yield single("writer_blocked_seconds", ws.get("blocked_s", 0.0))
+        follows = st.followers
+        for key, name in (("held", "follower_version"), ("latest", "follower_latest_version"),
+                          ("lag", "follower_lag_versions"), ("since_load_s", "follower_seconds_since_load")):
+            yield by(name, {n: f[key] for n, f in follows.items() if key in f})
         yield by("registrations", st.registrations)
         yield single("peak_rss_bytes", st.peak_rss_bytes)
 
@@ -210,7 +243,15 @@ class MetricsServer:
     def __init__(self, runtime: Any, *, port: int, addr: str, labels: Mapping[str, str] | None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RuntimeCollector(runtime, labels=labels))
-        self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise AddressInUseError(
+                f"memsem.metrics.serve: port {port} on {addr} is in use (another exporter or process "
+                f"listens there; `ss -ltnp 'sport = :{port}'` names it): pass another port, or port=0 "
+                "to pick a free one (server.port says which)", addr=addr, port=port) from exc
         self.addr = addr
         self.port = int(self._httpd.server_address[1])
         self._lock = threading.Lock()
@@ -257,7 +298,10 @@ def serve(runtime: Any, port: int = 0, addr: str = "127.0.0.1", *,
         A :class:`MetricsServer` (``.port``, ``.url``, ``.close()``, ``with`` support).
 
     Raises:
-        OSError: the port cannot be bound. TypeError / ValueError: bad argument.
+        AddressInUseError: ``port`` on ``addr`` is taken (a MemsemError and an OSError; its
+            message says what to do). OSError: the port cannot be bound for another reason
+            (e.g. a port below 1024 without the privilege). TypeError / ValueError: bad argument
+            (a label name that is not a valid Prometheus label name or one memsem sets).
     """
     port = _args.count(port, "port", maximum=65535)
     if not isinstance(addr, str) or not addr:

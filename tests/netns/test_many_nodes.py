@@ -442,8 +442,8 @@ def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
     p = subprocess.Popen([PY, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-        line = p.stdout.readline().strip()
-        assert line, p.stderr.read()
+        line = (reader(p).readline(120) or "").strip()  # bounded: a hung owner fails, never stalls
+        assert line, f"the owner did not start (rc {p.poll()})"
         old = {k: os.environ.get(k) for k in ("MEMSEM_NODE_ID", "MEMSEM_JOB_SECRET", "MEMSEM_HEARTBEAT_TTL")}
         os.environ.update(MEMSEM_NODE_ID="loop-b", MEMSEM_JOB_SECRET="sec", MEMSEM_HEARTBEAT_TTL=str(TTL))
         try:
@@ -455,7 +455,7 @@ def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
                 assert (ref.get()[:3] == [99999, 99998, 99997]).all()
                 p.stdin.write("\n")
                 p.stdin.flush()
-                assert p.stdout.readline().strip() == "unpublished"
+                assert (reader(p).readline(60) or "").strip() == "unpublished"
                 with pytest.raises(memsem.StaleReferenceError):
                     ref.get()
                 with pytest.raises(memsem.StaleReferenceError):

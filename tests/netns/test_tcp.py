@@ -26,6 +26,7 @@ import memsem
 from memsem.core import WireRoute
 from memsem.engines.tcp import _wire as W
 import tcp_raw as R
+from lines import reader
 from owner_proc import SECRET, Owner
 from redis_server import redis_server
 
@@ -526,7 +527,7 @@ def test_an_owner_preferring_tcp_serves_its_windows_from_its_own_memory(n, tmp_p
     p = subprocess.Popen([sys.executable, "-c", _PREFER_OWNER, str(n)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        line = p.stdout.readline()
+        line = reader(p).readline(120)  # bounded: an owner that hangs fails the test, never stalls it
         assert line, f"the owner did not start (rc {p.poll()})"
         hexes = line.split()
         with memsem.Runtime(engines=ENGINES, prefer="tcp", timeout=10) as rt:
@@ -542,7 +543,7 @@ def test_an_owner_preferring_tcp_serves_its_windows_from_its_own_memory(n, tmp_p
                 assert int(ref.bytes(0, 1).get()[0]) == 200 + k
         p.stdin.write("\n")
         p.stdin.flush()
-        assert p.stdout.readline().split() == ["200", "201"]  # the puts landed in the owner's memory
+        assert (reader(p).readline(60) or "").split() == ["200", "201"]  # the puts landed in the owner's memory
         assert p.wait(30) == 0
     finally:
         if p.poll() is None:
@@ -603,21 +604,52 @@ def test_the_kept_route_never_reads_through_a_recycled_handle(owner, rt):
     assert (out == 1).all()
 
 
-@pytest.mark.parametrize("how", [socket.SHUT_WR, socket.SHUT_RD, "close"])
+def _swallow_then_hang_up(conn) -> tuple[threading.Thread, threading.Event]:
+    """Put a loopback peer of this test under ``conn``'s fd (dup2: the socket object, its fd
+    number and the kept route stay; the owner's connection closes) that reads the next request
+    and hangs up without a reply: the request provably left, and the reply never comes. (A
+    SHUT_RD of the real connection hoped for an order: a reply that arrived before the
+    consumer's receive is still read on Linux, and the same connection served the get.)"""
+    with socket.create_server(("127.0.0.1", 0)) as lst:
+        ours = socket.create_connection(lst.getsockname(), timeout=30)
+        peer, _ = lst.accept()
+    os.dup2(ours.fileno(), conn.sock.fileno())
+    ours.close()
+    got = threading.Event()
+
+    def swallow() -> None:
+        with peer:
+            peer.settimeout(60)
+            if peer.recv(W.REQ.size):  # the request left the consumer
+                got.set()
+            peer.shutdown(socket.SHUT_RDWR)
+
+    t = threading.Thread(target=swallow)
+    t.start()
+    return t, got
+
+
+@pytest.mark.parametrize("how", [socket.SHUT_WR, "no-reply", "close"])
 def test_the_kept_route_after_its_connection_failed(owner, rt, how):
     """The connection fails under the kept route before the request leaves (SHUT_WR), after
-    it left (SHUT_RD: the reply never comes), or is closed: the get is made again on a new
-    connection, with the right bytes, and the route is kept anew."""
+    it left (the peer read the request and hung up: the reply never comes), or is closed: the
+    get is made again on a new connection, with the right bytes, and the route is kept anew."""
     w = _ref(rt, owner("publish", name="f", n=8)["ref"])
     out = np.empty(8, np.int64)
     w.get(out=out)
     conn, _ = _conn(rt, w)
+    swallower = None
     if how == "close":
         conn.close()
+    elif how == "no-reply":
+        swallower, request_left = _swallow_then_hang_up(conn)
     else:
         conn.sock.shutdown(how)
     out[:] = -1
     w.get(out=out)
+    if swallower is not None:
+        swallower.join(30)
+        assert not swallower.is_alive() and request_left.is_set()  # the order this case needs
     assert (out == np.arange(8)).all()
     fresh, _ = _conn(rt, w)
     assert fresh is not conn and conn.closed

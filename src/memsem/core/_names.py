@@ -121,8 +121,9 @@ class Names:
                 if t == 0:
                     raise
                 if wait is None:
-                    wait = self._wait(f"a live window named {name!r} in {self._job()}", t, state="not published",
-                                      stop=stop)
+                    hint = self._job_hint()
+                    wait = Wait(f"a live window named {name!r} in {self._job()}", t, telemetry=core.telemetry,
+                                state="not published", stop=stop, detail=(lambda: hint) if hint else None)
                 if wait.expired:
                     raise wait.error() from exc
                 wait.pause()
@@ -167,12 +168,17 @@ class Names:
             except NotSupportedError:
                 pass  # no route from here: its first use says so
             return spec
-        hint = ""
-        if job_is_derived(getattr(d, "job", "")):
-            hint = ("; this job was derived from the process group (no MEMSEM_JOB): processes started "
-                    "separately, or on other nodes, share names only under a job they all name "
-                    "(MEMSEM_JOB or Runtime(job=...))")
-        raise WindowNotFoundError(f"no live window named {name!r} in {self._job()}: {why}{hint}", window=name)
+        hint = self._job_hint()
+        raise WindowNotFoundError(f"no live window named {name!r} in {self._job()}: {why}{'; ' + hint if hint else ''}",
+                                  window=name)
+
+    def _job_hint(self) -> str:
+        """Why another process's name may be missing here: this job was derived, not named ("")."""
+        if not job_is_derived(getattr(self._core.directory, "job", "")):
+            return ""
+        return ("this job was derived from the process group (no MEMSEM_JOB): processes started "
+                "separately, or on other nodes, share names only under a job they all name "
+                "(MEMSEM_JOB or Runtime(job=...))")
 
 
 __all__ = ["Names"]

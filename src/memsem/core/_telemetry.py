@@ -69,6 +69,14 @@ class Stats:
             ``peer_lost`` and ``timeout`` outcomes.
         leases_held: leases this runtime holds now.
         resolutions: resolutions cached now (each holds its window's mappings).
+        followers: per followed name (``Runtime.follow`` loops of this runtime that are open),
+            ``held`` (the version the follower loaded last; 0 before its first load),
+            ``latest`` (the writer's latest committed version, read now: a read of the
+            window's version word, across nodes one request; absent when it cannot be read:
+            no window yet, the owner gone), ``lag`` (``latest - held``) and ``since_load_s``
+            (seconds since the last load; absent before it). Several followers of one name:
+            the one furthest behind (lowest ``held``, longest ``since_load_s``); a source
+            without a name reports under ``""``.
     """
 
     bytes_by_route: dict[str, int]
@@ -86,6 +94,7 @@ class Stats:
     latency_histograms_by_route: dict[str, dict[str, dict[str, Any]]] = dataclasses.field(
         default_factory=dict, repr=False)
     write_sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    followers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,6 +127,38 @@ class Telemetry:
         #: deque are atomic: a pipeline's close takes no lock)
         self._pipes: collections.deque[tuple] = collections.deque()
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+        #: the follower loops of this runtime (held weakly: a follower nobody iterates goes)
+        self._followers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def add_follower(self, follower: Any) -> None:
+        """Report ``follower`` (a ``memsem.Follower``: ``staleness()``) in ``Stats.followers``."""
+        with self._lock:
+            self._followers.add(follower)
+
+    def _staleness(self) -> dict[str, dict[str, float]]:
+        """``Stats.followers``: each open follower's ``staleness()``, the worst per name. Reads
+        outside the lock (a latest version may be a request)."""
+        with self._lock:
+            followers = list(self._followers)
+        out: dict[str, dict[str, float]] = {}
+        for f in followers:
+            st = f.staleness()
+            if st is None:
+                continue
+            name = st.pop("name")
+            now = out.get(name)
+            if now is None:
+                out[name] = st
+                continue
+            now["held"] = min(now["held"], st["held"])
+            if "latest" in st:
+                now["latest"] = max(now.get("latest", 0), st["latest"])
+            if "since_load_s" in st or "since_load_s" in now:
+                now["since_load_s"] = max(now.get("since_load_s", 0.0), st.get("since_load_s", 0.0))
+        for st in out.values():
+            if "latest" in st:
+                st["lag"] = max(0, st["latest"] - st["held"])
+        return out
 
     # -- hot-path counters live in plans ----------------------------------------------------------
     def track(self, res: "Resolution") -> None:
@@ -281,7 +322,7 @@ class Telemetry:
             sections = {"committed": self._sections[0], "blocked_s": self._sections[1]}
         return Stats({r: c[1] for r, c in routes.items()}, {r: c[0] for r, c in routes.items()},
                      self.bounce_bytes, dict(self.registrations), lat, rss, windows, pipelines,
-                     errors, leases, resolutions, lat_hist, by_route, sections)
+                     errors, leases, resolutions, lat_hist, by_route, sections, self._staleness())
 
 
 def _prometheus_buckets(h: np.ndarray, sum_ns: int) -> dict[str, Any]:

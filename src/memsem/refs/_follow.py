@@ -44,11 +44,13 @@ runs the same loop's step in a worker thread (the event loop never blocks).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Protocol, runtime_checkable
 
 from memsem import _args, _dtypes
 from memsem._errors import (
     LeaseExpiredError,
+    MemsemError,
     MemsemTimeoutError,
     NotSupportedError,
     PeerLostError,
@@ -60,6 +62,7 @@ from memsem.refs._state_dict import LAYOUT_MAGIC, StateDictRef
 from memsem.refs._tensorref import TensorRef, check_ref
 
 _UINT8 = _dtypes.code_of("uint8")
+_monotonic = time.monotonic
 #: default seconds a pin of a version being loaded may hold the owner's next write section
 DEFAULT_PIN_TTL = 10.0
 
@@ -86,8 +89,13 @@ class Follower:
             and for a followable source). loads: versions loaded. skipped: versions committed
             but never loaded (the owner was faster: the loop always loads the latest).
             recovered: ``(what, error type)`` of each recovery (a lookup again, a load again).
+            loaded_at: ``time.monotonic()`` of the last load (None before the first).
 
-    Thread safety: one thread iterates (``async for`` in one task).
+    Its runtime's ``stats().followers`` (and the exporter's ``memsem_follower_*`` metrics)
+    report it while it is open: :meth:`staleness`.
+
+    Thread safety: one thread iterates (``async for`` in one task); ``staleness`` may be called
+    from any thread.
     """
 
     def __init__(self, core: RuntimeCore, source: Any, *, into: Any = None, timeout: float | None = None,
@@ -125,7 +133,9 @@ class Follower:
         self.loads = 0
         self.skipped = 0
         self.recovered: list[tuple[str, str]] = []
+        self.loaded_at: float | None = None
         self._closed = False
+        core.telemetry.add_follower(self)
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> "Follower":
@@ -183,7 +193,10 @@ class Follower:
         except MemsemTimeoutError as exc:
             if exc.what == what:
                 raise
-            raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
+            err = wait.error()  # one error naming the step, whatever wait ran out in it
+            if self.ref is None and self._name:  # the name never appeared (or not again): say so here
+                err = MemsemTimeoutError(f"{err}: {exc}", what=err.what, timeout=err.timeout)
+            raise err from exc
 
     def _next_window(self, wait: Wait, into: Any) -> tuple[int, Any]:
         while True:
@@ -213,6 +226,7 @@ class Follower:
             self.generation = self.ref.spec.generation
             self.version = v
             self.loads += 1
+            self.loaded_at = _monotonic()
             return v, into if into is not None else self._into
 
     def _next_followable(self, wait: Wait, into: Any) -> tuple[int, Any]:
@@ -233,7 +247,33 @@ class Follower:
                 self.skipped += max(0, v - self.version - 1)
             self.version = v
             self.loads += 1
+            self.loaded_at = _monotonic()
             return v, dst
+
+    # -- staleness (read by the runtime's stats, from any thread) ------------------------------------
+    def staleness(self) -> dict[str, Any] | None:
+        """How far behind its writer this follower is, now: ``{"name", "held", "latest",
+        "since_load_s"}`` (``latest`` absent when it cannot be read: no window found yet, the
+        window retired, the owner gone; ``since_load_s`` absent before the first load); None
+        once closed. Reads what the loop records, and the writer's latest version (the
+        window's version word; across nodes one request, bounded by the runtime's timeout):
+        the loop itself does no extra work for it.
+        """
+        if self._closed:
+            return None
+        ref, src = self.ref, self._source
+        name = self._name or (ref.spec.name if ref is not None else "") or str(getattr(src, "name", "") or "")
+        out: dict[str, Any] = {"name": name, "held": self.version}
+        try:
+            if src is not None:
+                out["latest"] = int(src.version())
+            elif ref is not None and (self.version == 0 or ref.spec.generation == self.generation):
+                out["latest"] = int(ref.version())
+        except MemsemError:
+            pass  # no latest to report now (the loop recovers on its own)
+        if self.loaded_at is not None:
+            out["since_load_s"] = max(0.0, _monotonic() - self.loaded_at)
+        return out
 
     # -- helpers -----------------------------------------------------------------------------------
     def _label(self) -> str:

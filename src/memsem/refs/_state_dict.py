@@ -395,6 +395,30 @@ class StateDictRef(TensorRef):
             keep.append(info.keepalive)
         return ranges, keep
 
+    def _entries_for(self, into: Any, strict: bool) -> Any:
+        """The layout's entries ``load`` copies into ``into``: all of them, with ``into``'s names
+        exactly the state dict's (``strict``), else those ``into`` has. Raises TypeError for a
+        non-mapping or a non-bool ``strict``; KeyError naming every missing and extra name."""
+        if not isinstance(into, Mapping):
+            raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
+        if strict is not True and strict is not False:
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        lay = self.layout
+        if not strict:
+            return [e for e in lay.entries if e.name in into]
+        names = set(lay.names)
+        missing = [n for n in lay.names if n not in into]
+        extra = [k for k in into if k not in names]
+        if missing or extra:
+            def some(keys: list) -> str:
+                return ", ".join(repr(k) for k in keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+
+            parts = ([f"missing {some(missing)}"] if missing else []) + (
+                [f"not in the state dict {some(extra)} (they would keep their old values)"] if extra else [])
+            raise KeyError(f"into does not match the state dict's {len(lay.entries)} tensors: {'; '.join(parts)}. "
+                           "Pass strict=False to load only the names both have")
+        return lay.entries
+
     def load(self, into: Mapping[str, Any], *, version: int = 0, lease: Lease | None = None,
              strict: bool = True) -> int:
         """Copy every tensor of one version into the existing tensors of ``into``; returns the
@@ -405,20 +429,22 @@ class StateDictRef(TensorRef):
                 dtype and shape, C-contiguous, writable), e.g. ``model.state_dict()``.
             version: 0 (default) the latest committed version, else exactly that one (a pinned
                 lease keeps it readable: ``pin``).
-            strict: every tensor of the window must be in ``into`` (else KeyError); False loads
-                only the names ``into`` has.
+            strict: True (default): ``into``'s names are exactly the state dict's; a name
+                missing from ``into``, or one ``into`` has and the state dict lacks (a tensor
+                that would silently keep its old values: a renamed parameter), raises KeyError
+                naming them. False: loads the names both have and leaves the rest of ``into``.
 
         Same node, one native bracket spans every copy (one version check, no per-tensor round
         trip); a torn bracket is redone whole. On an error ``into``'s contents are unspecified.
 
         Raises:
-            KeyError / ValueError / TypeError: a missing, mis-shaped, mis-typed or read-only
-                destination (named), before any byte moves. StaleReferenceError: the window was
-                republished, or ``version`` is gone. MemsemTimeoutError, PeerLostError: as for get.
+            KeyError: with ``strict``, names missing from ``into`` or not in the state dict
+                (all named), before any byte moves. ValueError / TypeError: a mis-shaped,
+                mis-typed or read-only destination (named), before any byte moves.
+                StaleReferenceError: the window was republished, or ``version`` is gone.
+                MemsemTimeoutError, PeerLostError: as for get.
         """
-        if not isinstance(into, Mapping):
-            raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
-        entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
+        entries = self._entries_for(into, strict)
         ranges, keep = self.ranges(into, entries, "into")
         return self._core().gather(self.spec, ranges, version=version, lease=lease, keep=keep)
 
@@ -437,9 +463,7 @@ class StateDictRef(TensorRef):
         Raises:
             At the call: as ``load`` for ``into``. From the wait: as ``load``.
         """
-        if not isinstance(into, Mapping):
-            raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
-        entries = self.layout.entries if strict else [e for e in self.layout.entries if e.name in into]
+        entries = self._entries_for(into, strict)
         ranges, keep = self.ranges(into, entries, "into")
         if version.__class__ is not int or version:
             version = _args.version(version, "version")
