@@ -327,3 +327,140 @@ def test_load_times_out_naming_the_version_and_what_the_relay_holds(rt, source):
         with pytest.raises(memsem.MemsemTimeoutError, match=r"not held after 0.2 s \(holds \[1\]\)") as ei:
             relay.load(version=9, timeout=0.2)
         assert ei.value.what == "version 9 at relay rank 0 of 'policy'"
+
+
+# -- argument doors: every public argument of the fan-out API, named with its value ---------------------------
+LINK = LinkModel(1e9, 1e-4)
+BIG = 2 ** 64
+DOORS = [
+    # (call, argument, value, error)
+    ("LinkModel", "bandwidth", True, TypeError),
+    ("LinkModel", "bandwidth", "fast", TypeError),
+    ("LinkModel", "bandwidth", 0, ValueError),
+    ("LinkModel", "bandwidth", math.inf, ValueError),
+    ("LinkModel", "bandwidth", math.nan, ValueError),
+    ("LinkModel", "hop_latency", True, TypeError),
+    ("LinkModel", "hop_latency", -1e-6, ValueError),
+    ("LinkModel", "hop_latency", math.inf, ValueError),
+    ("LinkModel", "hop_latency", math.nan, ValueError),
+    ("fanout_plan", "world", 0, ValueError),
+    ("fanout_plan", "world", 2.0, TypeError),
+    ("fanout_plan", "kind", "ring", ValueError),
+    ("fanout_plan", "kind", 3, TypeError),
+    ("fanout_plan", "degree", 0, ValueError),
+    ("fanout_plan", "degree", True, TypeError),
+    ("fanout_plan", "model_bytes", 0, ValueError),
+    ("fanout_plan", "model_bytes", BIG, ValueError),
+    ("fanout_plan", "chunk_bytes", -1, ValueError),
+    ("fanout_plan", "chunk_bytes", BIG, ValueError),
+    ("fanout_plan", "link", 12.5e9, TypeError),
+    ("model_time", "kind", "auto", ValueError),
+    ("model_time", "kind", None, TypeError),
+    ("model_time", "world", 0, ValueError),
+    ("model_time", "model_bytes", BIG, ValueError),
+    ("model_time", "chunk_bytes", 0, ValueError),
+    ("model_time", "degree", 0, ValueError),
+    ("model_time", "link", None, TypeError),
+    ("FanoutPlan", "kind", "ring", ValueError),
+    ("FanoutPlan", "kind", b"chain", TypeError),
+    ("FanoutPlan", "world", 0, ValueError),
+    ("FanoutPlan", "degree", 0, ValueError),
+    ("FanoutSource", "name", "", ValueError),
+    ("FanoutSource", "name", 7, TypeError),
+    ("FanoutSource", "name", "p" * 250, ValueError),
+    ("FanoutSource", "chunk_bytes", BIG, ValueError),
+    ("FanoutSource", "chunk_bytes", 1024, ValueError),
+    ("FanoutSource", "chunk_bytes", 65536.0, TypeError),
+    ("FanoutSource", "digest", "crc32", ValueError),
+    ("FanoutSource", "digest", None, TypeError),
+    ("FanoutSource", "history", 1, ValueError),
+    ("FanoutSource.update", "timeout", -1, ValueError),
+    ("FanoutSource.write_section", "copy", "yes", TypeError),
+    ("FanoutSource.write_section", "timeout", math.nan, ValueError),
+    ("FanoutSource.close", "timeout", math.inf, ValueError),
+    ("Relay", "name", "", ValueError),
+    ("Relay", "name", None, TypeError),
+    ("Relay", "rank", 1, ValueError),
+    ("Relay", "rank", True, TypeError),
+    ("Relay", "world", 0, ValueError),
+    ("Relay", "plan", "ring", ValueError),
+    ("Relay", "plan", 3, TypeError),
+    ("Relay", "plan", FanoutPlan("chain", 2), ValueError),
+    ("Relay", "link", 1e9, TypeError),
+    ("Relay", "slots", 1, ValueError),
+    ("Relay", "depth", 0, ValueError),
+    ("Relay", "attach_timeout", 0, ValueError),
+    ("Relay", "timeout", math.inf, ValueError),
+    ("Relay", "on_mismatch", "ignore", ValueError),
+    ("Relay", "follow", 1, TypeError),
+    ("Relay.load", "version", 2 ** 48, ValueError),
+    ("Relay.load", "version", -1, ValueError),
+    ("Relay.load", "version", 1.0, TypeError),
+    ("Relay.load", "timeout", -1, ValueError),
+    ("Relay.hold", "version", 2 ** 48, ValueError),
+    ("Relay.hold", "timeout", True, TypeError),
+    ("Relay.wait_version", "version", 2 ** 48, ValueError),
+    ("Relay.wait_version", "timeout", math.nan, ValueError),
+    ("Relay.prepare", "timeout", -1, ValueError),
+    ("Relay.close", "timeout", -1, ValueError),
+]
+
+
+def _call_door(rt, source, call, arg, value):
+    """Call ``call`` with valid arguments but ``arg=value``."""
+    def kw(**good):
+        good[arg] = value
+        return good
+
+    if call == "LinkModel":
+        return LinkModel(**kw(bandwidth=1e9, hop_latency=1e-4))
+    if call == "fanout_plan":
+        return fanout_plan(**kw(world=4, kind="tree", degree=2, model_bytes=1 << 20, chunk_bytes=1 << 16, link=LINK))
+    if call == "model_time":
+        return model_time(**kw(kind="tree", world=4, model_bytes=1 << 20, chunk_bytes=1 << 16, link=LINK, degree=2))
+    if call == "FanoutPlan":
+        return FanoutPlan(**kw(kind="tree", world=4, degree=2))
+    if call == "FanoutSource":
+        return memsem.FanoutSource(rt, model(1), **kw(name="other", chunk_bytes=CHUNK, digest="sha256", history=4))
+    if call.startswith("FanoutSource."):
+        meth = call.split(".")[1]
+        if meth == "update":
+            return source.update(model(2), **kw(timeout=WAIT))
+        if meth == "close":
+            return source.close(**kw(timeout=WAIT))
+        with source.write_section(**kw(copy=True, timeout=WAIT)):
+            return None
+    if call == "Relay":
+        return memsem.Relay(rt, **kw(name="policy", rank=0, world=1, plan="chain", link=LINK, slots=2, depth=2,
+                                     attach_timeout=1.0, timeout=WAIT, on_mismatch="raise", follow=False))
+    relay = memsem.Relay(rt, "policy", rank=0, world=1, timeout=WAIT, follow=False)
+    try:
+        meth = call.split(".")[1]
+        if meth == "load":
+            return relay.load(**kw(version=1, timeout=WAIT))
+        if meth == "hold":
+            with relay.hold(**kw(version=1, timeout=WAIT)):
+                return None
+        if meth == "wait_version":
+            return relay.wait_version(**kw(version=1, timeout=WAIT))
+        if meth == "prepare":
+            return relay.prepare(**kw(timeout=WAIT))
+        return relay.close(**kw(timeout=WAIT))
+    finally:
+        relay.close()
+
+
+@pytest.mark.parametrize("call,arg,value,error", DOORS, ids=[f"{c}-{a}-{v!r:.12}" for c, a, v, _ in DOORS])
+def test_every_argument_of_the_fanout_api_has_a_door(rt, source, call, arg, value, error):
+    """A bad argument is refused at once (no relay started, nothing waited for), with a
+    TypeError / ValueError naming the argument (and its value where it has a short form)."""
+    with pytest.raises(error, match=arg) as ei:
+        _call_door(rt, source, call, arg, value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and error is ValueError:
+        assert repr(value) in str(ei.value) or str(value) in str(ei.value), ei.value
+
+
+def test_a_tree_keeps_the_degree_it_was_given():
+    assert fanout_plan(7, kind="tree", degree=1).degree == 1
+    assert fanout_plan(7, kind="tree").degree == 2
+    assert fanout_plan(7, kind="tree", degree=3).parent(6) == 1

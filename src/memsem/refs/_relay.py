@@ -66,8 +66,17 @@ from memsem._errors import (
 )
 from memsem.core import Wait
 from memsem.gva import RefSpec
-from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, chunks_in_flight, plan as make_plan
-from memsem.refs._fanout_source import Digests, digest_of
+from memsem.refs._fanout_plan import (
+    KINDS,
+    TRAINER,
+    FanoutPlan,
+    LinkModel,
+    chunks_in_flight,
+    kind_arg,
+    link_arg,
+    plan as make_plan,
+)
+from memsem.refs._fanout_source import Digests, digest_of, fanout_name
 from memsem.refs._relay_upstream import (
     MANIFEST_BYTES,
     RelayClosing,
@@ -77,7 +86,6 @@ from memsem.refs._relay_upstream import (
     manifest_bytes,
     manifest_name,
 )
-from memsem.refs._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
 log = logging.getLogger(__name__)
@@ -160,23 +168,27 @@ class Relay:
                  link: LinkModel | None = None, slots: int = 2, depth: int | None = None, attach_timeout: float = 10.0,
                  timeout: float | None = None, on_mismatch: str = "raise", follow: bool = True) -> None:
         core = usable_core(as_core(runtime))
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        name = fanout_name(name)
         world = _args.count(world, "world", minimum=1)
         self.rank = _args.index(rank, "rank", world, of=f"{world} rollouts")
         auto_link: LinkModel | None = None
-        if link is not None and not isinstance(link, LinkModel):
-            raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
-        self._link = link
-        if plan == "auto" and link is not None:
-            auto_link = link  # the plan is made once the trainer's sizes are known
-            plan = make_plan(world, kind="chain")
-        elif isinstance(plan, str):
-            plan = make_plan(world, kind=plan)
-        if not isinstance(plan, FanoutPlan) or plan.world != world:
-            raise ValueError(f"plan must be a kind or a FanoutPlan of {world} ranks, got {plan!r}")
-        if on_mismatch not in ("raise", "bypass"):
+        self._link = None if link is None else link_arg(link)
+        if isinstance(plan, str):
+            kind_arg(plan, ("auto",) + KINDS, "plan")
+            if plan == "auto" and link is not None:
+                auto_link = link  # the plan is made once the trainer's sizes are known
+                plan = make_plan(world, kind="chain")
+            else:
+                plan = make_plan(world, kind=plan)
+        elif not isinstance(plan, FanoutPlan):
+            raise TypeError(f"plan must be a kind ('auto', 'star', 'chain', 'tree') or a memsem.FanoutPlan, got "
+                            f"{plan!r:.80} ({type(plan).__name__})")
+        if plan.world != world:
+            raise ValueError(f"plan must be a plan of world={world} ranks, got {plan!r}")
+        if not isinstance(on_mismatch, str) or on_mismatch not in ("raise", "bypass"):
             raise ValueError(f"on_mismatch must be 'raise' or 'bypass', got {on_mismatch!r}")
+        if not isinstance(follow, bool):
+            raise TypeError(f"follow must be True or False, got {follow!r}")
         self.name = name
         self.world = world
         self.slots = _args.count(slots, "slots", minimum=2, maximum=16)
@@ -257,8 +269,9 @@ class Relay:
             MemsemTimeoutError: no such version within ``timeout`` s (default the relay's).
         """
         t = _args.timeout_or(timeout, self.timeout)
+        version = _args.version(version)
         scatter = self._scatter(into) if into is not None else None
-        target = _args.count(version, "version") or self.version()
+        target = version or self.version()
         wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
                     detail=lambda: f"holds {sorted(self._held)}")
         with self._cond:
@@ -295,7 +308,7 @@ class Relay:
         version ``>= version``, valid inside the block (the relay does not reuse that memory
         meanwhile; it allocates another buffer if it must). Zero-copy; read-only by contract."""
         t = _args.timeout_or(timeout, self.timeout)
-        v = self.load(None, version=version, timeout=t)
+        v = self.load(None, version=_args.version(version), timeout=t)
         with self._cond:
             h = self._held.get(v)
             if h is None:  # dropped between load and here: a newer one is held
@@ -313,7 +326,9 @@ class Relay:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop following, retire this relay's windows (its children re-attach upstream), join
-        its threads. Safe twice."""
+        its threads; ``timeout``: seconds to wait for each window's readers (default the
+        relay's). Safe twice."""
+        timeout = _args.timeout_or(timeout, self.timeout)
         if self._stop.is_set() and self._pool is None:
             return
         self._stop.set()
@@ -354,12 +369,6 @@ class Relay:
         """The stop check of every wait of the follower (handed to ``Upstreams`` and each wait)."""
         if self._stop.is_set() or self._core.closed:
             raise RelayClosing(f"relay {self._label} is closed")
-
-    def _trainer_refs(self, t: float) -> tuple[StateDictRef, TensorRef]:
-        if self._trainer is None:
-            with self._refs_lock:  # prepare() and the follower thread look up once, make the plan once
-                return self._lookup_trainer(t)
-        return self._trainer, self._digests_ref  # type: ignore[return-value]
 
     def _scatter(self, into: Mapping[str, Any]) -> tuple[list[tuple[int, int, int]], list]:
         tr = self._up.trainer(self.timeout)[0]
