@@ -464,3 +464,92 @@ def test_a_tree_keeps_the_degree_it_was_given():
     assert fanout_plan(7, kind="tree", degree=1).degree == 1
     assert fanout_plan(7, kind="tree").degree == 2
     assert fanout_plan(7, kind="tree", degree=3).parent(6) == 1
+
+
+# -- what a reader is given: a finished, verified version whatever the scheduling -------------------------------
+class Paused(Gated):
+    """``Gated``, plus: a consumer that chose and holds ``held_at`` stops there (``consumer``
+    set) until ``resume`` is set; ``completed`` is set at each version completed."""
+
+    def __init__(self, *a, held_at=None, **kw):
+        self.held_at = held_at
+        self.consumer = threading.Event()
+        self.resume = threading.Event()
+        self.completed: dict[int, threading.Event] = {v: threading.Event() for v in range(1, 8)}
+        super().__init__(*a, **kw)
+
+    def _on_event(self, event, version, chunk, data):
+        if event == "complete":
+            self.completed[version].set()
+        if event == "held" and version == self.held_at:
+            self.consumer.set()
+            if not self.resume.wait(WAIT):
+                raise memsem.MemsemTimeoutError("test resume not set", what="resume", timeout=WAIT)
+            return
+        super()._on_event(event, version, chunk, data)
+
+
+def test_a_held_version_is_never_refilled_while_the_relay_moves_on(rt, source):
+    """The consumer chose version 1 and stops before it looks at it; meanwhile the relay
+    completes 2 and starts 3 (stopped after 3's first chunk). The block still sees version 1,
+    bit-exact: 3 went to another buffer (the held one is never reused)."""
+    relay = Paused(rt, "policy", rank=0, world=1, slots=2, timeout=WAIT, at=("fetch", 3, 1), held_at=1)
+    try:
+        assert relay.completed[1].wait(WAIT)
+        got = {}
+
+        def consumer():
+            with relay.hold(version=1, timeout=WAIT) as (v, tensors):
+                got["v"], got["sha"] = v, sha(tensors)
+
+        t = threading.Thread(target=consumer, daemon=True)
+        t.start()
+        assert relay.consumer.wait(WAIT)  # chose 1, holds it, has not looked yet
+        source.update(model(2))
+        assert relay.completed[2].wait(WAIT)
+        source.update(model(3))
+        assert relay.reached.wait(WAIT)  # 3 started: chunk 0 written, chunk 1 not yet
+        relay.resume.set()
+        t.join(WAIT)
+        assert not t.is_alive() and got == {"v": 1, "sha": sha(model(1))}
+        relay.gate.set()
+        into = fresh()
+        assert relay.load(into, version=3, timeout=WAIT) == 3 and sha(into) == sha(model(3))
+    finally:
+        relay.resume.set()
+        relay.gate.set()
+        relay.close()
+
+
+@pytest.mark.parametrize("call", ["hold", "load"])
+def test_a_dropped_version_is_replaced_by_a_finished_one_never_one_being_filled(rt, source, call):
+    """The consumer's load() returned 1; before it asks for 1 again the relay completed 2, then
+    dropped 1 and started 3 in 1's memory (stopped after 3's first chunk). Asking for >= 1 gives
+    2, whole; asking for the latest (3) waits until 3 is finished, then gives it whole."""
+    relay = Paused(rt, "policy", rank=0, world=1, slots=2, timeout=WAIT, at=("fetch", 3, 1))
+    try:
+        assert relay.load(version=1, timeout=WAIT) == 1
+        source.update(model(2))
+        assert relay.completed[2].wait(WAIT)
+        source.update(model(3))
+        assert relay.reached.wait(WAIT)
+        assert relay.held() == [2] and sorted(relay._held) == [2, 3]  # 1 dropped, 3 being filled
+
+        def read(version):
+            if call == "load":
+                into = fresh()
+                return relay.load(into, version=version, timeout=WAIT), sha(into)
+            with relay.hold(version=version, timeout=WAIT) as (v, tensors):
+                return v, sha(tensors)
+
+        assert read(1) == (2, sha(model(2)))
+        later = {}
+        t = threading.Thread(target=lambda: later.update(r=read(0)), daemon=True)
+        t.start()
+        relay.gate.set()
+        t.join(WAIT)
+        assert not t.is_alive() and later["r"] == (3, sha(model(3)))
+    finally:
+        relay.resume.set()
+        relay.gate.set()
+        relay.close()

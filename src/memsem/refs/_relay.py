@@ -271,6 +271,45 @@ class Relay:
         t = _args.timeout_or(timeout, self.timeout)
         version = _args.version(version)
         scatter = self._scatter(into) if into is not None else None
+        h = self._acquire(version, t)
+        try:
+            if scatter is not None:
+                ranges, _keep = scatter
+                base = array_address(h.buf)
+                for off, n, addr in ranges:
+                    if n:
+                        native.memcpy(addr, base + off, n)
+        finally:
+            self._release(h)
+        return h.version
+
+    @contextlib.contextmanager
+    def hold(self, version: int = 0, timeout: float | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """``with relay.hold() as (v, tensors):`` numpy views (name -> array) of the newest held
+        version ``>= version``, valid inside the block (the relay does not reuse that memory
+        meanwhile; it allocates another buffer if it must). Zero-copy; read-only by contract.
+
+        The version is chosen and held in one step, so what the block sees is always a
+        complete version whose every chunk matched the trainer's digest, whatever the relay
+        does meanwhile (it may complete newer versions and drop older ones; never this one).
+
+        Raises:
+            As :meth:`load`.
+        """
+        t = _args.timeout_or(timeout, self.timeout)
+        h = self._acquire(_args.version(version), t)
+        try:
+            lay = self._up.trainer(t)[0].layout
+            hb = lay.header_bytes
+            yield h.version, {e.name: h.buf[hb + e.offset:hb + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
+                              for e in lay.entries}
+        finally:
+            self._release(h)
+
+    def _acquire(self, version: int, t: float) -> _Held:
+        """Wait (up to ``t`` s) until a complete version ``>= version`` (0: the trainer's latest
+        now) is held, and hold the newest such one (its memory is not reused until
+        :meth:`_release`): the choice and the hold are one step under the relay's lock."""
         target = version or self.version()
         wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
                     detail=lambda: f"holds {sorted(self._held)}")
@@ -290,39 +329,16 @@ class Relay:
                     raise RuntimeClosedError(f"relay {self._label} is closed")
                 wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
         try:
-            if scatter is not None:
-                ranges, _keep = scatter
-                base = array_address(h.buf)
-                for off, n, addr in ranges:
-                    if n:
-                        native.memcpy(addr, base + off, n)
-        finally:
-            with self._cond:
-                h.holds -= 1
-                self._cond.notify_all()
-        return h.version
+            self._on_event("held", h.version, -1, None)
+        except BaseException:
+            self._release(h)
+            raise
+        return h
 
-    @contextlib.contextmanager
-    def hold(self, version: int = 0, timeout: float | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        """``with relay.hold() as (v, tensors):`` numpy views (name -> array) of the newest held
-        version ``>= version``, valid inside the block (the relay does not reuse that memory
-        meanwhile; it allocates another buffer if it must). Zero-copy; read-only by contract."""
-        t = _args.timeout_or(timeout, self.timeout)
-        v = self.load(None, version=_args.version(version), timeout=t)
+    def _release(self, h: _Held) -> None:
         with self._cond:
-            h = self._held.get(v)
-            if h is None:  # dropped between load and here: a newer one is held
-                h = self._held[max(self._held)]
-            h.holds += 1
-        try:
-            lay = self._up.trainer(t)[0].layout
-            hb = lay.header_bytes
-            yield h.version, {e.name: h.buf[hb + e.offset:hb + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
-                              for e in lay.entries}
-        finally:
-            with self._cond:
-                h.holds -= 1
-                self._cond.notify_all()
+            h.holds -= 1
+            self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop following, retire this relay's windows (its children re-attach upstream), join
@@ -362,7 +378,9 @@ class Relay:
     def _on_event(self, event: str, version: int, chunk: int, data: np.ndarray | None) -> None:
         """Called by the follower at ``"fetch"`` (before chunk ``chunk`` of ``version`` is asked
         for), ``"serve"`` (a checked chunk in ``data``, just before its ready word is marked)
-        and ``"complete"``. Tests override it (to stop, block or corrupt); nothing else should."""
+        and ``"complete"``; and on a consumer's thread at ``"held"`` (``load`` or ``hold`` chose
+        and holds ``version``, before it copies or yields it). Tests override it (to stop, block
+        or corrupt); nothing else should."""
 
     # -- the follower ------------------------------------------------------------------------------------
     def _check_stop(self) -> None:
