@@ -553,3 +553,105 @@ def test_a_dropped_version_is_replaced_by_a_finished_one_never_one_being_filled(
         relay.resume.set()
         relay.gate.set()
         relay.close()
+
+
+# -- closing the runtime wakes every waiter; a closed runtime refuses at once ------------------------------------
+@pytest.fixture
+def waits(monkeypatch):
+    """Every ``Wait`` slice slept by this process, by what it waits for: ``waits.started(text)``
+    is an event set at the first slice of a wait whose ``what`` holds ``text``."""
+    from memsem.core._wait import Wait
+
+    class Seen:
+        def __init__(self):
+            self.slices: list[str] = []
+            self.events: dict[str, threading.Event] = {}
+
+        def started(self, text):
+            return self.events.setdefault(text, threading.Event())
+
+    seen = Seen()
+    sleep = Wait.sleep
+
+    def spy(self, block):
+        seen.slices.append(self.what)
+        for text, ev in list(seen.events.items()):
+            if text in self.what:
+                ev.set()
+        return sleep(self, block)
+
+    monkeypatch.setattr(Wait, "sleep", spy)
+    return seen
+
+
+def _closing_under(rt2, call, waits, waiting_for):
+    """Run ``call`` in a thread; once it sleeps in a wait naming ``waiting_for``, close ``rt2``
+    from this thread; returns (the call's error, whether the close had begun when it ended)."""
+    out = {}
+    closing = threading.Event()
+
+    def run():
+        try:
+            out["result"] = call()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            out["error"] = exc
+        out["after_close"] = closing.is_set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert waits.started(waiting_for).wait(WAIT), f"the call never waited for {waiting_for!r}"
+    closing.set()
+    rt2.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    return out.get("error"), out["after_close"]
+
+
+@pytest.mark.parametrize("call", ["load", "hold", "wait_version", "follow(relay)", "follow(name)"])
+def test_closing_the_runtime_ends_a_waiting_call_with_runtime_closed(rt, source, memsem_job, waits, call):
+    """A relay's load / hold / wait_version and a follower (over a relay or a name) wait for a
+    version that never comes (timeout=WAIT); the runtime is closed from another thread while
+    they wait: each ends with RuntimeClosedError, after the close began (not by its timeout)."""
+    rt2 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+    relay = memsem.Relay(rt2, "policy", rank=0, world=1, timeout=WAIT)
+    try:
+        assert relay.load(version=1, timeout=WAIT) == 1
+        if call == "load":
+            fn, what = (lambda: relay.load(fresh(), version=9, timeout=WAIT)), "version 9 at relay"
+        elif call == "hold":
+            def fn():
+                with relay.hold(version=9, timeout=WAIT):
+                    pass
+            what = "version 9 at relay"
+        elif call == "wait_version":
+            fn, what = (lambda: relay.wait_version(9, timeout=WAIT)), "version 9 of"
+        else:
+            f = rt2.follow(relay if call == "follow(relay)" else "policy", into=fresh(), timeout=WAIT, after=1)
+            fn, what = f.next, "version 2 of"
+        err, after_close = _closing_under(rt2, fn, waits, what)
+        assert isinstance(err, memsem.RuntimeClosedError), repr(err)
+        assert after_close
+    finally:
+        relay.close()
+        rt2.close()
+
+
+@pytest.mark.parametrize("call", ["load", "hold", "wait_version", "version", "prepare", "follow(relay)", "follow(name)"])
+def test_a_closed_runtime_refuses_new_calls_at_once(rt, source, memsem_job, waits, call):
+    """After the runtime's close, every call of its relay and its followers raises
+    RuntimeClosedError without sleeping a single slice of any wait."""
+    rt2 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+    relay = memsem.Relay(rt2, "policy", rank=0, world=1, timeout=WAIT)
+    f = rt2.follow(relay if call == "follow(relay)" else "policy", into=fresh(), timeout=WAIT)
+    assert relay.load(version=1, timeout=WAIT) == 1
+    rt2.close()
+    del waits.slices[:]
+    calls = {"load": lambda: relay.load(fresh(), version=9, timeout=WAIT),
+             "hold": lambda: relay.hold(version=9, timeout=WAIT).__enter__(),
+             "wait_version": lambda: relay.wait_version(9, timeout=WAIT),
+             "version": relay.version, "prepare": lambda: relay.prepare(timeout=WAIT),
+             "follow(relay)": f.next, "follow(name)": f.next}
+    with pytest.raises(memsem.RuntimeClosedError):
+        calls[call]()
+    assert waits.slices == []
+    relay.close()

@@ -172,8 +172,11 @@ class Follower:
             MemsemTimeoutError: no newer version could be loaded within ``timeout`` s (no name,
                 no commit, no new owner). KeyError / ValueError / TypeError: ``into`` does not
                 fit the window. AccessDeniedError: as ``lookup``. Errors of a followable
-                source's own (a relay's ``DigestMismatchError``).
+                source's own (a relay's ``DigestMismatchError``). RuntimeClosedError: the
+                runtime is closed (at once, or within a slice of a wait when it closes
+                meanwhile).
         """
+        self._core.check_open()
         what = f"a version after {self.version} of {self._label()}"
         wait = Wait(what, self.timeout, telemetry=self._core.telemetry, state="not loaded")
         try:
@@ -193,7 +196,7 @@ class Follower:
                     self._attach(wait)
                 want = (self.version if self.ref.spec.generation == self.generation else 0) + 1
                 want = max(want, self._after + 1) if self.version == 0 else want
-                self.ref.wait_version(want, timeout=wait.left())
+                self._core.wait_version(self.ref.spec, want, wait.left(), stop=self._core.check_open)
                 v = self._load(wait, want if self.every else 0, into)
             except (VersionGoneError, LeaseExpiredError) as exc:
                 if self.every:
@@ -251,7 +254,7 @@ class Follower:
     def _attach(self, wait: Wait) -> None:
         """Look the name up (waiting for it, a successor of a retired window, a new owner)."""
         core = self._core
-        spec = core.lookup_spec(self._name, max(wait.left(), 1e-3))
+        spec = core.lookup_spec(self._name, max(wait.left(), 1e-3), stop=core.check_open)
         ref = StateDictRef(spec, core) if _is_state_dict(core, spec) else TensorRef(spec, core)
         if isinstance(ref, StateDictRef):
             _ = ref.layout  # read and checked now: a wrong window is an error here

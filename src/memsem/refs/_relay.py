@@ -60,7 +60,6 @@ from memsem._buffers import array_address
 from memsem._errors import (
     DigestMismatchError,
     MemsemError,
-    RuntimeClosedError,
     StaleReferenceError,
     VersionGoneError,
 )
@@ -213,6 +212,7 @@ class Relay:
         buf = np.zeros(MANIFEST_BYTES, np.uint8)
         self._manifest = TensorRef(core.publish_spec(buf, name=manifest_name(name, self.rank), access="r", slots=2),
                                    core)
+        core.children.add(self)  # the runtime's close() closes this relay first: its waiters wake at once
         if follow:
             self.start()
 
@@ -242,17 +242,27 @@ class Relay:
 
     def prepare(self, timeout: float | None = None) -> None:
         """Look the trainer's windows up now (waiting for them up to ``timeout`` s), so the first
-        version starts without that delay. Raises as ``lookup``."""
-        self._up.trainer(_args.timeout_or(timeout, self.timeout))
+        version starts without that delay. Raises as ``lookup``; RuntimeClosedError: the relay
+        or its runtime is closed (also while waiting)."""
+        t = _args.timeout_or(timeout, self.timeout)
+        self._check_stop()
+        self._up.trainer(t)
 
     def version(self) -> int:
-        """The trainer's latest committed version (with digests). Raises as ``TensorRef.version``."""
+        """The trainer's latest committed version (with digests). Raises as ``TensorRef.version``;
+        RuntimeClosedError: the relay or its runtime is closed."""
+        self._check_stop()
         return self._up.trainer(self.timeout)[1].version()
 
     def wait_version(self, version: int, timeout: float | None = None) -> int:
         """Block until the trainer committed ``version`` (or a newer one); returns it. Raises as
-        ``TensorRef.wait_version``."""
-        return self._up.trainer(self.timeout)[1].wait_version(version, timeout)
+        ``TensorRef.wait_version``; RuntimeClosedError: the relay or its runtime is closed (at
+        once, or within a slice of the wait)."""
+        version = _args.version(version)
+        t = _args.timeout_or(timeout, self.timeout)
+        self._check_stop()
+        dg = self._up.trainer(self.timeout)[1]
+        return self._core.wait_version(dg.spec, version, t, stop=self._check_stop)
 
     def load(self, into: Mapping[str, Any] | None = None, *, version: int = 0, timeout: float | None = None) -> int:
         """Block until this relay holds a version ``>= version`` (0: the trainer's latest now),
@@ -267,6 +277,9 @@ class Relay:
                 wait). DigestMismatchError: a relay upstream served wrong bytes (``on_mismatch=
                 "raise"``; raised once, naming it). PeerLostError: the trainer is gone.
             MemsemTimeoutError: no such version within ``timeout`` s (default the relay's).
+            RuntimeClosedError: the relay or its runtime is closed: at once for a call made
+                after the close, and for a call waiting when it closes (the runtime's
+                ``close()`` closes its relays first, which wakes their waiters).
         """
         t = _args.timeout_or(timeout, self.timeout)
         version = _args.version(version)
@@ -310,9 +323,10 @@ class Relay:
         """Wait (up to ``t`` s) until a complete version ``>= version`` (0: the trainer's latest
         now) is held, and hold the newest such one (its memory is not reused until
         :meth:`_release`): the choice and the hold are one step under the relay's lock."""
+        self._check_stop()
         target = version or self.version()
         wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
-                    detail=lambda: f"holds {sorted(self._held)}")
+                    detail=lambda: f"holds {sorted(self._held)}", stop=self._check_stop)
         with self._cond:
             while True:
                 if self._pending is not None:
@@ -325,8 +339,7 @@ class Relay:
                     break
                 if self._error is not None:
                     raise self._error
-                if self._stop.is_set():
-                    raise RuntimeClosedError(f"relay {self._label} is closed")
+                self._check_stop()
                 wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
         try:
             self._on_event("held", h.version, -1, None)
@@ -384,9 +397,11 @@ class Relay:
 
     # -- the follower ------------------------------------------------------------------------------------
     def _check_stop(self) -> None:
-        """The stop check of every wait of the follower (handed to ``Upstreams`` and each wait)."""
+        """The stop check of every wait of the relay, its follower's and its callers' (handed
+        to ``Upstreams`` and each wait): the relay or its runtime closed (RuntimeClosedError)."""
         if self._stop.is_set() or self._core.closed:
-            raise RelayClosing(f"relay {self._label} is closed")
+            raise RelayClosing(f"relay {self._label} is closed"
+                               + (" (its runtime is closed)" if self._core.closed else ""))
 
     def _scatter(self, into: Mapping[str, Any]) -> tuple[list[tuple[int, int, int]], list]:
         tr = self._up.trainer(self.timeout)[0]
