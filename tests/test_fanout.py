@@ -559,7 +559,8 @@ def test_a_dropped_version_is_replaced_by_a_finished_one_never_one_being_filled(
 @pytest.fixture
 def waits(monkeypatch):
     """Every ``Wait`` slice slept by this process, by what it waits for: ``waits.started(text)``
-    is an event set at the first slice of a wait whose ``what`` holds ``text``."""
+    is an event set at the first slice of a wait whose ``what`` holds ``text``; ``slices``
+    lists what each slice waited for."""
     from memsem.core._wait import Wait
 
     class Seen:
@@ -567,16 +568,19 @@ def waits(monkeypatch):
             self.slices: list[str] = []
             self.events: dict[str, threading.Event] = {}
 
-        def started(self, text):
-            return self.events.setdefault(text, threading.Event())
+        def started(self, text, thread=None):
+            """Set at the first slice of a wait naming ``text`` (slept by the thread named
+            ``thread``, when given)."""
+            return self.events.setdefault((text, thread), threading.Event())
 
     seen = Seen()
     sleep = Wait.sleep
 
     def spy(self, block):
         seen.slices.append(self.what)
-        for text, ev in list(seen.events.items()):
-            if text in self.what:
+        me = threading.current_thread().name
+        for (text, thread), ev in list(seen.events.items()):
+            if text in self.what and thread in (None, me):
                 ev.set()
         return sleep(self, block)
 
@@ -655,3 +659,87 @@ def test_a_closed_runtime_refuses_new_calls_at_once(rt, source, memsem_job, wait
         calls[call]()
     assert waits.slices == []
     relay.close()
+
+
+# -- a call fails for its own reasons, within its own deadline ------------------------------------------------
+def _follower_failed(relay) -> None:
+    """Until the relay's follower has failed at least once (its attach_timeout ran out)."""
+    deadline = time.monotonic() + WAIT
+    while relay._errors < 1:
+        assert time.monotonic() < deadline, "the follower never failed"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("call", ["load", "load(latest)", "hold", "wait_version", "follow(relay)"])
+def test_a_rollout_started_before_its_trainer_gets_the_first_version(rt, waits, call):
+    """The relay starts before the trainer (attach_timeout=0.2: its follower fails, then tries
+    again); a call with a long timeout is made after that failure and waits; the trainer then
+    publishes. The call returns version 1 (bit-exact): the follower's earlier failure is
+    never raised by it."""
+    relay = memsem.Relay(rt, "policy", rank=0, world=1, attach_timeout=0.2, timeout=WAIT)
+    src = None
+    try:
+        _follower_failed(relay)
+        into = fresh()
+        calls = {"load": lambda: relay.load(into, version=1, timeout=WAIT),
+                 "load(latest)": lambda: relay.load(into, timeout=WAIT),
+                 "wait_version": lambda: relay.wait_version(1, timeout=WAIT),
+                 "follow(relay)": lambda: rt.follow(relay, into=into, timeout=WAIT).next()[0]}
+
+        def hold():
+            with relay.hold(version=1, timeout=WAIT) as (v, tensors):
+                into.update({k: t.copy() for k, t in tensors.items()})
+                return v
+
+        calls["hold"] = hold
+        out = {}
+        t = threading.Thread(target=lambda: out.update(v=calls[call]()), name="consumer", daemon=True)
+        t.start()
+        assert waits.started("", thread="consumer").wait(WAIT)  # it waits (for the name or a version)
+        src = memsem.FanoutSource(rt, model(1), name="policy", chunk_bytes=CHUNK, history=4)
+        t.join(WAIT)
+        assert not t.is_alive() and out == {"v": 1}
+        if call != "wait_version":
+            assert sha(into) == sha(model(1))
+    finally:
+        relay.close()
+        if src is not None:
+            src.close()
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_call_that_runs_out_says_what_it_waited_for_and_why(rt, monkeypatch, version):
+    """No trainer ever: the call's own timeout (0.3 s) names the version at the relay. The
+    call's first slice is held until the follower failed again (an attempt made while the
+    call waited): that failure is the error's cause and its last words; the follower's
+    failure from before the call is not."""
+    from memsem.core._wait import Wait
+
+    relay = memsem.Relay(rt, "policy", rank=0, world=1, attach_timeout=0.2, timeout=WAIT)
+    try:
+        _follower_failed(relay)
+        before = relay._errors
+        sleep = Wait.sleep
+
+        def held_until_the_follower_failed_again(self, block):
+            if threading.current_thread() is threading.main_thread():
+                deadline = time.monotonic() + WAIT
+                while relay._errors <= before:  # block() itself: a condition's wait lets the follower in
+                    assert time.monotonic() < deadline, "the follower never failed again"
+                    block(0.01)
+            return sleep(self, block)
+
+        monkeypatch.setattr(Wait, "sleep", held_until_the_follower_failed_again)
+        with pytest.raises(memsem.MemsemTimeoutError) as ei:
+            relay.load(version=version, timeout=0.3)
+        what = f"version {version}" if version else "the latest version"
+        assert ei.value.what == f"{what} at relay rank 0 of 'policy'" and ei.value.timeout == 0.3
+        assert "not held after 0.3 s (holds []; the relay's last attempt: MemsemTimeoutError:" in str(ei.value)
+        assert isinstance(ei.value.__cause__, memsem.MemsemTimeoutError)
+        monkeypatch.setattr(Wait, "sleep", sleep)
+        with pytest.raises(memsem.MemsemTimeoutError) as ei:
+            rt.follow(relay, into=fresh(), timeout=0.3).next()
+        assert ei.value.what.startswith("a version after 0 of <memsem.Relay rank 0 of 'policy'")
+        assert "not loaded after 0.3 s" in str(ei.value)
+    finally:
+        relay.close()

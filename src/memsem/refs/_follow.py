@@ -179,14 +179,21 @@ class Follower:
         self._core.check_open()
         what = f"a version after {self.version} of {self._label()}"
         wait = Wait(what, self.timeout, telemetry=self._core.telemetry, state="not loaded")
-        try:
-            if self._source is not None:
-                return self._next_followable(wait, into)
-            return self._next_window(wait, into)
-        except MemsemTimeoutError as exc:
-            if exc.what == what:
-                raise
-            raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
+        while True:
+            try:
+                if self._source is not None:
+                    return self._next_followable(wait, into)
+                return self._next_window(wait, into)
+            except MemsemTimeoutError as exc:
+                if exc.what == what:
+                    raise
+                if wait.expired:
+                    raise wait.error() from exc  # one error naming the step, whatever wait ran out in it
+                # a wait of the source with a bound of its own, shorter than this step's (a
+                # relay's attach_timeout): not this step's failure; tried again (after a slice,
+                # the one wait's pause, which raises this step's error at its deadline)
+                self._note("wait again", exc)
+                wait.pause()
 
     def _next_window(self, wait: Wait, into: Any) -> tuple[int, Any]:
         while True:

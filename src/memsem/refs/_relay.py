@@ -60,6 +60,7 @@ from memsem._buffers import array_address
 from memsem._errors import (
     DigestMismatchError,
     MemsemError,
+    MemsemTimeoutError,
     StaleReferenceError,
     VersionGoneError,
 )
@@ -201,7 +202,11 @@ class Relay:
         self._held: dict[int, _Held] = {}
         self._free: list[np.ndarray] = []
         self._stats = RelayStats()
-        self._error: BaseException | None = None
+        #: the follower's last error (it retries): ``(serial, error)``; a call reports only the
+        #: ones of attempts made while it waited, and only as the cause of its own timeout
+        self._error: tuple[int, BaseException] | None = None
+        self._errors = 0  # serial of the follower's errors
+        self._fatal: BaseException | None = None  # the follower stopped (a bug): every call raises it
         self._pending: DigestMismatchError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -261,8 +266,13 @@ class Relay:
         version = _args.version(version)
         t = _args.timeout_or(timeout, self.timeout)
         self._check_stop()
-        dg = self._up.trainer(self.timeout)[1]
-        return self._core.wait_version(dg.spec, version, t, stop=self._check_stop)
+        wait = Wait(f"version {version} of {self.name!r} (the trainer's commit, seen by relay {self._label})", t,
+                    telemetry=self._core.telemetry, state="not committed")
+        try:
+            dg = self._up.trainer(max(wait.left(), 1e-3))[1]
+            return self._core.wait_version(dg.spec, version, wait.left(), stop=self._check_stop)
+        except MemsemTimeoutError as exc:
+            raise wait.error() from exc  # one error naming this call's wait, whichever step ran out
 
     def load(self, into: Mapping[str, Any] | None = None, *, version: int = 0, timeout: float | None = None) -> int:
         """Block until this relay holds a version ``>= version`` (0: the trainer's latest now),
@@ -275,8 +285,12 @@ class Relay:
         Raises:
             KeyError / ValueError / TypeError: ``into`` does not fit the state dict (before any
                 wait). DigestMismatchError: a relay upstream served wrong bytes (``on_mismatch=
-                "raise"``; raised once, naming it). PeerLostError: the trainer is gone.
-            MemsemTimeoutError: no such version within ``timeout`` s (default the relay's).
+                "raise"``; raised once, naming it).
+            MemsemTimeoutError: no such version within ``timeout`` s (default the relay's),
+                naming the version; when the relay's follower failed while the call waited (the
+                trainer not there yet, or gone: ``PeerLostError``), its last error is the
+                cause and the message's last words. The follower retries its failures; a call
+                never raises one made before it.
             RuntimeClosedError: the relay or its runtime is closed: at once for a call made
                 after the close, and for a call waiting when it closes (the runtime's
                 ``close()`` closes its relays first, which wakes their waiters).
@@ -322,31 +336,67 @@ class Relay:
     def _acquire(self, version: int, t: float) -> _Held:
         """Wait (up to ``t`` s) until a complete version ``>= version`` (0: the trainer's latest
         now) is held, and hold the newest such one (its memory is not reused until
-        :meth:`_release`): the choice and the hold are one step under the relay's lock."""
+        :meth:`_release`): the choice and the hold are one step under the relay's lock.
+
+        The call fails for its own reasons only: the relay or its runtime closed, a pending
+        digest mismatch, a follower that stopped, or its own deadline (a MemsemTimeoutError
+        naming the version; the follower's last error of an attempt made meanwhile is its
+        cause and its last words). Errors of the follower's attempts are retried by the
+        follower, never raised by a later call.
+        """
         self._check_stop()
-        target = version or self.version()
-        wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
-                    detail=lambda: f"holds {sorted(self._held)}", stop=self._check_stop)
         with self._cond:
-            while True:
-                if self._pending is not None:
-                    err, self._pending = self._pending, None
-                    raise err
-                ok = [h for v, h in self._held.items() if h.complete and v >= target]
-                if ok:
-                    h = max(ok, key=lambda x: x.version)
-                    h.holds += 1
-                    break
-                if self._error is not None:
-                    raise self._error
-                self._check_stop()
-                wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
+            seen = self._errors
+        what = f"version {version}" if version else "the latest version"
+        wait = Wait(f"{what} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
+                    detail=lambda: self._detail(seen), stop=self._check_stop)
+        try:
+            target = version or self._latest(wait)
+            with self._cond:
+                while True:
+                    if self._pending is not None:
+                        err, self._pending = self._pending, None
+                        raise err
+                    ok = [h for v, h in self._held.items() if h.complete and v >= target]
+                    if ok:
+                        h = max(ok, key=lambda x: x.version)
+                        h.holds += 1
+                        break
+                    if self._fatal is not None:
+                        raise self._fatal
+                    self._check_stop()
+                    wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
+        except MemsemTimeoutError as exc:
+            if exc.what == wait.what:
+                raise self._with_cause(exc, seen)
+            raise self._with_cause(wait.error(), seen) from exc  # a step of this call ran out: its deadline
         try:
             self._on_event("held", h.version, -1, None)
         except BaseException:
             self._release(h)
             raise
         return h
+
+    def _latest(self, wait: Wait) -> int:
+        """The trainer's latest version, its windows looked up within ``wait``'s deadline."""
+        dg = self._up.trainer(max(wait.left(), 1e-3))[1]
+        return self._core.latest_version(dg.spec)
+
+    def _detail(self, seen: int) -> str:
+        with self._cond:
+            held = sorted(self._held)
+            err = self._error
+        more = ""
+        if err is not None and err[0] > seen:
+            more = f"; the relay's last attempt: {type(err[1]).__name__}: {err[1]}"
+        return f"holds {held}{more}"
+
+    def _with_cause(self, exc: MemsemTimeoutError, seen: int) -> MemsemTimeoutError:
+        with self._cond:
+            err = self._error
+        if exc.__cause__ is None and err is not None and err[0] > seen:
+            exc.__cause__ = err[1]
+        return exc
 
     def _release(self, h: _Held) -> None:
         with self._cond:
@@ -414,8 +464,6 @@ class Relay:
         while not self._stop.is_set():
             try:
                 last = self._one(last)
-                with self._cond:
-                    self._error = None
             except RelayClosing:
                 return
             except MemsemError as exc:  # the trainer is gone or unreachable: said by load(); retried
@@ -423,13 +471,14 @@ class Relay:
                     return
                 log.debug("relay %s: %s", self._label, exc)
                 with self._cond:
-                    self._error = exc
+                    self._errors += 1
+                    self._error = (self._errors, exc)
                     self._cond.notify_all()
                 self._stop.wait(RETRY_S)  # a pause on the stop event: close() ends it
             except Exception as exc:  # a bug: say it to load() and stop
                 log.exception("relay %s stopped", self._label)
                 with self._cond:
-                    self._error = MemsemError(f"relay {self._label} stopped: {type(exc).__name__}: {exc}")
+                    self._fatal = MemsemError(f"relay {self._label} stopped: {type(exc).__name__}: {exc}")
                     self._cond.notify_all()
                 return
 

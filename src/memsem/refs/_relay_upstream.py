@@ -99,11 +99,15 @@ class Upstreams:
         found = self._trainer
         if found is not None:
             return found
-        with self._lock:  # prepare() and the follower thread look up once, make the plan once
+        core = self._core
+        wait = Wait(f"the fan-out windows of {self.name!r}", t, telemetry=core.telemetry, state="not found")
+        # prepare(), the callers and the follower thread look up once, make the plan once; each
+        # waits for the others' lookup within its own deadline
+        if not self._lock.acquire(timeout=t):
+            raise wait.error()
+        try:
             if self._trainer is None:
-                core = self._core
-                wait = Wait(f"the fan-out windows of {self.name!r}", t, telemetry=core.telemetry)
-                sd = lookup_state_dict(core, self.name, timeout=t, stop=self.stop)
+                sd = lookup_state_dict(core, self.name, timeout=max(wait.left(), 1e-3), stop=self.stop)
                 dg = TensorRef(core.lookup_spec(digests_name(self.name), wait.left(), stop=self.stop), core)
                 if self._auto_link is not None:  # every rank computes the same plan from the same sizes
                     chunk, nbytes = read_sizes(core, dg.spec)
@@ -112,6 +116,8 @@ class Upstreams:
                     self._auto_link = None
                 self._trainer = (sd, dg)
             return self._trainer
+        finally:
+            self._lock.release()
 
     def trainer_version(self, at_least: int) -> int:
         """Wait for the trainer's commit of a version ``>= at_least``: a word wait on its digest
