@@ -743,3 +743,134 @@ def test_a_call_that_runs_out_says_what_it_waited_for_and_why(rt, monkeypatch, v
         assert "not loaded after 0.3 s" in str(ei.value)
     finally:
         relay.close()
+
+
+# -- a restarted trainer is followed ------------------------------------------------------------------------
+def _until(cond, what):
+    deadline = time.monotonic() + WAIT
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("waiting", ["load", "hold", "wait_version", "follow(relay)"])
+def test_a_restarted_trainer_is_followed_and_the_generation_change_said(rt, memsem_job, waits, waiting):
+    """A chain of two relays holds version 3 of trainer 1. A call waits for version 4 when
+    trainer 1 goes (its runtime closes: its windows retire) and trainer 2 publishes the name
+    (from a restore: its versions count from 1). The waiting call ends with WindowRetiredError
+    naming both generations (or, for the follower loop, yields version 1 of trainer 2); both
+    relays then serve trainer 2's versions bit-exact, and say the change (generation,
+    stats().generations); none of trainer 1's versions is offered or handed out again."""
+    rt1 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+    src1 = memsem.FanoutSource(rt1, model(1), name="policy", chunk_bytes=CHUNK, history=4)
+    relays = [memsem.Relay(rt, "policy", rank=r, world=2, plan="chain", timeout=WAIT, attach_timeout=1.0)
+              for r in (0, 1)]
+    rt2 = src2 = None
+    try:
+        src1.update(model(2))
+        src1.update(model(3))
+        for r in relays:
+            assert r.load(version=3, timeout=WAIT) == 3
+        g1 = relays[0].generation
+        assert g1 == src1.ref.spec.generation and all(r.stats().generations == [g1] for r in relays)
+        follower = rt.follow(relays[1], into=fresh(), timeout=WAIT, after=2)
+        assert follower.next()[0] == 3 and follower.generation == g1
+        out = {}
+        calls = {"load": lambda: relays[1].load(fresh(), version=4, timeout=WAIT),
+                 "hold": lambda: relays[1].hold(version=4, timeout=WAIT).__enter__(),
+                 "wait_version": lambda: relays[1].wait_version(4, timeout=WAIT),
+                 "follow(relay)": follower.next}
+
+        def run():
+            try:
+                out["r"] = calls[waiting]()
+            except BaseException as exc:  # noqa: BLE001 - looked at below
+                out["e"] = exc
+
+        t = threading.Thread(target=run, name="consumer", daemon=True)
+        t.start()
+        assert waits.started("version 4", thread="consumer").wait(WAIT)
+        src1.close()
+        rt1.close()  # trainer 1 is gone
+        rt2 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+        src2 = memsem.FanoutSource(rt2, model(7), name="policy", chunk_bytes=CHUNK, history=4)  # restored
+        t.join(WAIT)
+        assert not t.is_alive()
+        if waiting == "follow(relay)":
+            v, tensors = out["r"]
+            assert v == 1 and sha(tensors) == sha(model(7)) and follower.generation == relays[1].generation
+            assert ("new generation", "WindowRetiredError") in follower.recovered, follower.recovered
+        else:
+            err = out.get("e")
+            assert isinstance(err, memsem.WindowRetiredError), repr(err)
+            assert "was replaced while version 4 was awaited" in str(err) and err.generation == g1
+        for r in relays:
+            _until(lambda: len(r.stats().generations) == 2, f"rank {r.rank} never followed trainer 2")
+            assert r.generation == r.stats().generations[-1] and r.stats().generations[0] == g1
+            into = fresh()
+            assert r.load(into, version=1, timeout=WAIT) == 1 and sha(into) == sha(model(7))
+        src2.update(model(8))
+        for r in relays:
+            into = fresh()
+            assert r.load(into, version=2, timeout=WAIT) == 2 and sha(into) == sha(model(8))
+            assert r.held() == [1, 2] or r.held() == [2]  # trainer 2's only
+    finally:
+        for r in relays:
+            r.close()
+        for x in (src2, rt2, src1, rt1):
+            if x is not None:
+                x.close()
+
+
+def _fanout_trainer(conn, first: int) -> None:
+    """A trainer process: publishes ``model(first)`` for fan-out, then commits ``model(k)`` for
+    each ``k`` it is sent, until killed."""
+    with memsem.Runtime(timeout=30.0) as rt:
+        src = memsem.FanoutSource(rt, model(first), name="policy", chunk_bytes=CHUNK, history=4)
+        conn.send(src.ref.spec.generation)
+        while True:
+            conn.send(src.update(model(conn.recv())))
+
+
+@pytest.mark.multiproc
+def test_a_trainer_killed_and_restored_is_followed(rt, waits):
+    """Trainer 1 (a process) is SIGKILLed while a load waits for its version 2; trainer 2 (a
+    new process, restored) takes the name over. The load ends with WindowRetiredError once
+    the relay follows trainer 2 (not PeerLostError about trainer 1's windows, again and
+    again); the relay then serves trainer 2's versions bit-exact."""
+    from tests._proc import reap, recv, spawn
+
+    p1, c1 = spawn(_fanout_trainer, 1)
+    p2 = None
+    relay = memsem.Relay(rt, "policy", rank=0, world=1, timeout=WAIT, attach_timeout=1.0)
+    try:
+        g1 = recv(c1)
+        into = fresh()
+        assert relay.load(into, version=1, timeout=WAIT) == 1 and sha(into) == sha(model(1))
+        assert relay.generation == g1
+        out = {}
+
+        def run():
+            try:
+                out["r"] = relay.load(fresh(), version=2, timeout=WAIT)
+            except BaseException as exc:  # noqa: BLE001 - looked at below
+                out["e"] = exc
+
+        t = threading.Thread(target=run, name="consumer", daemon=True)
+        t.start()
+        assert waits.started("version 2 at relay", thread="consumer").wait(WAIT)
+        p1.kill()
+        p1.join(WAIT)
+        p2, c2 = spawn(_fanout_trainer, 7)
+        g2 = recv(c2)
+        t.join(WAIT)
+        assert not t.is_alive() and isinstance(out.get("e"), memsem.WindowRetiredError), out
+        assert relay.generation == g2 and relay.stats().generations == [g1, g2]
+        into = fresh()
+        assert relay.load(into, version=1, timeout=WAIT) == 1 and sha(into) == sha(model(7))
+        c2.send(8)
+        assert recv(c2) == 2
+        assert relay.load(into, version=2, timeout=WAIT) == 2 and sha(into) == sha(model(8))
+    finally:
+        relay.close()
+        reap([p for p in (p1, p2) if p is not None])

@@ -31,6 +31,10 @@ window lives; a named one is looked up again after a republish), or any *followa
 that has ``version()``, ``wait_version(version, timeout)`` and ``load(into, version=, timeout=)``
 (returning the version loaded, at least the one asked for): the fan-out's ``memsem.Relay``
 fits as it is, and recovers from its own failures (the loop only waits and loads through it).
+A followable that may follow another trainer (a relay, across a trainer's restart) has a
+``generation`` attribute and raises ``WindowRetiredError`` from a wait or load of a version of
+the trainer it no longer follows: the loop then counts versions from 1 again, like a
+republished window, and ``follower.generation`` is the source's.
 
 **Every version, in order** (``every=True``): a stream whose versions each carry their own
 data (a bucket stream: verl's buckets), where the owner keeps every version readable until the
@@ -82,7 +86,7 @@ class Follower:
 
     Attributes:
         version: the version yielded last (0: none yet). generation: its window's generation
-            (None for a followable source). ref: the window's current ref (None until found,
+            (for a followable source, its ``generation`` attribute, None where it has none). ref: the window's current ref (None until found,
             and for a followable source). loads: versions loaded. skipped: versions committed
             but never loaded (the owner was faster: the loop always loads the latest).
             recovered: ``(what, error type)`` of each recovery (a lookup again, a load again).
@@ -229,8 +233,11 @@ class Follower:
         src = self._source
         dst = into if into is not None else self._into
         want = max(self.version, self._after) + 1
+        if self.version and getattr(src, "generation", None) != self.generation:
+            want = 1  # the source follows a new trainer since the last step: its versions count from 1
         while True:
             wait.check()
+            gen = getattr(src, "generation", None)
             try:
                 src.wait_version(want, timeout=wait.left())
                 v = src.load(dst, version=want, timeout=wait.left())
@@ -239,8 +246,17 @@ class Follower:
                     raise
                 self._note("load again", exc)
                 continue
-            if self.version:
+            except WindowRetiredError as exc:  # a relay's trainer was replaced (restarted) meanwhile
+                if self.every:
+                    raise
+                self._note("new generation", exc)
+                want = 1
+                continue
+            if gen is None:  # the source found its first trainer during this step
+                gen = getattr(src, "generation", None)
+            if self.version and gen == self.generation:
                 self.skipped += max(0, v - self.version - 1)
+            self.generation = gen
             self.version = v
             self.loads += 1
             return v, dst

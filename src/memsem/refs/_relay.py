@@ -61,8 +61,10 @@ from memsem._errors import (
     DigestMismatchError,
     MemsemError,
     MemsemTimeoutError,
+    PeerLostError,
     StaleReferenceError,
     VersionGoneError,
+    WindowRetiredError,
 )
 from memsem.core import Wait
 from memsem.gva import RefSpec
@@ -85,7 +87,9 @@ from memsem.refs._relay_upstream import (
     Upstreams,
     manifest_bytes,
     manifest_name,
+    trainer_identity,
 )
+from memsem.refs._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
 log = logging.getLogger(__name__)
@@ -108,6 +112,9 @@ class RelayStats:
         faults: the :class:`DigestMismatchError` of every chunk a relay served wrong.
         dropped: versions it dropped before completing them (gone upstream).
         digest_s: seconds spent checking digests.
+        generations: the generation of the trainer's state-dict window for each trainer
+            followed, in order: one more each time a new publisher of the name (a restarted
+            trainer) or a republish was followed (``Relay.generation`` is the last one).
     """
 
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -117,6 +124,7 @@ class RelayStats:
     faults: list[DigestMismatchError] = dataclasses.field(default_factory=list)
     dropped: list[int] = dataclasses.field(default_factory=list)
     digest_s: float = 0.0
+    generations: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -125,6 +133,8 @@ class _Held:
     buf: np.ndarray
     spec: RefSpec  # the owner's ref of the data window
     offer: str  # hex of the read-only ref handed to children
+    gen: tuple[int, int]  # the trainer it is a version of (trainer_identity)
+    sd: StateDictRef  # that trainer's state dict (its layout)
     have: set[int] = dataclasses.field(default_factory=set)
     complete: bool = False
     holds: int = 0
@@ -207,6 +217,7 @@ class Relay:
         self._error: tuple[int, BaseException] | None = None
         self._errors = 0  # serial of the follower's errors
         self._fatal: BaseException | None = None  # the follower stopped (a bug): every call raises it
+        self._gen: tuple[int, int] | None = None  # the trainer followed (trainer_identity), set by the follower
         self._pending: DigestMismatchError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -238,12 +249,21 @@ class Relay:
         with self._cond:
             s = self._stats
             return dataclasses.replace(s, versions=list(s.versions), chunks=dict(s.chunks),
-                                       reattached=list(s.reattached), faults=list(s.faults), dropped=list(s.dropped))
+                                       reattached=list(s.reattached), faults=list(s.faults), dropped=list(s.dropped),
+                                       generations=list(s.generations))
+
+    @property
+    def generation(self) -> int | None:
+        """The generation of the trainer's state-dict window this relay follows (None until
+        it found one). It changes when a new publisher of the name (a restarted trainer)
+        or a republish is followed: versions count from 1 again."""
+        g = self._gen
+        return None if g is None else g[1]
 
     def held(self) -> list[int]:
         """Versions this relay holds complete (and serves), oldest first."""
         with self._cond:
-            return sorted(v for v, h in self._held.items() if h.complete)
+            return sorted(v for v, h in self._held.items() if h.complete and h.gen == self._gen)
 
     def prepare(self, timeout: float | None = None) -> None:
         """Look the trainer's windows up now (waiting for them up to ``timeout`` s), so the first
@@ -260,17 +280,32 @@ class Relay:
         return self._up.trainer(self.timeout)[1].version()
 
     def wait_version(self, version: int, timeout: float | None = None) -> int:
-        """Block until the trainer committed ``version`` (or a newer one); returns it. Raises as
-        ``TensorRef.wait_version``; RuntimeClosedError: the relay or its runtime is closed (at
-        once, or within a slice of the wait)."""
+        """Block until the trainer committed ``version`` (or a newer one); returns it.
+
+        Raises:
+            As ``TensorRef.wait_version``. RuntimeClosedError: the relay or its runtime is
+            closed (at once, or within a slice of the wait). WindowRetiredError: the trainer
+            was replaced (restarted, or republished) while waited for, raised once the relay
+            follows the new one (``generation`` says which; its versions count from 1 again).
+            MemsemTimeoutError: no such commit (nor a new trainer) within ``timeout`` s.
+        """
         version = _args.version(version)
         t = _args.timeout_or(timeout, self.timeout)
         self._check_stop()
         wait = Wait(f"version {version} of {self.name!r} (the trainer's commit, seen by relay {self._label})", t,
                     telemetry=self._core.telemetry, state="not committed")
+        gen0 = self._gen
         try:
-            dg = self._up.trainer(max(wait.left(), 1e-3))[1]
-            return self._core.wait_version(dg.spec, version, wait.left(), stop=self._check_stop)
+            sd, dg = self._up.trainer(max(wait.left(), 1e-3))
+            if gen0 is not None and trainer_identity(sd) != gen0:  # found another trainer: once followed, say so
+                self._await_new_trainer(gen0, wait, f"version {version} was awaited", None)
+            gen0 = gen0 or trainer_identity(sd)
+            try:
+                return self._core.wait_version(dg.spec, version, wait.left(), stop=self._check_stop)
+            except (StaleReferenceError, PeerLostError) as exc:  # that trainer's windows are going
+                self._up.forget_trainer_if_gone()
+                self._await_new_trainer(gen0, wait, f"version {version} was awaited", exc)
+                raise AssertionError("unreachable") from exc  # pragma: no cover
         except MemsemTimeoutError as exc:
             raise wait.error() from exc  # one error naming this call's wait, whichever step ran out
 
@@ -301,7 +336,9 @@ class Relay:
         h = self._acquire(version, t)
         try:
             if scatter is not None:
-                ranges, _keep = scatter
+                if scatter[2] is not h.sd:  # a version of a restarted trainer: its own layout
+                    scatter = self._scatter(into, h.sd)
+                ranges, _keep, _ = scatter
                 base = array_address(h.buf)
                 for off, n, addr in ranges:
                     if n:
@@ -326,7 +363,7 @@ class Relay:
         t = _args.timeout_or(timeout, self.timeout)
         h = self._acquire(_args.version(version), t)
         try:
-            lay = self._up.trainer(t)[0].layout
+            lay = h.sd.layout
             hb = lay.header_bytes
             yield h.version, {e.name: h.buf[hb + e.offset:hb + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
                               for e in lay.entries}
@@ -350,14 +387,26 @@ class Relay:
         what = f"version {version}" if version else "the latest version"
         wait = Wait(f"{what} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
                     detail=lambda: self._detail(seen), stop=self._check_stop)
+        gen0 = self._gen  # an explicit version is one of this trainer's (None: of the first one found)
+        target, tgen = version, None
         try:
-            target = version or self._latest(wait)
-            with self._cond:
-                while True:
+            while True:
+                if not version and (tgen is None or tgen != self._gen):
+                    try:  # the latest version of the trainer that holds the name now
+                        tgen, target = self._latest(wait)
+                    except (StaleReferenceError, PeerLostError):  # gone: the next holder, when there is one
+                        self._up.forget_trainer_if_gone()
+                        tgen = None
+                        wait.sleep(self._stop.wait)
+                        continue
+                with self._cond:
                     if self._pending is not None:
                         err, self._pending = self._pending, None
                         raise err
-                    ok = [h for v, h in self._held.items() if h.complete and v >= target]
+                    if version and gen0 is not None and self._gen != gen0:
+                        raise self._replaced(gen0, f"version {version} was awaited")
+                    want = tgen if not version else self._gen
+                    ok = [h for v, h in self._held.items() if h.complete and h.gen == want and v >= target]
                     if ok:
                         h = max(ok, key=lambda x: x.version)
                         h.holds += 1
@@ -377,10 +426,33 @@ class Relay:
             raise
         return h
 
-    def _latest(self, wait: Wait) -> int:
-        """The trainer's latest version, its windows looked up within ``wait``'s deadline."""
-        dg = self._up.trainer(max(wait.left(), 1e-3))[1]
-        return self._core.latest_version(dg.spec)
+    def _latest(self, wait: Wait) -> tuple[tuple[int, int], int]:
+        """The trainer that holds the name (its windows looked up within ``wait``'s deadline)
+        and its latest version."""
+        sd, dg = self._up.trainer(max(wait.left(), 1e-3))
+        return trainer_identity(sd), self._core.latest_version(dg.spec)
+
+    def _replaced(self, gen0: tuple[int, int], during: str, cause: BaseException | None = None) -> WindowRetiredError:
+        new = self._gen
+        return WindowRetiredError(
+            f"the trainer of {self.name!r} followed by relay {self._label} was replaced while {during} "
+            f"(its state-dict window's generation {gen0[1]} -> {new[1] if new else None}"
+            + (f"; {type(cause).__name__}: {cause}" if cause is not None else "")
+            + "): the relay follows the new trainer, whose versions count from 1 again (relay.generation)",
+            window=self.name, generation=gen0[1], found=new[1] if new else None)
+
+    def _await_new_trainer(self, gen0: tuple[int, int], wait: Wait, during: str, cause: BaseException | None) -> None:
+        """The trainer ``gen0``'s windows are gone: wait (within ``wait``) until the follower
+        follows another one, then raise WindowRetiredError; at the deadline, the wait's
+        timeout (its cause: ``cause``)."""
+        with self._cond:
+            while self._gen == gen0 or self._gen is None:
+                self._check_stop()
+                try:
+                    wait.sleep(self._cond.wait)  # woken when the follower follows a new trainer
+                except MemsemTimeoutError as exc:
+                    raise exc from cause
+        raise self._replaced(gen0, during, cause)
 
     def _detail(self, seen: int) -> str:
         with self._cond:
@@ -453,23 +525,29 @@ class Relay:
             raise RelayClosing(f"relay {self._label} is closed"
                                + (" (its runtime is closed)" if self._core.closed else ""))
 
-    def _scatter(self, into: Mapping[str, Any]) -> tuple[list[tuple[int, int, int]], list]:
-        tr = self._up.trainer(self.timeout)[0]
+    def _scatter(self, into: Mapping[str, Any],
+                 tr: StateDictRef | None = None) -> tuple[list[tuple[int, int, int]], list, StateDictRef]:
+        tr = tr or self._up.trainer(self.timeout)[0]
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
-        return tr.ranges(into, tr.layout.entries, "into")
+        ranges, keep = tr.ranges(into, tr.layout.entries, "into")
+        return ranges, keep, tr
 
     def _follow(self) -> None:
         last = 0
         while not self._stop.is_set():
             try:
+                if self._adopt():
+                    last = 0  # a new trainer: its versions count from 1
                 last = self._one(last)
             except RelayClosing:
                 return
-            except MemsemError as exc:  # the trainer is gone or unreachable: said by load(); retried
+            except MemsemError as exc:  # the trainer is gone or unreachable: retried (load() waits)
                 if self._stop.is_set() or self._core.closed:
                     return
                 log.debug("relay %s: %s", self._label, exc)
+                if isinstance(exc, (StaleReferenceError, PeerLostError)):
+                    self._up.forget_trainer_if_gone()  # the next attempt follows whoever holds the name
                 with self._cond:
                     self._errors += 1
                     self._error = (self._errors, exc)
@@ -482,9 +560,32 @@ class Relay:
                     self._cond.notify_all()
                 return
 
+    def _adopt(self) -> bool:
+        """Find the trainer (waiting ``attach_timeout`` for its name); when it is another one
+        than the trainer followed so far (restarted, or republished), follow it: the versions
+        of the old one are dropped (unoffered and retired: their readers get
+        StaleReferenceError; a consumer's explicit version of it raises WindowRetiredError).
+        Returns whether it changed."""
+        sd, _ = self._up.trainer(self.attach_timeout)
+        ident = trainer_identity(sd)
+        if ident == self._gen:
+            return False
+        with self._cond:
+            old, self._gen = self._gen, ident
+            self._stats.generations.append(ident[1])
+            stale = [v for v, h in self._held.items() if h.gen != ident]
+            self._cond.notify_all()
+        for v in stale:
+            self._drop(v, complete=True)
+        if old is None:
+            return False
+        log.info("relay %s: follows a new trainer of %r (its window's generation %d -> %d)", self._label, self.name,
+                 old[1], ident[1])
+        return True
+
     def _one(self, last: int) -> int:
         """Get the newest version > ``last`` its upstream offers; returns the version held."""
-        self._up.trainer(self.attach_timeout)
+        gen = self._gen
         while True:
             self._check_stop()
             up, v = self._up.attach(last + 1)
@@ -493,7 +594,11 @@ class Relay:
             except VersionGoneError:
                 last = max(last, v)  # too old already: a newer one is there
                 continue
-            h = self._start(v, dg)
+            sd = self._up.trainer(self.timeout)[0]
+            if trainer_identity(sd) != gen:  # looked up again meanwhile: another trainer
+                raise WindowRetiredError(f"relay {self._label}: the trainer of {self.name!r} changed",
+                                         window=self.name, generation=gen[1] if gen else None)
+            h = self._start(v, dg, sd)
             try:
                 self._fill(h, up, dg)
             except UpstreamGone:
@@ -517,7 +622,7 @@ class Relay:
                  "the trainer" if to == TRAINER else f"rank {to}", reason)
 
     # -- holding versions ------------------------------------------------------------------------------------
-    def _start(self, v: int, dg: Digests) -> _Held:
+    def _start(self, v: int, dg: Digests, sd: StateDictRef) -> _Held:
         """Allocate (or reuse) memory for version ``v``, publish its data window, offer it."""
         core = self._core
         victims = []
@@ -533,7 +638,7 @@ class Relay:
             buf = np.empty(dg.nbytes, np.uint8)
         spec = core.publish_spec(buf, access="rw", tile_bytes=dg.chunk_bytes)
         ro = core.server.mint(dataclasses.replace(spec, access="r", mint=None))
-        h = _Held(v, buf, spec, ro.to_bytes().hex())
+        h = _Held(v, buf, spec, ro.to_bytes().hex(), trainer_identity(sd), sd)
         with self._cond:
             self._held[v] = h
         self._commit_manifest()
@@ -556,8 +661,9 @@ class Relay:
 
     def _commit_manifest(self) -> None:
         with self._cond:
-            offers = sorted((v, h.offer) for v, h in self._held.items())
-        raw = manifest_bytes(self.rank, offers)
+            gen = self._gen
+            offers = sorted((v, h.offer) for v, h in self._held.items() if h.gen == gen)
+        raw = manifest_bytes(self.rank, offers, gen)
         with self._core.write_section(self._manifest.spec, copy=False) as sec:
             arr = sec.array().reshape(-1).view(np.uint8)
             arr[:len(raw)] = np.frombuffer(raw, np.uint8)
