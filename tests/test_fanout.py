@@ -874,3 +874,41 @@ def test_a_trainer_killed_and_restored_is_followed(rt, waits):
     finally:
         relay.close()
         reap([p for p in (p1, p2) if p is not None])
+
+
+def test_a_chunk_asked_for_across_a_restart_comes_from_its_own_trainer(rt, memsem_job):
+    """The relay is stopped before chunk 1 of trainer 1's version 2; trainer 1 goes, trainer
+    2 publishes and commits its own version 2, and a caller's load looks the name up again
+    (the relay's view of the trainer is now trainer 2). The stopped fetch then asks trainer 1's
+    window (gone: the version is dropped), never trainer 2's version 2 checked against trainer
+    1's digests: no fault is reported, and the relay goes on with trainer 2, bit-exact."""
+    rt1 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+    src1 = memsem.FanoutSource(rt1, model(1), name="policy", chunk_bytes=CHUNK, history=4)
+    relay = Gated(rt, "policy", rank=0, world=1, timeout=WAIT, attach_timeout=1.0, at=("fetch", 2, 1), depth=1)
+    rt2 = src2 = None
+    try:
+        assert relay.load(version=1, timeout=WAIT) == 1
+        src1.update(model(2))
+        assert relay.reached.wait(WAIT)
+        src1.close()
+        rt1.close()
+        rt2 = memsem.Runtime(job=memsem_job, timeout=WAIT)
+        src2 = memsem.FanoutSource(rt2, model(7), name="policy", chunk_bytes=CHUNK, history=4)
+        src2.update(model(8))
+        out = {}
+        t = threading.Thread(target=lambda: out.update(v=relay.load(into, timeout=WAIT)), daemon=True)
+        into = fresh()
+        t.start()
+        new = (src2.ref.spec.gva, src2.ref.spec.generation)
+        _until(lambda: relay._up.identity() == new, "the caller never looked the name up again")
+        relay.gate.set()
+        t.join(WAIT)
+        assert not t.is_alive() and out == {"v": 2} and sha(into) == sha(model(8))
+        st = relay.stats()
+        assert st.faults == [] and 2 in st.dropped and len(st.generations) == 2, st
+    finally:
+        relay.gate.set()
+        relay.close()
+        for x in (src2, rt2, src1, rt1):
+            if x is not None:
+                x.close()

@@ -735,7 +735,7 @@ class Relay:
         self._check_stop()
         self._on_event("fetch", h.version, k, None)
         if up.spec is None:
-            core.transfer(self._up.trainer(self.timeout)[0].spec, "get", k * c, dst, version=h.version)
+            core.transfer(h.sd.spec, "get", k * c, dst, version=h.version)  # the trainer whose version h is
         else:
             core.wait_tile(up.spec, k, self.timeout, stop=self._check_stop)  # its ready word: the parent holds it
             core.transfer(up.spec, "get", k * c, dst)
