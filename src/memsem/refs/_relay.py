@@ -37,6 +37,13 @@ is passed over for the rest of the version; the error is recorded (``stats().fau
 is overwritten before a relay got it (the trainer committed twice meanwhile), the relay drops
 ``v`` and follows the newest version instead.
 
+**A restarted trainer.** After a failure on the trainer's windows the relay looks the name up
+again and follows whoever holds it now (a new process after a crash and a restore, or a
+republish): it drops the old trainer's versions, offers only the new one's (a manifest names
+the trainer its versions are of), says the change (``generation``, ``stats().generations``)
+and counts versions from 1 again. A caller waiting for a version of the old trainer gets
+``WindowRetiredError`` once the relay follows the new one.
+
 Consumers: ``relay.load(into)`` copies the newest complete version into existing tensors (like
 ``StateDictRef.load``); ``relay.wait_version(v)`` waits for the trainer's commit of ``v``; so a
 follower loop written for a ``StateDictRef`` source uses a relay unchanged. ``relay.hold()``
@@ -326,6 +333,9 @@ class Relay:
                 trainer not there yet, or gone: ``PeerLostError``), its last error is the
                 cause and the message's last words. The follower retries its failures; a call
                 never raises one made before it.
+            WindowRetiredError: ``version`` was one of a trainer that was replaced (restarted)
+                while waited for: the relay follows the new one (``generation``), whose
+                versions count from 1 again.
             RuntimeClosedError: the relay or its runtime is closed: at once for a call made
                 after the close, and for a call waiting when it closes (the runtime's
                 ``close()`` closes its relays first, which wakes their waiters).
