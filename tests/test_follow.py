@@ -316,6 +316,37 @@ def test_a_followable_source_such_as_a_relay(rt):
         rt.follow(src)
 
 
+def test_a_sources_own_shorter_timeout_is_not_the_steps(rt):
+    """The source's first wait_version ends with a timeout of its own (a bound shorter than the
+    step's: a relay's attach_timeout); the step goes on within its own deadline and yields the
+    version committed after that failure; the step's own timeout names the step."""
+
+    class Impatient(_Followable):
+        def __init__(self):
+            super().__init__()
+            self.failed = threading.Event()
+
+        def wait_version(self, version, timeout=None):
+            if not self.failed.is_set():
+                self.failed.set()
+                raise MemsemTimeoutError("the trainer's name not published after 0.2 s", what="name", timeout=0.2)
+            return super().wait_version(version, timeout)
+
+    src = Impatient()
+    f = rt.follow(src, into={"w": np.zeros(4)}, timeout=30)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=f.next()), daemon=True)
+    t.start()
+    assert src.failed.wait(30)
+    src.commit()
+    t.join(30)
+    assert not t.is_alive() and out["r"][0] == 1 and ("wait again", "MemsemTimeoutError") in f.recovered
+    src.failed.clear()
+    with pytest.raises(MemsemTimeoutError) as ei:
+        rt.follow(src, into={"w": np.zeros(4)}, timeout=0.2, after=1).next()
+    assert ei.value.what.startswith("a version after 0 of") and "not loaded after 0.2 s" in str(ei.value)
+
+
 from tests.test_primitives import BAD_VERSIONS  # noqa: E402
 
 

@@ -47,14 +47,35 @@ def _model():
     return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
+class _Odd(torch.nn.Module):
+    """A state dict of every alignment: sizes that are not multiples of the next tensor's
+    alignment (``bool (3,)`` then ``float32 (2,)``: packed end to end, the float32 tensor would
+    start at an odd byte), and one tensor bigger than a bucket (it travels in chunks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        for i, (dt, n) in enumerate([(torch.bool, 3), (torch.float32, 2), (torch.uint8, 5), (torch.float64, 3),
+                                     (torch.int8, 1), (torch.bfloat16, 7), (torch.int64, 3), (torch.float16, 5),
+                                     (torch.int32, 1), (torch.float32, 20011), (torch.bool, 1), (torch.int16, 3)]):
+            t = torch.randint(0, 100, (n,), generator=g).to(dt) if not dt.is_floating_point else \
+                torch.randn(n, generator=g).to(dt)
+            self.register_buffer(f"t{i:02d}_{str(dt).removeprefix('torch.')}", t)
+
+
+def _stepped(v: torch.Tensor, step: int) -> torch.Tensor:
+    """The trainer's value of ``v`` at ``step`` (of the same dtype: a bool flips on odd steps)."""
+    return v ^ bool(step % 2) if v.dtype == torch.bool else v + step
+
+
 @ray.remote(num_cpus=0)
 class Worker:
-    def __init__(self, role: str, index: int, fanout: str = "chain") -> None:
+    def __init__(self, role: str, index: int, fanout: str = "chain", model: str = "llama") -> None:
         import memsem.integrations.verl  # registers the backend, as custom_backend_module does
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
         self.role = role
-        self.model = _model()
+        self.model = _model() if model == "llama" else _Odd()
         # as verl's actor workers do: is_master=(rank == 0) on the actors
         self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=TIMEOUT, fanout=fanout,
                                                    is_master=(role == "trainer" and index == 0))
@@ -71,7 +92,7 @@ class Worker:
         self.round = step
         if self.role == "trainer":
             with torch.no_grad():
-                sd = {k: v + step for k, v in self.model.state_dict().items()}
+                sd = {k: _stepped(v, step) for k, v in self.model.state_dict().items()}
             return await self.engine.send_weights(iter(sd.items()), global_steps=step)
         async for name, weight in self.engine.receive_weights(global_steps=step):
             self.received[name] = weight.clone()
@@ -93,6 +114,20 @@ class Worker:
 
         engine._verify = verify
 
+    def reserve_an_older_bucket(self, index: int) -> None:
+        """Make this rollout a faulty relay: it stops checking digests and re-serves bucket
+        ``index - 1`` whole (its header, metadata and bytes, all the trainer's) in the slot of
+        bucket ``index``."""
+        engine = self.engine
+        seen: dict = {}
+
+        def verify(buf, head, version):
+            seen[head["index"]] = buf.copy()
+            if head["index"] == index:
+                buf[:] = seen[index - 1]
+
+        engine._verify = verify
+
     def is_stalled(self) -> bool:
         return self.stalled
 
@@ -100,7 +135,7 @@ class Worker:
         """(weights received, weights of the model, names of those received that are not the
         trainer's of this round)."""
         sd = self.model.state_dict()
-        wrong = [k for k, v in self.received.items() if not torch.equal(v, sd[k] + self.round)]
+        wrong = [k for k, v in self.received.items() if not torch.equal(v, _stepped(sd[k], self.round))]
         return len(self.received), len(sd), wrong
 
     def pid(self) -> int:
@@ -127,7 +162,7 @@ class Worker:
         n = 0
         for name, weight in self.model.state_dict().items():
             assert name in self.received, f"weight {name} not received"
-            want = weight + self.round
+            want = _stepped(weight, self.round)
             got = self.received[name]
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert torch.equal(got, want), f"weight {name} not equal"
@@ -285,13 +320,55 @@ def test_a_relay_that_passes_on_wrong_bytes_is_caught_by_the_trainers_digest(ray
             ray.kill(w)
 
 
+def test_tensors_of_every_size_and_alignment_arrive_whole(ray_cluster):
+    """A state dict whose tensor sizes are not multiples of the next tensor's alignment
+    (bool (3,) then float32 (2,), ...; one tensor bigger than a bucket): through a chain of 2
+    rollouts, every weight of every round arrives equal, of its dtype and shape."""
+    _rounds(*_workers(2, 2, model="odd"))
+
+
+def test_a_relay_that_reserves_an_older_bucket_whole_is_named(ray_cluster):
+    """A chain of 3 rollouts whose first one re-serves bucket 0 whole (the trainer's own
+    header, metadata and bytes) as bucket 1: rollout 2 refuses it as a wrong bucket naming
+    rollout 1 (DigestMismatchError, like a flipped byte), and the trainer's send_weights
+    raises PeerLostError carrying that down the chain."""
+    trainer, rollout = _workers(2, 3)
+    workers = trainer + rollout
+    try:
+        _setup(trainer, rollout)
+        ray.get(rollout[0].reserve_an_older_bucket.remote(1), timeout=60)
+        sends = [w.update_weights.remote(1) for w in trainer]
+        received = [w.update_weights.remote(1) for w in rollout]
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(sends[0], timeout=TIMEOUT + 60)
+        assert isinstance(info.value, memsem.PeerLostError), repr(info.value)
+        text = str(info.value)
+        assert "DigestMismatchError" in text and "bucket 1 (version 3)" in text, text
+        assert re.search(r"rollout 1 \(pid \d+ on '[^']*'\) served a wrong bucket", text), text
+        with pytest.raises(ray.exceptions.RayTaskError) as second:
+            ray.get(received[1], timeout=TIMEOUT)
+        assert isinstance(second.value, memsem.DigestMismatchError), repr(second.value)
+        assert "it holds bucket 0: a bucket out of order" in str(second.value), str(second.value)
+        assert "rollout 1 (pid" in str(second.value) and "none of it was accepted" in str(second.value)
+        n, total, wrong = ray.get(rollout[1].received_so_far.remote(), timeout=60)
+        assert 0 < n < total and wrong == [], (n, total, wrong)
+        for ref in received[::2] + sends[1:]:
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
 def _workers(num_trainer: int, num_rollout: int, directory: str | None = None,
-             fanout: str = "chain") -> tuple[list, list]:
+             fanout: str = "chain", model: str = "llama") -> tuple[list, list]:
     """Trainer and rollout actors; with ``directory`` each on its own memsem node."""
     def make(role: str, i: int):
         if directory is None:
-            return Worker.remote(role, i, fanout)
-        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i, fanout)
+            return Worker.remote(role, i, fanout, model)
+        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i, fanout, model)
 
     return [make("trainer", i) for i in range(num_trainer)], [make("rollout", i) for i in range(num_rollout)]
 

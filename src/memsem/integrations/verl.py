@@ -54,6 +54,12 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
   from the trainer itself (32 bytes, never through a relay) and compares before it yields a
   tensor or re-serves the bucket: a relay that passes on wrong bytes is named in a
   ``DigestMismatchError`` and nothing of the bucket is accepted (the sync then ends as below).
+  So is a bucket whose header is wrong (not a bucket, another bucket than its version's, such
+  as an older one re-served whole, sizes or offsets that do not fit): every kind of wrong bucket
+  names who served it.
+* Each tensor chunk lies in the bucket's data area (at ``meta_bytes``, a multiple of
+  ``DATA_ALIGN``) at an offset that is a multiple of its dtype's size, so every rollout's view
+  of it is aligned whatever the sizes of the tensors before it.
 * Awaiting a rollout's word is a memsem wait on that rollout's window, so a rollout that dies
   is reported by memsem's liveness (its process on the same node; its connection and heartbeat
   across nodes) as ``PeerLostError`` naming the rollout, within the library's liveness bound,
@@ -115,6 +121,15 @@ FANOUTS = ("chain", "star")
 DIGEST, DIGEST_SIZE = "sha256", 32
 #: buckets one sync may have (the digest window's entries: 2 MiB)
 MAX_BUCKETS = 1 << 16
+#: a slot's data area starts at ``meta_bytes``, a multiple of this; each tensor chunk in it at a
+#: multiple of its dtype's size (a bucket of ``bool (3,)`` then ``float32 (2,)`` puts the float32
+#: chunk at data offset 4, not 3: every rollout's view of it is aligned)
+DATA_ALIGN = 64
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``: the alignment of a chunk of it in a bucket."""
+    return int(dtype.itemsize)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -153,6 +168,10 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise ValueError(f"bucket_size must be an int > 0 (bytes), got {bucket_size!r}")
         if fanout not in FANOUTS:
             raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
+        if (isinstance(meta_bytes, bool) or not isinstance(meta_bytes, int) or meta_bytes <= _HEAD.size
+                or meta_bytes % DATA_ALIGN):
+            raise ValueError(f"meta_bytes must be an int > {_HEAD.size} and a multiple of {DATA_ALIGN} (bytes: the "
+                             f"data area of a slot starts there, aligned for every dtype), got {meta_bytes!r}")
         self.fanout = fanout
         self.bucket_size = bucket_size
         self.device = device
@@ -342,7 +361,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
         try:
             async for tm, chunk in split_weight_chunks(weights, self.bucket_size):
                 entry = [tm.name, str(tm.dtype), list(tm.shape), tm.chunk_offset, tm.chunk_size, 0]
-                if meta and (offset + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
+                size = _itemsize(tm.dtype)
+                at = -(-offset // size) * size  # the chunk's data offset: a multiple of its dtype's size
+                if meta and (at + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
                     await self._seal(sec, buckets, False, step, meta, offset)
                     blocked += sec.blocked_s
                     sec.commit()
@@ -350,12 +371,12 @@ class MemsemCheckpointEngine(CheckpointEngine):
                     blocked += await self._await_slot(loop, buckets)
                     sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                                     timeout=self.timeout))
-                    meta, offset = [], 0
+                    meta, offset, at = [], 0, 0
                 data = torch.from_numpy(sec.array()[self.meta_bytes:])
-                entry[5] = offset
-                data[offset:offset + tm.chunk_size].copy_(chunk.reshape(-1).view(torch.uint8).cpu())
+                entry[5] = at
+                data[at:at + tm.chunk_size].copy_(chunk.reshape(-1).view(torch.uint8).cpu())
                 meta.append(entry)
-                offset += tm.chunk_size
+                offset = at + tm.chunk_size
             await self._seal(sec, buckets, True, step, meta, offset)
             blocked += sec.blocked_s
             sec.commit()
@@ -495,18 +516,42 @@ class MemsemCheckpointEngine(CheckpointEngine):
 
     def _check_bucket(self, win: Any, buf: np.ndarray, got: int, version: int,
                       global_steps: int | None) -> dict[str, Any]:
-        """The header of the bucket in ``buf`` (exactly version ``version`` of ``win``), checked."""
+        """The header of the bucket in ``buf`` (exactly version ``version`` of ``win``), checked.
+
+        Raises:
+            DigestMismatchError: whatever is wrong with it (not a bucket, another bucket than
+                this version's, sizes or offsets that do not fit, a relay's bucket of another
+                step), naming who served it (``relay``: the trainer, or the rollout before this
+                one in a chain), like a bucket whose bytes do not match the trainer's digest.
+            MemsemError: the trainer's own bucket is of another step than ``global_steps``.
+        """
+        want = version - FIRST_BUCKET_VERSION
+
+        def wrong(why: str) -> memsem.DigestMismatchError:
+            return memsem.DigestMismatchError(
+                f"bucket {want} (version {version}) from {win.spec.label}: {why}: {self._source_label} served a "
+                "wrong bucket (none of it was accepted)", relay=self._source_label, version=version, chunk=want)
+
         magic, index, last, step, mlen = _HEAD.unpack(buf[:_HEAD.size].tobytes())
         if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
-            raise memsem.MemsemError(f"{win.spec.label}: version {got} is not memsem verl bucket {version}")
-        meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
-        used = max((e[5] + e[4] for e in meta), default=0)
+            raise wrong(f"version {got} is not a memsem verl bucket")
+        try:
+            meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
+            used = max((int(e[5]) + int(e[4]) for e in meta), default=0)
+            misaligned = [e[0] for e in meta if int(e[5]) % _itemsize(_dtype(e[1]))]
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+            raise wrong(f"its metadata is malformed ({type(exc).__name__})") from None
         if used > self.bucket_size:
-            raise memsem.MemsemError(f"bucket {index} claims {used} bytes of a {self.bucket_size}-byte bucket")
-        if index != version - FIRST_BUCKET_VERSION:
-            raise memsem.MemsemError(f"bucket {index} arrived as version {version}: the stream is out of order")
+            raise wrong(f"it claims {used} bytes of a {self.bucket_size}-byte bucket")
+        if misaligned:
+            raise wrong(f"tensor {misaligned[0]!r} is not at a multiple of its dtype's size")
+        if index != want:
+            raise wrong(f"it holds bucket {index}: a bucket out of order")
         if global_steps is not None and step != int(global_steps):
-            raise memsem.MemsemError(f"bucket {index} is of step {step}, this rollout expects {global_steps}")
+            if self._upstream is None:  # the trainer's own bucket: the sync is of another step
+                raise memsem.MemsemError(f"bucket {index} from {self._source_label} is of step {step}, this rollout "
+                                         f"expects step {global_steps}")
+            raise wrong(f"it is of step {step}, this rollout expects step {global_steps}")
         return {"meta": meta, "last": bool(last), "index": index, "head": _HEAD.size + mlen, "used": used}
 
     def _verify(self, buf: np.ndarray, head: dict[str, Any], version: int) -> None:

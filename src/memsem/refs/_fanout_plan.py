@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 from memsem import _args
 
@@ -52,10 +53,34 @@ class LinkModel:
     hop_latency: float = 200e-6
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ValueError(f"bandwidth must be a finite number > 0 (bytes/s), got {self.bandwidth!r}")
-        if not (isinstance(self.hop_latency, (int, float)) and self.hop_latency >= 0):
-            raise ValueError(f"hop_latency must be a number >= 0 (seconds), got {self.hop_latency!r}")
+        object.__setattr__(self, "bandwidth", _rate(self.bandwidth, "bandwidth"))
+        object.__setattr__(self, "hop_latency", _args.timeout(self.hop_latency, "hop_latency"))
+
+
+def _rate(value: object, name: str) -> float:
+    """A rate in bytes per second: a finite real number > 0 (``bool`` is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of bytes per second, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be a finite number of bytes per second > 0, got {value!r}")
+    return v
+
+
+def kind_arg(value: object, kinds: tuple[str, ...], name: str = "kind") -> str:
+    """One of ``kinds`` (a str; anything else is named)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {kinds} (a str), got {value!r} ({type(value).__name__})")
+    if value not in kinds:
+        raise ValueError(f"{name} must be one of {kinds}, got {value!r}")
+    return value
+
+
+def link_arg(value: object, name: str = "link") -> "LinkModel":
+    """``value`` when it is a :class:`LinkModel` (TypeError naming ``name`` and the value)."""
+    if not isinstance(value, LinkModel):
+        raise TypeError(f"{name} must be a memsem.LinkModel, got {value!r:.80} ({type(value).__name__})")
+    return value
 
 
 def _depth(rank: int, degree: int) -> int:
@@ -72,10 +97,13 @@ def chunks_in_flight(link: "LinkModel | None", chunk_bytes: int, most: int = 8) 
     the link busy, ``1 + ceil(hop_latency / chunk time)``, between 2 and ``most`` (each chunk
     more in flight delays every hop of a chain by one chunk's transfer: the parent's link sends
     the requests in turn); without one, 4."""
+    most = _args.count(most, "most", minimum=1)
+    chunk_bytes = _args.count(chunk_bytes, "chunk_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
     if link is None:
         return min(4, most)
-    chunk_s = _args.count(chunk_bytes, "chunk_bytes", minimum=1, unit="bytes") / float(link.bandwidth)
-    return max(2, min(most, 1 + math.ceil(float(link.hop_latency) / chunk_s)))
+    link = link_arg(link)
+    hops = link.hop_latency / (chunk_bytes / link.bandwidth)  # round trips per chunk time (may be huge)
+    return max(2, most if hops >= most else 1 + math.ceil(hops))
 
 
 def model_time(kind: str, world: int, model_bytes: int, chunk_bytes: int, link: LinkModel, *,
@@ -83,22 +111,23 @@ def model_time(kind: str, world: int, model_bytes: int, chunk_bytes: int, link: 
     """Modelled seconds until all ``world`` ranks hold one version (see the module docstring).
 
     Raises:
-        ValueError: an unknown ``kind`` or a count out of range (named).
+        TypeError / ValueError: an unknown ``kind``, a count out of range, a ``link`` that is
+            no ``LinkModel`` (named, with the value).
     """
+    kind = kind_arg(kind, KINDS)
     world = _args.count(world, "world", minimum=1)
-    m = _args.count(model_bytes, "model_bytes", minimum=1, unit="bytes")
-    b = min(_args.count(chunk_bytes, "chunk_bytes", minimum=1, unit="bytes"), m)
+    m = _args.count(model_bytes, "model_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
+    b = min(_args.count(chunk_bytes, "chunk_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes"), m)
     degree = _args.count(degree, "degree", minimum=1)
-    bw, a = float(link.bandwidth), float(link.hop_latency)
+    link = link_arg(link)
+    bw, a = link.bandwidth, link.hop_latency
     if kind == "star":
         return a + world * m / bw
     if kind == "chain":
         return world * (a + b / bw) + (m - b) / bw
-    if kind == "tree":
-        d = _depth(world - 1, degree)
-        k = min(degree, max(1, world - 1))  # rank 0 of a 2-rank tree has one child
-        return (a + b / bw) + (d - 1) * (a + k * b / bw) + (m - b) * (k if world > 1 else 1) / bw
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    d = _depth(world - 1, degree)  # a tree
+    k = min(degree, max(1, world - 1))  # rank 0 of a 2-rank tree has one child
+    return (a + b / bw) + (d - 1) * (a + k * b / bw) + (m - b) * (k if world > 1 else 1) / bw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +145,7 @@ class FanoutPlan:
     why: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        kind_arg(self.kind, KINDS)
         _args.count(self.world, "world", minimum=1)
         _args.count(self.degree, "degree", minimum=1)
 
@@ -161,16 +189,24 @@ def plan(world: int, *, kind: str = "auto", degree: int | None = None, model_byt
         degree: children per rank of a tree (default 2, or the best one for "auto").
 
     Raises:
-        ValueError: an unknown kind, or a count out of range (named).
+        TypeError / ValueError: an unknown kind, a count out of range, a link that is no
+            ``LinkModel`` (each named, with its value), whatever the kind.
     """
     world = _args.count(world, "world", minimum=1)
-    if kind not in KINDS + ("auto",):
-        raise ValueError(f"kind must be 'auto' or one of {KINDS}, got {kind!r}")
+    kind = kind_arg(kind, ("auto",) + KINDS)
+    if degree is not None:
+        degree = _args.count(degree, "degree", minimum=1)
+    if model_bytes is not None:
+        model_bytes = _args.count(model_bytes, "model_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
+    if chunk_bytes is not None:
+        chunk_bytes = _args.count(chunk_bytes, "chunk_bytes", minimum=1, maximum=_args.MAX_BYTES, unit="bytes")
+    if link is not None:
+        link = link_arg(link)
     if kind != "auto":
-        return FanoutPlan(kind, world, _args.count(degree or 2, "degree", minimum=1), why=f"{kind} asked for")
+        return FanoutPlan(kind, world, 2 if degree is None else degree, why=f"{kind} asked for")
     if model_bytes is None or chunk_bytes is None or link is None:
         return FanoutPlan("chain", world, 1, why="chain: no model size, chunk size or link model given")
-    cands = [("chain", 1)] + [("tree", k) for k in ((degree,) if degree else (2, 3, 4))]
+    cands = [("chain", 1)] + [("tree", k) for k in ((degree,) if degree is not None else (2, 3, 4))]
     times = {c: model_time(c[0], world, model_bytes, chunk_bytes, link, degree=c[1]) for c in cands}
     best = min(times, key=lambda c: times[c])
     star = model_time("star", world, model_bytes, chunk_bytes, link)

@@ -51,6 +51,26 @@ def digests_name(name: str) -> str:
     return f"{name}@digests"
 
 
+#: the longest suffix a fan-out adds to the state dict's name (``@digests``, ``@relay.<rank>``)
+NAME_SUFFIX_BYTES = len("@relay.") + 10
+
+
+def fanout_name(value: Any, name: str = "name") -> str:
+    """The name of a fan-out's state dict (the name door, ``_args.window_name``), short enough
+    that its digest window and every relay's manifest (``<name>@relay.<rank>``) are names too.
+
+    Raises:
+        TypeError: not a str. ValueError: as ``window_name``, or longer than
+            ``NAME_MAX_BYTES - NAME_SUFFIX_BYTES`` bytes.
+    """
+    value = _args.window_name(value, name)
+    most = _args.NAME_MAX_BYTES - NAME_SUFFIX_BYTES
+    if len(value.encode("utf-8")) > most:
+        raise ValueError(f"{name} must be at most {most} bytes of UTF-8 (a fan-out adds '@digests' and "
+                         f"'@relay.<rank>' to it), got {len(value.encode('utf-8'))} bytes ({value[:24]!r}...)")
+    return value
+
+
 def digest_of(algo: str, data: Any, size: int) -> bytes:
     """The first ``size`` bytes of ``algo``'s digest of ``data``."""
     return hashlib.new(algo, data).digest()[:size]
@@ -89,9 +109,10 @@ class FanoutSource:
                  slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  write_guard: str | None = None) -> None:
         core = usable_core(as_core(runtime))
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
-        self.chunk_bytes = _args.count(chunk_bytes, "chunk_bytes", minimum=4096, unit="bytes")
+        name = fanout_name(name)
+        self.chunk_bytes = _args.count(chunk_bytes, "chunk_bytes", minimum=4096, maximum=_args.MAX_BYTES, unit="bytes")
+        if not isinstance(digest, str):
+            raise TypeError(f"digest must be one of {DIGESTS} (a str), got {digest!r} ({type(digest).__name__})")
         if digest not in DIGESTS:
             raise ValueError(f"digest must be one of {DIGESTS}, got {digest!r}")
         self.history = _args.count(history, "history", minimum=2, maximum=1024)
@@ -149,6 +170,7 @@ class FanoutSource:
     def update(self, state_dict: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Publish ``state_dict``'s values as the next version, then its digests; returns the
         version. Raises as ``StateDictRef.update``."""
+        timeout = _args.timeout_or(timeout, self._core.timeout)
         srcs = self.ref.sources(state_dict)
         with self.ref.write_section(copy=False, timeout=timeout) as sec:
             self.ref.fill(sec, srcs)
@@ -160,7 +182,15 @@ class FanoutSource:
     def write_section(self, *, copy: bool = True, timeout: float | None = None) -> Iterator[StateDictSection]:
         """A write section on the state dict (``StateDictRef.write_section``): change
         ``section.tensors`` in place; leaving the block digests the slot, commits the version,
-        then its digests. A body that raises commits nothing."""
+        then its digests. A body that raises commits nothing.
+
+        Raises:
+            TypeError / ValueError: ``copy`` not a bool, a bad ``timeout`` (named). As
+            ``StateDictRef.write_section``.
+        """
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be True or False, got {copy!r}")
+        timeout = _args.timeout_or(timeout, self._core.timeout)
         sec = self.ref.write_section(copy=copy, timeout=timeout)
         try:
             yield sec
@@ -173,7 +203,9 @@ class FanoutSource:
         self._publish_digests(v, digests)
 
     def close(self, timeout: float | None = None) -> None:
-        """Unpublish both windows (relays then see the trainer gone). Safe twice."""
+        """Unpublish both windows (relays then see the trainer gone), waiting up to ``timeout``
+        s for each (default the runtime's). Safe twice."""
+        timeout = _args.timeout_or(timeout, self._core.timeout)
         if self._pool is None:
             return
         self._pool.shutdown()
@@ -242,4 +274,4 @@ def read_digests(core: RuntimeCore, spec: RefSpec, version: int, timeout: float,
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_HISTORY", "DIGESTS", "DIGEST_HEAD", "DIGEST_MAGIC", "Digests",
-           "FanoutSource", "digest_of", "digests_name", "n_chunks", "read_digests", "read_sizes"]
+           "FanoutSource", "NAME_SUFFIX_BYTES", "digest_of", "digests_name", "fanout_name", "n_chunks", "read_digests", "read_sizes"]

@@ -31,6 +31,10 @@ window lives; a named one is looked up again after a republish), or any *followa
 that has ``version()``, ``wait_version(version, timeout)`` and ``load(into, version=, timeout=)``
 (returning the version loaded, at least the one asked for): the fan-out's ``memsem.Relay``
 fits as it is, and recovers from its own failures (the loop only waits and loads through it).
+A followable that may follow another trainer (a relay, across a trainer's restart) has a
+``generation`` attribute and raises ``WindowRetiredError`` from a wait or load of a version of
+the trainer it no longer follows: the loop then counts versions from 1 again, like a
+republished window, and ``follower.generation`` is the source's.
 
 **Every version, in order** (``every=True``): a stream whose versions each carry their own
 data (a bucket stream: verl's buckets), where the owner keeps every version readable until the
@@ -85,7 +89,7 @@ class Follower:
 
     Attributes:
         version: the version yielded last (0: none yet). generation: its window's generation
-            (None for a followable source). ref: the window's current ref (None until found,
+            (for a followable source, its ``generation`` attribute, None where it has none). ref: the window's current ref (None until found,
             and for a followable source). loads: versions loaded. skipped: versions committed
             but never loaded (the owner was faster: the loop always loads the latest).
             recovered: ``(what, error type)`` of each recovery (a lookup again, a load again).
@@ -182,21 +186,31 @@ class Follower:
             MemsemTimeoutError: no newer version could be loaded within ``timeout`` s (no name,
                 no commit, no new owner). KeyError / ValueError / TypeError: ``into`` does not
                 fit the window. AccessDeniedError: as ``lookup``. Errors of a followable
-                source's own (a relay's ``DigestMismatchError``).
+                source's own (a relay's ``DigestMismatchError``). RuntimeClosedError: the
+                runtime is closed (at once, or within a slice of a wait when it closes
+                meanwhile).
         """
+        self._core.check_open()
         what = f"a version after {self.version} of {self._label()}"
         wait = Wait(what, self.timeout, telemetry=self._core.telemetry, state="not loaded")
-        try:
-            if self._source is not None:
-                return self._next_followable(wait, into)
-            return self._next_window(wait, into)
-        except MemsemTimeoutError as exc:
-            if exc.what == what:
-                raise
-            err = wait.error()  # one error naming the step, whatever wait ran out in it
-            if self.ref is None and self._name:  # the name never appeared (or not again): say so here
-                err = MemsemTimeoutError(f"{err}: {exc}", what=err.what, timeout=err.timeout)
-            raise err from exc
+        while True:
+            try:
+                if self._source is not None:
+                    return self._next_followable(wait, into)
+                return self._next_window(wait, into)
+            except MemsemTimeoutError as exc:
+                if exc.what == what:
+                    raise
+                if wait.expired:
+                    err = wait.error()  # one error naming the step, whatever wait ran out in it
+                    if self.ref is None and self._name:  # the name never appeared (or not again): say so here
+                        err = MemsemTimeoutError(f"{err}: {exc}", what=err.what, timeout=err.timeout)
+                    raise err from exc
+                # a wait of the source with a bound of its own, shorter than this step's (a
+                # relay's attach_timeout): not this step's failure; tried again (after a slice,
+                # the one wait's pause, which raises this step's error at its deadline)
+                self._note("wait again", exc)
+                wait.pause()
 
     def _next_window(self, wait: Wait, into: Any) -> tuple[int, Any]:
         while True:
@@ -206,7 +220,7 @@ class Follower:
                     self._attach(wait)
                 want = (self.version if self.ref.spec.generation == self.generation else 0) + 1
                 want = max(want, self._after + 1) if self.version == 0 else want
-                self.ref.wait_version(want, timeout=wait.left())
+                self._core.wait_version(self.ref.spec, want, wait.left(), stop=self._core.check_open)
                 v = self._load(wait, want if self.every else 0, into)
             except (VersionGoneError, LeaseExpiredError) as exc:
                 if self.every:
@@ -233,8 +247,11 @@ class Follower:
         src = self._source
         dst = into if into is not None else self._into
         want = max(self.version, self._after) + 1
+        if self.version and getattr(src, "generation", None) != self.generation:
+            want = 1  # the source follows a new trainer since the last step: its versions count from 1
         while True:
             wait.check()
+            gen = getattr(src, "generation", None)
             try:
                 src.wait_version(want, timeout=wait.left())
                 v = src.load(dst, version=want, timeout=wait.left())
@@ -243,8 +260,17 @@ class Follower:
                     raise
                 self._note("load again", exc)
                 continue
-            if self.version:
+            except WindowRetiredError as exc:  # a relay's trainer was replaced (restarted) meanwhile
+                if self.every:
+                    raise
+                self._note("new generation", exc)
+                want = 1
+                continue
+            if gen is None:  # the source found its first trainer during this step
+                gen = getattr(src, "generation", None)
+            if self.version and gen == self.generation:
                 self.skipped += max(0, v - self.version - 1)
+            self.generation = gen
             self.version = v
             self.loads += 1
             self.loaded_at = _monotonic()
@@ -291,7 +317,7 @@ class Follower:
     def _attach(self, wait: Wait) -> None:
         """Look the name up (waiting for it, a successor of a retired window, a new owner)."""
         core = self._core
-        spec = core.lookup_spec(self._name, max(wait.left(), 1e-3))
+        spec = core.lookup_spec(self._name, max(wait.left(), 1e-3), stop=core.check_open)
         ref = StateDictRef(spec, core) if _is_state_dict(core, spec) else TensorRef(spec, core)
         if isinstance(ref, StateDictRef):
             _ = ref.layout  # read and checked now: a wrong window is an error here

@@ -37,6 +37,13 @@ is passed over for the rest of the version; the error is recorded (``stats().fau
 is overwritten before a relay got it (the trainer committed twice meanwhile), the relay drops
 ``v`` and follows the newest version instead.
 
+**A restarted trainer.** After a failure on the trainer's windows the relay looks the name up
+again and follows whoever holds it now (a new process after a crash and a restore, or a
+republish): it drops the old trainer's versions, offers only the new one's (a manifest names
+the trainer its versions are of), says the change (``generation``, ``stats().generations``)
+and counts versions from 1 again. A caller waiting for a version of the old trainer gets
+``WindowRetiredError`` once the relay follows the new one.
+
 Consumers: ``relay.load(into)`` copies the newest complete version into existing tensors (like
 ``StateDictRef.load``); ``relay.wait_version(v)`` waits for the trainer's commit of ``v``; so a
 follower loop written for a ``StateDictRef`` source uses a relay unchanged. ``relay.hold()``
@@ -60,14 +67,25 @@ from memsem._buffers import array_address
 from memsem._errors import (
     DigestMismatchError,
     MemsemError,
-    RuntimeClosedError,
+    MemsemTimeoutError,
+    PeerLostError,
     StaleReferenceError,
     VersionGoneError,
+    WindowRetiredError,
 )
 from memsem.core import Wait
 from memsem.gva import RefSpec
-from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, chunks_in_flight, plan as make_plan
-from memsem.refs._fanout_source import Digests, digest_of
+from memsem.refs._fanout_plan import (
+    KINDS,
+    TRAINER,
+    FanoutPlan,
+    LinkModel,
+    chunks_in_flight,
+    kind_arg,
+    link_arg,
+    plan as make_plan,
+)
+from memsem.refs._fanout_source import Digests, digest_of, fanout_name
 from memsem.refs._relay_upstream import (
     MANIFEST_BYTES,
     RelayClosing,
@@ -76,6 +94,7 @@ from memsem.refs._relay_upstream import (
     Upstreams,
     manifest_bytes,
     manifest_name,
+    trainer_identity,
 )
 from memsem.refs._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
@@ -100,6 +119,9 @@ class RelayStats:
         faults: the :class:`DigestMismatchError` of every chunk a relay served wrong.
         dropped: versions it dropped before completing them (gone upstream).
         digest_s: seconds spent checking digests.
+        generations: the generation of the trainer's state-dict window for each trainer
+            followed, in order: one more each time a new publisher of the name (a restarted
+            trainer) or a republish was followed (``Relay.generation`` is the last one).
     """
 
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -109,6 +131,7 @@ class RelayStats:
     faults: list[DigestMismatchError] = dataclasses.field(default_factory=list)
     dropped: list[int] = dataclasses.field(default_factory=list)
     digest_s: float = 0.0
+    generations: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -117,6 +140,8 @@ class _Held:
     buf: np.ndarray
     spec: RefSpec  # the owner's ref of the data window
     offer: str  # hex of the read-only ref handed to children
+    gen: tuple[int, int]  # the trainer it is a version of (trainer_identity)
+    sd: StateDictRef  # that trainer's state dict (its layout)
     have: set[int] = dataclasses.field(default_factory=set)
     complete: bool = False
     holds: int = 0
@@ -160,23 +185,27 @@ class Relay:
                  link: LinkModel | None = None, slots: int = 2, depth: int | None = None, attach_timeout: float = 10.0,
                  timeout: float | None = None, on_mismatch: str = "raise", follow: bool = True) -> None:
         core = usable_core(as_core(runtime))
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        name = fanout_name(name)
         world = _args.count(world, "world", minimum=1)
         self.rank = _args.index(rank, "rank", world, of=f"{world} rollouts")
         auto_link: LinkModel | None = None
-        if link is not None and not isinstance(link, LinkModel):
-            raise TypeError(f"link must be a memsem.LinkModel, got {type(link).__name__}")
-        self._link = link
-        if plan == "auto" and link is not None:
-            auto_link = link  # the plan is made once the trainer's sizes are known
-            plan = make_plan(world, kind="chain")
-        elif isinstance(plan, str):
-            plan = make_plan(world, kind=plan)
-        if not isinstance(plan, FanoutPlan) or plan.world != world:
-            raise ValueError(f"plan must be a kind or a FanoutPlan of {world} ranks, got {plan!r}")
-        if on_mismatch not in ("raise", "bypass"):
+        self._link = None if link is None else link_arg(link)
+        if isinstance(plan, str):
+            kind_arg(plan, ("auto",) + KINDS, "plan")
+            if plan == "auto" and link is not None:
+                auto_link = link  # the plan is made once the trainer's sizes are known
+                plan = make_plan(world, kind="chain")
+            else:
+                plan = make_plan(world, kind=plan)
+        elif not isinstance(plan, FanoutPlan):
+            raise TypeError(f"plan must be a kind ('auto', 'star', 'chain', 'tree') or a memsem.FanoutPlan, got "
+                            f"{plan!r:.80} ({type(plan).__name__})")
+        if plan.world != world:
+            raise ValueError(f"plan must be a plan of world={world} ranks, got {plan!r}")
+        if not isinstance(on_mismatch, str) or on_mismatch not in ("raise", "bypass"):
             raise ValueError(f"on_mismatch must be 'raise' or 'bypass', got {on_mismatch!r}")
+        if not isinstance(follow, bool):
+            raise TypeError(f"follow must be True or False, got {follow!r}")
         self.name = name
         self.world = world
         self.slots = _args.count(slots, "slots", minimum=2, maximum=16)
@@ -190,7 +219,12 @@ class Relay:
         self._held: dict[int, _Held] = {}
         self._free: list[np.ndarray] = []
         self._stats = RelayStats()
-        self._error: BaseException | None = None
+        #: the follower's last error (it retries): ``(serial, error)``; a call reports only the
+        #: ones of attempts made while it waited, and only as the cause of its own timeout
+        self._error: tuple[int, BaseException] | None = None
+        self._errors = 0  # serial of the follower's errors
+        self._fatal: BaseException | None = None  # the follower stopped (a bug): every call raises it
+        self._gen: tuple[int, int] | None = None  # the trainer followed (trainer_identity), set by the follower
         self._pending: DigestMismatchError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,6 +235,7 @@ class Relay:
         buf = np.zeros(MANIFEST_BYTES, np.uint8)
         self._manifest = TensorRef(core.publish_spec(buf, name=manifest_name(name, self.rank), access="r", slots=2),
                                    core)
+        core.children.add(self)  # the runtime's close() closes this relay first: its waiters wake at once
         if follow:
             self.start()
 
@@ -221,26 +256,65 @@ class Relay:
         with self._cond:
             s = self._stats
             return dataclasses.replace(s, versions=list(s.versions), chunks=dict(s.chunks),
-                                       reattached=list(s.reattached), faults=list(s.faults), dropped=list(s.dropped))
+                                       reattached=list(s.reattached), faults=list(s.faults), dropped=list(s.dropped),
+                                       generations=list(s.generations))
+
+    @property
+    def generation(self) -> int | None:
+        """The generation of the trainer's state-dict window this relay follows (None until
+        it found one). It changes when a new publisher of the name (a restarted trainer)
+        or a republish is followed: versions count from 1 again."""
+        g = self._gen
+        return None if g is None else g[1]
 
     def held(self) -> list[int]:
         """Versions this relay holds complete (and serves), oldest first."""
         with self._cond:
-            return sorted(v for v, h in self._held.items() if h.complete)
+            return sorted(v for v, h in self._held.items() if h.complete and h.gen == self._gen)
 
     def prepare(self, timeout: float | None = None) -> None:
         """Look the trainer's windows up now (waiting for them up to ``timeout`` s), so the first
-        version starts without that delay. Raises as ``lookup``."""
-        self._up.trainer(_args.timeout_or(timeout, self.timeout))
+        version starts without that delay. Raises as ``lookup``; RuntimeClosedError: the relay
+        or its runtime is closed (also while waiting)."""
+        t = _args.timeout_or(timeout, self.timeout)
+        self._check_stop()
+        self._up.trainer(t)
 
     def version(self) -> int:
-        """The trainer's latest committed version (with digests). Raises as ``TensorRef.version``."""
+        """The trainer's latest committed version (with digests). Raises as ``TensorRef.version``;
+        RuntimeClosedError: the relay or its runtime is closed."""
+        self._check_stop()
         return self._up.trainer(self.timeout)[1].version()
 
     def wait_version(self, version: int, timeout: float | None = None) -> int:
-        """Block until the trainer committed ``version`` (or a newer one); returns it. Raises as
-        ``TensorRef.wait_version``."""
-        return self._up.trainer(self.timeout)[1].wait_version(version, timeout)
+        """Block until the trainer committed ``version`` (or a newer one); returns it.
+
+        Raises:
+            As ``TensorRef.wait_version``. RuntimeClosedError: the relay or its runtime is
+            closed (at once, or within a slice of the wait). WindowRetiredError: the trainer
+            was replaced (restarted, or republished) while waited for, raised once the relay
+            follows the new one (``generation`` says which; its versions count from 1 again).
+            MemsemTimeoutError: no such commit (nor a new trainer) within ``timeout`` s.
+        """
+        version = _args.version(version)
+        t = _args.timeout_or(timeout, self.timeout)
+        self._check_stop()
+        wait = Wait(f"version {version} of {self.name!r} (the trainer's commit, seen by relay {self._label})", t,
+                    telemetry=self._core.telemetry, state="not committed")
+        gen0 = self._gen
+        try:
+            sd, dg = self._up.trainer(max(wait.left(), 1e-3))
+            if gen0 is not None and trainer_identity(sd) != gen0:  # found another trainer: once followed, say so
+                self._await_new_trainer(gen0, wait, f"version {version} was awaited", None)
+            gen0 = gen0 or trainer_identity(sd)
+            try:
+                return self._core.wait_version(dg.spec, version, wait.left(), stop=self._check_stop)
+            except (StaleReferenceError, PeerLostError) as exc:  # that trainer's windows are going
+                self._up.forget_trainer_if_gone()
+                self._await_new_trainer(gen0, wait, f"version {version} was awaited", exc)
+                raise AssertionError("unreachable") from exc  # pragma: no cover
+        except MemsemTimeoutError as exc:
+            raise wait.error() from exc  # one error naming this call's wait, whichever step ran out
 
     def load(self, into: Mapping[str, Any] | None = None, *, version: int = 0, timeout: float | None = None) -> int:
         """Block until this relay holds a version ``>= version`` (0: the trainer's latest now),
@@ -253,67 +327,169 @@ class Relay:
         Raises:
             KeyError / ValueError / TypeError: ``into`` does not fit the state dict (before any
                 wait). DigestMismatchError: a relay upstream served wrong bytes (``on_mismatch=
-                "raise"``; raised once, naming it). PeerLostError: the trainer is gone.
-            MemsemTimeoutError: no such version within ``timeout`` s (default the relay's).
+                "raise"``; raised once, naming it).
+            MemsemTimeoutError: no such version within ``timeout`` s (default the relay's),
+                naming the version; when the relay's follower failed while the call waited (the
+                trainer not there yet, or gone: ``PeerLostError``), its last error is the
+                cause and the message's last words. The follower retries its failures; a call
+                never raises one made before it.
+            WindowRetiredError: ``version`` was one of a trainer that was replaced (restarted)
+                while waited for: the relay follows the new one (``generation``), whose
+                versions count from 1 again.
+            RuntimeClosedError: the relay or its runtime is closed: at once for a call made
+                after the close, and for a call waiting when it closes (the runtime's
+                ``close()`` closes its relays first, which wakes their waiters).
         """
         t = _args.timeout_or(timeout, self.timeout)
+        version = _args.version(version)
         scatter = self._scatter(into) if into is not None else None
-        target = _args.count(version, "version") or self.version()
-        wait = Wait(f"version {target} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
-                    detail=lambda: f"holds {sorted(self._held)}")
-        with self._cond:
-            while True:
-                if self._pending is not None:
-                    err, self._pending = self._pending, None
-                    raise err
-                ok = [h for v, h in self._held.items() if h.complete and v >= target]
-                if ok:
-                    h = max(ok, key=lambda x: x.version)
-                    h.holds += 1
-                    break
-                if self._error is not None:
-                    raise self._error
-                if self._stop.is_set():
-                    raise RuntimeClosedError(f"relay {self._label} is closed")
-                wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
+        h = self._acquire(version, t)
         try:
             if scatter is not None:
-                ranges, _keep = scatter
+                if scatter[2] is not h.sd:  # a version of a restarted trainer: its own layout
+                    scatter = self._scatter(into, h.sd)
+                ranges, _keep, _ = scatter
                 base = array_address(h.buf)
                 for off, n, addr in ranges:
                     if n:
                         native.memcpy(addr, base + off, n)
         finally:
-            with self._cond:
-                h.holds -= 1
-                self._cond.notify_all()
+            self._release(h)
         return h.version
 
     @contextlib.contextmanager
     def hold(self, version: int = 0, timeout: float | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """``with relay.hold() as (v, tensors):`` numpy views (name -> array) of the newest held
         version ``>= version``, valid inside the block (the relay does not reuse that memory
-        meanwhile; it allocates another buffer if it must). Zero-copy; read-only by contract."""
+        meanwhile; it allocates another buffer if it must). Zero-copy; read-only by contract.
+
+        The version is chosen and held in one step, so what the block sees is always a
+        complete version whose every chunk matched the trainer's digest, whatever the relay
+        does meanwhile (it may complete newer versions and drop older ones; never this one).
+
+        Raises:
+            As :meth:`load`.
+        """
         t = _args.timeout_or(timeout, self.timeout)
-        v = self.load(None, version=version, timeout=t)
-        with self._cond:
-            h = self._held.get(v)
-            if h is None:  # dropped between load and here: a newer one is held
-                h = self._held[max(self._held)]
-            h.holds += 1
+        h = self._acquire(_args.version(version), t)
         try:
-            lay = self._up.trainer(t)[0].layout
+            lay = h.sd.layout
             hb = lay.header_bytes
             yield h.version, {e.name: h.buf[hb + e.offset:hb + e.offset + e.nbytes].view(e.dtype).reshape(e.shape)
                               for e in lay.entries}
         finally:
-            with self._cond:
-                h.holds -= 1
-                self._cond.notify_all()
+            self._release(h)
+
+    def _acquire(self, version: int, t: float) -> _Held:
+        """Wait (up to ``t`` s) until a complete version ``>= version`` (0: the trainer's latest
+        now) is held, and hold the newest such one (its memory is not reused until
+        :meth:`_release`): the choice and the hold are one step under the relay's lock.
+
+        The call fails for its own reasons only: the relay or its runtime closed, a pending
+        digest mismatch, a follower that stopped, or its own deadline (a MemsemTimeoutError
+        naming the version; the follower's last error of an attempt made meanwhile is its
+        cause and its last words). Errors of the follower's attempts are retried by the
+        follower, never raised by a later call.
+        """
+        self._check_stop()
+        with self._cond:
+            seen = self._errors
+        what = f"version {version}" if version else "the latest version"
+        wait = Wait(f"{what} at relay {self._label}", t, telemetry=self._core.telemetry, state="not held",
+                    detail=lambda: self._detail(seen), stop=self._check_stop)
+        gen0 = self._gen  # an explicit version is one of this trainer's (None: of the first one found)
+        target, tgen = version, None
+        try:
+            while True:
+                if not version and (tgen is None or tgen != self._gen):
+                    try:  # the latest version of the trainer that holds the name now
+                        tgen, target = self._latest(wait)
+                    except (StaleReferenceError, PeerLostError):  # gone: the next holder, when there is one
+                        self._up.forget_trainer_if_gone()
+                        tgen = None
+                        wait.sleep(self._stop.wait)
+                        continue
+                with self._cond:
+                    if self._pending is not None:
+                        err, self._pending = self._pending, None
+                        raise err
+                    if version and gen0 is not None and self._gen != gen0:
+                        raise self._replaced(gen0, f"version {version} was awaited")
+                    want = tgen if not version else self._gen
+                    ok = [h for v, h in self._held.items() if h.complete and h.gen == want and v >= target]
+                    if ok:
+                        h = max(ok, key=lambda x: x.version)
+                        h.holds += 1
+                        break
+                    if self._fatal is not None:
+                        raise self._fatal
+                    self._check_stop()
+                    wait.sleep(self._cond.wait)  # woken by a version completed, an error, close()
+        except MemsemTimeoutError as exc:
+            if exc.what == wait.what:
+                raise self._with_cause(exc, seen)
+            raise self._with_cause(wait.error(), seen) from exc  # a step of this call ran out: its deadline
+        try:
+            self._on_event("held", h.version, -1, None)
+        except BaseException:
+            self._release(h)
+            raise
+        return h
+
+    def _latest(self, wait: Wait) -> tuple[tuple[int, int], int]:
+        """The trainer that holds the name (its windows looked up within ``wait``'s deadline)
+        and its latest version."""
+        sd, dg = self._up.trainer(max(wait.left(), 1e-3))
+        return trainer_identity(sd), self._core.latest_version(dg.spec)
+
+    def _replaced(self, gen0: tuple[int, int], during: str, cause: BaseException | None = None) -> WindowRetiredError:
+        new = self._gen
+        return WindowRetiredError(
+            f"the trainer of {self.name!r} followed by relay {self._label} was replaced while {during} "
+            f"(its state-dict window's generation {gen0[1]} -> {new[1] if new else None}"
+            + (f"; {type(cause).__name__}: {cause}" if cause is not None else "")
+            + "): the relay follows the new trainer, whose versions count from 1 again (relay.generation)",
+            window=self.name, generation=gen0[1], found=new[1] if new else None)
+
+    def _await_new_trainer(self, gen0: tuple[int, int], wait: Wait, during: str, cause: BaseException | None) -> None:
+        """The trainer ``gen0``'s windows are gone: wait (within ``wait``) until the follower
+        follows another one, then raise WindowRetiredError; at the deadline, the wait's
+        timeout (its cause: ``cause``)."""
+        with self._cond:
+            while self._gen == gen0 or self._gen is None:
+                self._check_stop()
+                try:
+                    wait.sleep(self._cond.wait)  # woken when the follower follows a new trainer
+                except MemsemTimeoutError as exc:
+                    raise exc from cause
+        raise self._replaced(gen0, during, cause)
+
+    def _detail(self, seen: int) -> str:
+        with self._cond:
+            held = sorted(self._held)
+            err = self._error
+        more = ""
+        if err is not None and err[0] > seen:
+            more = f"; the relay's last attempt: {type(err[1]).__name__}: {err[1]}"
+        return f"holds {held}{more}"
+
+    def _with_cause(self, exc: MemsemTimeoutError, seen: int) -> MemsemTimeoutError:
+        with self._cond:
+            err = self._error
+        if exc.__cause__ is None and err is not None and err[0] > seen:
+            exc.__cause__ = err[1]
+        return exc
+
+    def _release(self, h: _Held) -> None:
+        with self._cond:
+            h.holds -= 1
+            self._cond.notify_all()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop following, retire this relay's windows (its children re-attach upstream), join
-        its threads. Safe twice."""
+        its threads; ``timeout``: seconds to wait for each window's readers (default the
+        relay's). Safe twice."""
+        timeout = _args.timeout_or(timeout, self.timeout)
         if self._stop.is_set() and self._pool is None:
             return
         self._stop.set()
@@ -347,53 +523,79 @@ class Relay:
     def _on_event(self, event: str, version: int, chunk: int, data: np.ndarray | None) -> None:
         """Called by the follower at ``"fetch"`` (before chunk ``chunk`` of ``version`` is asked
         for), ``"serve"`` (a checked chunk in ``data``, just before its ready word is marked)
-        and ``"complete"``. Tests override it (to stop, block or corrupt); nothing else should."""
+        and ``"complete"``; and on a consumer's thread at ``"held"`` (``load`` or ``hold`` chose
+        and holds ``version``, before it copies or yields it). Tests override it (to stop, block
+        or corrupt); nothing else should."""
 
     # -- the follower ------------------------------------------------------------------------------------
     def _check_stop(self) -> None:
-        """The stop check of every wait of the follower (handed to ``Upstreams`` and each wait)."""
+        """The stop check of every wait of the relay, its follower's and its callers' (handed
+        to ``Upstreams`` and each wait): the relay or its runtime closed (RuntimeClosedError)."""
         if self._stop.is_set() or self._core.closed:
-            raise RelayClosing(f"relay {self._label} is closed")
+            raise RelayClosing(f"relay {self._label} is closed"
+                               + (" (its runtime is closed)" if self._core.closed else ""))
 
-    def _trainer_refs(self, t: float) -> tuple[StateDictRef, TensorRef]:
-        if self._trainer is None:
-            with self._refs_lock:  # prepare() and the follower thread look up once, make the plan once
-                return self._lookup_trainer(t)
-        return self._trainer, self._digests_ref  # type: ignore[return-value]
-
-    def _scatter(self, into: Mapping[str, Any]) -> tuple[list[tuple[int, int, int]], list]:
-        tr = self._up.trainer(self.timeout)[0]
+    def _scatter(self, into: Mapping[str, Any],
+                 tr: StateDictRef | None = None) -> tuple[list[tuple[int, int, int]], list, StateDictRef]:
+        tr = tr or self._up.trainer(self.timeout)[0]
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of name to tensor, got {type(into).__name__}")
-        return tr.ranges(into, tr.layout.entries, "into")
+        ranges, keep = tr.ranges(into, tr.layout.entries, "into")
+        return ranges, keep, tr
 
     def _follow(self) -> None:
         last = 0
         while not self._stop.is_set():
             try:
+                if self._adopt():
+                    last = 0  # a new trainer: its versions count from 1
                 last = self._one(last)
-                with self._cond:
-                    self._error = None
             except RelayClosing:
                 return
-            except MemsemError as exc:  # the trainer is gone or unreachable: said by load(); retried
+            except MemsemError as exc:  # the trainer is gone or unreachable: retried (load() waits)
                 if self._stop.is_set() or self._core.closed:
                     return
                 log.debug("relay %s: %s", self._label, exc)
+                if isinstance(exc, (StaleReferenceError, PeerLostError)):
+                    self._up.forget_trainer_if_gone()  # the next attempt follows whoever holds the name
                 with self._cond:
-                    self._error = exc
+                    self._errors += 1
+                    self._error = (self._errors, exc)
                     self._cond.notify_all()
                 self._stop.wait(RETRY_S)  # a pause on the stop event: close() ends it
             except Exception as exc:  # a bug: say it to load() and stop
                 log.exception("relay %s stopped", self._label)
                 with self._cond:
-                    self._error = MemsemError(f"relay {self._label} stopped: {type(exc).__name__}: {exc}")
+                    self._fatal = MemsemError(f"relay {self._label} stopped: {type(exc).__name__}: {exc}")
                     self._cond.notify_all()
                 return
 
+    def _adopt(self) -> bool:
+        """Find the trainer (waiting ``attach_timeout`` for its name); when it is another one
+        than the trainer followed so far (restarted, or republished), follow it: the versions
+        of the old one are dropped (unoffered and retired: their readers get
+        StaleReferenceError; a consumer's explicit version of it raises WindowRetiredError).
+        Returns whether it changed."""
+        sd, _ = self._up.trainer(self.attach_timeout)
+        ident = trainer_identity(sd)
+        if ident == self._gen:
+            return False
+        with self._cond:
+            old, self._gen = self._gen, ident
+            self._stats.generations.append(ident[1])
+            stale = [v for v, h in self._held.items() if h.gen != ident]
+            self._cond.notify_all()
+        for v in stale:
+            self._drop(v, complete=True)
+        if old is None:
+            return False
+        log.info("relay %s: follows a new trainer of %r (its window's generation %d -> %d)", self._label, self.name,
+                 old[1], ident[1])
+        return True
+
     def _one(self, last: int) -> int:
         """Get the newest version > ``last`` its upstream offers; returns the version held."""
-        self._up.trainer(self.attach_timeout)
+        gen = self._gen
         while True:
             self._check_stop()
             up, v = self._up.attach(last + 1)
@@ -402,7 +604,11 @@ class Relay:
             except VersionGoneError:
                 last = max(last, v)  # too old already: a newer one is there
                 continue
-            h = self._start(v, dg)
+            sd = self._up.trainer(self.timeout)[0]
+            if trainer_identity(sd) != gen:  # looked up again meanwhile: another trainer
+                raise WindowRetiredError(f"relay {self._label}: the trainer of {self.name!r} changed",
+                                         window=self.name, generation=gen[1] if gen else None)
+            h = self._start(v, dg, sd)
             try:
                 self._fill(h, up, dg)
             except UpstreamGone:
@@ -426,7 +632,7 @@ class Relay:
                  "the trainer" if to == TRAINER else f"rank {to}", reason)
 
     # -- holding versions ------------------------------------------------------------------------------------
-    def _start(self, v: int, dg: Digests) -> _Held:
+    def _start(self, v: int, dg: Digests, sd: StateDictRef) -> _Held:
         """Allocate (or reuse) memory for version ``v``, publish its data window, offer it."""
         core = self._core
         victims = []
@@ -442,7 +648,7 @@ class Relay:
             buf = np.empty(dg.nbytes, np.uint8)
         spec = core.publish_spec(buf, access="rw", tile_bytes=dg.chunk_bytes)
         ro = core.server.mint(dataclasses.replace(spec, access="r", mint=None))
-        h = _Held(v, buf, spec, ro.to_bytes().hex())
+        h = _Held(v, buf, spec, ro.to_bytes().hex(), trainer_identity(sd), sd)
         with self._cond:
             self._held[v] = h
         self._commit_manifest()
@@ -465,8 +671,9 @@ class Relay:
 
     def _commit_manifest(self) -> None:
         with self._cond:
-            offers = sorted((v, h.offer) for v, h in self._held.items())
-        raw = manifest_bytes(self.rank, offers)
+            gen = self._gen
+            offers = sorted((v, h.offer) for v, h in self._held.items() if h.gen == gen)
+        raw = manifest_bytes(self.rank, offers, gen)
         with self._core.write_section(self._manifest.spec, copy=False) as sec:
             arr = sec.array().reshape(-1).view(np.uint8)
             arr[:len(raw)] = np.frombuffer(raw, np.uint8)
@@ -538,7 +745,7 @@ class Relay:
         self._check_stop()
         self._on_event("fetch", h.version, k, None)
         if up.spec is None:
-            core.transfer(self._up.trainer(self.timeout)[0].spec, "get", k * c, dst, version=h.version)
+            core.transfer(h.sd.spec, "get", k * c, dst, version=h.version)  # the trainer whose version h is
         else:
             core.wait_tile(up.spec, k, self.timeout, stop=self._check_stop)  # its ready word: the parent holds it
             core.transfer(up.spec, "get", k * c, dst)

@@ -38,9 +38,17 @@ def manifest_name(name: str, rank: int) -> str:
     return f"{name}@relay.{rank}"
 
 
-def manifest_bytes(rank: int, offers: list[tuple[int, str]]) -> bytes:
-    """The manifest of relay ``rank`` offering ``(version, hex of the data window's ref)``."""
-    raw = json.dumps({"rank": rank, "offers": offers}, separators=(",", ":")).encode()
+def trainer_identity(sd: StateDictRef) -> tuple[int, int]:
+    """Which trainer a state-dict ref belongs to: its window's ``(gva, generation)`` (a
+    restarted trainer, or a republish, is another window: versions count from 1 again)."""
+    return sd.spec.gva, sd.spec.generation
+
+
+def manifest_bytes(rank: int, offers: list[tuple[int, str]], trainer: tuple[int, int] | None = None) -> bytes:
+    """The manifest of relay ``rank`` offering ``(version, hex of the data window's ref)`` of
+    the trainer ``trainer`` (:func:`trainer_identity`)."""
+    raw = json.dumps({"rank": rank, "offers": offers, "trainer": list(trainer) if trainer else None},
+                     separators=(",", ":")).encode()
     if len(raw) > MANIFEST_BYTES:
         raise MemsemError(f"relay rank {rank}: manifest of {len(raw)} bytes exceeds {MANIFEST_BYTES}")
     return raw
@@ -93,17 +101,50 @@ class Upstreams:
         self._manifests: dict[int, TensorRef] = {}
 
     # -- the trainer ----------------------------------------------------------------------------
+    def identity(self) -> tuple[int, int] | None:
+        """The trainer found (:func:`trainer_identity`), or None (not yet, or forgotten)."""
+        found = self._trainer
+        return None if found is None else trainer_identity(found[0])
+
+    def forget_trainer_if_gone(self) -> bool:
+        """After a failure on the trainer's windows: look its name up again (no wait); when no
+        live window holds it any more, or another one does (a restarted trainer), forget the
+        windows found, so the next :meth:`trainer` looks them up (waiting for the new holder).
+        Returns whether they were forgotten."""
+        if not self._lock.acquire(timeout=self.timeout):  # a lookup runs: it finds the holder now
+            return False
+        try:
+            found = self._trainer
+            if found is None:
+                return False
+            try:  # both windows: a trainer that closes retires its digest window first
+                sd = self._core.lookup_spec(self.name, 0.0)
+                dg = self._core.lookup_spec(digests_name(self.name), 0.0)
+                same = ((sd.gva, sd.generation) == trainer_identity(found[0])
+                        and (dg.gva, dg.generation) == (found[1].spec.gva, found[1].spec.generation))
+            except MemsemError:
+                same = False  # not found, retired, or its holder is dead
+            if not same:
+                self._trainer = None
+            return not same
+        finally:
+            self._lock.release()
+
     def trainer(self, t: float) -> tuple[StateDictRef, TensorRef]:
         """The trainer's state-dict and digest windows, looked up once (waiting up to ``t`` s
         for them). Raises as ``lookup``; RelayClosing."""
         found = self._trainer
         if found is not None:
             return found
-        with self._lock:  # prepare() and the follower thread look up once, make the plan once
+        core = self._core
+        wait = Wait(f"the fan-out windows of {self.name!r}", t, telemetry=core.telemetry, state="not found")
+        # prepare(), the callers and the follower thread look up once, make the plan once; each
+        # waits for the others' lookup within its own deadline
+        if not self._lock.acquire(timeout=t):
+            raise wait.error()
+        try:
             if self._trainer is None:
-                core = self._core
-                wait = Wait(f"the fan-out windows of {self.name!r}", t, telemetry=core.telemetry)
-                sd = lookup_state_dict(core, self.name, timeout=t, stop=self.stop)
+                sd = lookup_state_dict(core, self.name, timeout=max(wait.left(), 1e-3), stop=self.stop)
                 dg = TensorRef(core.lookup_spec(digests_name(self.name), wait.left(), stop=self.stop), core)
                 if self._auto_link is not None:  # every rank computes the same plan from the same sizes
                     chunk, nbytes = read_sizes(core, dg.spec)
@@ -112,6 +153,8 @@ class Upstreams:
                     self._auto_link = None
                 self._trainer = (sd, dg)
             return self._trainer
+        finally:
+            self._lock.release()
 
     def trainer_version(self, at_least: int) -> int:
         """Wait for the trainer's commit of a version ``>= at_least``: a word wait on its digest
@@ -140,7 +183,9 @@ class Upstreams:
         return m
 
     def read_manifest(self, m: TensorRef) -> tuple[int, dict[int, str]]:
-        """``(manifest version, {version: hex of its data window's ref})``."""
+        """``(manifest version, {version: hex of its data window's ref})``: only offers of the
+        trainer this relay follows (a relay that still follows a trainer gone since, or has
+        already followed a restarted one, offers nothing to this one)."""
         out = np.empty(MANIFEST_BYTES, np.uint8)
         mv = self._core.gather(m.spec, [(0, MANIFEST_BYTES, array_address(out))], keep=out)
         raw = out.tobytes().rstrip(b"\0")
@@ -148,9 +193,13 @@ class Upstreams:
             return mv, {}
         try:
             d = json.loads(raw)
-            return mv, {int(v): str(r) for v, r in d["offers"]}
+            offers = {int(v): str(r) for v, r in d["offers"]}
+            theirs = d.get("trainer")
+            theirs = None if theirs is None else (int(theirs[0]), int(theirs[1]))
         except (ValueError, KeyError, TypeError):
             raise MemsemError(f"relay manifest {m.spec.label} is malformed") from None
+        mine = self.identity()
+        return mv, (offers if theirs is not None and theirs == mine else {})
 
     def offers(self, rank: int, version: int) -> bool:
         """Whether relay ``rank`` still offers ``version`` (its manifest, read once it is found
@@ -234,4 +283,4 @@ class Upstreams:
 
 
 __all__ = ["MANIFEST_BYTES", "RelayClosing", "Upstream", "UpstreamGone", "Upstreams", "manifest_bytes",
-           "manifest_name"]
+           "manifest_name", "trainer_identity"]
