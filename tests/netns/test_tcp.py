@@ -727,6 +727,30 @@ def _idle(rt, ref):
     return rt.core.resolve(ref.spec).use.holders == 1
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_version_label_is_never_older_than_bytes_returned(owner, rt, slots):
+    """Over tcp a window's version words reach the consumer as pushes, its bytes as replies:
+    with the pushes held back (the order forced), a get returns version 2's bytes while the
+    mirror still says 1. ``version()`` never reports a version older than bytes this process
+    already returned (issue 37), on the whole path and a ref's wire route alike."""
+    w = _ref(rt, owner("publish_versioned", name="v", n=8, slots=slots)["ref"])
+    assert w.version() == 1  # subscribed: the mirror holds the owner's words
+    assert owner("hold_pushes")["held"] >= 1
+    try:
+        for expect in (2, 3):
+            assert owner("commit", name="v")["version"] == expect
+            v, got = w.get(with_version=True)  # the whole path
+            assert v == expect and (got == expect).all()
+            assert w.version() >= v
+            out = np.empty(8, np.int64)
+            w.get(out=out)
+            w.get(out=out)  # a ref's wire route
+            assert isinstance(w._route, WireRoute) and (out == expect).all()
+            assert w.version() >= expect
+    finally:
+        owner("release_pushes")
+
+
 def test_the_kept_route_waits_out_an_open_write_section(redis_url, job, rt):
     """The owner answers BUSY while a write section is open (it parks a request 0.2 s at most
     here): the kept get (on the thread that kept the route) takes the retry loop from that

@@ -127,6 +127,29 @@ def test_a_stall_at_any_byte_is_closed_by_its_bound(owner, rt, phase):
     assert (w.get()[:4] == np.arange(4)).all()  # honest gets go on
 
 
+def test_the_stall_bound_counts_from_a_requests_first_byte(owner, rt):
+    """On a connection older than ``stall_s``, a request whose header arrives whole and whose
+    body follows a little later is served: the body's bound counts from the request's first
+    byte, not from an older moment (the header of an earlier request, the accept)."""
+    w = _ref(rt, owner("publish", name="w", n=1024)["ref"])
+    ep = R.endpoint_of(rt, w)
+    before = _stats(owner)
+    s, nonce = R.connect(ep)
+    try:
+        assert R.open_handle(s, nonce, w.spec)[0][0] == W.OK
+        time.sleep(1.5)  # the connection is older than stall_s (1 s) now, and not idle yet (3 s)
+        body = R.open_body(w.spec, nonce, 2)
+        s.sendall(W.REQ.pack(W.OP_OPEN, 0, 2, 2, 0, len(body), 0, 0))  # the header, whole
+        time.sleep(0.3)  # well inside stall_s from this request's first byte
+        s.sendall(body)
+        s.settimeout(30)
+        head, _ = R.reply(s)
+        assert head[0] == W.OK and head[3] == 2, head
+    finally:
+        s.close()
+    assert _stats(owner).get("closed_stall", 0) == before.get("closed_stall", 0)
+
+
 def test_an_idle_connection_closed_by_the_owner_is_made_again(owner, rt):
     w = _ref(rt, owner("publish", name="w", n=1024)["ref"])
     assert (w.get()[:2] == [0, 1]).all()

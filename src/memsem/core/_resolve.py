@@ -105,7 +105,8 @@ class Resolution:
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
                  "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
-                 "resolver", "telemetry", "timeout", "strategy", "memo", "keeper", "_ident", "_core", "_released", "__weakref__")
+                 "resolver", "telemetry", "timeout", "strategy", "memo", "keeper", "seen", "_ident", "_core", "_released",
+                 "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
                  remote: RemoteRegion, cb: ControlBlock | None, own_cb: bool, peer: Peer,
@@ -133,6 +134,10 @@ class Resolution:
         #: ``[self]`` while this resolution is unreleased, ``[None]`` after: what refs that keep
         #: its route hold (``hold``; ``memsem.core._routes.PlanRoute``), so they never keep it past its release
         self.keeper: list[Resolution | None] | None = None
+        #: the newest version a copy through this resolution returned (another node's window:
+        #: what its version words' mirror may not show yet; ``Versions.latest`` never reports
+        #: less, so a label is never older than bytes already returned)
+        self.seen = 0
         plan = self.plan = native.new_plan()
         self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
         self.use = UseWord(_ffi.addressof(plan, "use"))

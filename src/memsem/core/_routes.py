@@ -167,6 +167,8 @@ class EngineRoute(CopyRoute):
                 lease.check("during the transfer; the bytes moved are not valid")
             if moved is not None:
                 o.value = moved
+            if o.value > res.seen:
+                res.seen = o.value
         return o
 
     def move(self, remote: Any, put: bool, at: int, flat: np.ndarray, version: int, signal_tile: int | None,
@@ -277,6 +279,8 @@ class OneSidedRoute(EngineRoute):
                 return Outcome(Status.GEN_AFTER, after[W_GENERATION])
             moved = after[W_SEQ0 + slot]
             if moved == seq and (fresh or version or after[W_LATEST] == v):
+                if v > res.seen:
+                    res.seen = v
                 return Outcome(Status.OK, v)
             if moved != seq:
                 if version and moved >> 1 > version:
@@ -429,6 +433,10 @@ class WireRoute:
             raise
         st = rc & _STATUS
         if st != _PENDING and st != _LOST and st != _SENDING:
+            if not rc & ATTENTION:  # done: a version label never older than these bytes
+                res = self.keeper[0]
+                if res is not None and rc >> _SHIFT > res.seen:
+                    res.seen = rc >> _SHIFT
             return rc  # done, or nothing done (the door, the bracket's refusal or close)
         if st == _LOST:  # the connection failed under the request: the whole path makes it again
             kr.drop(c)
@@ -457,7 +465,11 @@ class WireRoute:
         if v is None:  # the connection failed under the request: the whole path makes it again
             b.undo(self.keeper)
             return ROUTE_STALE
-        return b.close(v)
+        rc = b.close(v)
+        res = self.keeper[0]
+        if not rc & ATTENTION and res is not None and v > res.seen:
+            res.seen = v  # a version label never older than these bytes (Versions.latest)
+        return rc
 
     get = transfer  # a get is the call itself (no frame of its own on the warm path)
 

@@ -77,7 +77,9 @@ class Versions:
             if m.generation != spec.generation:
                 self._core.resolver.drop(spec.gva, res)
                 raise tr.stale(spec, m.generation)
-            return m.word(W_LATEST)
+            # the mirror may lag what a get through this resolution already returned: never
+            # report a version older than bytes this process holds
+            return max(m.word(W_LATEST), res.seen)
         if what == "waiting for a version":
             label = f"version {at_least} of {spec.label}"
             if loop is None:

@@ -342,9 +342,9 @@ class Server:
             return
         if not k:
             raise W.Closed("the peer closed the connection")
+        if not got:  # the request's first byte: its stall bound (header and body) counts from here
+            s.started = self.now
         if got + k < _REQ_SIZE:
-            if not got:
-                s.started = self.now
             s.got = got + k
             return
         s.got = 0
