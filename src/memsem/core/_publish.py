@@ -172,6 +172,10 @@ class Owned:
         return zlib.crc32(address_view(self.slot_address(slot), self.info.nbytes, self.keepalive))
 
 
+#: retired windows a runtime remembers (``Publisher.retired``)
+RETIRED_KEPT = 4096
+
+
 class Publisher:
     """The windows one runtime owns, and the memory it allocated for them."""
 
@@ -179,6 +183,9 @@ class Publisher:
         self._core = core
         self.owned: dict[int, Owned] = {}
         self.names: dict[str, int] = {}
+        #: (gva, generation) of windows this runtime retired, newest last (at most
+        #: ``RETIRED_KEPT``): a stale ref of one is told it was unpublished here
+        self.retired: dict[tuple[int, int], None] = {}
         #: shared segments from ``alloc``, by address (publish finds whether memory is shared),
         #: and their addresses in order (``segment_of`` bisects: O(log n) with 10,000 segments)
         self.segments: dict[int, Segment] = {}
@@ -463,6 +470,9 @@ class Publisher:
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                         "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
+            self.retired[(owned.info.gva, owned.generation)] = None  # the generation its refs hold
+            if len(self.retired) > RETIRED_KEPT:
+                del self.retired[next(iter(self.retired))]
             owned.generation = cb.bump_generation()
             owned.retiring = True
             native.futex_wake(cb.latest_addr)  # version waiters see the generation move now

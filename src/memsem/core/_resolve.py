@@ -445,6 +445,10 @@ class Resolver:
                 rrec = core.directory.rank_record(rank)
                 if rrec is not None and not record_alive(rrec):
                     raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+                if (spec.gva, spec.generation) in core.publisher.retired:  # unpublished here: no job question
+                    raise WindowNotFoundError(f"{spec.label} is not published: this runtime (rank {rank}) "
+                                              "unpublished it; the ref is stale", window=spec.name,
+                                              expected=spec.generation)
                 d = core.directory
                 hint = (f"; or it is published in another job (this runtime's job {d.job!r} was derived "
                         "from its process group: set MEMSEM_JOB to the same name in every process that "

@@ -52,7 +52,11 @@ def read_only(spec: RefSpec, what: str = "put") -> AccessDeniedError:
 
 
 def read_only_ref(spec: RefSpec, what: str = "put") -> AccessDeniedError:
-    return AccessDeniedError(f"{what} through a read-only ref to {spec.label}")
+    return AccessDeniedError(
+        f"{what} through a read-only ref to {spec.label}: its owner published the window read-only "
+        "(access='r'; a double-buffered window, slots=2, always is: its owner writes each version in a "
+        "write section) or minted this ref read-only; write it in the owner's write section, or ask the "
+        "owner for a ref of a window published access='rw'")
 
 
 def wrong_key(spec: RefSpec) -> AccessDeniedError:

@@ -372,7 +372,16 @@ class FieldRef(TensorRef):
         return rt, start, stop, tiles_wait(rt, given)
 
     def wait_rows(self, start: int = 0, stop: int | None = None, timeout: float | None = None) -> None:
-        """Block until every tile holding rows ``[start, stop)`` is ready (see ``wait_tiles``)."""
+        """Block until every tile holding rows ``[start, stop)`` is ready (see ``wait_tiles``).
+
+        Readiness is per tile (``schema.tile_rows`` rows), not per row: a range that ends inside
+        a tile waits for that whole tile (with 64-row tiles, rows ``[0, 100)`` wait for tiles 0
+        and 1, rows 0-127). ``timeout``: seconds (default the runtime's ``timeout``, 30 s unless
+        set).
+
+        Raises:
+            As ``wait_tiles`` (its timeout names the tile, and the rows it holds).
+        """
         rt, a, b, wait = self._rows_to_wait(start, stop, timeout)
         if a < b:
             wait_tiles(self, rt, a, b, wait)
@@ -408,8 +417,9 @@ class FieldRef(TensorRef):
     def get_rows(self, start: int = 0, stop: int | None = None, *, wait: bool = True,
                  timeout: float | None = None, out: Any = None) -> np.ndarray:
         """Copy rows ``[start, stop)`` here (shape ``(stop - start, *shape[1:])``, the field's
-        dtype), first waiting for their tiles when ``wait`` (at most ``timeout`` s, see
-        ``wait_tiles``). Blocking.
+        dtype), first waiting for the whole tiles that hold them when ``wait`` (at most
+        ``timeout`` s, default the runtime's ``timeout``, 30 s unless set; see ``wait_rows``).
+        Blocking.
 
         Raises:
             As ``wait_tiles`` and ``TensorRef.get`` (``out`` must hold exactly the rows' bytes).

@@ -10,12 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from memsem import _dtypes
 from memsem._buffers import check_buffer
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
 from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
 from memsem.pipeline import Pipeline
 from memsem.topology import Route
+
+
+_UINT8 = _dtypes.code_of("uint8")
+#: bytes a state dict's window holds at least (its layout header starts with a magic)
+_STATE_DICT_HEAD = 8
 
 
 class Runtime:
@@ -266,13 +272,27 @@ class Runtime:
                 (0, the default: read once). Blocking; the directory is read again every
                 ``WAIT_SLICE_S``.
 
+        Returns:
+            The ref of the kind the name holds: a :class:`memsem.StateDictRef` for a state
+            dict's window (``publish_state_dict``; its layout read and checked now), else a
+            :class:`TensorRef`.
+
         Raises:
             WindowNotFoundError: no live window of that name (``timeout`` 0). PeerLostError:
             its holder died (``timeout`` 0). MemsemTimeoutError: none appeared within
             ``timeout`` s. AccessDeniedError: the directory holds no key for this process
             (redis without a job secret). TypeError / ValueError: a bad name or timeout.
         """
-        return TensorRef(self._core.lookup_spec(name, timeout), self._core)
+        spec = self._core.lookup_spec(name, timeout)
+        if spec.dtype_code == _UINT8 and spec.nbytes >= _STATE_DICT_HEAD:
+            from memsem.refs._state_dict import LAYOUT_MAGIC, StateDictRef
+
+            ref = TensorRef(spec, self._core)
+            if ref.bytes(0, len(LAYOUT_MAGIC)).get().tobytes() == LAYOUT_MAGIC:
+                sd = StateDictRef(spec, self._core)  # a state dict's window: its own kind
+                _ = sd.layout  # validated now, as lookup_state_dict does
+                return sd
+        return TensorRef(spec, self._core)
 
     def ref(self, data: bytes | bytearray | memoryview) -> Any:
         """Deserialize a ref of any kind and bind it to this runtime: a ``TensorRef``, or what
