@@ -298,3 +298,53 @@ def test_the_kept_route_sends_the_rest_of_a_put_the_socket_did_not_take(rt):
         puts = ops(owner, W.OP_PUT)
         assert len(puts) == 1 and puts[0].body == payload.tobytes()
     engine.close()
+
+
+# -- found by review -----------------------------------------------------------------------------
+def test_a_full_reply_on_a_watch_connection_says_the_owner_is_full(engine):
+    """An owner closing an unauthenticated connection for a newer one says FULL (request 0,
+    handle 0): the watch reports that, not a protocol violation."""
+    text = b"the owner closed this unauthenticated connection"
+
+    def script(req):
+        return W.REP.pack(W.FULL, 0, 0, 0, 4096, len(text)) + text
+
+    with ScriptedOwner(script) as owner:
+        owner.scripts_open = True
+        remote = remote_of(engine, owner, 4096)
+        with pytest.raises(PeerLostError, match="FULL") as ei:
+            engine.watch(remote, [(0, 0, 1)], lambda changes: None, lambda why: None, timeout=5)
+        assert "broke the protocol" not in str(ei.value)
+
+
+def test_the_owner_is_asked_to_wait_less_than_the_caller(engine):
+    """A request asks the owner to park it (an open write section) for less than what is left of
+    the caller's deadline, so the owner's BUSY arrives before it (a write section that stayed
+    open, on a connection still in step), never a timeout of the reply."""
+    with ScriptedOwner(lambda req: data_reply(req, bytes(req.nbytes), 1)) as owner:
+        remote = remote_of(engine, owner, 4096)
+        engine.get_version(remote, 0, np.zeros(N, np.uint8), 0)
+        kr = engine.kept(remote, N)
+        assert kr is not None
+        (get,) = ops(owner, W.OP_GET)
+        limit = int(engine.timeout * 1000)
+        assert 0 <= get.wait_ms < limit - int(W.POLL_SLICE * 1000), (get.wait_ms, limit)
+
+
+def test_no_request_is_made_past_the_callers_deadline(engine):
+    import time
+
+    with ScriptedOwner(lambda req: data_reply(req, bytes(req.nbytes), 1)) as owner:
+        remote = remote_of(engine, owner, 4096)
+        with pytest.raises(MemsemTimeoutError):
+            engine.get_version(remote, 0, np.zeros(N, np.uint8), 0, deadline=time.monotonic() - 1)
+        assert ops(owner, W.OP_GET) == []
+
+
+def test_a_put_through_a_read_only_ref_is_refused_before_anything_is_resolved():
+    with memsem.Runtime(timeout=5) as owner, memsem.Runtime(timeout=5) as other:
+        ref = owner.publish(np.zeros(16, np.float32), slots=2)
+        r = other.ref(ref.to_bytes())
+        owner.unpublish(ref)  # stale as well: the caller's mistake is named first
+        with pytest.raises(memsem.AccessDeniedError, match="read-only"):
+            r.put(np.ones(16, np.float32))

@@ -57,9 +57,14 @@ _copy_buf = _hot.copy_buf
 _SHIFT = native.lib.MEMSEM_RC_VERSION_SHIFT
 _STATUS = native.lib.MEMSEM_RC_STATUS_MASK
 _PENDING, _LOST, _SENDING = _hot.RC_WIRE_PENDING, _hot.RC_WIRE_LOST, _hot.RC_WIRE_SENDING
-#: a ref's route that cannot serve now (``WireRoute``): nothing done; the ref asks for a new
-#: route (every attention bit: a result word no native call returns)
+#: a ref's route that cannot serve now (``WireRoute``: another thread's, a closed connection, a
+#: recycled handle): nothing was sent; the ref takes the whole path and a new route (every
+#: attention bit: a result word no native call returns)
 ROUTE_STALE = native.lib.MEMSEM_RC_ATTENTION
+#: a ref's route whose connection failed under the request it sent: nothing that counts moved;
+#: the whole path makes the request again within the route's deadline (another word no native
+#: call returns)
+ROUTE_LOST = ROUTE_STALE - 1
 
 
 def lease_args(lease: "Lease | None", spec: RefSpec) -> tuple[int, int]:
@@ -73,38 +78,36 @@ def remote_slots(res: "Resolution") -> int:
 
 
 class CopyRoute:
-    """One way a resolution reaches its window (see the module docstring).
+    """One way a resolution reaches its window (see the module docstring). The resolution is
+    given to every call (a route holds none: no cycle between the two).
 
     Attributes:
         kind: what it is, for logs and ``explain`` ("direct", "engine", "owner-checked",
             "one-sided", "unchecked").
     """
 
-    __slots__ = ("res",)
+    __slots__ = ()
     kind = ""
 
-    def __init__(self, res: "Resolution") -> None:
-        self.res = res
-
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         """One try of moving ``n`` bytes between ``addr`` (here; ``keep`` owns that memory) and
-        window byte ``at``: what it came to (OK with the version moved, or a status the retry
-        loop acts on). ``deadline`` (``time.monotonic()``): the caller's bound, for engines
-        that make requests (None: their timeout from now).
+        byte ``at`` of ``res``'s window: what it came to (OK with the version moved, or a
+        status the retry loop acts on). ``deadline`` (``time.monotonic()``): the caller's
+        bound, for engines that make requests (None: their timeout from now).
 
         Raises:
             The memsem error of an engine's failure (translated here, once).
         """
         raise NotImplementedError
 
-    def ref_route(self, spec: RefSpec, token: object) -> "PlanRoute | WireRoute | None":
-        """What a ref holds for its next plain gets and puts of ``spec`` (``token``: the
-        runtime's), or None: the route has nothing quicker than the whole path."""
+    def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "PlanRoute | WireRoute | None":
+        """What a ref holds for its next plain gets and puts of ``spec`` through ``res``
+        (``token``: the runtime's), or None: the route has nothing quicker than the whole path."""
         return None
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.res!r}>"
+        return f"<{type(self).__name__}>"
 
 
 class DirectRoute(CopyRoute):
@@ -113,14 +116,13 @@ class DirectRoute(CopyRoute):
     __slots__ = ()
     kind = "direct"
 
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         ls, lid = lease_args(lease, spec)
-        res = self.res
         return settle(res, _copy(res.plan, put, at, addr, n, version, ls, lid))
 
-    def ref_route(self, spec: RefSpec, token: object) -> "PlanRoute":
-        return PlanRoute(self.res, spec, token)
+    def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "PlanRoute":
+        return PlanRoute(res, spec, token)
 
 
 class EngineRoute(CopyRoute):
@@ -129,19 +131,17 @@ class EngineRoute(CopyRoute):
     __slots__ = ()
     kind = "engine"
 
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
-        res = self.res
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         if res.cb is None and (version or remote_slots(res) > 1):
             raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot read versions: the owner's "
                                     "control words are not readable from here")
-        return self.bracketed(spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
+        return self.bracketed(res, spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
 
-    def bracketed(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                  version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+    def bracketed(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                  lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         """The bracket around :meth:`move` (a lease held in the directory, on another node, is
         checked here before and after)."""
-        res = self.res
         ls, lid = lease_args(lease, spec)
         b = Bracket(res)
         o = b.open(put, at, n, 0 if res.cb is None else version, ls, lid)
@@ -151,7 +151,7 @@ class EngineRoute(CopyRoute):
         try:
             if lease is not None and not ls:  # held in the directory (another node): checked here
                 lease.check("before the transfer")
-            moved = self.move(res.remote_for(spec), put, at, flat, version, signal_tile, spec, deadline)
+            moved = self.move(res, res.remote_for(spec), put, at, flat, version, signal_tile, spec, deadline)
         except RemoteOutcome as exc:
             b.close(failed=True)
             refused = Outcome.remote(exc)
@@ -171,10 +171,10 @@ class EngineRoute(CopyRoute):
                 res.seen = o.value
         return o
 
-    def move(self, remote: Any, put: bool, at: int, flat: np.ndarray, version: int, signal_tile: int | None,
-             spec: RefSpec, deadline: float | None) -> int | None:
+    def move(self, res: "Resolution", remote: Any, put: bool, at: int, flat: np.ndarray, version: int,
+             signal_tile: int | None, spec: RefSpec, deadline: float | None) -> int | None:
         """The engine's call inside the bracket: the version it moved, or None (the bracket's)."""
-        eng = self.res.engine
+        eng = res.engine
         if not put:
             eng.get(remote, at, flat)
         elif signal_tile is not None and eng.can_signal(remote):
@@ -191,19 +191,19 @@ class OwnerRoute(EngineRoute):
     __slots__ = ()
     kind = "owner-checked"
 
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
-        return self.bracketed(spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+        return self.bracketed(res, spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
 
-    def move(self, remote: Any, put: bool, at: int, flat: np.ndarray, version: int, signal_tile: int | None,
-             spec: RefSpec, deadline: float | None) -> int | None:
-        eng = self.res.engine
+    def move(self, res: "Resolution", remote: Any, put: bool, at: int, flat: np.ndarray, version: int,
+             signal_tile: int | None, spec: RefSpec, deadline: float | None) -> int | None:
+        eng = res.engine
+        kw = {} if deadline is None else {"deadline": deadline}  # engines of before deadline= take none
         if put:
-            return eng.put_version(remote, at, flat, deadline=deadline)
-        return eng.get_version(remote, at, flat, version, deadline=deadline)
+            return eng.put_version(remote, at, flat, **kw)
+        return eng.get_version(remote, at, flat, version, **kw)
 
-    def ref_route(self, spec: RefSpec, token: object) -> "WireRoute | None":
-        res = self.res
+    def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "WireRoute | None":
         requests = res.engine.kept(res.remote_for(spec), spec.nbytes)
         return None if requests is None else WireRoute(res, spec, token, requests)
 
@@ -221,18 +221,18 @@ class OneSidedRoute(EngineRoute):
     __slots__ = ("_header",)
     kind = "one-sided"
 
-    def __init__(self, res: "Resolution") -> None:
-        super().__init__(res)
-        #: the header words read after the last checked copy (None: none yet)
+    def __init__(self) -> None:
+        #: the header words read after the last checked copy (None: none yet); a route serves
+        #: one resolution
         self._header: list[int] | None = None
 
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
-        if not put and (version or remote_slots(self.res) > 1):
-            return self.checked_get(spec, at, address_view(addr, n, keep), version)
-        return self.bracketed(spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+        if not put and (version or remote_slots(res) > 1):
+            return self.checked_get(res, spec, at, address_view(addr, n, keep), version)
+        return self.bracketed(res, spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
 
-    def checked_get(self, spec: RefSpec, at: int, flat: np.ndarray, version: int) -> Outcome:
+    def checked_get(self, res: "Resolution", spec: RefSpec, at: int, flat: np.ndarray, version: int) -> Outcome:
         """One try of reading ``flat.nbytes`` bytes at ``at`` of version ``version`` (0: the
         latest): the copy counts only if the slot's sequence word is the same after it as
         before it; a read of the latest version from a kept header also needs the
@@ -240,7 +240,6 @@ class OneSidedRoute(EngineRoute):
         every other decision (wait, version gone) is taken on a header read in this try. The
         outcome is what a native bracket would say (BUSY, TORN, VERSION_GONE, GEN_BEFORE /
         GEN_AFTER), retried by the retry loop within its timeout."""
-        res = self.res
         eng = res.engine
         remote = res.remote_for(spec)
 
@@ -297,10 +296,14 @@ class UncheckedRoute(CopyRoute):
     __slots__ = ()
     kind = "unchecked"
 
-    def attempt(self, spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any, lease: "Lease | None",
-                version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
-        raise NotSupportedError(f"route {self.res.route.kind} to {spec.label} cannot check the window's "
+    def attempt(self, res: "Resolution", spec: RefSpec, put: bool, at: int, addr: int, n: int, keep: Any,
+                lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
+        raise NotSupportedError(f"route {res.route.kind} to {spec.label} cannot check the window's "
                                 "generation (no control block here and the engine does not enforce it)")
+
+
+_DIRECT, _ENGINE = DirectRoute(), EngineRoute()
+_OWNER, _UNCHECKED = OwnerRoute(), UncheckedRoute()
 
 
 def route_for(res: "Resolution") -> CopyRoute:
@@ -308,14 +311,14 @@ def route_for(res: "Resolution") -> CopyRoute:
     block, a direct mapping) and what its engine checks."""
     eng = res.engine
     if res.direct:
-        return DirectRoute(res)
+        return _DIRECT
     if res.cb is not None:
-        return EngineRoute(res)
+        return _ENGINE
     if eng.enforces_generation == GenerationCheck.OWNER and eng.versions:
-        return OwnerRoute(res)
+        return _OWNER
     if eng.enforces_generation == GenerationCheck.DEVICE:
-        return OneSidedRoute(res) if eng.can_watch(res.remote) == WatchMode.READ else EngineRoute(res)
-    return UncheckedRoute(res)
+        return OneSidedRoute() if eng.can_watch(res.remote) == WatchMode.READ else _ENGINE
+    return _UNCHECKED
 
 
 def engine_error(exc: BaseException, res: "Resolution", spec: RefSpec, put: bool, lease: "Lease | None",
@@ -380,9 +383,10 @@ class WireRoute:
     key, version, seqlock).
 
     ``get(buf)`` / ``put(buf)`` return a result word as :class:`PlanRoute`'s do:
-    :data:`ROUTE_STALE` when nothing was done and the route cannot serve (another thread, a
-    closed connection, a recycled handle), or a status of the bracket or of the owner's
-    outcome that asks for the retry loop (nothing that counts was done). An owner's refusal or
+    :data:`ROUTE_STALE` when nothing was sent and the route cannot serve (another thread, a
+    closed connection, a recycled handle), :data:`ROUTE_LOST` when the connection failed under
+    the request, or a status of the bracket or of the owner's outcome that asks for the retry
+    loop (nothing that counts was done). An owner's refusal or
     an engine failure under the request is raised as the whole path raises it.
 
     Attributes:
@@ -420,8 +424,7 @@ class WireRoute:
         """
         kr = self._requests
         c = kr.usable()
-        if c is None:
-            self.deadline = None
+        if c is None:  # nothing sent (the deadline of the thread that uses the route stays)
             return ROUTE_STALE
         deadline = self.deadline = time.monotonic() + kr.timeout  # the caller's, for every step
         b = self._bracket
@@ -433,7 +436,7 @@ class WireRoute:
             raise
         st = rc & _STATUS
         if st != _PENDING and st != _LOST and st != _SENDING:
-            if not rc & ATTENTION:  # done: a version label never older than these bytes
+            if not st:  # done (flags aside): a version label never older than these bytes
                 res = self.keeper[0]
                 if res is not None and rc >> _SHIFT > res.seen:
                     res.seen = rc >> _SHIFT
@@ -441,7 +444,7 @@ class WireRoute:
         if st == _LOST:  # the connection failed under the request: the whole path makes it again
             kr.drop(c)
             b.undo(self.keeper)
-            return ROUTE_STALE
+            return ROUTE_LOST
         mv = memoryview(buf)
         if mv.ndim != 1 or mv.format != "B":
             mv = mv.cast("B")
@@ -452,7 +455,7 @@ class WireRoute:
             refused = Outcome.remote(exc)
             res = self.keeper[0]
             if res is None:
-                return ROUTE_STALE
+                return ROUTE_LOST
             if refused.retry:  # a write section open, a torn copy...: the retry loop, from this outcome
                 return exc.status | exc.value << _SHIFT
             raise engine_error(exc, res, self.spec, put, None, 0, refused) from exc
@@ -464,15 +467,15 @@ class WireRoute:
             raise engine_error(exc, res, self.spec, put, None, 0, closed) from exc
         if v is None:  # the connection failed under the request: the whole path makes it again
             b.undo(self.keeper)
-            return ROUTE_STALE
+            return ROUTE_LOST
         rc = b.close(v)
         res = self.keeper[0]
-        if not rc & ATTENTION and res is not None and v > res.seen:
+        if not rc & _STATUS and res is not None and v > res.seen:
             res.seen = v  # a version label never older than these bytes (Versions.latest)
         return rc
 
     get = transfer  # a get is the call itself (no frame of its own on the warm path)
 
 
-__all__ = ["ATTENTION", "DirectRoute", "EngineRoute", "OneSidedRoute", "OwnerRoute", "PlanRoute", "ROUTE_STALE",
+__all__ = ["ATTENTION", "ROUTE_LOST", "DirectRoute", "EngineRoute", "OneSidedRoute", "OwnerRoute", "PlanRoute", "ROUTE_STALE",
            "CopyRoute", "UncheckedRoute", "WireRoute", "engine_error", "lease_args", "remote_slots", "route_for"]

@@ -30,7 +30,7 @@ from memsem.core._lease import Lease
 from memsem.core._bracket import ATTENTION, Outcome, Status, failure, settle
 from memsem.core._remote import RemoteWords
 from memsem.core._resolve import Resolution, Resolver
-from memsem.core._routes import ROUTE_STALE, PlanRoute, WireRoute, lease_args
+from memsem.core._routes import ROUTE_LOST, ROUTE_STALE, PlanRoute, WireRoute, lease_args
 from memsem.core._wait import Wait, window_checks
 from memsem.core._xcopy import XCopier
 
@@ -111,7 +111,7 @@ class Transfers:
         at = spec.offset + offset
 
         def attempt(r: Resolution) -> Outcome:
-            return r.strategy.attempt(spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
+            return r.strategy.attempt(r, spec, put, at, addr, n, keep, lease, version, signal_tile, deadline)
 
         if res.direct:
             ls, lid = lease_args(lease, spec)
@@ -149,6 +149,8 @@ class Transfers:
             if o.status is _OK:
                 if o.check_peer:
                     res.peer_checked()
+                if o.value > res.seen:  # a version label never older than these bytes
+                    res.seen = o.value
                 return o.value
             st = o.status
             if not o.retry:
@@ -177,7 +179,7 @@ class Transfers:
         at = spec.offset + offset
 
         def attempt(r: Resolution) -> Outcome:
-            return r.strategy.attempt(spec, put, at, addr, n, keep, lease, version, None, deadline)
+            return r.strategy.attempt(r, spec, put, at, addr, n, keep, lease, version, None, deadline)
 
         return self.run(spec, res, attempt, put=put, lease=lease, version=version, first=settle(res, rc),
                         deadline=deadline)
@@ -261,7 +263,7 @@ class Transfers:
         res = self.cached(spec)
         if res is None or res.closed:
             return None
-        return res.strategy.ref_route(spec, self._core.token)
+        return res.strategy.ref_route(res, spec, self._core.token)
 
     def after_route(self, spec: RefSpec, route: PlanRoute | WireRoute | None, rc: int, put: bool,
                     buf: Any) -> PlanRoute | WireRoute | None:
@@ -275,19 +277,21 @@ class Transfers:
         Raises:
             What the get or put raises.
         """
-        if route is None:  # the ref's first plain get or put here: resolve, then take the route
-            res = self.cached(spec)
+        if route is None and (not put or spec.access == "rw"):  # the first plain get or put here:
+            res = self.cached(spec)                                # resolve, then take the route
             if res is None or res.closed:
                 res = self._resolver.resolve(spec)
-            route = res.strategy.ref_route(spec, self._core.token)
+            route = res.strategy.ref_route(res, spec, self._core.token)
             if route is not None and (route.writable or not put):
                 rc = route.put(buf) if put else route.get(buf)
                 if not rc & _ATTN:
                     return route
             else:
                 route = None
-        res = None if route is None or rc == ROUTE_STALE else route.keeper[0]
-        deadline = None if route is None else route.deadline
+        res = None if route is None or rc == ROUTE_STALE or rc == ROUTE_LOST else route.keeper[0]
+        # the deadline of the route's own call, when it sent a request (another thread's route
+        # sends none: ROUTE_STALE)
+        deadline = None if route is None or rc == ROUTE_STALE else route.deadline
         if res is None:
             if put:
                 self.put(spec, buf, None, deadline)

@@ -209,7 +209,11 @@ class TensorRef:
                 DLPack or buffer object) of the ref's dtype, or uint8 (raw bytes: a uint8 ``out``
                 takes the bytes of any dtype, and a uint8 ref fills any ``out``), or None to
                 allocate one of ``shape``/``dtype``. Another dtype is a TypeError, never a
-                reinterpretation of the bytes.
+                reinterpretation of the bytes. Its shape is not checked: a get fills bytes in C
+                order, so an ``out`` of the ref's dtype and byte count in another shape (a flat
+                buffer, a reshaped batch) receives the elements in the ref's C order, as
+                ``np.copyto(out.reshape(-1), src.reshape(-1))`` would (decided, issue 40: flat
+                and reshaped destinations are how pipelines and state-dict loads reuse memory).
             framework: "numpy" (default for numpy/buffer sources), "torch" (default when the
                 producer published a torch tensor and torch is importable) or "dlpack" (a
                 :class:`DLPackBuffer` re-exporting the producer's byte_offset). Ignored with out.

@@ -442,8 +442,13 @@ class WatchConnection(Connection):
             self.pending[rid] = slot
         # A request that ends early (its deadline) stays pending: its late reply is read and
         # dropped by the reader (a reply to no request breaks the protocol).
-        with self.send_lock:
-            self.send(W.REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body, deadline)
+        try:
+            with self.send_lock:
+                self.send(W.REQ.pack(op, 0, handle, rid, 0, len(body), 0, 0) + body, deadline)
+        except BaseException:  # part of the request may be on the stream: the connection ends
+            self.pending.pop(rid, None)
+            self.shutdown()
+            raise
         while not slot[0].wait(W.POLL_SLICE):
             self._waited(deadline)
         if isinstance(slot[1], BaseException):
@@ -492,6 +497,11 @@ class WatchConnection(Connection):
         try:
             while not self.closed:
                 status, flags, handle, rid, value, nbytes = self.frame(_INF)
+                if status == W.FULL:  # the owner closed this connection (it serves its maximum)
+                    if nbytes > W.MAX_ERROR_TEXT:
+                        raise self.violation("watch", f"a FULL reply carries {nbytes} bytes of text")
+                    raise EngineError(f"the owner at {self.endpoint} closed the watch connection: "
+                                      f"{self.text(nbytes, _INF)}", name="FULL")
                 if status == W.EVENT:
                     if value > W.MAX_EVENTS or nbytes != value * W.EVT.size:
                         raise EngineError(f"EVENT frame from {self.endpoint} is malformed ({value} entries, "
@@ -509,11 +519,13 @@ class WatchConnection(Connection):
                 # a violation ends the connection, and with it every pending request (_end)
                 status, flags, value, nbytes = self.check((status, flags, handle, rid, value, nbytes), rid,
                                                           slot[2], slot[3])
-                del self.pending[rid]
                 try:
                     out: Any = self.answer(status, flags, value, nbytes, _INF, "watch", limit=_U64)
                 except (RemoteOutcome, AccessDeniedError, EngineError) as exc:
+                    if getattr(exc, "name", None) == "PROTOCOL":
+                        raise
                     out = exc
+                del self.pending[rid]
                 slot[1] = out
                 slot[0].set()
         except BaseException as exc:  # noqa: BLE001 - ends every subscription of the connection
@@ -542,14 +554,19 @@ class WatchConnection(Connection):
         self.engine.forget_watch(self)
         super().close()
 
-    def close(self) -> None:
-        self.closed = True
+    def shutdown(self) -> None:
+        """End the stream both ways (the reader thread then ends the connection, telling every
+        subscriber and pending request)."""
         sock = getattr(self, "sock", None)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.shutdown()
         t = getattr(self, "thread", None)
         if t is not None and t is not threading.current_thread():
             t.join(2.0)

@@ -37,6 +37,14 @@ ATTEMPTS = 3
 RETRY_PAUSE_S = (0.0, 0.02, 0.1)
 
 
+def owner_wait_ms(left_s: float, most_ms: int) -> int:
+    """The ``wait_ms`` a request asks the owner for (how long it may park a request that meets an
+    open write section), given ``left_s`` seconds left before the caller's deadline: that less
+    two receive slices (the owner's BUSY answer then arrives before the deadline: the caller
+    hears "a write section stayed open", on a connection still in step), at most ``most_ms``."""
+    return max(0, min(most_ms, 0xFFFFFFFF, int(left_s * 1000) - 2 * int(W.POLL_SLICE * 1000)))
+
+
 class TcpRemote(RemoteRegion):
     """Consumer side of a window reached over TCP: the owner's endpoint and the credential."""
 
@@ -273,7 +281,8 @@ class TcpEngine(Engine):
         h = c.handles.get(remote.credential.token)
         if h is None:
             return None
-        return KeptRequests(c, remote.credential.token, h, self._wait_ms, self.timeout or W.DEFAULT_TIMEOUT)
+        timeout = self.timeout or W.DEFAULT_TIMEOUT
+        return KeptRequests(c, remote.credential.token, h, owner_wait_ms(timeout, self._wait_ms), timeout)
 
     def _call(self, remote: RemoteRegion, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> Any:
         """``fn(connection, handle, deadline, wait_ms, *args)`` on this thread's connection to
@@ -287,13 +296,15 @@ class TcpEngine(Engine):
             raise ValueError("remote was not attached by engine 'tcp'")
         if deadline is None:
             deadline = time.monotonic() + (self.timeout or W.DEFAULT_TIMEOUT)
-        wait_ms = max(0, min(self._wait_ms, int((deadline - time.monotonic()) * 1000)))
+        elif time.monotonic() >= deadline:
+            self.waited(remote, deadline)  # past the caller's deadline already: no request at all
+        wait_ms = owner_wait_ms(deadline - time.monotonic(), self._wait_ms)
         failures: list[Lost] = []
         for attempt in range(ATTEMPTS):
             if attempt:
                 time.sleep(RETRY_PAUSE_S[attempt])
                 self.waited(remote, deadline)
-                wait_ms = max(0, min(0xFFFFFFFF, int((deadline - time.monotonic()) * 1000)))
+                wait_ms = owner_wait_ms(deadline - time.monotonic(), self._wait_ms)
             c = None
             keep = False
             try:
