@@ -185,3 +185,12 @@ def test_smoke_run_prints_every_key_and_one_json_line_last(tmp_path):
     for name in ("goals", "weight sync", "tcp route", "cost as the work grows"):
         assert name in err, name
     assert {"latency.png", "bandwidth.png", "ops.png", "goals.png"} <= {f.name for f in tmp_path.iterdir()}
+
+
+def test_the_bench_finds_the_checkout_it_runs_from():
+    """memsem_bench lives in src/memsem_bench/: the files it runs from the checkout are there
+    (the pipeline table's benchmarks/bench_pipeline.py, the fan-out's namespaces)."""
+    from memsem_bench import CHECKOUT
+
+    assert (CHECKOUT / "benchmarks" / "bench_pipeline.py").is_file()
+    assert (CHECKOUT / "tests" / "netns" / "netns.py").is_file()

@@ -8,3 +8,8 @@ Modules: ``main`` (``memsem bench``: the tables, ``--json``, plots), ``measure``
 rounds and their statistics), ``tcp``, ``weights``, ``scale``, ``fanout``, ``follow``, ``mpi``
 (one table or peer each).
 """
+import pathlib
+
+#: the source checkout this package runs from (src/memsem_bench/ -> the repository root): where
+#: benchmarks/, tests/netns/ and the test venvs (.venv-tq, .venv-verl) are
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]

@@ -29,6 +29,8 @@ Keys (the last line of stdout with ``--json``): ``fanout_relay_8r_vs_1r`` (goal 
 """
 from __future__ import annotations
 
+from memsem_bench import CHECKOUT
+
 import json
 import os
 import pathlib
@@ -147,7 +149,7 @@ def node_gloo(a: Any) -> None:
 
 # -- the run (root namespace) ----------------------------------------------------------------------------
 def _checkout() -> pathlib.Path:
-    root = pathlib.Path(__file__).resolve().parents[3]
+    root = CHECKOUT
     if not (root / "tests" / "netns" / "netns.py").is_file():
         raise SystemExit("memsem bench --fanout needs a source checkout (tests/netns/netns.py makes the namespaces); "
                          f"not found under {root}")

@@ -20,6 +20,8 @@ and plots (the measurements themselves live in memsem_bench.measure and the othe
 """
 from __future__ import annotations
 
+from memsem_bench import CHECKOUT
+
 import collections
 import dataclasses
 import importlib
@@ -395,7 +397,7 @@ def _telemetry_cost(n: int = 20000) -> float:
 def _pipeline_figures(quick: bool) -> tuple[dict[str, Any], str | None]:
     """Figures of ``benchmarks/bench_pipeline.py`` (pipeline_vs_ideal, pipeline_speedup_vs_bulk,
     first_tile_ratio, rss_overhead_MiB), when that script is present."""
-    path = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "bench_pipeline.py"
+    path = CHECKOUT / "benchmarks" / "bench_pipeline.py"
     if not path.exists():
         return {}, f"{path} not found (pipeline keys are null)"
     try:

@@ -25,6 +25,8 @@ floor, gloo), each side a process set that the same rounds drive.
 """
 from __future__ import annotations
 
+from memsem_bench import CHECKOUT
+
 import contextlib
 import hashlib
 import json
@@ -466,7 +468,7 @@ def ray_interpreters() -> list[pathlib.Path]:
     """Interpreters where this project may have installed Ray, in order: this one, the
     TransferQueue venv (``TQ_VENV`` or ``.venv-tq``, made by ``tests/tq/run_tq_all.sh``), the
     verl venv (``VERL_VENV`` or ``.venv-verl``, ``tests/verl/run_verl_tests.sh``)."""
-    root = pathlib.Path(__file__).resolve().parents[3]
+    root = CHECKOUT
     out = [pathlib.Path(sys.executable)]
     for env, default in (("TQ_VENV", ".venv-tq"), ("VERL_VENV", ".venv-verl")):
         for v in (os.environ.get(env), str(root / default)):
@@ -502,7 +504,7 @@ class RayPeer:
     (:func:`find_ray`); :meth:`rep` runs one version there and returns its seconds."""
 
     def __init__(self, python: pathlib.Path, total_bytes: int, n: int, rollouts: int, timeout: float = 600.0) -> None:
-        root = pathlib.Path(__file__).resolve().parents[3]
+        root = CHECKOUT
         code = (f"import sys; sys.path.insert(0, {str(root / 'src')!r}); "
                 "from memsem_bench.weights import _ray_serve; "
                 f"_ray_serve({total_bytes}, {n}, {rollouts})")
