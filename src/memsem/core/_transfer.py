@@ -94,7 +94,7 @@ class Transfers:
         it through ``_args.version``). ``signal_tile`` (puts): where the route's engine can
         signal tiles (mte ``aclshmemx_putmem_signal``) the tile's signal word is set after the
         data. ``deadline`` (``time.monotonic()``): the caller's, when a part of the call ran
-        already (a kept route's request): no request and no retry goes past it (None: the
+        already (a ref's wire route sent a request): no request and no retry goes past it (None: the
         runtime's timeout from now).
         """
         if offset < 0 or n < 0 or offset + n > spec.nbytes:
