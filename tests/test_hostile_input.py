@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import pickle
 import struct
-import time
 import tracemalloc
 import types
 
@@ -499,12 +498,10 @@ def test_every_timeout_goes_through_one_door(rt, unmarked, value, exc):
     (an unmarked window would otherwise block forever on NaN/inf)."""
     fs, ref = unmarked
     for name, call in _timeout_calls(rt, fs, ref).items():
-        t0 = time.monotonic()
+        # refused, not waited: the wait that would follow is infinite or 1e12 s, so a call that
+        # waited never returns (pytest-timeout ends the test): no wall-clock bound is asserted
         with pytest.raises(exc, match="timeout"):
             call(value)
-        # refused, not waited: far below any timeout a test would give (no scheduling bound
-        # is asserted here: the wait that would follow is infinite or 1e12 s)
-        assert time.monotonic() - t0 < 60, name
 
 
 def test_field_timeouts_report_the_timeout_given(rt, unmarked):

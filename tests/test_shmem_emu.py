@@ -310,17 +310,16 @@ def _scenario_peer_crash(s: _PE, q=None) -> dict:
         q.join_thread()
         os._exit(3)
     time.sleep(0.5)
-    t0 = time.monotonic()
+    # Each call below returns only because the emulator noticed PE 1's death (an error naming
+    # it); one that did not would block forever and the scenario's own process bound ends it:
+    # no wall-clock bound is asserted here.
     lib.aclshmem_barrier_all()
     code, msg = s.err()
     assert code == lib.ACLSHMEM_BOOTSTRAP_ERROR and "PE 1" in msg, (code, msg)
-    assert time.monotonic() - t0 < 60
     sig = s.ffi.cast("int32_t *", lib.aclshmemx_get_heap_base(lib.DEVICE_SIDE))
-    t0 = time.monotonic()
     lib.aclshmem_signal_wait_until(sig, lib.ACLSHMEM_CMP_EQ, 777)
     code, msg = s.err()
     assert code == lib.ACLSHMEM_BOOTSTRAP_ERROR and "died" in msg, (code, msg)
-    assert time.monotonic() - t0 < 60
     assert lib.aclshmem_finalize() != 0
     return {}
 
