@@ -81,6 +81,8 @@ def _bad_get_replies():
         "an outcome no owner sends": lambda req: outcome(req, 200, 0),
         "an errno of 2**40": lambda req: outcome(req, ERRNO, 2 ** 40),
         "an errno of 0": lambda req: outcome(req, ERRNO, 0),
+        "a busy version past the largest": lambda req: outcome(req, native.lib.MEMSEM_RC_BUSY, W.VERSION_MAX + 1),
+        "a version gone past the largest": lambda req: outcome(req, native.lib.MEMSEM_RC_VERSION_GONE, 2 ** 63),
     }
 
 

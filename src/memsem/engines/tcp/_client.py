@@ -46,6 +46,8 @@ TRAILER = -1
 _OP_NAMES = {W.OP_OPEN: "open", W.OP_GET: "get", TRAILER: "get", W.OP_PUT: "put", W.OP_MARK: "ready mark",
              W.OP_CLEAR: "ready mark", W.OP_PIN: "pin", W.OP_WATCH: "watch", W.OP_SYNC: "watch"}
 _ERRNO = _lib.MEMSEM_RC_ERRNO
+#: outcome statuses whose value is a version (an open section's, the version found)
+_VERSIONED = frozenset({_lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_VERSION_GONE})
 _U64 = (1 << 64) - 1
 _wire = _hot.wire
 _SHIFT = _lib.MEMSEM_RC_VERSION_SHIFT
@@ -225,6 +227,8 @@ class Connection:
                 raise self.violation(what, f"an outcome of status {flags}, which no owner sends")
             if flags == _ERRNO and not 0 < value <= W.ERRNO_MAX:
                 raise self.violation(what, f"an errno outcome of {value} (1 to {W.ERRNO_MAX})")
+            if flags in _VERSIONED and value > W.VERSION_MAX:  # its value is a version
+                raise self.violation(what, f"an outcome {flags} naming version {value}, more than {W.VERSION_MAX}")
             raise RemoteOutcome(f"tcp {what} at {self.endpoint}: the owner's outcome {flags} (value {value})",
                                 status=flags, value=value)
         text = self.text(nbytes, deadline) if nbytes else ""
