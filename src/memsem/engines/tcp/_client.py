@@ -39,7 +39,7 @@ _REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
 _pack_req = W.REQ.pack
 #: the one reader of the reply layout (native/memsem_hot.c, shared with the kept route's call)
 _unpack_rep = _hot.reply_header
-_get_ident, _monotonic = threading.get_ident, time.monotonic
+_get_ident = threading.get_ident
 _OP_GET, _OP_PUT = W.OP_GET, W.OP_PUT
 #: the op :meth:`Connection.reply` is given for the trailer after a GET's bytes (OK or OUTCOME)
 TRAILER = -1
