@@ -5,7 +5,7 @@ import ast
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "memsem"
-ORDER = ["native", "engines", "topology", "directory", "gva", "core", "pipeline", "refs"]
+ORDER = ["native", "engines", "topology", "directory", "gva", "core", "pipeline", "refs", "sync"]
 LEAVES = {"_errors", "_dtypes", "_buffers", "_args", "_native"}
 
 
