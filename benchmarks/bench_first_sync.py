@@ -51,7 +51,7 @@ def _owner(conn: Any) -> None:
 
 def _consumer(conn: Any, refs: dict[str, Any]) -> None:
     import memsem
-    from memsem.refs._state_dict import StateDictRef
+    from memsem.sync._state_dict import StateDictRef
 
     now = time.perf_counter
     T: dict[str, float] = {}

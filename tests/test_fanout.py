@@ -17,7 +17,7 @@ import pytest
 
 import memsem
 from memsem import FanoutPlan, LinkModel, fanout_plan, model_time
-from memsem.refs._fanout_plan import TRAINER
+from memsem.sync._fanout_plan import TRAINER
 
 WAIT = 30.0
 CHUNK = 16 << 10
@@ -73,7 +73,7 @@ class Gated(memsem.Relay):
             if not self.gate.wait(WAIT):
                 raise memsem.MemsemTimeoutError("test gate not opened", what="gate", timeout=WAIT)
             if self._stop.is_set():  # closed while held here: this chunk never arrives
-                from memsem.refs._relay_upstream import RelayClosing
+                from memsem.sync._relay_upstream import RelayClosing
 
                 raise RelayClosing()
 
@@ -116,7 +116,7 @@ def test_chunks_in_flight_keep_the_link_busy_and_no_more():
     """A relay asks its parent for the fewest chunks at once that cover a round trip: each one
     more delays every hop of a chain by a chunk's transfer (the chain's last rank finished 7 x
     ~3 chunk times late at 4 in flight over 200 Mbit/s links)."""
-    from memsem.refs._fanout_plan import chunks_in_flight
+    from memsem.sync._fanout_plan import chunks_in_flight
 
     slow = LinkModel(25e6, 1.2e-3)  # 1 MiB takes 42 ms: one round trip is covered by a second chunk
     assert chunks_in_flight(slow, 1 << 20) == 2

@@ -625,7 +625,7 @@ def test_alloc_names_shape_and_dtype(rt, shape, dtype, exc, field):
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_state_dict_layout_parse_refuses_mutations_with_valueerror(data):
-    from memsem.refs._state_dict import _HEAD, StateDictLayout
+    from memsem.sync._state_dict import _HEAD, StateDictLayout
 
     code = memsem._dtypes.code_of
     lay = StateDictLayout.build([("a", code("float32"), (3, 4), 48), ("b", code("int64"), (), 8),

@@ -24,21 +24,22 @@ from memsem._errors import (
     WindowNotFoundError,
     WindowRetiredError,
 )
-from memsem.refs import (
-    FieldRef,
-    FieldSchema,
-    FieldSet,
+from memsem.refs import FieldRef, FieldSchema, FieldSet, TensorRef, Versioned
+from memsem.sync import (
+    FanoutPlan,
+    FanoutSource,
     Followable,
     Follower,
-    Runtime,
+    LinkModel,
+    Relay,
+    RelayStats,
     StateDictLayout,
     StateDictRef,
     StreamBucket,
-    TensorRef,
-    Versioned,
-    default_runtime,
+    fanout_plan,
+    model_time,
 )
-from memsem.refs import FanoutPlan, FanoutSource, LinkModel, Relay, RelayStats, fanout_plan, model_time
+from memsem._runtime import Runtime, default_runtime
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ import traceback
 import numpy as np
 
 import memsem
-from memsem.refs import Runtime
+from memsem import Runtime
 
 ENGINES = ("loopback", "host", "tcp")
 N = 4096

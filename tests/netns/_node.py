@@ -18,7 +18,7 @@ import traceback
 import numpy as np
 
 import memsem
-from memsem.refs import Runtime
+from memsem import Runtime
 
 ENGINES = ("loopback", "host", "tcp")
 N_W = 1 << 18  # float32 elements of window "w" (1 MiB)

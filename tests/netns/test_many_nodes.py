@@ -433,7 +433,7 @@ def test_tcp_engine_on_loopback_two_node_ids(redis_url, tmp_path):
     """Same machine, two node ids, loopback: route tcp, get/put/stale (no namespaces needed)."""
     job = f"u{secrets.token_hex(4)}"
     code = (
-        "import sys, numpy as np; from memsem.refs import Runtime\n"
+        "import sys, numpy as np; from memsem import Runtime\n"
         "rt = Runtime(engines=('loopback','host','tcp'))\n"
         "r = rt.publish(np.arange(100000, dtype=np.int64), name='v')\n"
         "print(r.to_bytes().hex(), flush=True); sys.stdin.readline()\n"

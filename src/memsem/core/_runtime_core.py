@@ -26,6 +26,7 @@ retires or bumps its parent's windows.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextvars
 import logging
@@ -133,7 +134,7 @@ class RuntimeCore:
         self.closed = False
         #: True in a process forked from the one that made this runtime (it owns nothing here)
         self.forked = False
-        #: the user-facing ``memsem.Runtime`` wrapping this core (weak), set by the refs layer
+        #: the user-facing ``memsem.Runtime`` wrapping this core (weak), set by that class
         self.facade: Any = None
         self._lock = threading.RLock()
         self.telemetry = Telemetry()
@@ -200,6 +201,18 @@ class RuntimeCore:
                 pass
             self._token = None
         self.close()
+
+    #: the user-facing class around a core (``memsem.Runtime`` registers itself when imported:
+    #: the layers below it hand users that class, never import it)
+    facade_type: Any = None
+
+    def user_runtime(self) -> Any:
+        """The user-facing ``memsem.Runtime`` around this core (its existing one, else a new
+        one around the same core); the core itself when no such class was imported."""
+        f = self.facade() if self.facade is not None else None
+        if f is None and RuntimeCore.facade_type is not None:
+            f = RuntimeCore.facade_type.of_core(self)
+        return f if f is not None else self
 
     def check_open(self) -> None:
         """Raise RuntimeClosedError when closed (or inherited through fork)."""
@@ -471,7 +484,26 @@ def current_core() -> RuntimeCore | None:
     return best
 
 
+_default: RuntimeCore | None = None
+_default_lock = threading.Lock()
+
+
+def default_core() -> RuntimeCore:
+    """The process's default runtime (created on first use, closed at exit). Used by refs that
+    were deserialized without an explicit runtime (e.g. unpickled in a worker), and in a forked
+    child by refs bound to a runtime the parent made."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = RuntimeCore()
+            atexit.register(_default.close)
+        return _default
+
+
 def _after_fork_in_child() -> None:
+    global _default, _default_lock
+    _default = None  # the parent's (closed in the child): a new one on first use
+    _default_lock = threading.Lock()  # it may have been held by another thread at fork time
     # Only flags (other threads of the parent may have held locks at fork time): every inherited
     # runtime becomes closed-and-forked, so the child never retires, unlinks or bumps anything.
     for r in list(_instances):
@@ -483,4 +515,4 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["CLOSE_TIMEOUT", "DEFAULT_TIMEOUT", "RuntimeCore", "current_core"]
+__all__ = ["CLOSE_TIMEOUT", "DEFAULT_TIMEOUT", "RuntimeCore", "current_core", "default_core"]

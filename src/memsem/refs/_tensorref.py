@@ -10,7 +10,7 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.core import Completion, Lease, PlanRoute, RuntimeCore, WireRoute, current_core
+from memsem.core import Completion, Lease, PlanRoute, RuntimeCore, WireRoute, current_core, default_core
 
 _ATTN = native.lib.MEMSEM_RC_ATTENTION
 _UINT8 = _dtypes.code_of("uint8")
@@ -32,9 +32,7 @@ def _default_core() -> RuntimeCore:
     rt = current_core()
     if rt is not None:
         return rt
-    from memsem.refs._runtime import default_runtime
-
-    return default_runtime()._core
+    return default_core()
 
 
 def as_core(runtime: Any, argname: str = "runtime") -> RuntimeCore | None:
@@ -90,9 +88,7 @@ class TensorRef:
     def runtime(self) -> Any:
         """The ``memsem.Runtime`` this ref works through (its own, or the current/default one
         when unbound). Raises RuntimeClosedError when its runtime was closed."""
-        from memsem.refs._runtime import Runtime
-
-        return Runtime.of_core(usable_core(self._rt))
+        return usable_core(self._rt).user_runtime()
 
     def _core(self) -> RuntimeCore:
         rt = self._rt

@@ -62,7 +62,7 @@ from memsem._errors import (
     WindowRetiredError,
 )
 from memsem.core import RuntimeCore, Wait
-from memsem.refs._state_dict import LAYOUT_MAGIC, StateDictRef
+from memsem.sync._state_dict import LAYOUT_MAGIC, StateDictRef
 from memsem.refs._tensorref import TensorRef, check_ref
 
 _UINT8 = _dtypes.code_of("uint8")

@@ -1,16 +1,16 @@
 """Weight sync that scales with rollout nodes: rollouts re-serve what they loaded (docs/fanout.md).
 
 The trainer publishes its state dict through a :class:`FanoutSource`
-(:mod:`memsem.refs._fanout_source`: the state-dict window plus a digest window holding one
+(:mod:`memsem.sync._fanout_source`: the state-dict window plus a digest window holding one
 digest of every chunk of ``chunk_bytes`` bytes, for each of the last versions).
 
 Each rollout runs a :class:`Relay` with its ``rank`` among ``world`` rollouts and a plan
-(:mod:`memsem.refs._fanout_plan`: star, chain or tree, chosen from ``world`` and a link model).
+(:mod:`memsem.sync._fanout_plan`: star, chain or tree, chosen from ``world`` and a link model).
 A relay's background thread follows its *upstream* (its parent relay, or the trainer): for every
 new version ``v`` it
 
 1. reads ``v``'s chunk digests from the trainer's digest window (never through a relay);
-   finding the trainer, a parent's offer and re-attaching are :mod:`memsem.refs._relay_upstream`;
+   finding the trainer, a parent's offer and re-attaching are :mod:`memsem.sync._relay_upstream`;
 2. publishes a *data window* of its own for ``v`` (owner-checked, one ready word per chunk) and
    offers it in its *manifest* (``<name>@relay.<rank>``, a double-buffered window listing the
    versions it holds and the read-only refs of their data windows);
@@ -75,7 +75,7 @@ from memsem._errors import (
 )
 from memsem.core import Wait
 from memsem.gva import RefSpec
-from memsem.refs._fanout_plan import (
+from memsem.sync._fanout_plan import (
     KINDS,
     TRAINER,
     FanoutPlan,
@@ -85,8 +85,8 @@ from memsem.refs._fanout_plan import (
     link_arg,
     plan as make_plan,
 )
-from memsem.refs._fanout_source import Digests, digest_of, fanout_name
-from memsem.refs._relay_upstream import (
+from memsem.sync._fanout_source import Digests, digest_of, fanout_name
+from memsem.sync._relay_upstream import (
     MANIFEST_BYTES,
     RelayClosing,
     Upstream,
@@ -96,7 +96,7 @@ from memsem.refs._relay_upstream import (
     manifest_name,
     trainer_identity,
 )
-from memsem.refs._state_dict import StateDictRef
+from memsem.sync._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from memsem import _args
 from memsem._errors import MemsemError, VersionGoneError
 from memsem.core import RuntimeCore
 from memsem.gva import RefSpec
-from memsem.refs._state_dict import (
+from memsem.sync._state_dict import (
     DEFAULT_ALIGN,
     DEFAULT_BUCKET_BYTES,
     StateDictRef,

@@ -22,12 +22,12 @@ from memsem._buffers import array_address
 from memsem._errors import MemsemError, MemsemTimeoutError, RuntimeClosedError, StaleReferenceError
 from memsem.core import RuntimeCore, Wait
 from memsem.gva import RefSpec
-from memsem.refs._fanout_plan import TRAINER, FanoutPlan, LinkModel, plan as make_plan
-from memsem.refs._fanout_source import Digests, digests_name, read_digests, read_sizes
-from memsem.refs._state_dict import StateDictRef, lookup_state_dict
+from memsem.sync._fanout_plan import TRAINER, FanoutPlan, LinkModel, plan as make_plan
+from memsem.sync._fanout_source import Digests, digests_name, read_digests, read_sizes
+from memsem.sync._state_dict import StateDictRef, lookup_state_dict
 from memsem.refs._tensorref import TensorRef
 
-log = logging.getLogger("memsem.refs._relay")
+log = logging.getLogger("memsem.sync._relay")
 
 #: bytes of a relay's manifest window
 MANIFEST_BYTES = 16 << 10

@@ -1,9 +1,7 @@
 """``memsem.Runtime``: the user-facing runtime (publishes TensorRefs, builds pipelines)."""
 from __future__ import annotations
 
-import atexit
 import os
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +12,7 @@ from memsem import _dtypes
 from memsem._buffers import check_buffer
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
-from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats
+from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats, default_core
 from memsem.pipeline import Pipeline
 from memsem.topology import Route
 
@@ -285,7 +283,7 @@ class Runtime:
         """
         spec = self._core.lookup_spec(name, timeout)
         if spec.dtype_code == _UINT8 and spec.nbytes >= _STATE_DICT_HEAD:
-            from memsem.refs._state_dict import LAYOUT_MAGIC, StateDictRef
+            from memsem.sync._state_dict import LAYOUT_MAGIC, StateDictRef
 
             ref = TensorRef(spec, self._core)
             if ref.bytes(0, len(LAYOUT_MAGIC)).get().tobytes() == LAYOUT_MAGIC:
@@ -306,7 +304,7 @@ class Runtime:
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
         from memsem.refs._fields import FIELD_MAGIC, FieldRef
         from memsem.refs._fieldset import SET_MAGIC, FieldSet
-        from memsem.refs._state_dict import REF_MAGIC, StateDictRef
+        from memsem.sync._state_dict import REF_MAGIC, StateDictRef
 
         kind = {REF_MAGIC: StateDictRef, SET_MAGIC: FieldSet, FIELD_MAGIC: FieldRef}.get(bytes(data[:4]), TensorRef)
         return kind.from_bytes(data, self._core)
@@ -432,7 +430,7 @@ class Runtime:
             ValueError / TypeError: an empty mapping, a non-str key, a tensor memsem cannot
             publish (named), a bad align/bucket_bytes/slots.
         """
-        from memsem.refs._state_dict import publish_state_dict
+        from memsem.sync._state_dict import publish_state_dict
 
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
                                   bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
@@ -441,7 +439,7 @@ class Runtime:
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
         (any process; see ``lookup``, whose ``timeout`` waits for it to appear). Its layout is
         read and checked now."""
-        from memsem.refs._state_dict import lookup_state_dict
+        from memsem.sync._state_dict import lookup_state_dict
 
         return lookup_state_dict(self._core, name, timeout=timeout)
 
@@ -449,7 +447,7 @@ class Runtime:
                pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False):
         """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
         ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
-        that version (bit-exact). See :mod:`memsem.refs._follow`.
+        that version (bit-exact). See :mod:`memsem.sync._follow`.
 
         Example::
 
@@ -477,14 +475,14 @@ class Runtime:
                 are raised, never skipped over.
 
         Returns:
-            A :class:`memsem.refs._follow.Follower` (``version``, ``generation``, ``loads``,
+            A :class:`memsem.sync._follow.Follower` (``version``, ``generation``, ``loads``,
             ``skipped``, ``recovered``; ``close()``).
 
         Raises:
             TypeError / ValueError: a bad source, name, timeout, after or pin_ttl (at once);
-            the iterator raises as :meth:`memsem.refs._follow.Follower.next`.
+            the iterator raises as :meth:`memsem.sync._follow.Follower.next`.
         """
-        from memsem.refs._follow import follow
+        from memsem.sync._follow import follow
 
         return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
                       every=every)
@@ -500,8 +498,9 @@ class Runtime:
         return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access)
 
 
+RuntimeCore.facade_type = Runtime
+
 _default: Runtime | None = None
-_default_lock = threading.Lock()
 
 
 def default_runtime() -> Runtime:
@@ -509,17 +508,16 @@ def default_runtime() -> Runtime:
     were deserialized without an explicit runtime (e.g. unpickled in a worker), and in a forked
     child by refs bound to a runtime the parent made."""
     global _default
-    with _default_lock:
-        if _default is None or _default.closed:
-            _default = Runtime()
-            atexit.register(_default.close)
-        return _default
+    core = default_core()
+    f = _default
+    if f is None or f.core is not core:
+        f = _default = Runtime.of_core(core)
+    return f
 
 
 def _after_fork_in_child() -> None:
-    global _default, _default_lock
+    global _default
     _default = None  # the parent's (closed in the child): a new one on first use
-    _default_lock = threading.Lock()  # it may have been held by another thread at fork time
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
