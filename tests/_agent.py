@@ -74,14 +74,15 @@ def _op_close(st: _State) -> None:
     st.windows.clear()
 
 
-def _op_publish(st: _State, seed: int, nbytes: int, shared: bool, access: str, name: str | None) -> bytes:
+def _op_publish(st: _State, seed: int, nbytes: int, shared: bool, access: str, name: str | None,
+                replace: bool = False) -> bytes:
     data = pattern(seed, nbytes)
     if shared:
         arr = st.rt.alloc(nbytes, np.uint8)
         arr[:] = data
     else:
         arr = data
-    ref = st.rt.publish(arr, name=name, access=access)
+    ref = st.rt.publish(arr, name=name, access=access, replace=replace)
     st.windows.append(arr)
     return ref.to_bytes()
 

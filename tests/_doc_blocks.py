@@ -256,6 +256,11 @@ def c_howto_follow(a: dict, b: dict) -> None:
     assert b["_seen"][-1] == 3.0 and b["version"] == 4
 
 
+def c_howto_lockstep(a: dict, b: dict) -> None:
+    assert b["_seen"] == [0.0, 1.0, 2.0, 3.0], b["_seen"]  # every version, in order
+    assert a["v"] == 4 and b["version"] == 4
+
+
 def _consumer_of_a_state_dict(ctx: Ctx, name: str = "policy") -> tuple[Any, dict]:
     import numpy as np
 
@@ -385,6 +390,8 @@ RUN: dict[tuple[str, str], Run] = {
                                                    check=c_howto_share),
     ("docs/howto.md", "# rollout: the follower loop"): Run(p_howto_follow_trainer, "# rollout",
                                                            p_howto_follow_rollout, check=c_howto_follow),
+    ("docs/howto.md", "rt.wait_loaded(sd, v"): Run(p_howto_follow_trainer, "# rollout", p_howto_follow_rollout,
+                                                   check=c_howto_lockstep),
     ("docs/howto.md", "with sd.pin(version=v)"): Run(p_howto_step, check=c_howto_step),
     ("docs/howto.md", "# producer side"): Run(p_howto_fields_producer, "# trainer side", p_howto_fields_trainer,
                                               check=c_howto_fields),

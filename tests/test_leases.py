@@ -77,7 +77,7 @@ def test_ttl_none_holds_until_release(rt):
 
 def test_lease_of_stale_ref_refused(rt):
     old = rt.publish(np.zeros(16, np.uint8), name="w")
-    rt.publish(np.ones(16, np.uint8), name="w")
+    rt.publish(np.ones(16, np.uint8), name="w", replace=True)
     with pytest.raises(memsem.StaleReferenceError):
         old.lease(ttl=1.0).acquire()
     new = rt.lookup("w")
@@ -130,7 +130,7 @@ def test_unpublish_waits_then_names_holders(rt, agent):
     # Republish is refused the same way.
     rt.timeout = 0.1
     with pytest.raises(memsem.LeaseHeldError):
-        rt.publish(pattern(2, 4096), name="held")
+        rt.publish(pattern(2, 4096), name="held", replace=True)
     agent.call("release", lid)
     rt.unpublish(ref, timeout=1.0)
     with pytest.raises(memsem.StaleReferenceError):
@@ -185,7 +185,7 @@ def test_lease_outlives_its_resolution(rt):
         ref = rt.publish(pattern(6, 4096), name="w")
         lease = cons.ref(ref.to_bytes()).lease(ttl=0.05).acquire()
         time.sleep(0.1)
-        ref2 = rt.publish(pattern(7, 4096), name="w")
+        ref2 = rt.publish(pattern(7, 4096), name="w", replace=True)
         assert (cons.ref(ref2.to_bytes()).get() == pattern(7, 4096)).all()  # re-resolves
         assert lease.remaining() < 0
         with pytest.raises(memsem.LeaseExpiredError):
@@ -304,7 +304,7 @@ def test_case2_lease_expires_during_slow_get(rt, reclaim):
         if reclaim == "unpublish":
             rt.unpublish("w", timeout=5.0)  # waits out the lease (0.1 s), then the copy
         else:
-            rt.publish(pattern(22, 4 * MiB), name="w")
+            rt.publish(pattern(22, 4 * MiB), name="w", replace=True)
         data[:] = 0xEE
         reclaimed = time.monotonic() - t0
         with pytest.raises(memsem.LeaseExpiredError, match="expired during the transfer"):

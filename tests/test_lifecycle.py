@@ -149,7 +149,7 @@ def test_participant_killed_inside_a_copy_never_wedges(rt, shared, op):
         rt.unpublish("w", timeout=30.0)  # the dead consumer's mark is reclaimed, not waited for
         again = rt.publish(np.arange(16, dtype=np.uint8), name="w")
         assert (again.get() == np.arange(16)).all()
-        rt.publish(np.arange(32, dtype=np.uint8), name="w")  # republish
+        rt.publish(np.arange(32, dtype=np.uint8), name="w", replace=True)  # republish
         rt.unpublish("w", timeout=10.0)
     assert kills == 4
 
@@ -181,7 +181,7 @@ def test_kill_loop_survivors_keep_working(rt):
         # The survivor: unpublish, republish, read, with the dead consumer's marks and leases.
         rt.unpublish("chaos", timeout=10.0)
         ref2 = rt.publish(np.full(size, 5, np.uint8), name="chaos")
-        ref3 = rt.publish(np.full(size, 6, np.uint8), name="chaos")  # republish over it
+        ref3 = rt.publish(np.full(size, 6, np.uint8), name="chaos", replace=True)  # republish over it
         with pytest.raises(StaleReferenceError):
             ref2.get()
         assert (ref3.get() == 6).all()
@@ -218,7 +218,7 @@ def test_one_condition_one_error_type(rt):
     with memsem.Runtime(timeout=5.0, engines=["host"]) as cons:
         cref = cons.ref(ref.to_bytes())
         cref.wait_tile(0, timeout=1)
-        rt.publish(arr, name="w", tiles=4)  # republish: same control block, new generation
+        rt.publish(arr, name="w", tiles=4, replace=True)  # republish: same control block, new generation
         for call in (lambda: cref.get(), lambda: cref.put(np.zeros(4096, np.uint8)),
                      lambda: cref.lease().acquire(), lambda: cref.view(),
                      lambda: cref.wait_tile(0, timeout=1), lambda: cref.ready_tiles()):

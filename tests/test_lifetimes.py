@@ -48,7 +48,7 @@ def test_readiness_is_the_producers_and_generation_checked(rt):
     ro = memsem.TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "r"}), rt)
     with pytest.raises(AccessDeniedError):
         ro.mark_ready(1)
-    new = rt.publish(np.zeros(4096, np.uint8), name="t", tile_bytes=1024)
+    new = rt.publish(np.zeros(4096, np.uint8), name="t", tile_bytes=1024, replace=True)
     new.put_tile(0, np.ones(1024, np.uint8))
     with pytest.raises(StaleReferenceError):
         rt.core.clear_ready(ref.spec, 0)  # a stale ref never clears the new generation's mark

@@ -208,7 +208,7 @@ def _scenario_data(team, peers: Peers) -> dict:
         # stale: republishing bumps the generation; an old ref fails on route mte too
         peers.allgather("before-stale", None)
         old = {q: r for q, r in refs.items()}
-        ref2 = rt.publish(w, name=f"w{pe}")
+        ref2 = rt.publish(w, name=f"w{pe}", replace=True)
         assert ref2.generation != ref.generation
         peers.allgather("republished", None)
         for q, r in old.items():

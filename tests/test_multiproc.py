@@ -98,7 +98,7 @@ def _stale_reader(refbytes: bytes) -> str:
 
 def test_stale_ref_across_processes(rt):
     ref = rt.publish(np.ones(100, np.float32), name="w")
-    rt.publish(np.zeros(100, np.float32), name="w")
+    rt.publish(np.zeros(100, np.float32), name="w", replace=True)
     assert run_children(_stale_reader, [(ref.to_bytes(),)]) == ["WindowRetiredError"]
     old = rt.lookup("w")
     rt.unpublish("w")
@@ -159,7 +159,7 @@ def test_republish_race_never_crashes(rt):
     conn.send(ref.to_bytes())
     for _ in range(40):
         b = rt.alloc(1 << 20, np.uint8)
-        conn.send(rt.publish(b, name="race").to_bytes())
+        conn.send(rt.publish(b, name="race", replace=True).to_bytes())
         assert recv(conn, 20) == "ok"
     conn.send(None)
     ok, stale = recv(conn, 30)

@@ -61,7 +61,7 @@ def test_names_at_the_limit_work_everywhere(directory, name):
     with memsem.Runtime(timeout=10) as a, memsem.Runtime(timeout=10) as b:
         a.publish(np.arange(8, dtype=np.float32), name=name)
         assert (b.lookup(name).get() == np.arange(8)).all()
-        a.publish(np.full(8, 5, np.float32), name=name)  # republish keeps the name
+        a.publish(np.full(8, 5, np.float32), name=name, replace=True)  # republish keeps the name
         assert (b.lookup(name).get() == 5).all()
         a.unpublish(name)
         with pytest.raises(WindowNotFoundError):
@@ -137,7 +137,7 @@ def test_a_live_name_has_one_owner(directory):
         assert (c.lookup("policy").get() == 1).all()
         assert b.stats().windows_published == 0
         # the owner republishes its own name
-        a.publish(np.full(4, 3, np.float32), name="policy")
+        a.publish(np.full(4, 3, np.float32), name="policy", replace=True)
         assert (c.lookup("policy").get() == 3).all()
         # b takes it over explicitly; a's window keeps working through its refs
         b.publish(np.full(4, 4, np.float32), name="policy", replace=True)
@@ -364,7 +364,7 @@ def test_a_lookup_racing_a_republish_never_returns_the_retired_generation(direct
         def window_with_key(gva):
             calls.append(gva)
             if len(calls) == 1:
-                owner.publish(np.full(4, 2, np.float32), name="w")  # republished after the read
+                owner.publish(np.full(4, 2, np.float32), name="w", replace=True)  # republished after the read
                 return stale
             return real(gva)
 

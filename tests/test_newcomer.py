@@ -57,3 +57,121 @@ def test_a_window_unpublished_here_is_not_a_job_question(rt):
         ref.get(out)
     msg = str(ei.value)
     assert "this runtime" in msg and "unpublished it" in msg and "MEMSEM_JOB" not in msg
+
+
+# -- names: one rule in every runtime --------------------------------------------------------------
+def test_the_same_runtime_republishing_a_name_needs_replace(rt):
+    a = rt.publish(np.arange(8, dtype=np.float32), name="w")
+    with pytest.raises(memsem.NameHeldError, match=r"held by this runtime.*replace=True") as ei:
+        rt.publish(np.zeros(8, np.float32), name="w")
+    assert ei.value.name == "w"
+    assert (a.get() == np.arange(8, dtype=np.float32)).all()  # refused: the first window is untouched
+    b = rt.publish(np.full(4, 7, np.int32), name="w", replace=True)  # explicit: a republish
+    with pytest.raises(memsem.StaleReferenceError):
+        a.get()
+    assert (rt.lookup("w").get() == 7).all() and b.generation != a.generation
+    sd = rt.publish_state_dict({"x": np.ones(3, np.float32)}, name="sd")
+    with pytest.raises(memsem.NameHeldError):
+        rt.publish_state_dict({"x": np.ones(3, np.float32)}, name="sd")
+    assert sd.version() == 1
+    rt.unpublish("w")
+    rt.publish(np.zeros(2, np.uint8), name="w")  # unpublished first: free again
+
+
+# -- lockstep: the writer waits until its readers hold version v -------------------------------------
+def _reader(name, reader, steps, loaded, go):
+    """A rollout: follows ``name`` in its own runtime, one version per ``go`` event; closes its
+    follower at the last event."""
+    with memsem.Runtime(timeout=10) as r, r.follow(name, reader=reader, timeout=10) as f:
+        for i in range(steps):
+            go[i].wait(10)
+            v, _ = f.next()
+            loaded.append((reader, v))
+        go[steps].wait(10)
+
+
+def test_wait_loaded_returns_when_the_named_readers_hold_the_version(rt):
+    import threading
+
+    sd = rt.publish_state_dict({"w": np.zeros(16, np.float32)}, name="policy")
+    loaded: list = []
+    go = [threading.Event() for _ in range(3)]
+    ts = [threading.Thread(target=_reader, args=("policy", f"rollout-{i}", 2, loaded, go)) for i in range(2)]
+    for t in ts:
+        t.start()
+    go[0].set()
+    assert rt.wait_loaded(sd, 1, readers=["rollout-0", "rollout-1"], timeout=10) == {"rollout-0": 1, "rollout-1": 1}
+    v = sd.update({"w": np.ones(16, np.float32)})
+    assert v == 2
+    with pytest.raises(memsem.MemsemTimeoutError) as ei:  # nobody loaded 2 yet (go[1] not set)
+        rt.wait_loaded(sd, 2, readers=["rollout-0", "rollout-1", "rollout-9"], timeout=0.3)
+    msg = str(ei.value)
+    assert "rollout-0 (at version 1)" in msg and "rollout-1 (at version 1)" in msg
+    assert "rollout-9 (no version loaded)" in msg
+    go[1].set()
+    held = rt.wait_loaded("policy", 2, n=2, timeout=10)
+    assert held == {"rollout-0": 2, "rollout-1": 2}
+    go[2].set()
+    for t in ts:
+        t.join(10)
+    assert sorted(loaded) == [("rollout-0", 1), ("rollout-0", 2), ("rollout-1", 1), ("rollout-1", 2)]
+    # the followers closed: their records went with them
+    with pytest.raises(memsem.MemsemTimeoutError, match=r"0 of 1 readers"):
+        rt.wait_loaded(sd, 2, n=1, timeout=0.2)
+
+
+def test_a_record_of_an_older_generation_never_counts(rt):
+    rt.publish(np.zeros(4, np.float32), name="t", slots=2)
+    with memsem.Runtime(timeout=5) as r, r.follow("t", reader="r0", timeout=5) as f:
+        assert f.next()[0] == 1
+        assert rt.wait_loaded("t", 1, readers=["r0"], timeout=5) == {"r0": 1}
+        new = rt.publish(np.ones(4, np.float32), name="t", slots=2, replace=True)
+        with pytest.raises(memsem.MemsemTimeoutError, match=r"r0 \(no version loaded\)"):
+            rt.wait_loaded(new, 1, readers=["r0"], timeout=0.3)
+        assert f.next()[0] == 1 and f.generation == new.generation  # the follower moved on to the new window
+        assert rt.wait_loaded(new, 1, readers=["r0"], timeout=5) == {"r0": 1}
+
+
+def test_a_reader_in_another_process_acknowledges(rt, tmp_path):
+    import subprocess
+    import sys
+
+    sd = rt.publish_state_dict({"w": np.arange(6, dtype=np.float32)}, name="policy")
+    code = ("import memsem\n"
+            "with memsem.Runtime(timeout=20) as r, r.follow('policy', reader='far', timeout=20) as f:\n"
+            "    v, t = f.next()\n"
+            "    assert list(t['w']) == [0, 1, 2, 3, 4, 5], t\n"
+            "    input()\n")  # holds the follower open until the test says so
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True)
+    try:
+        assert rt.wait_loaded(sd, 1, readers=["far"], timeout=30) == {"far": 1}
+        p.communicate("\n", timeout=30)
+        assert p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    ({"readers": ["a"], "n": 1}, ValueError, "exactly one of readers"),
+    ({}, ValueError, "exactly one of readers"),
+    ({"readers": "a"}, TypeError, "sequence of reader names"),
+    ({"readers": []}, ValueError, "at least one reader"),
+    ({"readers": ["bad name"]}, ValueError, r"readers\[\] must be 1..48 characters"),
+    ({"n": 0}, ValueError, "n"),
+])
+def test_wait_loaded_refuses_bad_arguments(rt, kwargs, err, match):
+    sd = rt.publish_state_dict({"w": np.zeros(2, np.float32)}, name="policy")
+    with pytest.raises(err, match=match):
+        rt.wait_loaded(sd, 1, **kwargs)
+
+
+def test_wait_loaded_refuses_a_version_before_the_first_and_an_unnamed_ref(rt):
+    sd = rt.publish_state_dict({"w": np.zeros(2, np.float32)}, name="policy")
+    with pytest.raises(ValueError, match="version must be >= 1"):
+        rt.wait_loaded(sd, 0, n=1)
+    with pytest.raises(ValueError, match="named window"):
+        rt.wait_loaded(rt.publish(np.zeros(2, np.float32)), 1, n=1)
+    with pytest.raises(ValueError, match="reader must be 1..48"):
+        rt.follow("policy", reader="a/b")

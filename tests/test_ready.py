@@ -87,7 +87,7 @@ def test_old_generation_mark_never_satisfies_new():
         a = np.zeros(256, np.uint8)
         old = rt.publish(a, tile_bytes=64, name="gen")
         old.mark_ready(1)
-        new = rt.publish(a, tile_bytes=64, name="gen")  # republish: generation moves
+        new = rt.publish(a, tile_bytes=64, name="gen", replace=True)  # republish: generation moves
         assert new.generation != old.generation
         assert new.ready_tiles() == []
         with pytest.raises(MemsemTimeoutError):

@@ -138,7 +138,7 @@ def test_put_get_byte_ranges_and_tiles(rt):
 def test_generation_stale_after_unpublish_and_republish(rt):
     a = np.ones(8, np.float32)
     ref = rt.publish(a, name="x")
-    ref2 = rt.publish(np.full(8, 2, np.float32), name="x")  # republish: generation moves
+    ref2 = rt.publish(np.full(8, 2, np.float32), name="x", replace=True)  # republish: generation moves
     assert ref2.generation != ref.generation and ref2.gva == ref.gva
     with pytest.raises(StaleReferenceError):
         ref.get()

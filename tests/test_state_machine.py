@@ -276,7 +276,7 @@ class MemsemMachine(RuleBasedStateMachine):
         w = self.pick([w for w in self.windows if w.name and w.live and not w.dead], i)
         seed = self.next_seed()
         size = w.nbytes * 2 if grow else w.nbytes
-        out = self.call(w.owner, "publish", seed, size, w.shared, w.access, w.name)
+        out = self.call(w.owner, "publish", seed, size, w.shared, w.access, w.name, True)  # replace=True
         what = f"P{w.owner}.republish({w.name}, {size})"
         blockers = self.blockers(w)
         if blockers:

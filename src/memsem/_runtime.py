@@ -14,6 +14,11 @@ from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
 from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats, default_core
 from memsem.pipeline import Pipeline
+from memsem.refs._fields import FIELD_MAGIC, FieldRef
+from memsem.refs._fieldset import SET_MAGIC, FieldSet
+from memsem.sync._acks import wait_loaded
+from memsem.sync._follow import follow
+from memsem.sync._state_dict import LAYOUT_MAGIC, REF_MAGIC, StateDictRef, lookup_state_dict, publish_state_dict
 from memsem.topology import Route
 
 
@@ -144,10 +149,10 @@ class Runtime:
             name: optional name: a non-empty str of at most 255 bytes of UTF-8 without control
                 characters (``memsem._args.NAME_MAX_BYTES``; else ValueError naming the limit,
                 before anything is created). A name has one owner in the job: a name a live
-                process of the job publishes (another runtime, in any process) is refused with
-                ``NameHeldError`` naming it, unless ``replace``. This runtime publishing its own
-                name again is a republish: the old generation is retired (waiting for its
-                leases) and old refs become stale. A named window can be looked up by name
+                process of the job publishes (another runtime, in any process, or this one) is
+                refused with ``NameHeldError`` naming it, unless ``replace``. This runtime
+                publishing its own name again with ``replace=True`` is a republish: the old
+                generation is retired (waiting for its leases) and old refs become stale. A named window can be looked up by name
                 (``lookup``) by any process of the job (docs/threat-model.md says who that is;
                 ``memsem.directory.default_job`` how a job is chosen).
             access: "r" (read-only window: puts are refused) or "rw". Default "r" for read-only
@@ -165,8 +170,9 @@ class Runtime:
                 tearing readers' bytes silently; ``"checksum"`` (any memory) makes the next
                 write section raise ``OwnerWriteError`` when the bytes changed outside one.
                 Default: ``MEMSEM_WRITE_GUARD`` (unset: none).
-            replace: take ``name`` over from a live holder in this job (explicitly): lookups
-                find this window from then on. The holder's window is not retired (memsem never
+            replace: take ``name`` over from a live holder in this job (explicitly), or
+                republish this runtime's own window of that name: lookups find this window from
+                then on. The holder's window is not retired (memsem never
                 retires another process's window): its refs keep working, and its owner's
                 unpublish or exit leaves the name alone.
 
@@ -176,7 +182,8 @@ class Runtime:
         Raises:
             TypeError: unsupported object or dtype, a name that is not a str. ValueError:
             non-contiguous or non-CPU memory, bad name/access/tiling/slots/write_guard.
-            NameHeldError: a live process of the job holds ``name`` (not ``replace``).
+            NameHeldError: a live process of the job, this one included, holds ``name`` (not
+            ``replace``).
             AccessDeniedError: ``access="rw"`` on read-only memory. LeaseHeldError: republish
             while leases on the old generation outlast the timeout.
         """
@@ -283,8 +290,6 @@ class Runtime:
         """
         spec = self._core.lookup_spec(name, timeout)
         if spec.dtype_code == _UINT8 and spec.nbytes >= _STATE_DICT_HEAD:
-            from memsem.sync._state_dict import LAYOUT_MAGIC, StateDictRef
-
             ref = TensorRef(spec, self._core)
             if ref.bytes(0, len(LAYOUT_MAGIC)).get().tobytes() == LAYOUT_MAGIC:
                 sd = StateDictRef(spec, self._core)  # a state dict's window: its own kind
@@ -302,10 +307,6 @@ class Runtime:
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        from memsem.refs._fields import FIELD_MAGIC, FieldRef
-        from memsem.refs._fieldset import SET_MAGIC, FieldSet
-        from memsem.sync._state_dict import REF_MAGIC, StateDictRef
-
         kind = {REF_MAGIC: StateDictRef, SET_MAGIC: FieldSet, FIELD_MAGIC: FieldRef}.get(bytes(data[:4]), TensorRef)
         return kind.from_bytes(data, self._core)
 
@@ -430,8 +431,6 @@ class Runtime:
             ValueError / TypeError: an empty mapping, a non-str key, a tensor memsem cannot
             publish (named), a bad align/bucket_bytes/slots.
         """
-        from memsem.sync._state_dict import publish_state_dict
-
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
                                   bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
 
@@ -439,12 +438,10 @@ class Runtime:
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
         (any process; see ``lookup``, whose ``timeout`` waits for it to appear). Its layout is
         read and checked now."""
-        from memsem.sync._state_dict import lookup_state_dict
-
         return lookup_state_dict(self._core, name, timeout=timeout)
 
     def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
-               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False):
+               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False, reader: str | None = None):
         """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
         ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
         that version (bit-exact). See :mod:`memsem.sync._follow`.
@@ -472,7 +469,12 @@ class Runtime:
             every: yield every version in order, each loaded exactly (a stream whose versions
                 each carry their own data, whose owner keeps every version readable until the
                 follower is done with it); a version gone, a retired window or a dead owner
-                are raised, never skipped over.
+                are raised, never skipped over. Without it a slow follower skips to the
+                latest version (``skipped`` counts them).
+            reader: this follower's name in the acknowledgements it records after each load
+                (1..48 characters of ``[A-Za-z0-9._-]``; default ``"rank<R>-<n>"``): the
+                writer's :meth:`wait_loaded` waits for readers by these names. Use a stable
+                name per rollout process (``"rollout-0"``) for lockstep syncs.
 
         Returns:
             A :class:`memsem.sync._follow.Follower` (``version``, ``generation``, ``loads``,
@@ -482,10 +484,44 @@ class Runtime:
             TypeError / ValueError: a bad source, name, timeout, after or pin_ttl (at once);
             the iterator raises as :meth:`memsem.sync._follow.Follower.next`.
         """
-        from memsem.sync._follow import follow
-
         return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
-                      every=every)
+                      every=every, reader=reader)
+
+    def wait_loaded(self, source: Any, version: int, *, readers: Sequence[str] | None = None,
+                    n: int | None = None, timeout: float | None = None) -> dict[str, int]:
+        """Block until the named ``readers`` (or any ``n`` readers) hold ``version`` of
+        ``source``: the writer's side of a lockstep (synchronous RL) sync.
+
+        Each follower of a name records, after every version it loads, which version it holds
+        (a directory entry; :mod:`memsem.sync._acks`); this waits on those records (woken by
+        the directory, no polling of its own). A record counts for the window's current
+        generation only, at or past ``version``; a follower's record goes when it is closed.
+
+        Example::
+
+            v = sd.update(model.state_dict())
+            rt.wait_loaded(sd, v, readers=["rollout-0", "rollout-1"], timeout=60)
+
+        Args:
+            source: the window's name, or its ``TensorRef`` / ``StateDictRef`` (named).
+            version: the version (>= 1) the readers must hold (or a newer one).
+            readers: the reader names to wait for (``follow(..., reader=...)``).
+            n: instead of ``readers``: how many readers (any) must hold it.
+            timeout: seconds to wait (default the runtime's).
+
+        Returns:
+            ``{reader: version held}`` of the readers waited for (all of ``readers``; for
+            ``n``, every reader holding the version, at least ``n``).
+
+        Raises:
+            MemsemTimeoutError: not reached within ``timeout``; the message names each reader
+                that does not hold the version and the version it holds (or that it loaded none).
+            ValueError / TypeError: both or neither of ``readers`` and ``n``, a bad reader name,
+                version < 1, an unnamed ref. NotSupportedError: the directory stores no entries.
+            MemsemTimeoutError: ``source`` is a name that is not published (the lookup's wait).
+            RuntimeClosedError: the runtime is closed.
+        """
+        return wait_loaded(self._core, source, version, readers=readers, n=n, timeout=timeout)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):
@@ -493,8 +529,6 @@ class Runtime:
 
         See :meth:`memsem.refs.FieldSet.publish`.
         """
-        from memsem.refs._fieldset import FieldSet
-
         return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access)
 
 

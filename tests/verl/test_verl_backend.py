@@ -216,6 +216,28 @@ def test_memsem_checkpoint_engine(ray_cluster, num_rollout, fanout):
     _rounds(*_workers(2, num_rollout, fanout=fanout), readers=1 if fanout == "chain" else num_rollout)
 
 
+def test_the_chain_follows_a_restarted_trainer(ray_cluster):
+    """A round; then the sending trainer's actor is killed (a crash) and a new one made in its
+    place (a restore from checkpoint: a new process, new windows); the same rollouts, whose
+    engines saw the old trainer, sync the next rounds from the new one: every weight equal to
+    the new trainer's, nothing of the old one's, and the old trainer's windows never looked
+    for again (no error, no wait on the dead process)."""
+    trainer, rollout = _workers(2, 2)
+    try:
+        _round(trainer, rollout, 1)
+        old_pid = ray.get(trainer[0].pid.remote(), timeout=60)
+        ray.kill(trainer[0], no_restart=True)
+        trainer[0] = Worker.remote("trainer", 0, "chain", "llama")
+        assert ray.get(trainer[0].pid.remote(), timeout=900) != old_pid
+        for step in (2, 3):
+            _round(trainer, rollout, step)
+        errors = ray.get([w.placement.remote() for w in rollout], timeout=120)
+        assert all(not p["errors"].get("peer_lost") for p in errors), errors
+    finally:
+        for w in trainer + rollout:
+            ray.kill(w)
+
+
 @pytest.mark.parametrize("num_rollout", [2, 3])
 def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url, num_rollout):
     """2 trainers and 2 or 3 rollouts, each on a memsem node of its own, with the redis
@@ -390,6 +412,23 @@ def _setup(trainer: list, rollout: list) -> None:
     ray.get(calls, timeout=120)
 
 
+def _round(trainer: list, rollout: list, step: int, readers: int = 1) -> int:
+    """One round of verl's update (prepare, topology, send/receive, finalize), every received
+    weight checked equal to the trainer's of ``step``; returns the buckets sent."""
+    workers = trainer + rollout
+    _setup(trainer, rollout)
+    # update weights of all workers (trainer and rollouts concurrently)
+    out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
+    assert out[0]["memsem/buckets"] > 1 and out[1] == {}
+    assert out[0]["memsem/trainer_readers"] == readers  # who reads the trainer's window
+    assert all(n > 0 for n in out[len(trainer):])
+    # finalize; every received weight equals the trainer's of this round
+    ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
+    counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
+    assert all(c > 0 for c in counts[len(trainer):])
+    return int(out[0]["memsem/buckets"])
+
+
 def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | None = None,
             stats: dict | None = None) -> list[dict]:
     """Three rounds of verl's update; each worker's bytes by route (and, into ``placements``,
@@ -399,17 +438,7 @@ def _rounds(trainer: list, rollout: list, readers: int = 1, placements: list | N
     buckets = 0
     try:
         for step in range(1, 4):
-            _setup(trainer, rollout)
-            # update weights of all workers (trainer and rollouts concurrently)
-            out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
-            assert out[0]["memsem/buckets"] > 1 and out[1] == {}
-            buckets += int(out[0]["memsem/buckets"])
-            assert out[0]["memsem/trainer_readers"] == readers  # who reads the trainer's window
-            assert all(n > 0 for n in out[len(trainer):])
-            # finalize; every received weight equals the trainer's of this round
-            ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
-            counts = ray.get([w.check_weights.remote() for w in workers], timeout=120)
-            assert all(c > 0 for c in counts[len(trainer):])
+            buckets += _round(trainer, rollout, step, readers)
         routes = ray.get([w.bytes_by_route.remote() for w in workers], timeout=120)
         if placements is not None:
             placements.extend(ray.get([w.placement.remote() for w in workers], timeout=120))

@@ -4,7 +4,8 @@
   atomic step) before it creates anything: a name held by a live holder of the job (another
   runtime whose process is alive and whose rank is still its own) is refused with
   :class:`memsem.NameHeldError` naming the holder, unless the publisher asks to replace it
-  (``replace=True``). A dead holder's name is taken over. The owner's own republish keeps it.
+  (``replace=True``), this runtime included: republishing its own name takes ``replace=True``.
+  A dead holder's name is taken over.
   A window's removal drops its name only while the name still points at it, so a replaced
   owner that exits never removes its successor's name.
 * **Jobs scope names** (and every other record): :func:`memsem.directory.default_job` says

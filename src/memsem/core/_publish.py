@@ -46,6 +46,7 @@ from memsem._errors import (
     LeaseHeldError,
     MemsemError,
     MemsemTimeoutError,
+    NameHeldError,
     WindowNotFoundError,
 )
 from memsem.engines import ControlWords, Descriptor, Engine, LocalRegion
@@ -271,6 +272,14 @@ class Publisher:
             if name is not None and name in self.names:
                 old = self.owned.get(self.names[name])
                 if old is not None and core.names.holds(name, old.info.gva):
+                    if not replace:
+                        core.telemetry.count_error("name_held")
+                        raise NameHeldError(
+                            f"name {name!r} is held by this runtime (window gva {old.info.gva:#x}, generation "
+                            f"{old.info.generation}); a name has one owner, this runtime included: pass "
+                            "replace=True to republish it (the old window is retired, its refs become stale), "
+                            "or unpublish it first",
+                            name=name, holder=dict(core.names.holder, gva=hex(old.info.gva)))
                     return self._republish(old, info, access, n_ready, tb, slots, write_guard)
                 # another publisher took the name over (replace=True): our window keeps its refs,
                 # the name is claimed anew (refused while that publisher lives, unless replace)

@@ -48,6 +48,8 @@ runs the same loop's step in a worker thread (the event loop never blocks).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -62,10 +64,14 @@ from memsem._errors import (
     WindowRetiredError,
 )
 from memsem.core import RuntimeCore, Wait
+from memsem.sync import _acks
 from memsem.sync._state_dict import LAYOUT_MAGIC, StateDictRef
 from memsem.refs._tensorref import TensorRef, check_ref
 
+log = logging.getLogger(__name__)
 _UINT8 = _dtypes.code_of("uint8")
+#: numbers of this process's followers' default reader names
+_READERS = itertools.count(1)
 _monotonic = time.monotonic
 #: default seconds a pin of a version being loaded may hold the owner's next write section
 DEFAULT_PIN_TTL = 10.0
@@ -104,8 +110,11 @@ class Follower:
 
     def __init__(self, core: RuntimeCore, source: Any, *, into: Any = None, timeout: float | None = None,
                  after: int = 0, pin: bool = True, pin_ttl: float | None = DEFAULT_PIN_TTL,
-                 every: bool = False) -> None:
+                 every: bool = False, reader: str | None = None) -> None:
         self._core = core
+        #: this follower's name in its acknowledgements (``wait_loaded``)
+        self.reader = _acks.check_reader(reader) if reader is not None else f"rank{core.rank}-{next(_READERS)}"
+        self._acked = ""
         self.timeout = _args.timeout_or(timeout, core.timeout, "timeout")
         self._after = _args.version(after, "after")
         if not isinstance(pin, bool):
@@ -163,8 +172,16 @@ class Follower:
         return await asyncio.get_running_loop().run_in_executor(None, self.next, into)
 
     def close(self) -> None:
-        """End the iteration (a blocked step ends by its timeout). Safe twice."""
+        """End the iteration (a blocked step ends by its timeout) and remove this reader's
+        acknowledgement (``wait_loaded`` no longer counts it). Safe twice."""
         self._closed = True
+        if self._acked:
+            name, self._acked = self._acked, ""
+            try:
+                _acks.forget(self._core, name, self.reader)
+            except Exception:  # noqa: BLE001 - a closed or unreachable directory: the record stays behind
+                log.debug("follower %s: its acknowledgement of %r could not be removed", self.reader, name,
+                          exc_info=True)
 
     def __enter__(self) -> "Follower":
         return self
@@ -241,6 +258,7 @@ class Follower:
             self.version = v
             self.loads += 1
             self.loaded_at = _monotonic()
+            self._ack(self.ref.spec.name, self.generation)
             return v, into if into is not None else self._into
 
     def _next_followable(self, wait: Wait, into: Any) -> tuple[int, Any]:
@@ -274,6 +292,9 @@ class Follower:
             self.version = v
             self.loads += 1
             self.loaded_at = _monotonic()
+            name = getattr(src, "name", None)
+            if isinstance(name, str) and isinstance(gen, int):
+                self._ack(name, gen)
             return v, dst
 
     # -- staleness (read by the runtime's stats, from any thread) ------------------------------------
@@ -302,6 +323,14 @@ class Follower:
         return out
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _ack(self, name: str, generation: int) -> None:
+        """Record that this reader holds ``self.version`` of ``name`` (``wait_loaded``)."""
+        if not name:
+            return
+        if self._acked and self._acked != name:
+            _acks.forget(self._core, self._acked, self.reader)
+        self._acked = name if _acks.record(self._core, name, self.reader, self.version, generation) else ""
+
     def _label(self) -> str:
         if self._name:
             return f"window {self._name!r}"
