@@ -1,4 +1,32 @@
 """Sync layer: weight sync across owners (state dicts, sharded and delta versions, reshard plans,
-follow, relays, fan-out), built on refs (docs/architecture.md)."""
+follow, relays, fan-out), built on refs (docs/architecture.md).
 
-__all__: list[str] = []
+Sharded state dicts (docs/weight-sync.md, "Sharded trainer, tensor-parallel rollout"): each
+trainer rank publishes its shards (:func:`publish_sharded`); a reader looks the ranks up
+(:func:`lookup_sharded`), states its target layout (:class:`Target`, :func:`tp_targets`) and
+loads exactly its bytes of one version across ranks through a plan made once
+(:class:`ShardedReader`, :func:`plan_reshard`).
+"""
+from memsem.sync._reshard import (
+    Replicate,
+    ReshardPlan,
+    Shard,
+    ShardedLayout,
+    SourceShard,
+    SourceTensor,
+    Target,
+    local_box,
+    plan_reshard,
+    tp_targets,
+)
+from memsem.sync._sharded import (
+    ShardedPublisher,
+    ShardedReader,
+    ShardedStateDictRef,
+    lookup_sharded,
+    publish_sharded,
+)
+
+__all__ = ["Replicate", "ReshardPlan", "Shard", "ShardedLayout", "ShardedPublisher", "ShardedReader",
+           "ShardedStateDictRef", "SourceShard", "SourceTensor", "Target", "local_box", "lookup_sharded",
+           "plan_reshard", "publish_sharded", "tp_targets"]
