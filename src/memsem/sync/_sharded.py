@@ -435,8 +435,9 @@ class ShardedStateDictRef:
                pin_ttl: float | None = 10.0) -> "ShardedReader":
         """A :class:`ShardedReader` loading ``targets`` (or a plan made of this state dict's
         layout) version after version; followable (``rt.follow(reader, into=reader.empty())``)."""
-        plan = targets if isinstance(targets, ReshardPlan) else self.plan(targets, reader=reader)
-        return ShardedReader(self, plan, pin_ttl=pin_ttl)
+        if isinstance(targets, ReshardPlan):
+            return ShardedReader(self, targets, pin_ttl=pin_ttl)
+        return ShardedReader(self, self.plan(targets, reader=reader), pin_ttl=pin_ttl, targets=targets)
 
 
 class ShardedReader:
@@ -444,16 +445,18 @@ class ShardedReader:
 
     Attributes:
         sharded: the :class:`ShardedStateDictRef`. plan: the :class:`memsem.sync.ReshardPlan`.
-        loads: versions loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each).
+        targets: the targets it was planned from (None when made from a plan). loads: versions loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each).
         retries: loads started again (a rank's version gone before it was pinned).
 
     Followable (``version``, ``wait_version``, ``load``): ``rt.follow(reader, into=...)``.
     Thread safety: one load at a time per reader.
     """
 
-    def __init__(self, sharded: ShardedStateDictRef, plan: ReshardPlan, *, pin_ttl: float | None = 10.0) -> None:
+    def __init__(self, sharded: ShardedStateDictRef, plan: ReshardPlan, *, pin_ttl: float | None = 10.0,
+                 targets: Mapping[str, Target] | None = None) -> None:
         self.sharded = sharded
         self.plan = plan
+        self.targets = dict(targets) if targets is not None else None
         self.pin_ttl = _args.ttl(pin_ttl, "pin_ttl")
         self.name = sharded.name
         self.loads = 0
