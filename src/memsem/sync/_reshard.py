@@ -341,34 +341,38 @@ def _merge(src: np.ndarray, dst: np.ndarray, n: np.ndarray) -> tuple[np.ndarray,
     return src[starts], dst[starts], total
 
 
-def _runs(s: SourceShard, lo: np.ndarray, hi: np.ndarray, dshape: tuple[int, ...], dlo: np.ndarray,
-          itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _runs(s: SourceShard, lo: list[int], hi: list[int], dshape: tuple[int, ...], dlo: list[int],
+          itemsize: int) -> tuple[Any, Any, int]:
     """Byte offsets (source window, target) of the runs copying the global box ``[lo, hi)`` from
     the shard ``s`` to a target of shape ``dshape`` where ``lo`` lands at ``dlo``; and the run
-    length in bytes. A run spans the innermost dimensions that both sides cover whole."""
+    length in bytes. A run spans the innermost dimensions that both sides cover whole. Plain
+    ints for the few numbers of a box (numpy's per-call cost dominates at this size), numpy
+    only for the offsets of many runs."""
     nd = len(dshape)
     if nd == 0:
-        return np.array([s.window_offset], np.int64), np.array([0], np.int64), itemsize
-    ext = hi - lo
-    sshape = np.asarray(s.shape, np.int64)
-    dsh = np.asarray(dshape, np.int64)
+        return (s.window_offset,), (0,), itemsize
+    ext = [h - l for h, l in zip(hi, lo)]
+    sshape = s.shape
     k = nd - 1
-    while k > 0 and ext[k] == sshape[k] and ext[k] == dsh[k]:
+    while k > 0 and ext[k] == sshape[k] == dshape[k]:
         k -= 1
-    sstr = np.ones(nd, np.int64)
-    dstr = np.ones(nd, np.int64)
+    sstr = [1] * nd
+    dstr = [1] * nd
     for j in range(nd - 2, -1, -1):
         sstr[j] = sstr[j + 1] * sshape[j + 1]
-        dstr[j] = dstr[j + 1] * dsh[j + 1]
-    slo = lo - np.asarray(s.offset, np.int64)
-    run = int(ext[k:].prod()) * itemsize
-    so = np.array([int((slo * sstr).sum())], np.int64)
-    do = np.array([int((dlo * dstr).sum())], np.int64)
+        dstr[j] = dstr[j + 1] * dshape[j + 1]
+    run = math.prod(ext[k:]) * itemsize
+    so0 = sum((a - o) * st for a, o, st in zip(lo, s.offset, sstr)) * itemsize + s.window_offset
+    do0 = sum(a * st for a, st in zip(dlo, dstr)) * itemsize
+    if k == 0:
+        return (so0,), (do0,), run
+    so = np.array([so0], np.int64)
+    do = np.array([do0], np.int64)
     for j in range(k - 1, -1, -1):  # one more outer dimension: every index of it
-        steps = np.arange(int(ext[j]), dtype=np.int64)
-        so = (so[None, :] + (steps * sstr[j])[:, None]).reshape(-1)
-        do = (do[None, :] + (steps * dstr[j])[:, None]).reshape(-1)
-    return so * itemsize + s.window_offset, do * itemsize, run
+        steps = np.arange(ext[j], dtype=np.int64)
+        so = (so[None, :] + (steps * (sstr[j] * itemsize))[:, None]).reshape(-1)
+        do = (do[None, :] + (steps * (dstr[j] * itemsize))[:, None]).reshape(-1)
+    return so, do, run
 
 
 def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader: int = 0) -> ReshardPlan:
@@ -421,26 +425,25 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
         parts = []
         at = 0
         for src in srcs:
-            plo = np.zeros(nd, np.int64)
-            phi = np.asarray(src.shape, np.int64)
+            plo = [0] * nd
+            phi = list(src.shape)
             if t.dim is not None:
-                a, b = chunk(src.shape[t.dim], t.degree, t.rank)
-                plo[t.dim], phi[t.dim] = a, b
+                plo[t.dim], phi[t.dim] = chunk(src.shape[t.dim], t.degree, t.rank)
             parts.append((src, plo, phi, at))
             if nd:
-                at += int(phi[t.cat_dim] - plo[t.cat_dim])
-        dshape = tuple(int(x) for x in parts[0][2] - parts[0][1]) if nd else ()
+                at += phi[t.cat_dim] - plo[t.cat_dim]
+        dshape = tuple(h - l for h, l in zip(parts[0][2], parts[0][1]))
         if nd and len(srcs) > 1:
             dshape = dshape[:t.cat_dim] + (at,) + dshape[t.cat_dim + 1:]
         got = 0
         for src, plo, phi, cat_at in parts:
             used.append(src.name)
             for s in _chosen(src, reader):
-                lo = np.maximum(plo, np.asarray(s.offset, np.int64))
-                hi = np.minimum(phi, np.asarray(s.offset, np.int64) + np.asarray(s.shape, np.int64))
-                if nd and (hi <= lo).any():
+                lo = [max(a, b) for a, b in zip(plo, s.offset)]
+                hi = [min(a, b + n) for a, b, n in zip(phi, s.offset, s.shape)]
+                if any(h <= l for h, l in zip(hi, lo)):
                     continue
-                dlo = lo - plo
+                dlo = [a - b for a, b in zip(lo, plo)]
                 if nd and len(srcs) > 1:
                     dlo[t.cat_dim] += cat_at
                 so, do, run = _runs(s, lo, hi, dshape, dlo, first.dtype.itemsize)
@@ -456,12 +459,12 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
     # pieces that happen to continue each other merge when the plan is bound (``ranges``).
     runs: dict[int, np.ndarray] = {}
     for r, pieces in acc.items():
-        m = np.empty((sum(len(so) for so, _, _, _ in pieces), 4), np.int64)
-        i = 0
-        for so, do, run, ti in pieces:
-            j = i + len(so)
-            m[i:j, 0], m[i:j, 1], m[i:j, 2], m[i:j, 3] = so, ti, do, run
-            i = j
+        counts = [len(so) for so, _, _, _ in pieces]
+        m = np.empty((sum(counts), 4), np.int64)
+        m[:, 0] = np.concatenate([so for so, _, _, _ in pieces])
+        m[:, 1] = np.repeat([ti for _, _, _, ti in pieces], counts)
+        m[:, 2] = np.concatenate([do for _, do, _, _ in pieces])
+        m[:, 3] = np.repeat([run for _, _, run, _ in pieces], counts)
         m = m[m[:, 3] > 0]
         if len(m):
             runs[r] = m

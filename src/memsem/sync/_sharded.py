@@ -116,6 +116,8 @@ class ShardedPublisher:
         name: the sharded state dict's name. rank / world_size: this rank, of how many.
         ref: the :class:`memsem.StateDictRef` of this rank's local tensors.
         placements: name -> (global shape, placements, box offset, box shape) of each tensor.
+        blocked_s: seconds the last ``update`` waited for readers' pins of the version it
+            overwrote (0.0 when none held it).
     """
 
     def __init__(self, core: RuntimeCore, name: str, rank: int, world_size: int, ref: StateDictRef, meta_spec: Any,
@@ -147,18 +149,19 @@ class ShardedPublisher:
     def update(self, state_dict: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Commit this rank's shards of ``state_dict`` (DTensors or the local tensors, the names
         and local shapes published) as its next version; returns it. Blocking while a pinned
-        reader of the version it overwrites holds it (at most the reader's pin ttl). The
-        sharded version exists once every rank has committed it.
+        reader of the version it overwrites holds it (at most the reader's pin ttl; the wait
+        is ``blocked_s``), then for the copy of the rank's local bytes. The sharded version
+        exists once every rank has committed it.
 
         Raises:
             KeyError / ValueError / TypeError: a tensor missing, or of another dtype or local
                 shape (before anything is written). As ``StateDictRef.update``.
         """
-        local = self.local_tensors(state_dict)
-        t0 = time.perf_counter()
-        v = self.ref.update(local, timeout=timeout)
-        self.blocked_s = time.perf_counter() - t0
-        return v
+        srcs = self.ref.sources(self.local_tensors(state_dict))
+        with self.ref.write_section(copy=False, timeout=timeout) as sec:
+            self.ref.fill(sec, srcs)
+        self.blocked_s = sec.blocked_s
+        return sec.version
 
     def write_section(self, *, copy: bool = True, timeout: float | None = None) -> Any:
         """A write section on this rank's window (``StateDictRef.write_section``): change its
@@ -567,7 +570,7 @@ class ShardedReader:
                 for lease in pins.values():
                     lease.release()
             self.loads += 1
-            self.bytes_moved += self.plan.nbytes
+            self.bytes_moved += sum(n for rr in ranges.values() for _, n, _ in rr)
             return v
 
     def _pin_all(self, v: int, deadline: float) -> dict[int, Lease]:
