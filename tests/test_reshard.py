@@ -472,3 +472,68 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
             c.send("stop")
     finally:
         reap([p for p, _ in procs], 30)
+
+
+# -- dtype on read: bf16 -> fp8 e4m3fn with block or per-tensor scales ----------------------------
+def _fp8_reference(full, block):
+    """torch's conversion of the whole tensor, block by block (or per tensor), written out here."""
+    x = full.float()
+    if block is None:
+        s = torch.clamp(x.abs().max(), min=1e-12) / 448.0
+        return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.reshape(1)
+    bh, bw = block
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((-(-x.shape[0] // bh), -(-x.shape[1] // bw)))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            b = x[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw]
+            s = torch.clamp(b.abs().max(), min=1e-12) / 448.0
+            scales[i, j] = s
+            q[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw] = (b / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def _u8(t):
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_fp8_on_read_bit_exact_against_the_full_tensors_conversion(rt):
+    g = torch.Generator().manual_seed(3)
+    shapes = {"q": (256, 128), "k": (128, 128), "v": (128, 128), "o": (128, 256), "n": (64, 48)}
+    full = {k: (torch.randn(s, generator=g) * torch.logspace(-3, 2, s[1])).to(torch.bfloat16) for k, s in shapes.items()}
+    full["k"][:64] = 0  # an all-zero block: its scale is the floor, never a division by zero
+    pubs = []
+    for r in range(2):
+        local = {}
+        for k, s in shapes.items():
+            (o, _), (n, _) = local_box(s, (2,), (r,), [Shard(0)])
+            local[k] = full[k][o:o + n].clone()
+        pubs.append(publish_sharded(rt, local, name="fp8", rank=r, world_size=2,
+                                    placements={k: [Shard(0)] for k in shapes}, global_shapes=shapes))
+    sd = lookup_sharded(rt, "fp8")
+    blk = (64, 64)
+    ref = {k: _fp8_reference(v, blk) for k, v in full.items()}
+    for rank in range(2):
+        reader = sd.reader({"qkv": Target(("q", "k", "v"), dim=0, degree=2, rank=rank, dtype="float8_e4m3fn", block=blk),
+                            "o": Target("o", dim=1, degree=2, rank=rank, dtype="float8_e4m3fn", block=blk),
+                            "n": Target("n", dtype="float8_e4m3fn"),
+                            "q_bf16": Target("q", dim=0, degree=2, rank=rank)})
+        into = reader.empty()
+        assert into["qkv"].dtype == torch.float8_e4m3fn and into["qkv_scale_inv"].shape == (4, 2)
+        assert reader.load(into) == 1
+        want_q = torch.cat([torch.chunk(ref[k][0], 2)[rank] for k in "qkv"])
+        want_s = torch.cat([torch.chunk(ref[k][1], 2)[rank] for k in "qkv"])
+        assert _u8(into["qkv"]) == _u8(want_q) and _u8(into["qkv_scale_inv"]) == _u8(want_s)
+        assert _u8(into["o"]) == _u8(torch.chunk(ref["o"][0], 2, dim=1)[rank])
+        assert _u8(into["o_scale_inv"]) == _u8(torch.chunk(ref["o"][1], 2, dim=1)[rank])
+        nq, ns = _fp8_reference(full["n"], None)
+        assert _u8(into["n"]) == _u8(nq) and _u8(into["n_scale"]) == _u8(ns)
+        assert _u8(into["q_bf16"]) == _u8(torch.chunk(full["q"], 2)[rank])  # the rest as it is
+        assert reader.bytes_moved == reader.plan.nbytes  # bf16 bytes read once, converted here
+    # the plan says what it cannot convert from the reader's own bytes
+    with pytest.raises(ValueError, match="block edges"):
+        sd.plan({"o": Target("o", dim=1, degree=2, rank=1, dtype="float8_e4m3fn", block=(96, 96))})
+    with pytest.raises(memsem.NotSupportedError, match="whole tensor's amax"):
+        sd.plan({"o": Target("o", dim=1, degree=2, rank=1, dtype="float8_e4m3fn")})
+    for p in pubs:
+        p.close()

@@ -7,6 +7,7 @@ trainer rank publishes its shards (:func:`publish_sharded`); a reader looks the 
 loads exactly its bytes of one version across ranks through a plan made once
 (:class:`ShardedReader`, :func:`plan_reshard`).
 """
+from memsem.sync._dtype import to_fp8
 from memsem.sync._reshard import (
     Replicate,
     ReshardPlan,
@@ -29,4 +30,4 @@ from memsem.sync._sharded import (
 
 __all__ = ["Replicate", "ReshardPlan", "Shard", "ShardedLayout", "ShardedPublisher", "ShardedReader",
            "ShardedStateDictRef", "SourceShard", "SourceTensor", "Target", "local_box", "lookup_sharded",
-           "plan_reshard", "publish_sharded", "tp_targets"]
+           "plan_reshard", "publish_sharded", "to_fp8", "tp_targets"]

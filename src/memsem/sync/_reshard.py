@@ -187,6 +187,11 @@ class Target:
     rank=1)``: the fused ``qkv_proj`` of TP rank 1, ``[q_1; k_1; v_1]`` (each source split on
     its own, then concatenated: the layout vLLM's fused linear layers load). The sources must
     have one dtype and equal extents in every dimension but ``cat_dim``.
+
+    ``dtype="float8_e4m3fn"`` converts on read (``memsem.sync.to_fp8``: torch's conversion of
+    each source, sliced): with ``block=(rows, cols)`` (2-d weights, slice edges on block edges)
+    the target comes with per-block scales, ``"<name>_scale_inv"`` (vLLM's block fp8); without,
+    per-tensor scales ``"<name>_scale"`` (one per source; each source read whole).
     """
 
     sources: tuple[str, ...]
@@ -194,9 +199,11 @@ class Target:
     degree: int = 1
     rank: int = 0
     cat_dim: int = 0
+    dtype: str | None = None
+    block: tuple[int, int] | None = None
 
     def __init__(self, sources: str | Sequence[str], *, dim: int | None = None, degree: int = 1, rank: int = 0,
-                 cat_dim: int = 0) -> None:
+                 cat_dim: int = 0, dtype: str | None = None, block: Sequence[int] | None = None) -> None:
         srcs = (sources,) if isinstance(sources, str) else tuple(sources)
         if not srcs or not all(isinstance(s, str) and s for s in srcs):
             raise ValueError(f"sources must be a tensor name or a non-empty sequence of them, got {sources!r}")
@@ -212,6 +219,20 @@ class Target:
         object.__setattr__(self, "degree", degree)
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "cat_dim", cat_dim)
+        if dtype not in (None, "float8_e4m3fn"):
+            raise ValueError(f"dtype must be None (the source's) or 'float8_e4m3fn', got {dtype!r}")
+        if block is not None:
+            block = tuple(block)
+            if dtype is None or len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block):
+                raise ValueError(f"block must be (rows, cols) of ints >= 1, with dtype='float8_e4m3fn', got {block!r}")
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "block", block)
+
+    def scale_name(self, name: str) -> str | None:
+        """The name of target ``name``'s scales (None when it is not converted)."""
+        if self.dtype is None:
+            return None
+        return f"{name}_scale_inv" if self.block is not None else f"{name}_scale"
 
 
 def tp_targets(names: Sequence[str], *, degree: int, rank: int, column: Sequence[str] = (),
@@ -279,13 +300,20 @@ class ReshardPlan:
         rank's window, target index, byte offset in the target, nbytes)``, each run as long as
         both layouts allow. nbytes: bytes a load moves (== the
         targets' bytes: every byte once). sources: source tensor names the plan reads.
+        converts: per target, its :class:`Target` when it is converted on read (``dtype``),
+        else None; ``shapes`` / ``dtypes`` are then what is read (the source's dtype).
+        part_shapes: per target, the shape of each source's slice in it (in ``sources`` order).
 
     Immutable; share it between loads (and threads). ``ranges(into)`` binds it to tensors.
     """
 
     def __init__(self, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.dtype, ...],
-                 runs: dict[int, np.ndarray], sources: tuple[str, ...]) -> None:
+                 runs: dict[int, np.ndarray], sources: tuple[str, ...],
+                 converts: tuple[Target | None, ...] | None = None,
+                 part_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None) -> None:
         self.names = names
+        self.converts = converts if converts is not None else (None,) * len(names)
+        self.part_shapes = part_shapes if part_shapes is not None else tuple((s,) for s in shapes)
         self.shapes = shapes
         self.dtypes = dtypes
         self.runs = runs
@@ -397,7 +425,7 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
         raise ValueError("targets must be a non-empty mapping of target name to Target")
     if not isinstance(reader, int) or isinstance(reader, bool) or reader < 0:
         raise ValueError(f"reader must be an int >= 0, got {reader!r}")
-    names, shapes, dtypes = [], [], []
+    names, shapes, dtypes, converts, part_shapes = [], [], [], [], []
     acc: dict[int, list[tuple[np.ndarray, np.ndarray, int, int]]] = {}
     used: list[str] = []
     for ti, (tname, t) in enumerate(targets.items()):
@@ -421,6 +449,8 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
             raise ValueError(f"targets[{tname!r}]: dim {t.dim} but {first.name!r} has {nd} dimensions")
         if len(srcs) > 1 and t.cat_dim >= nd:
             raise ValueError(f"targets[{tname!r}]: cat_dim {t.cat_dim} but {first.name!r} has {nd} dimensions")
+        if t.dtype is not None:
+            _check_convert(tname, t, srcs)
         # every source's part: its slice box, and where it starts along cat_dim in the target
         parts = []
         at = 0
@@ -455,6 +485,8 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
         names.append(tname)
         shapes.append(dshape)
         dtypes.append(first.dtype)
+        converts.append(t if t.dtype is not None else None)
+        part_shapes.append(tuple(tuple(h - l for h, l in zip(phi, plo)) for _, plo, phi, _ in parts))
     # Runs of one piece never merge (each spans every dimension both sides cover whole);
     # pieces that happen to continue each other merge when the plan is bound (``ranges``).
     runs: dict[int, np.ndarray] = {}
@@ -468,7 +500,34 @@ def plan_reshard(layout: ShardedLayout, targets: Mapping[str, Target], *, reader
         m = m[m[:, 3] > 0]
         if len(m):
             runs[r] = m
-    return ReshardPlan(tuple(names), tuple(shapes), tuple(dtypes), runs, tuple(dict.fromkeys(used)))
+    return ReshardPlan(tuple(names), tuple(shapes), tuple(dtypes), runs, tuple(dict.fromkeys(used)), tuple(converts),
+                       tuple(part_shapes))
+
+
+def _check_convert(tname: str, t: Target, srcs: list[SourceTensor]) -> None:
+    """A conversion the reader can do from its own bytes, bit-exact with the full tensor's."""
+    if srcs[0].dtype.name not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"targets[{tname!r}]: {t.dtype} from {srcs[0].dtype} (a float dtype is needed)")
+    if t.block is None:
+        if t.dim is not None:
+            raise NotSupportedError(f"targets[{tname!r}]: a per-tensor scale of a slice needs the whole tensor's "
+                                    "amax; read it whole, or ask for block scales (block=(rows, cols))")
+        return
+    for src in srcs:
+        if len(src.shape) != 2:
+            raise ValueError(f"targets[{tname!r}]: block scales are for 2-d weights, {src.name!r} is {src.shape}")
+        if t.dim is not None:
+            a, b = chunk(src.shape[t.dim], t.degree, t.rank)
+            bs = t.block[t.dim]
+            if a % bs or (b % bs and b != src.shape[t.dim]):
+                raise ValueError(f"targets[{tname!r}]: slice [{a}, {b}) of {src.name!r} along dim {t.dim} does not "
+                                 f"start and end on {bs}-element block edges (its scales would mix with another "
+                                 "rank's)")
+        if len(srcs) > 1 and src is not srcs[-1]:
+            a, b = chunk(src.shape[t.dim], t.degree, t.rank) if t.dim == t.cat_dim else (0, src.shape[t.cat_dim])
+            if (b - a) % t.block[t.cat_dim]:
+                raise ValueError(f"targets[{tname!r}]: {src.name!r}'s {b - a} elements along cat_dim are not a "
+                                 f"multiple of the block {t.block[t.cat_dim]}: fused scales would straddle sources")
 
 
 def _chosen(src: SourceTensor, reader: int) -> list[SourceShard]:

@@ -50,6 +50,7 @@ from memsem._errors import (
 )
 from memsem.core import Lease, RuntimeCore
 from memsem.refs import Runtime, StateDictRef
+from memsem.sync._dtype import convert, scale_shape
 from memsem.sync._reshard import (
     MAX_DIMS,
     Placement,
@@ -466,6 +467,7 @@ class ShardedReader:
         self.bytes_moved = 0
         self.retries = 0
         self._pin = True
+        self._staging: dict[int, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return f"<ShardedReader of {self.name!r}: {self.plan!r}>"
@@ -478,26 +480,42 @@ class ShardedReader:
         """See :meth:`ShardedStateDictRef.wait_version`."""
         return self.sharded.wait_version(version, timeout)
 
+    def outputs(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+        """``(name, shape, numpy dtype)`` of every tensor ``into`` holds: the targets (fp8 where
+        converted on read) and the converted targets' scales (float32), in plan order."""
+        p = self.plan
+        out = []
+        for n, s, d, t, parts in zip(p.names, p.shapes, p.dtypes, p.converts, p.part_shapes):
+            if t is None:
+                out.append((n, s, d))
+                continue
+            out.append((n, s, _dtypes.numpy_dtype(_dtypes.code_of(t.dtype))))
+            out.append((t.scale_name(n), scale_shape(parts, t.block, t.cat_dim), np.dtype(np.float32)))
+        return out
+
     def empty(self, framework: str = "torch") -> dict[str, Any]:
-        """New uninitialized target tensors (one huge-page arena, in plan order: runs of
-        consecutive targets coalesce), ``framework`` "torch" or "numpy"."""
+        """New uninitialized tensors for ``into`` (``outputs()``; one huge-page arena, in plan
+        order: runs of consecutive targets coalesce), ``framework`` "torch" or "numpy"."""
         if framework not in ("numpy", "torch"):
             raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
-        p = self.plan
-        arrs = empty_arena([(np.uint8, (math.prod(s) * d.itemsize,)) for s, d in zip(p.shapes, p.dtypes)])
+        outs = self.outputs()
+        arrs = empty_arena([(np.uint8, (math.prod(s) * d.itemsize,)) for _, s, d in outs])
         if framework == "numpy":
-            return {n: a.view(d).reshape(s) for n, a, s, d in zip(p.names, arrs, p.shapes, p.dtypes)}
+            return {n: a.view(d).reshape(s) for (n, s, d), a in zip(outs, arrs)}
         import torch
 
         return {n: torch.from_numpy(a).view(_dtypes.torch_dtype(_dtypes.code_of(d))).reshape(s)
-                for n, a, s, d in zip(p.names, arrs, p.shapes, p.dtypes)}
+                for (n, s, d), a in zip(outs, arrs)}
 
     def _bases(self, into: Mapping[str, Any]) -> tuple[list[int], list]:
+        """The address each target is read to (``into``'s tensor, or the staging buffer of a
+        target converted on read), and what keeps them alive; ``into`` checked whole."""
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of target name to tensor, got {type(into).__name__}")
         p = self.plan
-        bases, keep = [], []
-        for n, s, d in zip(p.names, p.shapes, p.dtypes):
+        addr: dict[str, int] = {}
+        keep: list = []
+        for n, s, d in self.outputs():
             if n not in into:
                 raise KeyError(f"into has no tensor {n!r} (the plan has {len(p.names)} targets)")
             info = buffer_info(into[n], f"into[{n!r}]")
@@ -507,9 +525,25 @@ class ShardedReader:
             if info.dtype_code != code or tuple(info.shape) != s:
                 raise ValueError(f"into[{n!r}] is {tuple(info.shape)} {_dtypes.name_of(info.dtype_code)}; the target "
                                  f"is {s} {_dtypes.name_of(code)}")
-            bases.append(info.address)
+            addr[n] = info.address
             keep.append(info.keepalive)
+        if any(t is not None for t in p.converts) and self._staging is None:
+            self._staging = {i: np.empty(math.prod(s) * d.itemsize, np.uint8)
+                             for i, (s, d, t) in enumerate(zip(p.shapes, p.dtypes, p.converts)) if t is not None}
+        stage = self._staging or {}
+        bases = [stage[i].ctypes.data if i in stage else addr[n] for i, n in enumerate(p.names)]
+        keep.append(stage)
         return bases, keep
+
+    def _convert(self, into: Mapping[str, Any]) -> None:
+        """The targets converted on read, from their staging buffers into ``into``."""
+        import torch
+
+        p = self.plan
+        for i, stage in (self._staging or {}).items():
+            t, n = p.converts[i], p.names[i]
+            src = torch.from_numpy(stage).view(_dtypes.torch_dtype(_dtypes.code_of(p.dtypes[i]))).reshape(p.shapes[i])
+            convert(src, p.part_shapes[i], t.block, t.cat_dim, _as_torch(into[n]), _as_torch(into[t.scale_name(n)]))
 
     def load(self, into: Mapping[str, Any] | None = None, *, version: int = 0, timeout: float | None = None) -> int:
         """Load the newest version every rank has committed (at least ``version``; 0: the
@@ -518,12 +552,14 @@ class ShardedReader:
 
         Args:
             into: target name -> tensor (numpy or CPU torch, C-contiguous, writable, the
-                target's dtype and shape), e.g. ``reader.empty()``.
+                target's dtype and shape; a target converted on read also needs its scales:
+                ``outputs()``), e.g. ``reader.empty()``.
             version: the oldest version acceptable (waits for it; a newer one may be loaded).
             timeout: seconds for the whole load (waits included), default the runtime's.
 
         Exactly ``plan.nbytes`` bytes move, from each rank only its part, straight into
-        ``into``. On an error ``into``'s contents are unspecified (a version of a rank may
+        ``into`` (a target converted on read goes through a staging buffer of its own size,
+        converted after the version's pins are released: ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version of a rank may
         have been copied): load again.
 
         Raises:
@@ -571,6 +607,8 @@ class ShardedReader:
                     lease.release()
             self.loads += 1
             self.bytes_moved += sum(n for rr in ranges.values() for _, n, _ in rr)
+            if self._staging:
+                self._convert(into)  # after the pins went: the trainer never waits for it
             return v
 
     def _pin_all(self, v: int, deadline: float) -> dict[int, Lease]:
@@ -598,6 +636,16 @@ class ShardedReader:
                 lease.release()
             raise
         return pins
+
+
+def _as_torch(x: Any) -> Any:
+    """A torch view of a torch tensor or numpy array (fp8 through its bytes)."""
+    if hasattr(x, "numpy") and hasattr(x, "dtype") and not isinstance(x, np.ndarray):
+        return x
+    import torch
+
+    code = _dtypes.code_of(x.dtype)
+    return torch.from_numpy(x.view(np.uint8)).view(_dtypes.torch_dtype(code)).reshape(x.shape)
 
 
 def lookup_sharded(rt: Any, name: str, *, timeout: float = 0.0) -> ShardedStateDictRef:
