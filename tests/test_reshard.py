@@ -34,6 +34,7 @@ from memsem.sync import (
 from memsem.sync._reshard import SourceShard, SourceTensor, check_tiling
 
 from tests._proc import CTX, reap, recv, spawn
+from tests._sharded_ranks import np_trainer, np_trainer_on_node, values
 
 torch = pytest.importorskip("torch")
 
@@ -280,10 +281,10 @@ class _Block(torch.nn.Module if torch is not None else object):
         self.register_buffer("rope", torch.arange(5.0))
 
 
-TP = dict(column=["embed.weight"], row=["o_proj.weight", "down.weight"],
-          fused={"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
-                 "qkv_proj.bias": ["q_proj.bias", "k_proj.bias", "v_proj.bias"],
-                 "gate_up_proj.weight": ["gate.weight", "up.weight"]})
+TP = {"column": ["embed.weight"], "row": ["o_proj.weight", "down.weight"],
+      "fused": {"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
+                "qkv_proj.bias": ["q_proj.bias", "k_proj.bias", "v_proj.bias"],
+                "gate_up_proj.weight": ["gate.weight", "up.weight"]}}
 
 
 def _fsdp_trainer(conn, rank: int, world: int, port: int, name: str) -> None:
@@ -379,44 +380,9 @@ def test_fsdp2_trainer_to_tp_rollouts_bit_exact(world):
 
 
 # -- faults and a fast trainer (numpy trainer ranks: no torch in the children) --------------------
-G = (9, 4)  # 9 rows over 2 ranks: 5 and 4
-
-
-def _values(version: int) -> np.ndarray:
-    return (np.arange(math.prod(G), dtype=np.float32).reshape(G) + 1000 * version)
-
-
-def _np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
-    """Rank ``rank`` of 2, ``Shard(0)`` of a (9, 4) float32 tensor whose version v holds
-    ``_values(v)``. ``steps``: commit that many versions in lockstep (the barrier stands for the
-    training step's collective), as fast as it can; else follow the parent's commands."""
-    (o,), (n,) = local_box(G, (2,), (rank,), [Shard(0)])[0][:1], local_box(G, (2,), (rank,), [Shard(0)])[1][:1]
-    with memsem.Runtime(timeout=30) as rt:
-        pub = publish_sharded(rt, {"w": _values(1)[o:o + n].copy(), "b": np.ones(3, np.int64)}, name=name, rank=rank,
-                              world_size=2, placements={"w": [Shard(0)]}, global_shapes={"w": G})
-        conn.send("published")
-        if steps:
-            for v in range(2, steps + 1):
-                barrier.wait(30)
-                assert pub.update({"w": _values(v)[o:o + n], "b": np.full(3, v, np.int64)}) == v
-            conn.send("done")
-            conn.recv()
-            return
-        while True:
-            cmd = conn.recv()
-            if cmd == "commit":
-                conn.send(pub.update({"w": _values(pub.version() + 1)[o:o + n], "b": np.ones(3, np.int64)}))
-            elif cmd == "die mid-commit":
-                sec = pub.write_section()
-                sec.tensors["w"][:] = -1.0  # half-written: never committed
-                os.kill(os.getpid(), signal.SIGKILL)
-            else:
-                return
-
-
 @pytest.mark.multiproc
 def test_rank_killed_mid_commit_never_makes_its_version_and_is_named():
-    procs = [spawn(_np_trainer, r, "w", None, 0) for r in range(2)]
+    procs = [spawn(np_trainer, r, "w", None, 0) for r in range(2)]
     try:
         for _, c in procs:
             assert recv(c, 60) == "published"
@@ -424,7 +390,7 @@ def test_rank_killed_mid_commit_never_makes_its_version_and_is_named():
             sd = lookup_sharded(rt, "w", timeout=30)
             both = sd.reader({"w": Target("w", dim=1, degree=2, rank=1)})  # reads rows of both ranks
             into = both.empty("numpy")
-            assert both.load(into) == 1 and into["w"].tobytes() == _values(1)[:, 2:].tobytes()
+            assert both.load(into) == 1 and into["w"].tobytes() == values(1)[:, 2:].tobytes()
             procs[0][1].send("commit")
             assert recv(procs[0][1]) == 2  # rank 0 committed version 2 ...
             procs[1][1].send("die mid-commit")  # ... rank 1 dies inside its write section
@@ -435,7 +401,7 @@ def test_rank_killed_mid_commit_never_makes_its_version_and_is_named():
                 both.wait_version(2, timeout=10)
             with pytest.raises(memsem.PeerLostError, match="trainer rank 1 of sharded state dict 'w'"):
                 both.load(into, version=2, timeout=10)
-            assert into["w"].tobytes() == _values(1)[:, 2:].tobytes()  # still version 1, whole
+            assert into["w"].tobytes() == values(1)[:, 2:].tobytes()  # still version 1, whole
         procs[0][1].send("stop")
     finally:
         reap([p for p, _ in procs], 30)
@@ -445,7 +411,7 @@ def test_rank_killed_mid_commit_never_makes_its_version_and_is_named():
 def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
     steps = 200
     barrier = CTX.Barrier(2)
-    procs = [spawn(_np_trainer, r, "fast", barrier, steps) for r in range(2)]
+    procs = [spawn(np_trainer, r, "fast", barrier, steps) for r in range(2)]
     try:
         for _, c in procs:
             assert recv(c, 60) == "published"
@@ -457,7 +423,7 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
             with rt.follow(reader, into=into, timeout=60) as follower:
                 for v, got in follower:
                     # every row from one version, both ranks' rows alike: never a mix
-                    assert got["w"].tobytes() == _values(v)[:, :2].tobytes(), v
+                    assert got["w"].tobytes() == values(v)[:, :2].tobytes(), v
                     assert got["b"].tolist() == [1 if v == 1 else v] * 3
                     seen.append(v)
                     if v == steps:
@@ -469,6 +435,35 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
         assert reader.bytes_moved == len(seen) * (9 * 2 * 4 + 3 * 8)
         for _, c in procs:
             assert recv(c, 60) == "done"
+            c.send("stop")
+    finally:
+        reap([p for p, _ in procs], 30)
+
+
+@pytest.mark.multiproc
+def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
+    """Trainer ranks on another node (their own node id): every range is read over memsem's tcp
+    route, owner-checked, and the version is pinned at each owner (a reservation)."""
+    monkeypatch.setenv("MEMSEM_JOB_SECRET", "reshard-test-secret")
+    procs = [spawn(np_trainer_on_node, r, "far", "node-trainer") for r in range(2)]
+    try:
+        for _, c in procs:
+            assert recv(c, 60) == "published"
+        monkeypatch.setenv("MEMSEM_NODE_ID", "node-rollout")
+        with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
+            sd = lookup_sharded(rt, "far", timeout=30)
+            assert rt.route(sd.refs[1]).engine == "tcp"
+            reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1), "b": Target("b")})
+            into = reader.empty("numpy")
+            assert reader.load(into) == 1 and into["w"].tobytes() == values(1)[:, 2:].tobytes()
+            for _, c in procs:
+                c.send("commit")
+            assert [recv(c) for _, c in procs] == [2, 2]
+            with rt.follow(reader, into=into, timeout=30, after=1) as follower:
+                v, _ = next(follower)
+            assert v == 2 and into["w"].tobytes() == values(2)[:, 2:].tobytes()
+            assert reader.retries == 0 and reader.bytes_moved == 2 * (9 * 2 * 4 + 3 * 8)
+        for _, c in procs:
             c.send("stop")
     finally:
         reap([p for p, _ in procs], 30)

@@ -51,9 +51,10 @@ GOALS = {
     "reshard_plan_ms_1000_tensors": "<= 100",
     "reshard_trainer_blocked_ms": "<= 1",
 }
-TP_RULES = dict(row=["o_proj.weight", "down_proj.weight"], column=["embed_tokens.weight"],
-                fused={"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
-                       "gate_up_proj.weight": ["gate_proj.weight", "up_proj.weight"]})
+TP_RULES: dict[str, Any] = {
+    "row": ["o_proj.weight", "down_proj.weight"], "column": ["embed_tokens.weight"],
+    "fused": {"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
+              "gate_up_proj.weight": ["gate_proj.weight", "up_proj.weight"]}}
 
 
 def model_shapes(mib: int, *, hidden: int = 2048, inter: int = 5632, kv: int = 512, vocab: int = 8192,
@@ -254,7 +255,7 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
         rs, gb, dt, blocked, moved, commit = [], [], [], [], [], []
         for rnd in range(rounds):
             step += 1
-            c, outs = run(trainers, "commit", step)
+            _, outs = run(trainers, "commit", step)
             commit.append(max(o["update_s"] for o in outs))
             w, outs = run(rollouts, "load", step)
             if any(o["version"] != step for o in outs):

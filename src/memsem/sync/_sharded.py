@@ -245,6 +245,8 @@ def publish_sharded(rt: Any, state_dict: Mapping[str, Any], *, name: str, rank: 
     for key, t in state_dict.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"state_dict keys must be non-empty str, got {key!r}")
+        lt = _local(t)
+        have = tuple(buffer_info(lt, f"state_dict[{key!r}]").shape)
         if _is_dtensor(t):
             pl = tuple(placement(p, f"state_dict[{key!r}].placements") for p in t.placements)
             gshape = tuple(int(x) for x in t.shape)
@@ -255,13 +257,11 @@ def publish_sharded(rt: Any, state_dict: Mapping[str, Any], *, name: str, rank: 
                 if any(isinstance(p, Shard) for p in pl):
                     raise ValueError(f"global_shapes[{key!r}] is needed: state_dict[{key!r}] is sharded "
                                      f"({[str(p) for p in pl]}) and its shards may be uneven")
-                gshape = tuple(int(x) for x in getattr(t, "shape"))
+                gshape = have
             gshape = tuple(int(x) for x in gshape)
         if len(gshape) > MAX_DIMS or any(isinstance(p, Shard) and not 0 <= p.dim < len(gshape) for p in pl):
             raise ValueError(f"state_dict[{key!r}]: placements {[str(p) for p in pl]} do not fit its shape {gshape}")
-        lt = _local(t)
         off, box = local_box(gshape, mesh, coord, pl)
-        have = tuple(int(x) for x in getattr(lt, "shape"))
         if have != box:
             raise ValueError(f"state_dict[{key!r}]: the local shard is {have}, but placements "
                              f"{[str(p) for p in pl]} of {gshape} over mesh {mesh} give rank {r} {box}")
