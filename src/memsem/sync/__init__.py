@@ -20,13 +20,8 @@ from memsem.sync._reshard import (
     plan_reshard,
     tp_targets,
 )
-from memsem.sync._sharded import (
-    ShardedPublisher,
-    ShardedReader,
-    ShardedStateDictRef,
-    lookup_sharded,
-    publish_sharded,
-)
+from memsem.sync._sharded import ShardedPublisher, publish_sharded
+from memsem.sync._sharded_read import ShardedReader, ShardedStateDictRef, lookup_sharded
 
 __all__ = ["Replicate", "ReshardPlan", "Shard", "ShardedLayout", "ShardedPublisher", "ShardedReader",
            "ShardedStateDictRef", "SourceShard", "SourceTensor", "Target", "local_box", "lookup_sharded",
