@@ -33,6 +33,7 @@ from memsem.sync import (
 )
 from memsem.sync._reshard import SourceShard, SourceTensor, check_tiling
 
+from memsem_bench.reshard import free_port
 from tests._proc import CTX, reap, recv, spawn
 from tests._sharded_ranks import np_trainer, np_trainer_on_node, values
 
@@ -258,14 +259,6 @@ def _np(t) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().view(dt).reshape(tuple(t.shape)).copy()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Block(torch.nn.Module if torch is not None else object):
     """A transformer block's parameter shapes, small and uneven over 2 and 4 ranks."""
 
@@ -345,7 +338,7 @@ def _check_tp(sd, full: dict, version: int) -> int:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_trainer_to_tp_rollouts_bit_exact(world):
-    port, name = _free_port(), "policy"
+    port, name = free_port(), "policy"
     procs = [spawn(_fsdp_trainer, r, world, port, name) for r in range(world)]
     try:
         step, full = recv(procs[0][1], 120)

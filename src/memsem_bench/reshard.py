@@ -187,7 +187,8 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (gloo's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -220,7 +221,7 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
     shapes = model_shapes(model_mib) if model_mib >= 64 else model_shapes(
         model_mib, hidden=256, inter=704, kv=64, vocab=512)
     model_bytes = sum(math.prod(s) for s in shapes.values()) * 2
-    port, job = _free_port(), f"bench-reshard-{os.getpid()}-{secrets.token_hex(3)}"
+    port, job = free_port(), f"bench-reshard-{os.getpid()}-{secrets.token_hex(3)}"
     world = TRAINERS + REPLICAS * TP
     pipes, procs = [], []
     for r in range(world):
@@ -327,4 +328,4 @@ def run_reshard(args: Any) -> int:
     return 0
 
 
-__all__ = ["GOALS", "figures", "model_shapes", "plan_ms_1000_tensors", "run_reshard"]
+__all__ = ["GOALS", "figures", "free_port", "model_shapes", "plan_ms_1000_tensors", "run_reshard"]

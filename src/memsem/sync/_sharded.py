@@ -22,6 +22,7 @@ from memsem._buffers import buffer_info
 from memsem._errors import NotSupportedError, StaleReferenceError
 from memsem.core import RuntimeCore
 from memsem.refs import Runtime, StateDictRef
+from memsem.refs._tensorref import as_core
 from memsem.sync._reshard import MAX_DIMS, Placement, Shard, local_box, placement
 
 META_MAGIC = "memsem-sharded/1"
@@ -41,11 +42,10 @@ def meta_name(name: str, rank: int) -> str:
 
 def core_of(rt: Any) -> RuntimeCore:
     """The RuntimeCore of ``rt`` (a ``memsem.Runtime``, or a core). Raises TypeError."""
-    if isinstance(rt, RuntimeCore):
-        return rt
-    if isinstance(rt, Runtime):
-        return rt.core
-    raise TypeError(f"rt must be a memsem.Runtime, got {type(rt).__name__}")
+    core = as_core(rt, "rt")
+    if core is None:
+        raise TypeError("rt must be a memsem.Runtime, got None")
+    return core
 
 
 def _is_dtensor(t: Any) -> bool:

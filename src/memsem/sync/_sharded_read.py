@@ -24,6 +24,7 @@ The reader is *followable*: ``rt.follow(reader, into=reader.empty())`` yields ea
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -34,7 +35,7 @@ import numpy as np
 
 from memsem import _args, _dtypes
 from memsem._buffers import buffer_info, empty_arena
-from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, PeerLostError, VersionGoneError
+from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, VersionGoneError
 from memsem.core import Lease, RuntimeCore
 from memsem.refs import Runtime, StateDictRef
 from memsem.sync._dtype import convert, scale_shape
@@ -91,14 +92,11 @@ class ShardedStateDictRef:
         return {n: t.shape for n, t in self.layout.tensors.items()}
 
     def _rank_error(self, r: int, exc: MemsemError, doing: str) -> MemsemError:
-        """``exc`` of rank ``r``'s window, said of the rank (same type where it is one memsem
-        raises with a message only)."""
-        msg = f"trainer rank {r} of sharded state dict {self.name!r} ({doing}): {exc}"
-        if isinstance(exc, PeerLostError):
-            return PeerLostError(msg)
-        if isinstance(exc, MemsemTimeoutError):
-            return MemsemTimeoutError(msg, what=exc.what, timeout=exc.timeout)
-        return exc
+        """``exc`` of rank ``r``'s window, said of the rank: a copy of the same type and
+        attributes (a memsem error copies whatever its constructor), its message prefixed."""
+        new = copy.copy(exc)
+        new.args = (f"trainer rank {r} of sharded state dict {self.name!r} ({doing}): {exc}",)
+        return new
 
     def latest(self) -> list[int]:
         """Every rank's latest committed version, by rank. Raises as :meth:`version`."""
