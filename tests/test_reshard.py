@@ -525,3 +525,35 @@ def test_fp8_on_read_bit_exact_against_the_full_tensors_conversion(rt):
         sd.plan({"o": Target("o", dim=1, degree=2, rank=1, dtype="float8_e4m3fn")})
     for p in pubs:
         p.close()
+
+
+def test_async_follow_of_a_sharded_reader(rt):
+    """``async for`` over ``rt.follow(reader)``: each step runs off the event loop, every
+    version whole (both ranks' rows of it)."""
+    import asyncio
+
+    from memsem.sync import Shard
+
+    full = {v: values(v) for v in (1, 2)}
+    pubs = []
+    for r in range(2):
+        (o, _), (n, _) = local_box(full[1].shape, (2,), (r,), [Shard(0)])
+        pubs.append(publish_sharded(rt, {"w": full[1][o:o + n].copy()}, name="aio", rank=r, world_size=2,
+                                    placements={"w": "S0"}, global_shapes={"w": full[1].shape}))
+    reader = lookup_sharded(rt, "aio").reader({"w": Target("w", dim=1, degree=2, rank=0)})
+
+    async def follow():
+        seen = []
+        async for v, t in rt.follow(reader, into=reader.empty("numpy"), timeout=10):
+            seen.append((v, t["w"].tobytes()))
+            if v == 1:
+                for r, p in enumerate(pubs):
+                    (o, _), (n, _) = local_box(full[2].shape, (2,), (r,), [Shard(0)])
+                    assert p.update({"w": full[2][o:o + n]}) == 2
+            else:
+                return seen
+
+    seen = asyncio.run(asyncio.wait_for(follow(), 30))
+    assert seen == [(1, full[1][:, :2].tobytes()), (2, full[2][:, :2].tobytes())]
+    for p in pubs:
+        p.close()
