@@ -14,6 +14,7 @@ import re
 #: the names given)
 MODULES: list[tuple[str, list[str] | None]] = [
     ("memsem", None),
+    ("memsem.sync", None),
     ("memsem.pipeline", None),
     ("memsem.engines", None),
     ("memsem.testing", ["ScriptedEngine"]),

@@ -365,6 +365,15 @@ def c_weight_sync_follow(a: dict, b: dict) -> None:
     assert (a["model_state"]["w"] == step).all() and a["v"] >= step + 2
 
 
+def p_weight_sync_sharded(ctx: Ctx) -> dict:
+    return {"rt": ctx.runtime()}
+
+
+def c_weight_sync_sharded(a: dict, b: dict) -> None:
+    assert a["version"] == 1 and a["out"]["w"].tobytes() == a["full"][:, 2:].copy().tobytes()
+    assert a["reader"].bytes_moved == 5 * 2 * 4  # its bytes only
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """How a block runs: ``prelude`` (and ``epilogue``, called with its names) for a block of
@@ -401,6 +410,7 @@ RUN: dict[tuple[str, str], Run] = {
     ("docs/metrics.md", "memsem.metrics.serve("): Run(p_metrics, epilogue=e_metrics),
     ("docs/weight-sync.md", "rt.write_section(ref)"): Run(p_weight_sync_sections, check=c_weight_sync_sections),
     ("docs/weight-sync.md", "rt.follow(\"policy\""): Run(p_weight_sync_follow, check=c_weight_sync_follow),
+    ("docs/weight-sync.md", "name=\"tiny\""): Run(p_weight_sync_sharded, check=c_weight_sync_sharded),
 }
 
 #: files none of whose blocks is code to run, with the reason
@@ -416,6 +426,10 @@ NOT_RUNNABLE = {
     ("docs/mte.md", "MteEngine"): "Ascend SHMEM (libshmem.so) on several PEs; tests/test_mte.py makes these "
                                   "calls on the emulator's PEs",
     ("docs/transferqueue.md", "import transfer_queue"): "Ray and TransferQueue (their own venv); tests/tq run it",
+    ("docs/weight-sync.md", "fully_shard(model)"): "the ranks of a torch.distributed job; tests/test_reshard.py "
+                                                   "runs these calls with fully_shard over gloo (2 and 4 ranks)",
+    ("docs/weight-sync.md", "tp_targets(sd.names"): "a rollout rank beside a sharded trainer; tests/test_reshard.py "
+                                                    "runs these calls against FSDP2 trainers (TP 1, 2 and 4)",
 }
 
 

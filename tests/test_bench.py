@@ -194,3 +194,22 @@ def test_the_bench_finds_the_checkout_it_runs_from():
 
     assert (CHECKOUT / "benchmarks" / "bench_pipeline.py").is_file()
     assert (CHECKOUT / "tests" / "netns" / "netns.py").is_file()
+
+
+def test_reshard_bench_model_and_plan_figure():
+    """``memsem bench --reshard``'s pure parts (its 8-process run is the bench's own): the model
+    is Llama-shaped and at least the size asked for; the 1,000-tensor plan is what it says."""
+    import math
+
+    from memsem_bench import reshard
+
+    shapes = reshard.model_shapes(256)
+    assert sum(math.prod(s) for s in shapes.values()) * 2 >= 256 << 20
+    assert "layers.0.self_attn.q_proj.weight" in shapes and "layers.0.mlp.down_proj.weight" in shapes
+    ms, runs = reshard.plan_ms_1000_tensors(repeat=1)
+    # 111 layers of hidden 1024 over 4 ranks, read by TP rank 1 of 2: the column slices of
+    # o_proj and down_proj are one run per row (1024 each, every trainer rank's rows apart)
+    assert ms > 0 and runs >= 111 * 2 * 1024
+    assert set(reshard.GOALS) == {"reshard_bytes_moved_ratio", "reshard_vs_gather_broadcast",
+                                  "reshard_vs_dtensor_redistribute", "reshard_plan_ms_1000_tensors",
+                                  "reshard_trainer_blocked_ms"}

@@ -41,6 +41,14 @@ from memsem.sync import (
 )
 from memsem._runtime import Runtime, default_runtime
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
+from memsem.sync import (
+    ShardedPublisher,
+    ShardedReader,
+    ShardedStateDictRef,
+    Target,
+    lookup_sharded,
+    publish_sharded,
+)
 
 __version__ = "0.1.0"
 
@@ -49,6 +57,7 @@ __all__ = [
     "RelayStats", "fanout_plan", "model_time", "Completion", "EngineError", "FieldRef", "FieldSchema", "FieldSet", "Followable", "Follower",
     "Lease", "LeaseExpiredError",
     "LeaseHeldError", "MemsemError", "MemsemTimeoutError", "NameHeldError", "NotSupportedError", "OutOfMemoryError",
-    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "StreamBucket", "TensorRef",
+    "OwnerWriteError", "PeerLostError", "RangeResult", "Runtime", "RuntimeClosedError", "ShardedPublisher",
+    "ShardedReader", "ShardedStateDictRef", "Target", "lookup_sharded", "publish_sharded", "StateDictLayout", "StateDictRef", "StaleReferenceError", "State", "Stats", "StreamBucket", "TensorRef",
     "VersionGoneError", "Versioned", "WindowNotFoundError", "WindowRetiredError", "WriteSection", "default_runtime", "__version__",
 ]

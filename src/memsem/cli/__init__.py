@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
     b.add_argument("--fanout", action="store_true", help="weight fan-out to rollout nodes over shaped links "
                    "(star, relay, gloo; needs root: network namespaces)")
+    b.add_argument("--reshard", action="store_true", help="sharded weight sync: 4 trainer ranks (Shard(0)) to 2 "
+                   "rollout replicas of TP 2, reshard on read against gather+broadcast and DTensor (needs torch)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}, "
               f"{len(items.skipped)} skipped")
         return 0
+    if args.cmd == "bench" and args.reshard:
+        from memsem_bench.reshard import run_reshard
+
+        return run_reshard(args)
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
 

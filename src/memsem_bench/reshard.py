@@ -1,0 +1,331 @@
+"""Sharded weight sync, measured: reshard on read against the two paths a user has without it.
+
+``memsem bench --reshard [--json]``. Four trainer ranks hold a Llama-shaped bf16 model (at least
+256 MiB; ``MEMSEM_RESHARD_MODEL_MIB``) as FSDP2 holds it: every tensor ``Shard(0)`` over the 4
+ranks. Two rollout replicas of tensor parallel degree 2 (4 processes) want it in vLLM's layout:
+fused ``qkv_proj`` and ``gate_up_proj`` split by rows, ``o_proj`` and ``down_proj`` by columns,
+norms whole. All 8 processes are one gloo world (the baselines' transport), on this machine.
+
+Per round, same processes, same bytes:
+
+* **reshard on read** (memsem): every trainer rank commits its shards
+  (``memsem.sync.publish_sharded``); every rollout rank loads exactly its slice of that version
+  from every rank (``ShardedReader.load``). Time: from the loads' start to the last one's end.
+* **gather + broadcast** (today's path, verl's): the trainer gathers the full model on rank 0
+  (``dist.gather`` over gloo), rank 0 commits it to its state-dict window
+  (``StateDictRef.update``), every rollout rank loads the whole state dict and cuts its slices
+  out (``torch.cat`` of ``torch.chunk``). Time: gather + commit + the slowest rollout.
+* **DTensor redistribute**: every trainer rank makes each tensor whole (``DTensor.full_tensor()``:
+  the all-gather of ``redistribute`` to ``Replicate``, over gloo), cuts rollout rank r's slices
+  and sends them to it (``dist.send``; trainer r serves rollout r). Time: until the last rank
+  is done.
+
+Keys: ``reshard_bytes_moved_ratio`` (bytes the rollouts' loads copied, the sum of the ranges
+they read, / bytes they hold; goal 1.0), ``reshard_vs_gather_broadcast`` (>= 2) and
+``reshard_vs_dtensor_redistribute`` (>= 3) (medians of per-round ratios, ``_spread`` their
+[p10, p90]), ``reshard_plan_ms_1000_tensors`` (planning a 1,000-tensor model once; <= 100),
+``reshard_trainer_blocked_ms`` (a trainer rank's wait for readers per version while the rollouts
+load the previous one; <= 1), and the raw times.
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+from memsem_bench import measure as M
+
+_CTX = mp.get_context("spawn")
+MiB = 1 << 20
+TRAINERS, REPLICAS, TP = 4, 2, 2
+GOALS = {
+    "reshard_bytes_moved_ratio": "== 1.0",
+    "reshard_vs_gather_broadcast": ">= 2",
+    "reshard_vs_dtensor_redistribute": ">= 3",
+    "reshard_plan_ms_1000_tensors": "<= 100",
+    "reshard_trainer_blocked_ms": "<= 1",
+}
+TP_RULES: dict[str, Any] = {
+    "row": ["o_proj.weight", "down_proj.weight"], "column": ["embed_tokens.weight"],
+    "fused": {"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
+              "gate_up_proj.weight": ["gate_proj.weight", "up_proj.weight"]}}
+
+
+def model_shapes(mib: int, *, hidden: int = 2048, inter: int = 5632, kv: int = 512, vocab: int = 8192,
+                 layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """A Llama-shaped model of at least ``mib`` MiB of bf16 (or of ``layers`` layers): an
+    embedding and its layers (q, k, v, o, gate, up, down and two norms each)."""
+    layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (kv, hidden),
+             "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, hidden),
+             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+             "mlp.down_proj.weight": (hidden, inter), "input_layernorm.weight": (hidden,),
+             "post_attention_layernorm.weight": (hidden,)}
+    out = {"embed_tokens.weight": (vocab, hidden)}
+    per = sum(math.prod(s) for s in layer.values()) * 2
+    if layers is None:
+        layers = max(1, -(-(mib * MiB - vocab * hidden * 2) // per))
+    for i in range(layers):
+        out.update({f"layers.{i}.{k}": s for k, s in layer.items()})
+    out["norm.weight"] = (hidden,)
+    return out
+
+
+def _targets(names: Any, rank: int) -> dict:
+    from memsem.sync import tp_targets
+
+    return tp_targets(names, degree=TP, rank=rank, **TP_RULES)
+
+
+def _slices(full: dict, targets: dict) -> dict:
+    """The targets cut from whole tensors with torch (the baselines' slicing)."""
+    import torch
+
+    out = {}
+    for n, t in targets.items():
+        parts = [full[s] if t.dim is None else torch.chunk(full[s], t.degree, dim=t.dim)[t.rank] for s in t.sources]
+        out[n] = torch.cat(parts, dim=t.cat_dim).contiguous() if len(parts) > 1 else parts[0].contiguous()
+    return out
+
+
+# -- the processes ---------------------------------------------------------------------------------
+def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEMSEM_JOB=job)
+    import torch
+    import torch.distributed as dist
+
+    import memsem
+    from memsem.sync import Shard, local_box, lookup_sharded, publish_sharded
+
+    world = TRAINERS + REPLICAS * TP
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tg = dist.new_group(list(range(TRAINERS)))
+    trainer = rank < TRAINERS
+    try:
+        with memsem.Runtime(timeout=300) as rt:
+            if trainer:
+                from torch.distributed.device_mesh import DeviceMesh
+                from torch.distributed.tensor import DTensor
+                from torch.distributed.tensor import Shard as TShard
+
+                mesh = DeviceMesh.from_group(tg, "cpu")
+                boxes = {n: local_box(s, (TRAINERS,), (rank,), [Shard(0)]) for n, s in shapes.items()}
+                local = {n: torch.full(b[1], 1.0, dtype=torch.bfloat16) for n, b in boxes.items()}
+                pub = publish_sharded(rt, local, name="bench", rank=rank, world_size=TRAINERS,
+                                      placements={n: [Shard(0)] for n in shapes}, global_shapes=shapes)
+                full_ref = None
+                if rank == 0:
+                    full_ref = rt.publish_state_dict({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
+                                                     name="bench-full")
+            else:
+                r = rank - TRAINERS
+                sd = lookup_sharded(rt, "bench", timeout=300)
+                targets = _targets(sd.names, r % TP)
+                reader = sd.reader(targets, reader=r // TP)
+                into = reader.empty()
+                full_ref = rt.lookup_state_dict("bench-full", timeout=300)
+                full_into = full_ref.empty_like()
+            conn.send({"ready": True, "targets_bytes": None if trainer else reader.plan.target_bytes(),
+                       "plan_runs": None if trainer else reader.plan.n_runs})
+            while True:
+                cmd = conn.recv()
+                op = cmd["op"]
+                if op == "exit":
+                    break
+                step = cmd.get("step", 0)
+                t0 = time.perf_counter()
+                out: dict[str, Any] = {}
+                if op == "commit":
+                    for t in local.values():
+                        t.fill_(float(step))
+                    t1 = time.perf_counter()
+                    out["version"] = pub.update(local)
+                    out["update_s"] = time.perf_counter() - t1
+                    out["blocked_s"] = pub.blocked_s
+                elif op == "load":
+                    before = reader.bytes_moved
+                    out["version"] = reader.load(into, version=step)
+                    out["bytes"] = reader.bytes_moved - before
+                elif op == "gather":
+                    full = {}
+                    for n, t in local.items():
+                        parts = [torch.empty_like(t) for _ in range(TRAINERS)] if rank == 0 else None
+                        dist.gather(t, parts, dst=0, group=tg)
+                        if rank == 0:
+                            full[n] = torch.cat(parts)
+                    if rank == 0:
+                        out["version"] = full_ref.update(full)
+                elif op == "load_full":
+                    out["version"] = full_ref.load(full_into)
+                    for n, t in _slices(full_into, targets).items():
+                        into[n].copy_(t)
+                elif op == "dtensor":
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if trainer:
+                        full = {n: DTensor.from_local(t, mesh, [TShard(0)], run_check=False, shape=torch.Size(shapes[n]),
+                                                      stride=torch.empty(shapes[n], device="meta").stride()).full_tensor()
+                                for n, t in local.items()}
+                        names = list(full)
+                        for n, t in _slices(full, _targets(names, rank % TP)).items():
+                            dist.send(t, dst=TRAINERS + rank)
+                    else:
+                        for n in reader.plan.names:
+                            dist.recv(into[n], src=r)
+                out["s"] = time.perf_counter() - t0
+                conn.send(out)
+            if trainer:
+                pub.close()
+                if full_ref is not None:
+                    rt.core.unpublish_spec(full_ref.spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (gloo's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_ms_1000_tensors(repeat: int = 3) -> tuple[float, int]:
+    """Milliseconds to plan a 1,000-tensor model (111 Llama layers of hidden 1024 over 4 ranks,
+    ``Shard(0)``) for one TP-2 rank, best of ``repeat``; and the plan's runs."""
+    from memsem.sync import Shard, ShardedLayout, plan_reshard
+
+    shapes = model_shapes(0, hidden=1024, inter=2816, kv=256, vocab=1024, layers=111)
+    names = list(shapes)[:1000]
+    layout = ShardedLayout.synthetic({n: (shapes[n], "bfloat16") for n in names}, (TRAINERS,),
+                                     {n: [Shard(0)] for n in names})
+    targets = _targets(names, 1)
+    best, runs = float("inf"), 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        plan = plan_reshard(layout, targets, reader=1)
+        best = min(best, time.perf_counter() - t0)
+        runs = plan.n_runs
+    return best * 1e3, runs
+
+
+def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str, Any]:
+    """Run the three paths ``rounds`` times over the same 8 processes; the keys (module docstring)."""
+    import secrets
+
+    say = log or (lambda s: None)
+    shapes = model_shapes(model_mib) if model_mib >= 64 else model_shapes(
+        model_mib, hidden=256, inter=704, kv=64, vocab=512)
+    model_bytes = sum(math.prod(s) for s in shapes.values()) * 2
+    port, job = free_port(), f"bench-reshard-{os.getpid()}-{secrets.token_hex(3)}"
+    world = TRAINERS + REPLICAS * TP
+    pipes, procs = [], []
+    for r in range(world):
+        a, b = _CTX.Pipe()
+        p = _CTX.Process(target=_worker, args=(b, r, port, job, shapes), daemon=True)
+        p.start()
+        b.close()
+        pipes.append(a)
+        procs.append(p)
+
+    def recv(i: int, timeout: float = 600.0) -> dict:
+        if not pipes[i].poll(timeout):
+            raise RuntimeError(f"bench process {i} sent nothing for {timeout} s (exit code {procs[i].exitcode})")
+        return pipes[i].recv()
+
+    def run(ranks: range, op: str, step: int = 0) -> tuple[float, list[dict]]:
+        t0 = time.perf_counter()
+        for i in ranks:
+            pipes[i].send({"op": op, "step": step})
+        outs = [recv(i) for i in ranks]
+        return time.perf_counter() - t0, outs
+
+    trainers, rollouts = range(TRAINERS), range(TRAINERS, world)
+    try:
+        for i in trainers:
+            recv(i)
+        ready = [recv(i) for i in rollouts]
+        held = sum(x["targets_bytes"] for x in ready)
+        say(f"reshard bench: {model_bytes / MiB:.0f} MiB model, {len(shapes)} tensors, {TRAINERS} trainer ranks -> "
+            f"{REPLICAS} x TP{TP}; rollouts hold {held / MiB:.0f} MiB in {sum(x['plan_runs'] for x in ready)} runs")
+        step = 1
+        rs, gb, dt, blocked, moved, commit = [], [], [], [], [], []
+        for rnd in range(rounds):
+            step += 1
+            _, outs = run(trainers, "commit", step)
+            commit.append(max(o["update_s"] for o in outs))
+            w, outs = run(rollouts, "load", step)
+            if any(o["version"] != step for o in outs):
+                raise RuntimeError(f"a rollout loaded version {[o['version'] for o in outs]}, not {step}")
+            rs.append(w)
+            moved.append(sum(o["bytes"] for o in outs) / held)
+            # the trainer commits the next version while the rollouts load this one again
+            for i in rollouts:
+                pipes[i].send({"op": "load", "step": step})
+            _, touts = run(trainers, "commit", step + 1)
+            for i in rollouts:
+                recv(i)
+            blocked.append(max(o["blocked_s"] for o in touts))
+            step += 1
+            g, _ = run(trainers, "gather", step)
+            lf, _ = run(rollouts, "load_full", step)
+            gb.append(g + lf)
+            d, _ = run(range(world), "dtensor", step)
+            dt.append(d)
+            say(f"round {rnd + 1}/{rounds}: reshard {rs[-1] * 1e3:.0f} ms, gather+broadcast {gb[-1] * 1e3:.0f} ms, "
+                f"DTensor full_tensor+send {dt[-1] * 1e3:.0f} ms, trainer blocked {blocked[-1] * 1e3:.3f} ms")
+        for i in range(world):
+            pipes[i].send({"op": "exit"})
+    finally:
+        for p in procs:
+            p.join(60)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    plan_ms, plan_runs = plan_ms_1000_tensors()
+    out: dict[str, Any] = {
+        "reshard_bytes_moved_ratio": round(statistics.median(moved), 4),
+        **M.ratio_of_rounds(gb, rs).keys("reshard_vs_gather_broadcast"),
+        **M.ratio_of_rounds(dt, rs).keys("reshard_vs_dtensor_redistribute"),
+        "reshard_plan_ms_1000_tensors": round(plan_ms, 2),
+        "reshard_trainer_blocked_ms": round(statistics.median(blocked) * 1e3, 3),
+        "reshard_s": round(statistics.median(rs), 4),
+        "gather_broadcast_s": round(statistics.median(gb), 4),
+        "dtensor_redistribute_s": round(statistics.median(dt), 4),
+        "reshard_trainer_commit_ms": round(statistics.median(commit) * 1e3, 2),
+        "reshard_model_MiB": round(model_bytes / MiB, 1),
+        "reshard_rollout_held_MiB": round(held / MiB, 1),
+        "reshard_plan_runs_1000_tensors": plan_runs,
+        "reshard_rounds": rounds,
+    }
+    return out
+
+
+def run_reshard(args: Any) -> int:
+    """``memsem bench --reshard``: the table, and with ``--json`` the keys as the last line."""
+    smoke = M.smoke()
+    mib = int(os.environ.get("MEMSEM_RESHARD_MODEL_MIB", "8" if smoke else "256"))
+    rounds = 1 if smoke else 2 if getattr(args, "quick", False) else 5
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    f = figures(mib, rounds, log)
+    out = getattr(args, "out", None)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "reshard.json"), "w") as fh:
+            json.dump(f, fh, indent=1)
+    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
+    for k, goal in GOALS.items():
+        print(f"{k:<36} {f.get(k)!s:>10}   goal {goal}", file=stream)
+    for k in ("reshard_s", "gather_broadcast_s", "dtensor_redistribute_s", "reshard_trainer_commit_ms"):
+        print(f"{k:<36} {f.get(k)!s:>10}", file=stream)
+    if getattr(args, "json", False):
+        print(json.dumps(f))
+    return 0
+
+
+__all__ = ["GOALS", "figures", "free_port", "model_shapes", "plan_ms_1000_tensors", "run_reshard"]

@@ -1,0 +1,52 @@
+"""Trainer ranks of tests/test_reshard.py that need no torch (a spawned child imports this module,
+not the test module, so it starts without importing torch)."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import numpy as np
+
+import memsem
+from memsem.sync import Shard, local_box, publish_sharded
+
+G = (9, 4)  # 9 rows over 2 ranks: 5 and 4
+
+
+def values(version: int) -> np.ndarray:
+    return (np.arange(math.prod(G), dtype=np.float32).reshape(G) + 1000 * version)
+
+
+def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
+    """Rank ``rank`` of 2, ``Shard(0)`` of a (9, 4) float32 tensor whose version v holds
+    ``values(v)``. ``steps``: commit that many versions in lockstep (the barrier stands for the
+    training step's collective), as fast as it can; else follow the parent's commands."""
+    off, size = local_box(G, (2,), (rank,), [Shard(0)])
+    o, n = off[0], size[0]
+    with memsem.Runtime(timeout=30) as rt:
+        pub = publish_sharded(rt, {"w": values(1)[o:o + n].copy(), "b": np.ones(3, np.int64)}, name=name, rank=rank,
+                              world_size=2, placements={"w": [Shard(0)]}, global_shapes={"w": G})
+        conn.send("published")
+        if steps:
+            for v in range(2, steps + 1):
+                barrier.wait(30)
+                assert pub.update({"w": values(v)[o:o + n], "b": np.full(3, v, np.int64)}) == v
+            conn.send("done")
+            conn.recv()
+            return
+        while True:
+            cmd = conn.recv()
+            if cmd == "commit":
+                conn.send(pub.update({"w": values(pub.version() + 1)[o:o + n], "b": np.ones(3, np.int64)}))
+            elif cmd == "die mid-commit":
+                sec = pub.write_section()
+                sec.tensors["w"][:] = -1.0  # half-written: never committed
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                return
+
+
+def np_trainer_on_node(conn, rank: int, name: str, node: str) -> None:
+    os.environ.update(MEMSEM_NODE_ID=node, MEMSEM_ENGINES="loopback,host,tcp")
+    np_trainer(conn, rank, name, None, 0)
