@@ -333,3 +333,18 @@ def test_versions_followed_by_name_in_other_processes(rt):
 def test_lookup_of_an_unknown_name(rt):
     with pytest.raises(memsem.WindowNotFoundError):
         rt.lookup("nope")
+
+
+def test_a_gather_counts_the_bytes_of_its_ranges_not_the_window():
+    """``stats().bytes_by_route`` of a multi-range read is what the ranges moved (a reshard
+    reader's partial reads are measured by it)."""
+    with memsem.Runtime() as owner, memsem.Runtime() as reader:
+        ref = owner.publish(np.arange(1 << 16, dtype=np.uint8), name="g", slots=2)
+        spec = reader.lookup("g").spec
+        dst = np.zeros(300, np.uint8)
+        before = sum(reader.stats().bytes_by_route.values())
+        ranges = [(0, 100, dst.ctypes.data), (1000, 200, dst.ctypes.data + 100)]
+        assert reader.core.gather(spec, ranges, keep=dst) == 1
+        assert sum(reader.stats().bytes_by_route.values()) - before == 300
+        assert (dst[:100] == np.arange(100)).all() and (dst[100:] == (np.arange(1000, 1200) % 256)).all()
+        del ref

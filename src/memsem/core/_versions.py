@@ -297,8 +297,9 @@ class Versions:
                 if closed.status in (Status.GEN_AFTER, Status.GEN_BEFORE):
                     raise failure(closed, r, spec, lease=lease, version=version) from None
                 raise exc
-            return b.close()
+            return b.close(moved=moved)  # the telemetry counts the ranges' bytes, not the window's
 
+        moved = sum(n for _off, n, _addr in ranges)
         return self._core.transfers.run(spec, res, attempt, lease=lease, version=version)
 
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
