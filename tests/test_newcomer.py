@@ -76,6 +76,11 @@ def test_the_same_runtime_republishing_a_name_needs_replace(rt):
     assert sd.version() == 1
     rt.unpublish("w")
     rt.publish(np.zeros(2, np.uint8), name="w")  # unpublished first: free again
+    rt.publish_fields({"x": np.zeros((4, 2), np.float32)}, name="batch")
+    with pytest.raises(memsem.NameHeldError, match="batch/x"):
+        rt.publish_fields({"x": np.zeros((4, 2), np.float32)}, name="batch")
+    fs = rt.publish_fields({"x": np.ones((4, 2), np.float32)}, name="batch", replace=True)  # each step's batch
+    assert (fs["x"].get() == 1).all()
 
 
 # -- lockstep: the writer waits until its readers hold version v -------------------------------------

@@ -524,12 +524,13 @@ class Runtime:
         return wait_loaded(self._core, source, version, readers=readers, n=n, timeout=timeout)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
-                       name: str | None = None, access: str = "rw"):
+                       name: str | None = None, access: str = "rw", replace: bool = False):
         """Publish a batch of named fields (an RL sample batch) as a FieldSet.
 
-        See :meth:`memsem.refs.FieldSet.publish`.
+        See :meth:`memsem.refs.FieldSet.publish` (``replace=True`` to publish a set of a name
+        again).
         """
-        return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access)
+        return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access, replace=replace)
 
 
 RuntimeCore.facade_type = Runtime

@@ -165,7 +165,7 @@ class Owner:
             return {"sections": self.sections}
         if op == "republish":
             name = cmd["name"]
-            ref = rt.publish(self.arrays[name], name=name, tile_bytes=cmd.get("tile_bytes"))
+            ref = rt.publish(self.arrays[name], name=name, tile_bytes=cmd.get("tile_bytes"), replace=True)
             self.wins[name] = ref
             return {"ref": ref.to_bytes().hex()}
         if op == "unpublish":

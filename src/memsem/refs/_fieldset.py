@@ -63,7 +63,7 @@ class FieldSet(Mapping[str, FieldRef]):
     @classmethod
     def publish(cls, runtime: RuntimeCore, fields: Mapping[str, Any], *,
                 tile_rows: int | Mapping[str, int] | None = None, name: str | None = None,
-                access: str = "rw") -> "FieldSet":
+                access: str = "rw", replace: bool = False) -> "FieldSet":
         """Publish ``fields`` as one window each, with one ready word per ``tile_rows`` rows.
 
         Args:
@@ -78,9 +78,13 @@ class FieldSet(Mapping[str, FieldRef]):
             name: the set's name (default a random ``fields-xxxxxxxx``); window names are
                 ``"<name>/<field>"``, so two sets in one runtime need different names.
             access: "rw" (default: producers put rows) or "r".
+            replace: take the fields' names over (``memsem.Runtime.publish``'s ``replace``):
+                needed to publish a set of the same name again, also from the same runtime
+                (each step's batch under one name); the old set's refs become stale.
 
         Raises:
             ValueError / TypeError: empty fields, bad names, 0-d values, bad tile_rows.
+            NameHeldError: a field's window name is held (this runtime included), not ``replace``.
         """
         runtime = as_core(runtime)
         if runtime is None:
@@ -114,7 +118,8 @@ class FieldSet(Mapping[str, FieldRef]):
                                      maximum=(1 << 32) - 1, unit="rows")
                 sc = FieldSchema(fname, info.dtype_code, tuple(info.shape), tr)
                 tiling = {"tile_bytes": sc.tile_bytes} if sc.tile_bytes else {"tiles": 1}
-                spec = runtime.publish_spec(obj, name=f"{set_name}/{fname}", access=access, **tiling)
+                spec = runtime.publish_spec(obj, name=f"{set_name}/{fname}", access=access, replace=replace,
+                                            **tiling)
                 refs.append(FieldRef(spec, runtime, field=fname, tile_rows=tr))
                 if isinstance(obj, np.ndarray):
                     local[fname] = obj
