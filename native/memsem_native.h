@@ -260,7 +260,14 @@ uint64_t memsem_monotonic_ns(void);
  * memsem_pipe_wait return MEMSEM_PIPE_LATE; memsem_pipe_take_over then ends the run (the worker
  * finishes the copy in progress, hands that tile over and claims no other) and says whether the
  * tile is the caller's to copy (into memory the worker does not write: its slot is the worker's
- * until the run ended). */
+ * until the run ended).
+ *
+ * A worker never shares the caller's CPU when another is allowed: before each tile, a worker
+ * that finds itself on the CPU the caller last ran on narrows its own affinity to the CPUs it
+ * started with but that one (cpu_moves counts it). On one CPU the two would only take turns:
+ * the caller computes without sleeping, so the worker would run only when the caller's slice
+ * ends, late, and every tile would be the caller's. Neither side spins for the other while
+ * they share a CPU. */
 #define MEMSEM_PIPE_TIMEOUT 32    /* a ready word was not set in time (value: its window tile) */
 #define MEMSEM_PIPE_PEER_LOST 33  /* the owner's pidfd says it exited while the worker waited */
 #define MEMSEM_PIPE_STOPPED 34    /* (internal) stop was asked while the worker waited */
@@ -308,7 +315,9 @@ typedef struct memsem_pipe {
     uint32_t state;             /* MEMSEM_PIPE_FREE / QUEUED / RUNNING (futex: join sleeps on it) */
     uint32_t claim;             /* the next tile nobody started copying (compare-and-swap) */
     uint32_t active;            /* tile + 1 of the tile the worker is copying now, or 0 */
-    uint32_t pad_;
+    int32_t caller_cpu;         /* the CPU the caller last ran on (submit, wait, release); -1: unknown */
+    int32_t worker_cpu;         /* the CPU the worker last ran on (each tile); -1: unknown */
+    uint32_t cpu_moves;         /* times the worker left the caller's CPU (see memsem_pipe.c) */
     uint64_t active_since;      /* CLOCK_MONOTONIC ns that copy began */
 
     uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
@@ -328,8 +337,8 @@ memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers);
  * (signals blocked) when none is free. 0, -EAGAIN (the pool's lock is held: nothing queued, the
  * caller moves tiles itself and may submit later; never waited for), -EBUSY (p has a run not yet
  * joined), -EINVAL (bad geometry), -ESHUTDOWN (the pool or p is shut down) or -errno of
- * pthread_create (then no worker exists at all: the caller moves the tiles itself). Workers run
- * under SCHED_BATCH: waking one never preempts the caller. */
+ * pthread_create (then no worker exists at all: the caller moves the tiles itself). Records the
+ * caller's CPU: a worker leaves it (see above). */
 int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p);
 /* Stop every worker (they end after the copy in progress: stop each pipe first) and join them,
  * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the pool must then never
