@@ -279,7 +279,7 @@ uint64_t memsem_monotonic_ns(void);
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
 #define MEMSEM_PIPE_SLOT_SPIN_NS 200000 /* a worker spins this long for a slot before sleeping */
 #define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
-#define MEMSEM_PIPE_PATIENCE_X 3        /* patience: at most this many times the fastest tile copy ... */
+#define MEMSEM_PIPE_PATIENCE_X 2        /* patience: at most this many times the fastest tile copy ... */
 #define MEMSEM_PIPE_PATIENCE_MIN_NS 100000  /* ... and at least this long */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
@@ -361,7 +361,8 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
 /* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
  * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
  * it: it copies the tile itself); MEMSEM_PIPE_LATE when the worker has been copying it for more
- * than patience_ns (0: wait however long it takes), or, once the worker copied a tile of this
+ * than patience_ns (0: wait however long it takes; with patience, a copy in progress on another
+ * CPU is spun for, not slept on), or, once the worker copied a tile of this
  * pipe, for more than MEMSEM_PIPE_PATIENCE_X times its fastest (at least
  * MEMSEM_PIPE_PATIENCE_MIN_NS) when that is shorter; MEMSEM_PIPE_WAITING when not finished in
  * time; MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for
