@@ -263,8 +263,9 @@ uint64_t memsem_monotonic_ns(void);
  * until the run ended).
  *
  * A worker never shares the caller's CPU when another is allowed: before each tile, a worker
- * that finds itself on the CPU the caller last ran on narrows its own affinity to the CPUs it
- * started with but that one (cpu_moves counts it). On one CPU the two would only take turns:
+ * that finds itself on the CPU the caller last ran on moves itself off it (narrows its own
+ * affinity to the CPUs it started with but that one, which migrates it, then widens it again:
+ * it is held to no CPU; cpu_moves counts the moves). On one CPU the two would only take turns:
  * the caller computes without sleeping, so the worker would run only when the caller's slice
  * ends, late, and every tile would be the caller's. Neither side spins for the other while
  * they share a CPU. */

@@ -16,8 +16,8 @@
  * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
  *
  * The caller never waits on a worker the scheduler does not run (a loaded machine): a worker
- * leaves the caller's CPU (its own affinity narrowed to the others it may use: on one CPU the
- * caller, which computes without sleeping, would starve it), a submit that finds the pool's lock
+ * moves itself off the caller's CPU (on one CPU the caller, which computes without sleeping,
+ * would starve it), a submit that finds the pool's lock
  * held returns -EAGAIN instead of waiting, a copy far past its modelled time is taken over
  * (memsem_pipe_take_over), and the Python side's close stops a run without joining it (it keeps
  * the memory until a later join finds the run ended).
@@ -73,7 +73,8 @@ static inline int stopped(memsem_pipe *p) {
  * (the caller's futex wakes pull it back), the caller moved 13-14 of 16 tiles itself and the
  * pipeline ran 10-25% slower than get-then-compute; with the worker on the other CPU it moved
  * 10-12 of 16 even on that loaded machine. Affinity is the one way to keep the scheduler from
- * placing them together; the worker only narrows its own, to the CPUs it started with. */
+ * placing them together; the worker only moves itself (narrows its own affinity to the CPUs it
+ * started with but the caller's, which migrates it at once, then widens it again). */
 static __thread cpu_set_t w_allowed;  /* the CPUs this worker started with */
 static __thread int w_ncpu;          /* how many (< 2: it never moves) */
 
@@ -92,6 +93,11 @@ static void avoid_caller(memsem_pipe *p) {
         if (sched_setaffinity(0, sizeof s, &s) == 0) {  /* migrates this thread before it returns */
             __atomic_fetch_add(&p->cpu_moves, 1, __ATOMIC_RELAXED);
             me = sched_getcpu();
+            /* Then every CPU again: a worker held to the other CPU would wait there behind any
+             * other process's thread while the caller's CPU idles (measured: a worker held to
+             * a CPU another job kept busy was descheduled mid-copy for 1-4 ms, tile after tile;
+             * the caller took 13-16 of 16 tiles over). The thread stays where it was moved. */
+            sched_setaffinity(0, sizeof w_allowed, &w_allowed);
         }
     }
     __atomic_store_n(&p->worker_cpu, me, __ATOMIC_RELAXED);

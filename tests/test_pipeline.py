@@ -921,8 +921,8 @@ def _mover_tids() -> set[int]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a worker has no other to go to")
 def test_a_worker_on_the_callers_cpu_leaves_it():
     """Forced: the caller and the pool's worker pinned to one CPU. Before its first tile the
-    worker narrows its own affinity to the CPUs it started with but the caller's (counted in
-    cpu_moves); a later run, the worker elsewhere already, moves nothing."""
+    worker moves itself off the caller's CPU (counted in cpu_moves) and is then allowed every
+    CPU it started with again; before every tile it is off the caller's CPU."""
     lib = memsem.native.lib
     allowed = os.sched_getaffinity(0)
     cpu = min(allowed)
@@ -971,9 +971,9 @@ def test_a_worker_on_the_callers_cpu_leaves_it():
             if "error" in got:
                 raise got["error"]
             (moves1, cpu1), (moves2, cpu2) = got["runs"]
-            assert (moves1, moves2) == (1, 0)
+            assert moves1 >= 1  # the scheduler may bring it back later: it moves again then
             assert cpu1 != cpu and cpu2 != cpu
-            assert os.sched_getaffinity(tid) == allowed - {cpu}
+            assert os.sched_getaffinity(tid) == allowed  # held to no CPU
         finally:
             pool.close()
 
@@ -981,7 +981,8 @@ def test_a_worker_on_the_callers_cpu_leaves_it():
 def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
     """Forced order: the worker's copy of tile 2 is declared late. The caller copies it into a
     spare slot (not the slot the worker writes), ends the worker's run, copies the tiles after it
-    itself until that run has ended, then hands the rest to a new run; every byte is right."""
+    itself until that run has ended and for 2**1 tiles more (its first take-over), then copies
+    tile 5 while a new run starts at tile 6; every byte is right."""
     data = pattern(16 * 65536, 5)
     real_wait = _movers.NativeMover.wait
     calls = {"late": 0}
@@ -1017,7 +1018,8 @@ def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
             mover = p._handoff.mover
         assert np.array_equal(np.concatenate(got), data)
         assert calls["late"] == 1 and st.late_tiles == 1
-        assert starts == [1, 3] and st.mover == "native"  # a new run from the tile after the late one
+        assert starts == [1, 6] and st.mover == "native"  # tiles 3, 4 backed off, 5 the caller's
+        assert st.caller_tiles >= 5  # tiles 0, 2 (late), 3, 4, 5 (and any the worker had not started)
         end = time.monotonic() + 20  # a bound on the wait for the last run to end
         while mover.running() and time.monotonic() < end:
             time.sleep(0.001)
