@@ -280,7 +280,7 @@ uint64_t memsem_monotonic_ns(void);
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
 #define MEMSEM_PIPE_SLOT_SPIN_NS 200000 /* a worker spins this long for a slot before sleeping */
 #define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
-#define MEMSEM_PIPE_PATIENCE_X 2        /* patience: at most this many times the fastest tile copy ... */
+#define MEMSEM_PIPE_PATIENCE_X 3        /* patience: at most this many times the worker's mean tile copy ... */
 #define MEMSEM_PIPE_PATIENCE_MIN_NS 100000  /* ... and at least this long */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
@@ -321,7 +321,6 @@ typedef struct memsem_pipe {
     int32_t caller_cpu;         /* the CPU the caller last ran on (submit, wait, release); -1: unknown */
     int32_t worker_cpu;         /* the CPU the worker last ran on (each tile); -1: unknown */
     uint32_t cpu_moves;         /* times the worker left the caller's CPU (see memsem_pipe.c) */
-    uint64_t min_move_ns;       /* the worker's fastest tile copy of this pipe so far; 0: none yet */
     uint64_t active_since;      /* CLOCK_MONOTONIC ns that copy began */
 
     uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
@@ -364,7 +363,7 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
  * it: it copies the tile itself); MEMSEM_PIPE_LATE when the worker has been copying it for more
  * than patience_ns (0: wait however long it takes; with patience, a copy in progress on another
  * CPU is spun for, not slept on), or, once the worker copied a tile of this
- * pipe, for more than MEMSEM_PIPE_PATIENCE_X times its fastest (at least
+ * pipe, for more than MEMSEM_PIPE_PATIENCE_X times its mean copy (at least
  * MEMSEM_PIPE_PATIENCE_MIN_NS) when that is shorter; MEMSEM_PIPE_WAITING when not finished in
  * time; MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for
  * tiles in order, each once all earlier ones were handed to it. */

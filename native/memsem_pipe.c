@@ -244,9 +244,6 @@ static void run(memsem_pipe *p) {
         uint64_t t2 = ms_now_ns();
         __atomic_fetch_add(&p->move_ns, t2 - t1, __ATOMIC_RELAXED);
         if ((rc & MEMSEM_RC_STATUS_MASK) == MEMSEM_OK) {
-            uint64_t fastest = __atomic_load_n(&p->min_move_ns, __ATOMIC_RELAXED);
-            if (n == p->tile_bytes && (fastest == 0 || t2 - t1 < fastest))
-                __atomic_store_n(&p->min_move_ns, t2 - t1 ? t2 - t1 : 1, __ATOMIC_RELAXED);
             __atomic_fetch_add(&p->bytes_moved, n, __ATOMIC_RELAXED);
             __atomic_fetch_add(&p->tiles_moved, 1, __ATOMIC_RELAXED);
         }
@@ -521,11 +518,14 @@ static int late(memsem_pipe *p, uint32_t tile, uint64_t patience_ns, uint64_t no
     *left = RECHECK_NS;
     if (!patience_ns || __atomic_load_n(&p->active, __ATOMIC_SEQ_CST) != tile + 1) return 0;
     /* The route's model may be far slower than this machine (4 MiB over host/cma: 0.7 ms
-     * modelled, 0.17-0.2 ms measured): waiting five moves for a descheduled worker before the
-     * caller copies the tile itself cost more than the copy. */
-    uint64_t fastest = __atomic_load_n(&p->min_move_ns, __ATOMIC_RELAXED);
-    if (fastest) {
-        uint64_t measured = MEMSEM_PIPE_PATIENCE_X * fastest;
+     * modelled, 0.17-0.3 ms measured): waiting five moves for a descheduled worker before the
+     * caller copies the tile itself cost more than the copy. The mean of the worker's copies,
+     * not the fastest: copies slowed by other jobs' memory traffic are not late (measured: with
+     * twice the fastest, 1-2 of 16 tiles per pipeline were taken over from a running worker and
+     * copied twice). */
+    uint64_t copies = __atomic_load_n(&p->tiles_moved, __ATOMIC_RELAXED);
+    if (copies) {
+        uint64_t measured = MEMSEM_PIPE_PATIENCE_X * (__atomic_load_n(&p->move_ns, __ATOMIC_RELAXED) / copies);
         if (measured < MEMSEM_PIPE_PATIENCE_MIN_NS) measured = MEMSEM_PIPE_PATIENCE_MIN_NS;
         if (measured < patience_ns) patience_ns = measured;
     }
