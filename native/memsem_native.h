@@ -361,8 +361,7 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
 /* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
  * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
  * it: it copies the tile itself); MEMSEM_PIPE_LATE when the worker has been copying it for more
- * than patience_ns (0: wait however long it takes; with patience, a copy in progress on another
- * CPU is spun for, not slept on), or, once the worker copied a tile of this
+ * than patience_ns (0: wait however long it takes), or, once the worker copied a tile of this
  * pipe, for more than MEMSEM_PIPE_PATIENCE_X times its mean copy (at least
  * MEMSEM_PIPE_PATIENCE_MIN_NS) when that is shorter; MEMSEM_PIPE_WAITING when not finished in
  * time; MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for

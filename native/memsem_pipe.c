@@ -567,13 +567,6 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
                 __atomic_store_n(&p->caller_waiting, 0, __ATOMIC_SEQ_CST);
                 return MEMSEM_PIPE_WAITING;
             }
-            /* The worker is copying this very tile on another CPU: it lands within the patience
-             * or is taken over then. Spin: a caller that sleeps on a loaded machine waits for a
-             * CPU again after the wake (milliseconds), longer than any copy it waited for. */
-            if (patience_ns && __atomic_load_n(&p->active, __ATOMIC_ACQUIRE) == tile + 1 && !shared_cpu(p)) {
-                for (int k = 0; k < 64; k++) cpu_relax();
-                continue;
-            }
             uint64_t ns = deadline - t;
             if (patience_ns && left < ns) ns = left;
             ms_futex_wait(&p->done, d, ns, PRIVATE);
