@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  64 B get        {c['get_64B_us']:8.2f} us   np.copyto {c['copyto_64B_us']:6.2f} us   "
               f"ratio {g.value:5.2f}x (rounds p10..p90 {g.p10:.2f}..{g.p90:.2f})   goal <= 2 us: "
               f"{'met' if c['get_64B_us'] <= 2 else 'NOT met'}")
+        t = c["get_64B_p99_vs_copyto_p99"]
+        print(f"  64 B tails      get p99 {c['get_64B_p99_us']:.2f} p999 {c['get_64B_p999_us']:.2f} us   np.copyto p99 "
+              f"{c['copyto_64B_p99_us']:.2f} p999 {c['copyto_64B_p999_us']:.2f} us   p99 ratio {t.value:5.2f}x "
+              f"(rounds p10..p90 {t.p10:.2f}..{t.p90:.2f})   goal <= 2: {'met' if t.value <= 2 else 'NOT met'}")
         print(f"  64 MiB get      {c['get_64MiB_GBps']:8.2f} GB/s np.copyto {c['copyto_64MiB_GBps']:6.2f} GB/s "
               f"ratio {r.value:5.2f}x (p10..p90 {r.p10:.2f}..{r.p90:.2f})   goal >= 0.9x: "
               f"{'met' if r.value >= 0.9 else 'NOT met'}")

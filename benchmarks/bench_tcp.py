@@ -68,6 +68,10 @@ def main() -> None:
         if f.get("tcp_get_64B_us_one_core") is not None:
             print(f"{'':9} one CPU: {f['tcp_get_64B_us_one_core']:.1f} us against {f['socket_rtt_64B_us_one_core']:.1f} "
                   f"us, {rs(f, 'tcp_get_64B_vs_socket_one_core')} ({f['tcp_placement']} in the main run)")
+        if f.get("tcp_get_64B_p99_us") is not None:
+            print(f"{'':9} tails, every call of the 64 B rounds: get p99 {f['tcp_get_64B_p99_us']:.1f} p999 "
+                  f"{f['tcp_get_64B_p999_us']:.1f} us, socket p99 {f['socket_rtt_64B_p99_us']:.1f} p999 "
+                  f"{f['socket_rtt_64B_p999_us']:.1f} us; p99 / p99 {rs(f, 'tcp_get_64B_p99_vs_socket_p99')}")
     print("ratios: medians of per-round ratios, both sides interleaved; 'lo': the same plain socket on the "
           "consumer's own loopback (veth runs)")
     for key, goal in B.GOALS.items():

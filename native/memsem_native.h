@@ -260,7 +260,15 @@ uint64_t memsem_monotonic_ns(void);
  * memsem_pipe_wait return MEMSEM_PIPE_LATE; memsem_pipe_take_over then ends the run (the worker
  * finishes the copy in progress, hands that tile over and claims no other) and says whether the
  * tile is the caller's to copy (into memory the worker does not write: its slot is the worker's
- * until the run ended). */
+ * until the run ended).
+ *
+ * A worker never shares the caller's CPU when another is allowed: before each tile, a worker
+ * that finds itself on the CPU the caller last ran on moves itself off it (narrows its own
+ * affinity to the CPUs it started with but that one, which migrates it, then widens it again:
+ * it is held to no CPU; cpu_moves counts the moves). On one CPU the two would only take turns:
+ * the caller computes without sleeping, so the worker would run only when the caller's slice
+ * ends, late, and every tile would be the caller's. Neither side spins for the other while
+ * they share a CPU. */
 #define MEMSEM_PIPE_TIMEOUT 32    /* a ready word was not set in time (value: its window tile) */
 #define MEMSEM_PIPE_PEER_LOST 33  /* the owner's pidfd says it exited while the worker waited */
 #define MEMSEM_PIPE_STOPPED 34    /* (internal) stop was asked while the worker waited */
@@ -272,6 +280,8 @@ uint64_t memsem_monotonic_ns(void);
 #define MEMSEM_PIPE_SPIN_NS 20000       /* memsem_pipe_wait spins this long before sleeping */
 #define MEMSEM_PIPE_SLOT_SPIN_NS 200000 /* a worker spins this long for a slot before sleeping */
 #define MEMSEM_PIPE_PARK_NS 1000000000  /* a parked worker re-checks the pool's stop this often */
+#define MEMSEM_PIPE_PATIENCE_X 3        /* patience: at most this many times the worker's mean tile copy ... */
+#define MEMSEM_PIPE_PATIENCE_MIN_NS 100000  /* ... and at least this long */
 /* memsem_pipe.state */
 #define MEMSEM_PIPE_FREE 0        /* no run submitted, or the last one finished */
 #define MEMSEM_PIPE_QUEUED 1      /* submitted, no worker took it yet */
@@ -308,7 +318,9 @@ typedef struct memsem_pipe {
     uint32_t state;             /* MEMSEM_PIPE_FREE / QUEUED / RUNNING (futex: join sleeps on it) */
     uint32_t claim;             /* the next tile nobody started copying (compare-and-swap) */
     uint32_t active;            /* tile + 1 of the tile the worker is copying now, or 0 */
-    uint32_t pad_;
+    int32_t caller_cpu;         /* the CPU the caller last ran on (submit, wait, release); -1: unknown */
+    int32_t worker_cpu;         /* the CPU the worker last ran on (each tile); -1: unknown */
+    uint32_t cpu_moves;         /* times the worker left the caller's CPU (see memsem_pipe.c) */
     uint64_t active_since;      /* CLOCK_MONOTONIC ns that copy began */
 
     uint64_t sleep_addr;        /* the ready word the worker sleeps on (woken by stop), or 0 */
@@ -328,8 +340,8 @@ memsem_mover_pool *memsem_mover_pool_new(uint32_t max_workers);
  * (signals blocked) when none is free. 0, -EAGAIN (the pool's lock is held: nothing queued, the
  * caller moves tiles itself and may submit later; never waited for), -EBUSY (p has a run not yet
  * joined), -EINVAL (bad geometry), -ESHUTDOWN (the pool or p is shut down) or -errno of
- * pthread_create (then no worker exists at all: the caller moves the tiles itself). Workers run
- * under SCHED_BATCH: waking one never preempts the caller. */
+ * pthread_create (then no worker exists at all: the caller moves the tiles itself). Records the
+ * caller's CPU: a worker leaves it (see above). */
 int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p);
 /* Stop every worker (they end after the copy in progress: stop each pipe first) and join them,
  * at most timeout_s: 0, or -ETIMEDOUT (a worker is still in a copy: the pool must then never
@@ -349,7 +361,9 @@ int memsem_pipe_join(memsem_mover_pool *pool, memsem_pipe *p, double timeout_s);
 /* The result of tile (what the worker handed over), after waiting at most timeout_s (a short
  * spin, then the done futex); MEMSEM_PIPE_YOURS when nobody had started it (the caller claimed
  * it: it copies the tile itself); MEMSEM_PIPE_LATE when the worker has been copying it for more
- * than patience_ns (0: wait however long it takes); MEMSEM_PIPE_WAITING when not finished in
+ * than patience_ns (0: wait however long it takes), or, once the worker copied a tile of this
+ * pipe, for more than MEMSEM_PIPE_PATIENCE_X times its mean copy (at least
+ * MEMSEM_PIPE_PATIENCE_MIN_NS) when that is shorter; MEMSEM_PIPE_WAITING when not finished in
  * time; MEMSEM_PIPE_IDLE when the run ended without finishing it (stopped). The caller asks for
  * tiles in order, each once all earlier ones were handed to it. */
 uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint64_t patience_ns);

@@ -15,8 +15,9 @@
  * bounded slices that re-check the stop bit. The pipe's and the pool's own words use private
  * futexes: a wake after the last store touches no memory of a pipe its caller may free at once.
  *
- * The caller never waits on a worker the scheduler does not run (a loaded machine): workers run
- * under SCHED_BATCH (waking one never preempts the caller), a submit that finds the pool's lock
+ * The caller never waits on a worker the scheduler does not run (a loaded machine): a worker
+ * moves itself off the caller's CPU (on one CPU the caller, which computes without sleeping,
+ * would starve it), a submit that finds the pool's lock
  * held returns -EAGAIN instead of waiting, a copy far past its modelled time is taken over
  * (memsem_pipe_take_over), and the Python side's close stops a run without joining it (it keeps
  * the memory until a later join finds the run ended).
@@ -29,6 +30,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +67,63 @@ static inline int stopped(memsem_pipe *p) {
     return (__atomic_load_n(&p->released, __ATOMIC_ACQUIRE) & STOP_BIT) != 0;
 }
 
+/* ---- a worker off its caller's CPU ----------------------------------------------------------
+ * Measured (a 2-core VM, the bench's 16 x 4 MiB host/cma pipeline, /proc/<tid>/stat sampled at
+ * every tile): once the worker ran on the caller's CPU it stayed there pipeline after pipeline
+ * (the caller's futex wakes pull it back), the caller moved 13-14 of 16 tiles itself and the
+ * pipeline ran 10-25% slower than get-then-compute; with the worker on the other CPU it moved
+ * 10-12 of 16 even on that loaded machine. Affinity is the one way to keep the scheduler from
+ * placing them together; the worker only moves itself (narrows its own affinity to the CPUs it
+ * started with but the caller's, which migrates it at once, then widens it again). */
+static __thread cpu_set_t w_allowed;  /* the CPUs this worker started with */
+static __thread int w_ncpu;          /* how many (< 2: it never moves) */
+
+static void worker_cpus_init(void) {
+    CPU_ZERO(&w_allowed);
+    w_ncpu = sched_getaffinity(0, sizeof w_allowed, &w_allowed) == 0 ? CPU_COUNT(&w_allowed) : 0;
+}
+
+/* Before each tile: record this worker's CPU; leave the caller's when they share it. */
+static void avoid_caller(memsem_pipe *p) {
+    int me = sched_getcpu();
+    int caller = __atomic_load_n(&p->caller_cpu, __ATOMIC_RELAXED);
+    if (me >= 0 && me == caller && w_ncpu >= 2 && caller < CPU_SETSIZE && CPU_ISSET(caller, &w_allowed)) {
+        cpu_set_t s = w_allowed;
+        CPU_CLR(caller, &s);
+        if (sched_setaffinity(0, sizeof s, &s) == 0) {  /* migrates this thread before it returns */
+            __atomic_fetch_add(&p->cpu_moves, 1, __ATOMIC_RELAXED);
+            me = sched_getcpu();
+            /* Then every CPU again: a worker held to the other CPU would wait there behind any
+             * other process's thread while the caller's CPU idles (measured: a worker held to
+             * a CPU another job kept busy was descheduled mid-copy for 1-4 ms, tile after tile;
+             * the caller took 13-16 of 16 tiles over). The thread stays where it was moved. */
+            sched_setaffinity(0, sizeof w_allowed, &w_allowed);
+        }
+    }
+    __atomic_store_n(&p->worker_cpu, me, __ATOMIC_RELAXED);
+}
+
+/* Whether this worker was preempted since it last asked (its involuntary context switches
+ * grew): the machine has more runnable threads than CPUs. A spin then burns CPU time its own
+ * process (its scheduling group) needs for the caller, and the wake-up it saves is no longer
+ * the cost that matters. Measured (the overlap table, load 16 on 2 CPUs, 16 x 4 MiB): the
+ * pipeline ran at 0.80-0.96x of get-then-compute with the 200 us spin for every slot. */
+static __thread long w_nivcsw = -1;
+
+static int preempted(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) != 0) return 0;
+    long was = w_nivcsw;
+    w_nivcsw = ru.ru_nivcsw;
+    return was >= 0 && ru.ru_nivcsw != was;
+}
+
+/* Whether the caller and the worker last ran on one CPU (then neither spins for the other). */
+static inline int shared_cpu(memsem_pipe *p) {
+    int w = __atomic_load_n(&p->worker_cpu, __ATOMIC_RELAXED);
+    return w >= 0 && w == __atomic_load_n(&p->caller_cpu, __ATOMIC_RELAXED);
+}
+
 /* Wait until the caller released tile `need - 1` (released >= need). 1 when stopped. A release
  * due within MEMSEM_PIPE_SLOT_SPIN_NS is spun for: when a tile's compute takes a little longer
  * than its move (the case a double buffer is for), sleeping here puts a futex wake on the
@@ -73,7 +132,10 @@ static inline int stopped(memsem_pipe *p) {
  * pipeline / machine ceiling 1.17 sleeping at once, 1.12 spinning up to 300 us. */
 static int wait_slot(memsem_pipe *p, uint32_t need) {
     uint64_t t0 = ms_now_ns();
-    for (;;) {
+    uint32_t r0 = __atomic_load_n(&p->released, __ATOMIC_ACQUIRE);
+    /* never spun on the caller's CPU (the release could not come meanwhile) nor after a preemption */
+    int spin = !(r0 & STOP_BIT) && (r0 & COUNT_MASK) < need && !shared_cpu(p) && !preempted();
+    while (spin) {
         uint32_t r = __atomic_load_n(&p->released, __ATOMIC_ACQUIRE);
         if ((r & STOP_BIT) || (r & COUNT_MASK) >= need || ms_now_ns() - t0 >= MEMSEM_PIPE_SLOT_SPIN_NS) break;
         for (int k = 0; k < 64; k++) cpu_relax();
@@ -136,6 +198,7 @@ static void hand_over(memsem_pipe *p, uint32_t tile, uint64_t rc, uint64_t t0, u
 /* One run of one pipe (a worker's job). */
 static void run(memsem_pipe *p) {
     for (uint32_t i = p->first; i < p->n_tiles; i++) {
+        avoid_caller(p);
         uint64_t t = ms_now_ns();
         if (i >= p->n_slots) {
             __atomic_store_n(&p->hold_since, t, __ATOMIC_RELAXED);
@@ -210,10 +273,8 @@ struct worker_arg {
 static void *worker(void *arg) {
     struct worker_arg wa = *(struct worker_arg *)arg;
     free(arg);
-    /* Batch scheduling: waking a worker never preempts the thread that woke it (the caller, about
-     * to copy or compute); on an idle CPU the worker runs at once all the same. */
-    struct sched_param sp = {0};
-    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+    pthread_setname_np(pthread_self(), "memsem-mover");  /* as top -H and /proc/<pid>/task show it */
+    worker_cpus_init();
     memsem_mover_pool *pool = wa.pool;
     pthread_mutex_lock(&pool->lock);
     for (;;) {
@@ -312,6 +373,8 @@ int memsem_mover_pool_submit(memsem_mover_pool *pool, memsem_pipe *p) {
     }
     __atomic_fetch_and(&p->released, ~STOP_BIT, __ATOMIC_SEQ_CST);  /* a run the caller ended */
     __atomic_store_n(&p->active, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->caller_cpu, sched_getcpu(), __ATOMIC_RELAXED);
+    __atomic_store_n(&p->worker_cpu, -1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->done, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->claim, p->first, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->state, MEMSEM_PIPE_QUEUED, __ATOMIC_SEQ_CST);
@@ -454,6 +517,18 @@ static int take(memsem_pipe *p, uint32_t tile) {
 static int late(memsem_pipe *p, uint32_t tile, uint64_t patience_ns, uint64_t now, uint64_t *left) {
     *left = RECHECK_NS;
     if (!patience_ns || __atomic_load_n(&p->active, __ATOMIC_SEQ_CST) != tile + 1) return 0;
+    /* The route's model may be far slower than this machine (4 MiB over host/cma: 0.7 ms
+     * modelled, 0.17-0.3 ms measured): waiting five moves for a descheduled worker before the
+     * caller copies the tile itself cost more than the copy. The mean of the worker's copies,
+     * not the fastest: copies slowed by other jobs' memory traffic are not late (measured: with
+     * twice the fastest, 1-2 of 16 tiles per pipeline were taken over from a running worker and
+     * copied twice). */
+    uint64_t copies = __atomic_load_n(&p->tiles_moved, __ATOMIC_RELAXED);
+    if (copies) {
+        uint64_t measured = MEMSEM_PIPE_PATIENCE_X * (__atomic_load_n(&p->move_ns, __ATOMIC_RELAXED) / copies);
+        if (measured < MEMSEM_PIPE_PATIENCE_MIN_NS) measured = MEMSEM_PIPE_PATIENCE_MIN_NS;
+        if (measured < patience_ns) patience_ns = measured;
+    }
     uint64_t since = __atomic_load_n(&p->active_since, __ATOMIC_RELAXED);
     if (now >= since + patience_ns) return 1;
     *left = since + patience_ns - now;
@@ -463,10 +538,12 @@ static int late(memsem_pipe *p, uint32_t tile, uint64_t patience_ns, uint64_t no
 uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint64_t patience_ns) {
     uint32_t d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE);
     if (d > tile) return p->rc[tile % p->n_slots];
+    __atomic_store_n(&p->caller_cpu, sched_getcpu(), __ATOMIC_RELAXED);
     if (take(p, tile)) return MEMSEM_PIPE_YOURS;
-    /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for. */
+    /* The worker has the tile: a tile about to land is cheaper to spin for than to sleep for
+     * (unless it runs on this CPU: then only sleeping lets it finish). */
     uint64_t t0 = ms_now_ns(), left;
-    while ((d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
+    while (!shared_cpu(p) && (d = __atomic_load_n(&p->done, __ATOMIC_ACQUIRE)) <= tile &&
            __atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != MEMSEM_PIPE_FREE && ms_now_ns() - t0 < MEMSEM_PIPE_SPIN_NS)
         for (int k = 0; k < 64; k++) cpu_relax();
     if (d <= tile) {
@@ -500,6 +577,7 @@ uint64_t memsem_pipe_wait(memsem_pipe *p, uint32_t tile, double timeout_s, uint6
 }
 
 void memsem_pipe_release(memsem_pipe *p) {
+    __atomic_store_n(&p->caller_cpu, sched_getcpu(), __ATOMIC_RELAXED);
     __atomic_fetch_add(&p->released, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&p->sleeping, __ATOMIC_SEQ_CST)) ms_futex_wake(&p->released, INT32_MAX, PRIVATE);
 }

@@ -71,6 +71,24 @@ def test_ratio_of_rounds_is_the_median_of_per_round_ratios():
         M.ratio_of_rounds([1.0], [1.0, 2.0])
 
 
+def test_tails_are_percentiles_of_every_call_and_their_ratio_pools_the_rounds():
+    """Two rounds of 1000 calls each: the get's slow calls (its tail) are 1% of its calls and
+    sit in the second round only; np.copyto's calls are all alike."""
+    get = [1000.0] * 1000 + [1000.0] * 980 + [50_000.0] * 20
+    copy = [500.0] * 2000
+    p99, p999 = M.tails_us(get)
+    assert p99 == pytest.approx(1.49)  # at the edge of the slow calls (interpolated), in us
+    assert p999 == 50.0
+    assert M.tails_us([]) == (None, None)
+    st = M.tail_ratio(get, copy, 1000)
+    assert st.value == pytest.approx(float(np.percentile(get, 99)) / 500.0)
+    assert st.rounds == 2 and st.p10 < st.p90  # round 1 has no tail (ratio 2), round 2 does (100)
+    assert M.tail_ratio(get, copy, 1000, 99.9).value == 100.0
+    assert M.tail_ratio([], copy, 10).value is None
+    with pytest.raises(ValueError, match="per_round"):
+        M.tail_ratio(get, copy, 0)
+
+
 def test_sizes_and_paired_sampling():
     assert M.SIZES_FULL[0] == 64 and M.SIZES_FULL[-1] == 256 << 20
     assert all(b == 4 * a for a, b in zip(M.SIZES_FULL, M.SIZES_FULL[1:]))

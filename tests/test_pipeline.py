@@ -906,10 +906,83 @@ def test_a_stopped_pipe_takes_no_run_a_taken_over_one_does():
             pool.close()
 
 
+def _mover_tids() -> set[int]:
+    tids = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "memsem-mover":
+                    tids.add(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return tids
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a worker has no other to go to")
+def test_a_worker_on_the_callers_cpu_leaves_it():
+    """Forced: the caller and the pool's worker pinned to one CPU. Before its first tile the
+    worker moves itself off the caller's CPU (counted in cpu_moves) and is then allowed every
+    CPU it started with again; before every tile it is off the caller's CPU."""
+    lib = memsem.native.lib
+    allowed = os.sched_getaffinity(0)
+    cpu = min(allowed)
+    with memsem.Runtime() as rt:
+        ref = rt.publish(pattern(4 * 4096))
+        res = rt.core.resolve(ref.spec)
+        pool = _movers.MoverPool(1)
+        before = _mover_tids()
+        got: dict[str, object] = {}
+
+        def run() -> tuple[int, int]:
+            """One run of tiles 1..3; its (cpu_moves, worker_cpu)."""
+            p, _keep = _raw_pipe()
+            p.plan, p.ref_nbytes, p.first = res.plan, ref.nbytes, 1
+            dst = np.zeros(2 * 4096, np.uint8)
+            p.dst, p.slot_bytes = dst.ctypes.data, 4096
+            assert lib.memsem_mover_pool_submit(pool._pool, p) == 0
+            deadline = time.monotonic() + 10
+            while p.done < 2:  # sleeping: the worker, on this CPU or not, gets to copy tile 1
+                assert time.monotonic() < deadline, "the worker did not copy tile 1"
+                time.sleep(0.001)
+            for i in (1, 2, 3):
+                rc = lib.memsem_pipe_wait(p, i, 10.0, 0)
+                assert rc == lib.MEMSEM_PIPE_YOURS or rc & 0xFF == lib.MEMSEM_OK
+                lib.memsem_pipe_release(p)
+            assert lib.memsem_pipe_join(pool._pool, p, 10.0) == 0
+            del dst
+            return p.cpu_moves, p.worker_cpu
+
+        try:
+            run()  # starts the worker from this (unpinned) thread: it may use every CPU
+            (tid,) = _mover_tids() - before
+            os.sched_setaffinity(tid, {cpu})
+
+            def caller() -> None:
+                try:
+                    os.sched_setaffinity(0, {cpu})  # this thread only
+                    got["runs"] = [run(), run()]
+                except BaseException as exc:  # re-raised in the test
+                    got["error"] = exc
+
+            th = threading.Thread(target=caller)
+            th.start()
+            th.join(60)
+            assert not th.is_alive()
+            if "error" in got:
+                raise got["error"]
+            (moves1, cpu1), (moves2, cpu2) = got["runs"]
+            assert moves1 >= 1  # the scheduler may bring it back later: it moves again then
+            assert cpu1 != cpu and cpu2 != cpu
+            assert os.sched_getaffinity(tid) == allowed  # held to no CPU
+        finally:
+            pool.close()
+
+
 def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
     """Forced order: the worker's copy of tile 2 is declared late. The caller copies it into a
     spare slot (not the slot the worker writes), ends the worker's run, copies the tiles after it
-    itself until that run has ended, then hands the rest to a new run; every byte is right."""
+    itself until that run has ended and for 2**1 tiles more (its first take-over), then copies
+    tile 5 while a new run starts at tile 6; every byte is right."""
     data = pattern(16 * 65536, 5)
     real_wait = _movers.NativeMover.wait
     calls = {"late": 0}
@@ -945,7 +1018,8 @@ def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
             mover = p._handoff.mover
         assert np.array_equal(np.concatenate(got), data)
         assert calls["late"] == 1 and st.late_tiles == 1
-        assert starts == [1, 3] and st.mover == "native"  # a new run from the tile after the late one
+        assert starts == [1, 6] and st.mover == "native"  # tiles 3, 4 backed off, 5 the caller's
+        assert st.caller_tiles >= 5  # tiles 0, 2 (late), 3, 4, 5 (and any the worker had not started)
         end = time.monotonic() + 20  # a bound on the wait for the last run to end
         while mover.running() and time.monotonic() < end:
             time.sleep(0.001)

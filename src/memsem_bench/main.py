@@ -70,6 +70,8 @@ GOALS_LIST: tuple[Goal, ...] = (
     Goal("get_64MiB_vs_copyto", ">= 0.9 (get_64MiB_GBps / copyto_64MiB_GBps)", lambda x: x >= 0.9),
     Goal("view_64MiB_us", "< 20 us (O(1) in the size)", lambda x: x < 20),
     Goal("get_64B_vs_copyto", "<= 2.2 (get_64B_us / copyto_64B_us)", lambda x: x <= 2.2),
+    Goal("get_64B_p99_vs_copyto_p99", "<= 2 (p99 of 64 B gets / p99 of np.copyto, per call, same rounds)",
+         lambda x: x <= 2),
     Goal("get_64B_cma_vs_raw", "<= 1.2 (get_64B_us_cma / one bare process_vm_readv)", lambda x: x <= 1.2,
          ("cma_raw_64B_us",)),
     Goal("bounce_bytes_host", "== 0 (bytes through intermediate buffers, host routes)", lambda x: x == 0),
@@ -330,6 +332,10 @@ def _core_keys(series: list[Series], core: dict[str, Any], cma: dict[str, Any], 
         "telemetry_ns_per_op": telemetry,
     }
     fig.update(core["get_64B_vs_copyto"].keys("get_64B_vs_copyto"))
+    for k in ("get_64B_p99_us", "get_64B_p999_us", "copyto_64B_p99_us", "copyto_64B_p999_us"):
+        fig[k] = _r(core[k])
+    fig.update(core["get_64B_p99_vs_copyto_p99"].keys("get_64B_p99_vs_copyto_p99"))
+    fig.update(core["get_64B_p999_vs_copyto_p999"].keys("get_64B_p999_vs_copyto_p999"))
     fig.update(cma["get_64B_cma_vs_raw"].keys("get_64B_cma_vs_raw"))
     fig["copyto_64B_us_paired"] = _r(core["copyto_64B_us"])
     fig.update(core["get_64MiB_vs_copyto"].keys("get_64MiB_vs_copyto"))
@@ -581,6 +587,13 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
             continue
         row(lat, s.system, *[_fmt(s.median_us(n)) for n in sizes])
     console.print(lat)
+    f = fig.get
+    console.print(escape(
+        f"  tails, 64 B, per call, the same rounds (us): get host/shm median {_fmt(f('get_64B_us'))} p99 "
+        f"{_fmt(f('get_64B_p99_us'))} p999 {_fmt(f('get_64B_p999_us'))} | np.copyto median "
+        f"{_fmt(f('copyto_64B_us_paired'))} p99 {_fmt(f('copyto_64B_p99_us'))} p999 {_fmt(f('copyto_64B_p999_us'))} "
+        f"| get_64B_p99_vs_copyto_p99 {_fmt(f('get_64B_p99_vs_copyto_p99'))}, p999 "
+        f"{_fmt(f('get_64B_p999_vs_copyto_p999'))}"), style="dim")
 
     bw = table("bandwidth (GB/s)", "system", *map(fmt_size, sizes))
     for s in series:
@@ -632,6 +645,12 @@ def _tables(console: Any, series: list[Series], sizes: list[int], fig: dict[str,
                     ("tcp_get_64B_us_one_core", "us, memsem get, both on one CPU"),
                     ("socket_rtt_64B_us_one_core", "us, plain socket, both on one CPU"),
                     ("tcp_get_64B_vs_socket_one_core", "x, CPU per request vs socket"),
+                    ("tcp_get_64B_p99_us", "us, memsem get, p99 per call"),
+                    ("tcp_get_64B_p999_us", "us, memsem get, p999 per call"),
+                    ("socket_rtt_64B_p99_us", "us, plain socket, p99 per call"),
+                    ("socket_rtt_64B_p999_us", "us, plain socket, p999 per call"),
+                    ("tcp_get_64B_p99_vs_socket_p99", "x, p99 vs the socket's p99"),
+                    ("tcp_get_64B_p999_vs_socket_p999", "x, p999 vs the socket's p999"),
                     ("tcp_get_64MiB_GBps", "GB/s, memsem get, 64 MiB"),
                     ("socket_64MiB_GBps", "GB/s, plain socket"),
                     ("remote_first_tile_ratio", "x, 1st tile / tile get")):

@@ -179,6 +179,31 @@ def ratio_of_rounds(num: list[float], den: list[float]) -> RatioStat:
     return RatioStat.of(a / b for a, b in zip(num, den) if b)
 
 
+def tails_us(samples: list[float]) -> tuple[float | None, float | None]:
+    """The p99 and p999 (us) of per-call times given in ns; None, None without samples."""
+    if not samples:
+        return None, None
+    p99, p999 = np.percentile(samples, [99, 99.9])
+    return float(p99) / 1e3, float(p999) / 1e3
+
+
+def tail_ratio(num: list[float], den: list[float], per_round: int, q: float = 99.0) -> RatioStat:
+    """Tail against tail: the ``q``-th percentile of ``num``'s per-call times over ``den``'s,
+    every round pooled (the samples of :func:`paired`, ``per_round`` per round, both sides in
+    the same rounds); ``p10`` / ``p90`` of the same ratio taken round by round."""
+    if per_round < 1:
+        raise ValueError(f"per_round must be >= 1, got {per_round!r}")
+    if not num or not den:
+        return RatioStat(None)
+    value = float(np.percentile(num, q)) / float(np.percentile(den, q))
+    rs = [float(np.percentile(num[i:i + per_round], q)) / float(np.percentile(den[i:i + per_round], q))
+          for i in range(0, min(len(num), len(den)) - per_round + 1, per_round)]
+    if not rs:
+        return RatioStat(value, value, value, 1)
+    p10, p90 = (float(x) for x in np.percentile(rs, [10, 90]))
+    return RatioStat(value, p10, p90, len(rs))
+
+
 def spread_keys(key: str, per_round: list[float], scale: float = 1.0, nd: int = 3) -> dict[str, Any]:
     """``{key: median, key_spread: [p10, p90]}`` of per-round values (times ``scale``): the
     spread of an absolute figure across its rounds."""
@@ -190,7 +215,9 @@ def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[
     """Issue 2's benchmark: cross-process get of 64 B and 64 MiB and ``view()`` of a 64 MiB
     window, each interleaved with ``np.copyto`` of the same size (medians, us and GB/s), and the
     ratios of rounds (``get_64B_vs_copyto``, ``get_64MiB_vs_copyto`` = get GB/s over copyto
-    GB/s) as :class:`RatioStat`; ``rounds`` holds the per-round medians (ns)."""
+    GB/s) as :class:`RatioStat`; ``rounds`` holds the per-round medians (ns). The 64 B tails:
+    p99 / p999 of every call of those rounds (``get_64B_p99_us``, ``copyto_64B_p99_us``...) and
+    ``get_64B_p99_vs_copyto_p99`` (:func:`tail_ratio`)."""
     med = statistics.median
     small_out, s_src, s_dst = np.empty(64, np.uint8), np.ones(64, np.uint8), np.empty(64, np.uint8)
     pr = 200
@@ -209,7 +236,12 @@ def core_figures(get64: Any, get64m: Any, view64m: Any, *, quick: bool) -> dict[
         del arr
     ag, ac = round_medians(a["get"], pr), round_medians(a["copyto"], pr)
     vr = round_medians(vs, 50)
+    (g99, g999), (c99, c999) = tails_us(a["get"]), tails_us(a["copyto"])
     return {
+        # tails of the per-call times of the same rounds as the medians
+        "get_64B_p99_us": g99, "get_64B_p999_us": g999, "copyto_64B_p99_us": c99, "copyto_64B_p999_us": c999,
+        "get_64B_p99_vs_copyto_p99": tail_ratio(a["get"], a["copyto"], pr),
+        "get_64B_p999_vs_copyto_p999": tail_ratio(a["get"], a["copyto"], pr, 99.9),
         "get_64B_us": med(a["get"]) / 1e3, "copyto_64B_us": med(a["copyto"]) / 1e3,
         "get_64MiB_GBps": 64 * MiB / med(b["get"]), "copyto_64MiB_GBps": 64 * MiB / med(b["copyto"]),
         "view_64MiB_us": med(vs) / 1e3,

@@ -21,6 +21,9 @@ Figures (medians; GB/s = 1e9 bytes/s):
 ``tcp_get_64B_us_one_core``  the 64 B rounds again with owner and consumer on one CPU (and
                            ``socket_rtt_64B_us_one_core``, ``tcp_get_64B_vs_socket_one_core``):
                            a round trip is then the CPU both sides spend on it
+``tcp_get_64B_p99_us``     p99 (``_p999_us``: p999) of every 64 B get of those rounds, and
+                           ``socket_rtt_64B_p99_us`` / ``_p999_us`` of the socket's; their ratio
+                           ``tcp_get_64B_p99_vs_socket_p99`` (``..._p999_vs_socket_p999``)
 ``tcp_placement``          the CPUs of the main run, e.g. "apart: owner CPU 1, consumer CPU 0";
                            ``tcp_affinity``: the CPUs each process read as its own
 ``tcp_owner_rss_MiB_1000_idle``  growth of the owner's RSS with 1,000 idle connections (each
@@ -88,8 +91,12 @@ UNAUTH_CONNECTIONS = 2000
 #: veth / loopback says how much of the baseline is the link
 RATIO_KEYS = ("tcp_get_64B_vs_socket", "tcp_get_64B_vs_socket_loopback", "socket_veth_vs_loopback",
               "tcp_get_64MiB_vs_socket", "remote_first_tile_ratio")
+#: tails of the 64 B rounds: the p99 (p999) of every tcp get over the socket's, same rounds
+TAIL_RATIO_KEYS = ("tcp_get_64B_p99_vs_socket_p99", "tcp_get_64B_p999_vs_socket_p999")
 #: every key ``figures`` returns
 ALL_KEYS = KEYS + tuple(k for k in RATIO_KEYS if k not in KEYS) + tuple(f"{k}_spread" for k in RATIO_KEYS) + (
+    "tcp_get_64B_p99_us", "tcp_get_64B_p999_us", "socket_rtt_64B_p99_us", "socket_rtt_64B_p999_us",
+    *TAIL_RATIO_KEYS, *(f"{k}_spread" for k in TAIL_RATIO_KEYS),
     "socket_rtt_64B_us_loopback", "socket_rtt_64B_us_spread", "socket_rtt_64B_us_loopback_spread",
     "tcp_get_64B_us_spread", "tcp_get_64MiB_GBps_spread", "socket_64MiB_GBps_spread", "tcp_placement",
     "tcp_get_64B_us_one_core", "socket_rtt_64B_us_one_core", "tcp_get_64B_vs_socket_one_core",
@@ -273,6 +280,18 @@ def _ratios(num: list[float], den: list[float]) -> dict[str, Any]:
     return {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
 
 
+def _tails(calls: dict[str, list[float]], block: int) -> dict[str, Any]:
+    """p99 / p999 (us) of every call of the 64 B rounds, per side, and the tcp get's tail over
+    the socket's (pooled; p10 / p90 of the same ratio round by round)."""
+    from memsem_bench.measure import tail_ratio, tails_us
+
+    out: dict[str, Any] = {k: list(tails_us(v)) for k, v in calls.items()}
+    for q, name in ((99.0, "tcp_get_64B_p99_vs_socket_p99"), (99.9, "tcp_get_64B_p999_vs_socket_p999")):
+        st = tail_ratio(calls["tcp"], calls["socket"], block, q)
+        out[name] = {"value": st.value, "p10": st.p10, "p90": st.p90, "rounds": st.rounds}
+    return out
+
+
 # -- the owner's cost of connections -------------------------------------------------------------------
 def _raise_nofile(n: int) -> None:
     import resource
@@ -427,6 +446,7 @@ def _consumer(quick: bool, small_only: bool = False) -> None:
             for fn in sides.values():
                 fn()
         per: dict[str, list[float]] = {k: [] for k in sides}
+        calls: dict[str, list[float]] = {k: [] for k in sides}  # every call's time, for the tails
         items = list(sides.items())
         for r in range(rounds):  # interleaved rounds, the order reversed every other round
             for k, fn in (items if r % 2 == 0 else items[::-1]):
@@ -436,6 +456,7 @@ def _consumer(quick: bool, small_only: bool = False) -> None:
                     fn()
                     ts.append(now() - t0)
                 per[k].append(med(ts))
+                calls[k].extend(ts)
         if small_only:
             base.quit()
             if lo_proc is not None:
@@ -498,6 +519,7 @@ def _consumer(quick: bool, small_only: bool = False) -> None:
                        "tcp_get_64MiB_vs_socket": _ratios(sock_t, mem_t),  # GB/s ratio: times inverted
                        "remote_first_tile_ratio": _ratios(first, one)},
             "rounds_us": {k: [v / 1e3 for v in vs] for k, vs in per.items()},
+            "tails": _tails(calls, block),
             "rounds_GBps": {"tcp": [BIG / t for t in mem_t], "socket": [BIG / t for t in sock_t]},
         }
         if "socket_lo" in per:
@@ -637,6 +659,15 @@ def figures(quick: bool = True, link: str = "auto", placement: str = "apart") ->
     for k, name in (("tcp", "tcp_get_64MiB_GBps"), ("socket", "socket_64MiB_GBps")):
         v = res.get("rounds_GBps", {}).get(k)
         fig[f"{name}_spread"] = [round(x, 3) for x in _p10_p90(v)] if v else None
+    tails = res.get("tails", {})
+    for k, name in (("tcp", "tcp_get_64B"), ("socket", "socket_rtt_64B")):
+        p99, p999 = tails.get(k, (None, None))
+        fig[f"{name}_p99_us"] = None if p99 is None else round(p99, 3)
+        fig[f"{name}_p999_us"] = None if p999 is None else round(p999, 3)
+    for k in TAIL_RATIO_KEYS:
+        st = tails.get(k)
+        fig[k] = None if not st or st["value"] is None else round(st["value"], 3)
+        fig[f"{k}_spread"] = None if not st or st["value"] is None else [round(st["p10"], 3), round(st["p90"], 3)]
     fig["tcp_placement"] = "unpinned" if cpus is None else f"{placement}: owner CPU {cpus[0]}, consumer CPU {cpus[1]}"
     fig["tcp_affinity"] = res.get("affinity")  # the CPUs each process ran on, as it saw them
     if one.get("route") == "tcp" and one.get("intact"):

@@ -8,10 +8,13 @@ for, gives back where the tile is and the version it holds:
 * a tile the mover handed over: its slot;
 * a tile the mover has not started: the caller copies it itself (the caller never waits for a
   mover that does not run);
-* a tile the native worker has been copying far past its modelled time (descheduled on a loaded
+* a tile the native worker has been copying far past its expected time (descheduled on a loaded
   machine): taken over, the caller copies it into a spare slot (the worker may still write its
-  own), the worker's run ends, and the tiles after it are the caller's until that run has ended;
-  then a new run starts;
+  own), the worker's run ends, and the tiles after it are the caller's until that run has ended
+  and for ``2**k`` tiles after the late one (``k`` take-overs so far: a machine that keeps
+  descheduling the worker gets fewer runs, each a bounded wait, so the pipeline stays near
+  get-then-compute); then the caller copies the tile it asks for while a new run starts at the
+  next one (a run started at the caller's own tile would race it for that tile);
 * any outcome of the native worker but a plain success (a write section, a moved generation, a
   closed resolution, an expired lease, a dead owner): the caller moves the tile through the
   runtime's general path, which waits, retries or raises as ``get`` does, and a new run starts
@@ -89,7 +92,7 @@ class Handoff:
     """
 
     __slots__ = ("runtime", "spec", "n_tiles", "n_slots", "slot_bytes", "timeout", "mover", "kind", "late_tiles",
-                 "moves", "_slots", "_out", "_move_here", "_closed", "_late", "_spare", "_resubmit",
+                 "moves", "_slots", "_out", "_move_here", "_closed", "_late", "_spare", "_resubmit", "_resume_at",
                  "_counted", "_finalizer")
 
     def __init__(self, owner: Any, runtime: RuntimeCore, spec: RefSpec, res: Any, *, tile_bytes: int, n_tiles: int,
@@ -101,6 +104,7 @@ class Handoff:
         self.timeout = timeout
         self._slots, self._out, self._move_here, self._closed = slots, out, move_here, closed
         self._late: int | None = None  # a tile taken over from a late worker whose run has not ended
+        self._resume_at = -1  # after a take-over: the first tile whose run may start (-1: none pending)
         self._spare: np.ndarray | None = None  # the caller's own slot for a tile taken over
         self._resubmit = False  # the pool was busy at the last submit: submit again at the next tile
         self._counted: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)  # of a mover dropped
@@ -177,9 +181,12 @@ class Handoff:
         if self._late is not None:
             if mover.running():  # the late worker's run has not ended: the caller goes on alone
                 return self._move_here(index, off, n, self._away_from_late(index, n))
-            self._settle_late(index)
-            if self.mover is None:
-                return self._move_here(index, off, n, None)
+            self._settle_late()
+        if self._resume_at >= 0:  # backing off after a take-over: no run is submitted
+            if index >= self._resume_at and index + 1 < self.n_tiles:
+                self._resume_at = -1
+                self._restart(index + 1)  # the worker from the next tile on; this one is the caller's
+            return self._move_here(index, off, n, None)
         rc = mover.wait(index, 0.0)
         if rc == _WAITING:
             rc = self._wait(index, _WAITING)
@@ -188,6 +195,7 @@ class Handoff:
             if rc == _LATE:  # descheduled mid-copy: the caller copies the tile where the worker does not write
                 self._late = index
                 self.late_tiles += 1
+                self._resume_at = index + 1 + (1 << min(self.late_tiles, 30))
                 return self._move_here(index, off, n, self._spare_for(n))
         if rc == _YOURS:  # the worker had not started this tile (late, descheduled): copy it here
             return self._move_here(index, off, n, None)
@@ -215,15 +223,13 @@ class Handoff:
             return self._spare_for(n)
         return None
 
-    def _settle_late(self, index: int) -> None:
-        """The run a late worker held ended: join it, settle its result for the tile taken
-        over (only its release of a closed resolution matters: the caller's own copy decided),
-        start a new run at ``index``."""
+    def _settle_late(self) -> None:
+        """The run a late worker held ended: join it and settle its result for the tile taken
+        over (only its release of a closed resolution matters: the caller's own copy decided)."""
         mover = self.mover
         mover.join_run(self.timeout)
         settle(mover.res, mover.result(self._late))
         self._late = None
-        self._restart(index)
 
     def _wait(self, index: int, waiting: Any) -> Any:
         """Poll the mover for tile ``index`` (each poll blocks at most POLL_S) until it gives

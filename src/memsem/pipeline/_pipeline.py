@@ -311,8 +311,11 @@ class Pipeline:
             check_dtype("out", binfo.dtype_code, spec.dtype_code)  # uint8 (raw bytes) or the ref's
             self._base = flat
         else:
-            self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)
-            self._slots = self._slot_mem.reshape(self._n_slots, self._slot_bytes)
+            mem = self._slot_mem = runtime.staging.borrow(self._n_slots * self._slot_bytes)
+            if self.n_tiles == 1:  # one tile, one slot, no mover: the slot is the tile's place
+                self._base = mem
+            else:
+                self._slots = mem.reshape(self._n_slots, self._slot_bytes)
         self._view = view
         self._handoff: Handoff | None = None  # the caller's side of a mover, from tile 0 on
         self._next = 0
@@ -436,7 +439,8 @@ class Pipeline:
         if dst is None:
             slots = self._slots
             if slots is None:
-                dst = self._base[off:off + n]
+                base = self._base
+                dst = base if n == base.size else base[off:off + n]
             else:
                 dst = slots[index % self._n_slots] if n == self._slot_bytes else slots[index % self._n_slots, :n]
         t = _perf()
@@ -524,7 +528,7 @@ class Pipeline:
             self._current = None
         if self._t_end is None:
             self._t_end = _perf()
-        if self.mode == "view":
+        if self.mode != "out":  # a view, or the staging slot of a one-tile pipeline (given back below)
             self._base = None
         # The memory a worker may still write goes back to the pool once no worker uses it: at
         # once when its run has ended, else when a later join finds it ended (the worker stops

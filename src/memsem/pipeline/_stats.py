@@ -33,9 +33,12 @@ class PipelineStats:
         bytes_moved: bytes copied (0 in view mode).
         caller_tiles: tiles the caller moved itself: tile 0, a tile the mover had not started
             when the caller wanted it (the caller never waits for a late mover), a tile after an
-            unusual outcome (a write section, a closed resolution...).
+            unusual outcome (a write section, a closed resolution...), the tiles after a late
+            one (until the late run ended, and ``2**k`` tiles after the k-th late tile).
         late_tiles: of those, tiles a native worker had started but not finished well past
-            their modelled move time (descheduled): the caller copied them into a spare slot.
+            their expected move time (1.5x the route's modelled move, or, once the worker copied
+            a tile of the pipeline, 3x its mean copy, at least 100 us, when that is shorter;
+            descheduled): the caller copied them into a spare slot.
     """
 
     tiles: int
