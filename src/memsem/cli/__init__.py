@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
     b.add_argument("--fanout", action="store_true", help="weight fan-out to rollout nodes over shaped links "
                    "(star, relay, gloo; needs root: network namespaces)")
+    b.add_argument("--ray", action="store_true", help="memsem as a Ray tensor transport against Ray's object store "
+                   "and gloo, 4 receiving actors (in an interpreter that has Ray: .venv-tq)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -67,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped {path}: {why}")
         print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}, "
               f"{len(items.skipped)} skipped")
+        return 0
+    if args.cmd == "bench" and args.ray:
+        import json
+
+        from memsem_bench.ray_transport import run, table
+
+        fig = run(args.quick)
+        print(table(fig), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(fig))
         return 0
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
