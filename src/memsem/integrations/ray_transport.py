@@ -322,13 +322,13 @@ class MemsemTensorTransport(TensorTransportManager):
 
     def stats(self) -> dict[str, Any]:
         """Counters: windows ``published`` / ``reused`` / ``unpublished`` and ``live_windows``;
-        ``objects`` returned and ``freed``; ``received_tensors`` / ``received_bytes``; ``aborted``
-        reads; ``refused`` objects (not on the CPU); ``bytes_by_route`` of its runtime (moved by
+        ``objects`` returned and ``freed``; ``received_tensors`` / ``received_bytes``;
+        ``reads_in_flight`` (objects being read now) and ``aborted`` reads; ``refused`` objects (not on the CPU); ``bytes_by_route`` of its runtime (moved by
         anything of this process that uses it; None before its first use)."""
         with self._lock:
-            live = len(self._windows)
+            live, reading = len(self._windows), sum(len(evs) for evs in self._inflight.values())
         with self._count_lock:
-            out: dict[str, Any] = dict(self.counts, live_windows=live)
+            out: dict[str, Any] = dict(self.counts, live_windows=live, reads_in_flight=reading)
         rt = self._runtime if self._runtime is not None else _RUNTIME[0]
         out["bytes_by_route"] = dict(rt.stats().bytes_by_route) if rt is not None and not rt.closed else None
         return out
