@@ -241,8 +241,17 @@ def test_manager_publishes_in_place_and_frees_on_gc(manager):
         m.send_multiple_tensors([t], meta, mrt.MemsemCommunicatorMetadata())
     with pytest.raises(TypeError, match="torch tensors"):
         m.extract_tensor_transport_metadata("o2", [np.zeros(3)])
+    # 4 MiB and more: received into memory advised for huge pages, every dtype viewed over it
+    big = [torch.arange(1 << 20, dtype=torch.float32), torch.full((3, 2), 1.5, dtype=torch.bfloat16), torch.empty(0)]
+    meta4 = m.extract_tensor_transport_metadata("o4", big)
+    got = m.recv_multiple_tensors("o4", meta4, None)
+    assert [(g.dtype, tuple(g.shape)) for g in got] == [(b.dtype, tuple(b.shape)) for b in big]
+    assert all(torch.equal(g, b) for g, b in zip(got, big))
+    got[1][0, 0] = 3  # the receiver's own, writable memory
+    assert float(big[1][0, 0]) == 1.5
+    m.garbage_collect("o4", meta4, big)
     refused = m.extract_tensor_transport_metadata("o3", [torch.empty(2, device="meta")])
-    assert refused.tensor_device == "meta" and refused.refs == [] and m.stats()["published"] == 2
+    assert refused.tensor_device == "meta" and refused.refs == [] and m.stats()["published"] == 4
 
 
 def test_abort_stops_a_read_in_flight(manager, monkeypatch):
@@ -294,6 +303,11 @@ def test_numpy_manager_and_registration():
         meta = m.extract_tensor_transport_metadata("n", [a, a[:, 1]])
         got = m.recv_multiple_tensors("n", meta, None)
         assert np.array_equal(got[0], a) and np.array_equal(got[1], a[:, 1]) and got[0].dtype == np.int32
+        big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: received into huge-page memory
+        meta8 = m.extract_tensor_transport_metadata("n8", [big])
+        (got8,) = m.recv_multiple_tensors("n8", meta8, None)
+        assert np.array_equal(got8, big) and got8.flags.writeable
+        m.garbage_collect("n8", meta8, [big])
         with pytest.raises(TypeError, match="numpy arrays"):
             m.extract_tensor_transport_metadata("n2", [torch.zeros(2)])
         m.garbage_collect("n", meta, [a])

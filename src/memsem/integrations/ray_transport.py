@@ -29,7 +29,8 @@ What happens, by Ray's calls (each runs in the process named):
   for a receiver, so the actor's next task is not held.
 * ``recv_multiple_tensors`` / ``fetch_multiple_tensors`` (each receiving actor, or a process's
   ``ray.get``): one-sided memsem gets of every ref into Ray's target buffers when it passes them
-  (``ray.experimental.set_target_for_ref``), else into new tensors; by the route memsem picks
+  (``ray.experimental.set_target_for_ref``), else into new tensors (of 4 MiB and more: memory
+  advised for transparent huge pages, so the first copy faults far fewer pages); by the route memsem picks
   (cross-memory attach or a shared segment on one node, tcp across Ray nodes: each Ray node is a
   node of memsem's ``ray`` directory, nothing to set). A tensor larger than ``CHUNK_BYTES`` is
   read in chunks so that an abort is seen within one chunk. Every wait is bounded by the
@@ -72,6 +73,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
+from memsem._buffers import empty_arena
 from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,9 @@ CHUNK_BYTES = 32 << 20
 #: bound in seconds of every wait of the transport's runtime (gets, unpublish); below Ray's own
 #: fetch timeout (``RAY_rdt_fetch_fail_timeout_milliseconds``, 60 s), so memsem's error comes first
 TIMEOUT_S = 30.0
+#: an object's tensors holding this many bytes or more are received into memory advised for
+#: transparent huge pages (fewer page faults on the first copy), smaller ones into ``torch.empty``
+ARENA_MIN_BYTES = 4 << 20
 
 
 #: the process's transport runtime (both transports' managers share it), made on first use
@@ -339,10 +344,19 @@ class MemsemTensorTransport(TensorTransportManager):
             return len(self._windows)
 
     # -- the receiving side ------------------------------------------------------------------------
-    def _empty(self, shape: Any, dtype: Any) -> Any:
+    def _empties(self, tensor_meta: list[tuple[Any, Any]]) -> list[Any]:
+        """New tensors for an object's ``(shape, dtype)`` list: from one mapping advised for
+        transparent huge pages when they hold ``ARENA_MIN_BYTES`` or more (a first copy into
+        fresh memory pays a fault per page: 2 MiB pages cost several times less than 4 KiB ones),
+        else ``torch.empty``."""
         import torch
 
-        return torch.empty(shape, dtype=dtype)
+        sizes = [int(np.prod(tuple(shape), dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+                 for shape, dtype in tensor_meta]
+        if sum(sizes) < ARENA_MIN_BYTES:
+            return [torch.empty(shape, dtype=dtype) for shape, dtype in tensor_meta]
+        raw = empty_arena([(np.uint8, (n,)) for n in sizes])
+        return [torch.from_numpy(a).view(dtype).view(shape) for a, (shape, dtype) in zip(raw, tensor_meta)]
 
     def _flat_bytes(self, buf: Any) -> Any:
         return buf.view(-1).view(__import__("torch").uint8)
@@ -371,16 +385,15 @@ class MemsemTensorTransport(TensorTransportManager):
         if target_buffers is not None and len(target_buffers) != len(meta.refs):
             raise ValueError(f"object {obj_id}: {len(target_buffers)} target buffers for {len(meta.refs)} tensors")
         rt = self.runtime
-        out = []
-        for i, (raw, (shape, dtype)) in enumerate(zip(meta.refs, meta.tensor_meta)):
-            if target_buffers is not None:
-                buf = target_buffers[i]
+        if target_buffers is not None:
+            for i, buf in enumerate(target_buffers):
                 self._check_target(buf, i)
-            else:
-                buf = self._empty(shape, dtype)
+            out = list(target_buffers)
+        else:
+            out = self._empties(meta.tensor_meta)
+        for raw, buf in zip(meta.refs, out):
             if raw is not None:
                 self._read(rt.ref(raw), buf, ev, obj_id)
-            out.append(buf)
         return out
 
     def _read(self, ref: Any, buf: Any, ev: threading.Event, obj_id: str) -> None:
@@ -468,8 +481,11 @@ class MemsemNumpyTransport(MemsemTensorTransport):
     def _publishable(self, t: Any) -> Any:
         return t if t.flags.c_contiguous else np.ascontiguousarray(t)
 
-    def _empty(self, shape: Any, dtype: Any) -> Any:
-        return np.empty(shape, dtype=dtype)
+    def _empties(self, tensor_meta: list[tuple[Any, Any]]) -> list[Any]:
+        sizes = [int(np.prod(tuple(shape), dtype=np.int64)) * np.dtype(dtype).itemsize for shape, dtype in tensor_meta]
+        if sum(sizes) < ARENA_MIN_BYTES:
+            return [np.empty(shape, dtype=dtype) for shape, dtype in tensor_meta]
+        return empty_arena([(np.dtype(dtype), tuple(shape)) for shape, dtype in tensor_meta])
 
     def _flat_bytes(self, buf: Any) -> Any:
         return buf.reshape(-1).view(np.uint8)
