@@ -416,6 +416,8 @@ RUN: dict[tuple[str, str], Run] = {
 #: files none of whose blocks is code to run, with the reason
 NOT_RUN_FILES = {
     "docs/api.md": "generated signatures (docs/gen_api.py), not statements; test_api_md_is_generated_from_the_code",
+    "docs/ray-transport.md": "Ray actors (Ray is not in the test venv); tests/ray/test_ray_transport.py makes the "
+                             "same calls on the suite's Ray cluster",
 }
 
 #: (file, piece of text) -> why the block is not run here

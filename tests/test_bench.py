@@ -231,3 +231,21 @@ def test_reshard_bench_model_and_plan_figure():
     assert set(reshard.GOALS) == {"reshard_bytes_moved_ratio", "reshard_vs_gather_broadcast",
                                   "reshard_vs_dtensor_redistribute", "reshard_plan_ms_1000_tensors",
                                   "reshard_trainer_blocked_ms"}
+
+
+def test_ray_transport_table_and_goals():
+    """``memsem bench --ray``'s table: every size and way, ratios with their spread, each goal
+    judged (a missing figure is skipped, never met), the notes; Ray itself runs in tests/ray."""
+    from memsem_bench import ray_transport as RT
+
+    fig = {"ray_store_256MiB_ms": 2000.0, "ray_memsem_256MiB_ms": 500.0, "ray_store_vs_memsem_256MiB": 4.0,
+           "ray_store_vs_memsem_256MiB_spread": [3.5, 4.5], "ray_gloo_vs_memsem_256MiB": 1.2,
+           "ray_gloo_vs_memsem_256MiB_spread": [1.0, 1.4], "ray_memsem_cross_node_ok": True,
+           "ray_notes": ["gloo: none"]}
+    out = RT.table(fig)
+    assert set(RT.SIZES) == {"64KiB", "4MiB", "256MiB"} and RT.RECEIVERS == 4
+    assert "4.00 [3.50, 4.50]" in out and "2000.000" in out
+    assert "ray_store_vs_memsem_256MiB >= 2.0: 4.0 (met)" in out
+    assert "ray_gloo_vs_memsem_256MiB >= 1.5: 1.2 (not met)" in out
+    assert "ray_store_vs_memsem_64KiB >= 1.5: - (skipped)" in out
+    assert "ray_memsem_cross_node_ok: True" in out and "note: gloo: none" in out

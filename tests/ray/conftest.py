@@ -1,8 +1,11 @@
 """Fixtures of the Ray directory tests (run where Ray is installed: ``make test-tq`` runs them in the TransferQueue venv).
 
-One Ray cluster of three nodes on this machine for the module (tests/ray/cluster.py): a head
-with no CPUs (this pytest process is its driver) and two workers with one CPU each, every node
-a memsem node of its own. Heartbeat TTL 2 s everywhere, so deaths are seen within a few seconds.
+One Ray cluster of three nodes on this machine for the whole run (tests/ray/cluster.py: a start
+takes tens of seconds): a head with no CPUs (this pytest process is its driver) and two workers
+with one CPU each, every node a memsem node of its own. Heartbeat TTL 2 s everywhere, so deaths
+are seen within a few seconds. A test that needs no cluster of the run's running (a cluster of its
+own) asks for ``no_shared_cluster``, which shuts the shared one down first (test_teardown.py, last
+by its name).
 """
 from __future__ import annotations
 
@@ -32,8 +35,23 @@ def _isolated_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEMSEM_ENGINES", raising=False)
 
 
-@pytest.fixture(scope="module")
+_SHARED: list[RayCluster] = []
+
+
+@pytest.fixture(scope="session")
 def cluster():
     with RayCluster([("head", 0), ("w1", 1), ("w2", 1)], env={"MEMSEM_HEARTBEAT_TTL": str(TTL)}) as c:
-        c.connect()
-        yield c
+        _SHARED.append(c)
+        try:
+            c.connect()
+            yield c
+        finally:
+            if c in _SHARED:
+                _SHARED.remove(c)
+
+
+@pytest.fixture
+def no_shared_cluster() -> None:
+    """The run's shared cluster shut down (if one started): for a test that makes its own."""
+    while _SHARED:
+        _SHARED.pop().close()

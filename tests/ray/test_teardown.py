@@ -1,5 +1,5 @@
-"""A Ray cluster of its own, shut down: none of its processes is left, nor its folder (run
-after test_ray_directory.py, whose module cluster is down by then)."""
+"""A Ray cluster of its own, shut down: none of its processes is left, nor its folder (run last
+by its name: the run's shared cluster is shut down first, ``no_shared_cluster``)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import memsem  # noqa: E402
 from cluster import RayCluster, ray_processes  # noqa: E402
 
 
-def test_no_ray_process_outlives_a_cluster():
+def test_no_ray_process_outlives_a_cluster(no_shared_cluster):
     """A cluster of its own, shut down: none of its processes is left, nor its folder."""
     with RayCluster([("solo", 1)]) as c:
         tmp = c.tmp

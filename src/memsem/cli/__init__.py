@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(star, relay, gloo; needs root: network namespaces)")
     b.add_argument("--reshard", action="store_true", help="sharded weight sync: 4 trainer ranks (Shard(0)) to 2 "
                    "rollout replicas of TP 2, reshard on read against gather+broadcast and DTensor (needs torch)")
+    b.add_argument("--ray", action="store_true", help="memsem as a Ray tensor transport against Ray's object store "
+                   "and gloo, 4 receiving actors (in an interpreter that has Ray: .venv-tq)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -74,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         from memsem_bench.reshard import run_reshard
 
         return run_reshard(args)
+    if args.cmd == "bench" and args.ray:
+        import json
+
+        from memsem_bench.ray_transport import run, table
+
+        fig = run(args.quick)
+        print(table(fig), file=sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(fig))
+        return 0
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
 

@@ -255,6 +255,9 @@ class RayDirectory(SpanningDirectory):
         """One call to the actor (PeerLostError when it fails or takes longer than ``timeout``).
         An actor that died for good (it left when idle, or was killed) is made again once."""
         t = self.timeout if timeout is None else timeout
+        if not self._ray.is_initialized():  # shut down here: a call would start a new local Ray (auto-init)
+            raise PeerLostError(f"the ray directory of job {self.job!r} is out of reach: Ray is shut down "
+                                f"in this process ({method})")
         for attempt in (0, 1):
             with self._actor_lock:
                 actor = self._actor
