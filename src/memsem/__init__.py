@@ -40,6 +40,7 @@ from memsem.refs import (
 )
 from memsem.refs import FanoutPlan, FanoutSource, LinkModel, Relay, RelayStats, fanout_plan, model_time
 from memsem.core import Batch, Completion, Lease, RangeResult, State, Stats, WriteSection
+from memsem import sync as _sync  # noqa: F401 - installs the delta versions state dicts use
 
 __version__ = "0.1.0"
 

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-out", help="folder for JSON and PNG plots")
     b.add_argument("--fanout", action="store_true", help="weight fan-out to rollout nodes over shaped links "
                    "(star, relay, gloo; needs root: network namespaces)")
+    b.add_argument("--delta", action="store_true", help="delta versions: bytes moved and load time of a delta "
+                   "against a full load of the same version (synthetic 1%% / 100%% changes, AdamW bf16 steps)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -68,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(items)} item(s) {'would be removed (dry run)' if args.dry_run else 'removed'}, "
               f"{len(items.skipped)} skipped")
         return 0
+    if args.cmd == "bench" and args.delta:
+        from memsem_bench.delta import run_delta
+
+        return run_delta(args)
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
 

@@ -398,7 +398,7 @@ class Runtime:
 
     def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
                            align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None,
-                           replace: bool = False):
+                           replace: bool = False, delta_history: int = 4):
         """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
         versioned window; returns its :class:`memsem.StateDictRef`.
 
@@ -423,6 +423,14 @@ class Runtime:
             align: byte alignment of every tensor in the window (a power of two).
             bucket_bytes: the layout's bucket size for ``stream`` (consecutive tensors).
             write_guard: see ``publish`` (``"protect"`` works here: memsem owns the memory).
+            delta_history: versions of delta history kept (0: none), so that readers holding
+                a version move only what changed (``StateDictRef.load(base=)``, the follower
+                loop): after each commit a background thread of this runtime digests the new
+                version's tiles and records what changed since the one before (sparse
+                patches, changed tiles), off the writer's path. What it costs: that thread's
+                CPU (about one read of the window, plus one of the previous version's slot
+                for the tiles that changed) and at most ``delta_history`` records in memory,
+                each at most a quarter of the state dict's bytes (docs/weight-sync.md).
 
         One window: one registration per engine, one small ref (``to_bytes``: tens of bytes),
         the layout (names, shapes, dtypes, offsets, alignment, buckets) carried once, in the
@@ -435,7 +443,8 @@ class Runtime:
         from memsem.refs._state_dict import publish_state_dict
 
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
-                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace,
+                                  delta_history=delta_history)
 
     def lookup_state_dict(self, name: str, *, timeout: float = 0.0):
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
@@ -446,7 +455,7 @@ class Runtime:
         return lookup_state_dict(self._core, name, timeout=timeout)
 
     def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
-               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False):
+               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False, delta: bool = True):
         """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
         ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
         that version (bit-exact). See :mod:`memsem.refs._follow`.
@@ -475,6 +484,9 @@ class Runtime:
                 each carry their own data, whose owner keeps every version readable until the
                 follower is done with it); a version gone, a retired window or a dead owner
                 are raised, never skipped over.
+            delta: once a state dict's version is loaded into the tensors, load each next one
+                as a delta: only what changed since (``StateDictRef.load(base=)``: checked
+                against the writer's digests, a full load otherwise); False: in full each time.
 
         Returns:
             A :class:`memsem.refs._follow.Follower` (``version``, ``generation``, ``loads``,
@@ -487,7 +499,7 @@ class Runtime:
         from memsem.refs._follow import follow
 
         return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
-                      every=every)
+                      every=every, delta=delta)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw"):
