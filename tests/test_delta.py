@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import numpy as np
 import pytest
@@ -294,6 +293,24 @@ def test_changed_ranges_cover_every_changed_byte_and_nothing_is_claimed_beyond_t
     assert ref.changed_ranges(v2 - 1, v2) == []  # nothing changed in the last one
     with pytest.raises(ValueError, match="a < b"):
         ref.changed_ranges(3, 3)
+
+
+@pytest.mark.parametrize("delta, why", [
+    ([1], "delta must be an object"), ({"index": 5, "tile_bytes": 65536, "history": 4}, "delta.index"),
+    ({"index": "zz", "tile_bytes": 65536, "history": 4}, "not hex"),
+    ({"index": "00", "tile_bytes": 0, "history": 4}, "tile_bytes"),
+    ({"index": "00", "tile_bytes": 65536, "history": True}, "history")])
+def test_a_layouts_delta_entry_is_checked(delta, why):
+    import json
+
+    from memsem.refs._state_dict import _HEAD, LAYOUT_MAGIC, StateDictLayout
+
+    lay = StateDictLayout.build([("w", 1, (4,), 4)], align=64, bucket_bytes=1 << 20, framework="numpy")
+    d = json.loads(lay.header()[_HEAD.size:].rstrip(b"\0"))
+    d["delta"] = delta
+    body = json.dumps(d).encode()
+    with pytest.raises(ValueError, match=why):
+        StateDictLayout.parse(_HEAD.pack(LAYOUT_MAGIC, 4096, len(body)), body, 1 << 20)
 
 
 def test_without_a_history_there_is_nothing_to_move_but_everything(rt):

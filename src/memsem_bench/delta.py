@@ -10,6 +10,8 @@ synthetic change (1% and 100% of the elements, chosen at random in every tensor)
 * each reader, in an order reversed every other round: a delta load (``load(into, base=v - 1)``
   into tensors holding v - 1) and a full load of v into other tensors, both timed, both compared
   bit for bit (they must agree, and the reader's digest check passed or the load was full);
+  whichever runs first after a commit is slower (cold caches at the owner), so the ratio of a
+  round is combined with the next one's, whose order is the other (their geometric mean);
 * bytes moved are the reader's own count (``stats().deltas``): the index, the records (patches:
   2 bytes of index beside each changed value) and the tiles moved whole.
 
@@ -27,8 +29,8 @@ state dict of the same shapes), interleaved: the background thread's cost as the
 Keys (the last line of stdout with ``--json``; ``GOALS``): ``delta_bytes_ratio_1pct``,
 ``delta_vs_full_1pct`` and ``delta_vs_full_100pct`` (the tcp reader: across nodes, where bytes
 are time; ``*_same_node`` the same on the trainer's node), ``delta_adamw_bytes_ratio``,
-``delta_trainer_blocked_ms``; ratios are medians of per-round ratios, ``<key>_spread`` their
-[p10, p90].
+``delta_trainer_blocked_ms``; ratios are medians (of per-round ratios, for load times of pairs
+of rounds), ``<key>_spread`` their [p10, p90].
 
     python -m memsem_bench.delta [--quick] [--json]
 """
@@ -200,6 +202,13 @@ class _Proc:
             self.p.wait(5)
 
 
+def _paired(values: list[float]) -> list[float]:
+    """Per-round ratios combined two by two (the geometric mean of a round and the next, whose
+    order is the other): whichever load runs first after a commit pays for it (cold caches at
+    the owner), and a pair pays it once on each side."""
+    return [(a * b) ** 0.5 for a, b in zip(values[0::2], values[1::2])] or values
+
+
 def _stat(values: list[float]) -> tuple[float | None, list[float] | None]:
     if not values:
         return None, None
@@ -211,7 +220,7 @@ def _stat(values: list[float]) -> tuple[float | None, list[float] | None]:
 def figures(quick: bool = False, mib: int | None = None, log: Any = None) -> dict[str, Any]:
     """Run the trainer and both readers; the figures (see the module docstring)."""
     a = argparse.Namespace(mib=mib or int(os.environ.get("MEMSEM_DELTA_MIB", "256")))
-    rounds = 3 if quick else 7
+    rounds = 4 if quick else 8  # even: each order of the two loads as often
     log = log or (lambda s: None)
     job = f"benchdelta{os.getpid()}{secrets.token_hex(2)}"
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,6 +242,7 @@ def figures(quick: bool = False, mib: int | None = None, log: Any = None) -> dic
         rec: dict[str, list] = {}
         rnd = 0
         for label, cmd in (("1pct", {"change": 0.01}), ("100pct", {"change": 1.0}), ("adamw", {"adamw": True})):
+            rnd += rnd % 2  # each label starts a pair of rounds
             for i in range(rounds if label != "adamw" else max(2, rounds // 2)):
                 log(f"delta: {label} round {i + 1}")
                 tr.send(round=rnd, **cmd)
@@ -252,7 +262,7 @@ def figures(quick: bool = False, mib: int | None = None, log: Any = None) -> dic
                 rows = rec[f"{label}/{name}"]
                 suffix = "" if name == "tcp" else "_same_node"
                 ratio, spread = _stat([r["delta_moved"] / r["delta_loaded"] for r in rows])
-                vs, vs_spread = _stat([r["delta_s"] / r["full_s"] for r in rows])
+                vs, vs_spread = _stat(_paired([r["delta_s"] / r["full_s"] for r in rows]))
                 key = "delta_adamw_bytes_ratio" if label == "adamw" else f"delta_bytes_ratio_{label}"
                 fig[key + suffix], fig[key + suffix + "_spread"] = ratio, spread
                 fig[f"delta_vs_full_{label}{suffix}"], fig[f"delta_vs_full_{label}{suffix}_spread"] = vs, vs_spread

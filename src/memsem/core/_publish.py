@@ -413,7 +413,7 @@ class Publisher:
 
     # -- write sections (memsem.core._sections) ----------------------------------------------
     def open_section(self, specs_or_names: Sequence[RefSpec | str], *, copy: bool = True,
-                     timeout: float | None = None) -> WriteSection:
+                     timeout: float | None = None, counted: bool = True) -> WriteSection:
         """Open a write section on one or more windows this runtime owns (see
         :class:`memsem.core._sections.WriteSection`). Blocking: waits up to ``timeout`` s
         (default the runtime's) for leases pinning versions the section overwrites.
@@ -439,14 +439,14 @@ class Publisher:
                 raise ValueError(f"windows[{i}]: {o.label} appears twice")
             seen.add(o.info.gva)
             owned.append(o)
-        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry)
+        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry, counted=counted)
 
     def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
-                      timeout: float | None = None) -> WriteSection:
+                      timeout: float | None = None, counted: bool = True) -> WriteSection:
         """A :class:`WriteSection` (context manager) on one window or a set of windows."""
         if isinstance(spec_or_name, (RefSpec, str)):
-            return self.open_section([spec_or_name], copy=copy, timeout=timeout)
-        return self.open_section(list(spec_or_name), copy=copy, timeout=timeout)
+            return self.open_section([spec_or_name], copy=copy, timeout=timeout, counted=counted)
+        return self.open_section(list(spec_or_name), copy=copy, timeout=timeout, counted=counted)
 
     # -- retire ---------------------------------------------------------------------------------
     def retire(self, owned: Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:

@@ -244,9 +244,11 @@ class RuntimeCore:
         """``stop``: the caller's check after every slice of the wait (``Wait``'s ``stop``)."""
         return self.names.lookup(name, timeout, stop=stop)
 
-    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
+    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None,
+                      counted: bool = True) -> Any:
+        """``counted=False``: memsem's own bookkeeping, not counted in ``stats().write_sections``."""
         self.check_open()
-        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout)
+        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout, counted=counted)
 
     def watch_commits(self, spec: RefSpec, watcher: Any) -> Any:
         """Owner: tell ``watcher`` (a ``memsem.core.CommitWatch``) every commit of ``spec``'s

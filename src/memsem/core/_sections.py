@@ -44,10 +44,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telemetry: "Telemetry") -> "WriteSection":
+def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telemetry: "Telemetry",
+                  counted: bool = True) -> "WriteSection":
     """Open one write section over ``owned`` windows (in GVA order: two sections never wait on
     each other); waits up to ``timeout`` s in all for pinning leases. All or nothing: a failure
-    rolls back the windows already opened.
+    rolls back the windows already opened. ``counted``: its commit counts in the telemetry's
+    write sections (False: memsem's own bookkeeping, a delta history's index).
 
     Raises:
         ValueError: no window. LeaseHeldError, OwnerWriteError, MemsemError: see
@@ -67,7 +69,7 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telem
         raise
     for it in items:  # all open: now the bytes may change
         it.prepare(copy)
-    return WriteSection(items, telemetry)
+    return WriteSection(items, telemetry if counted else None)
 
 
 def _open_one(o: "Owned", wait: Wait) -> "_Item":
@@ -188,7 +190,7 @@ class WriteSection:
         copied: whether the target slots were filled with the latest version's bytes first.
     """
 
-    def __init__(self, items: list[_Item], telemetry: "Telemetry") -> None:
+    def __init__(self, items: list[_Item], telemetry: "Telemetry | None") -> None:
         self._items = items
         self._telemetry = telemetry
         self._done = False
@@ -232,7 +234,8 @@ class WriteSection:
         self._done = True
         for it in self._items:
             it.commit()
-        self._telemetry.record_sections(self.blocked_s)
+        if self._telemetry is not None:
+            self._telemetry.record_sections(self.blocked_s)
         return self.version
 
     def abort(self) -> None:

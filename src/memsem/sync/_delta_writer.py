@@ -291,7 +291,7 @@ class DeltaHistory:
         of the history. False (and the history stops) when the index is not in step."""
         core = self._core
         try:
-            with core.write_section(self.index, copy=True) as sec:
+            with core.write_section(self.index, copy=True, counted=False) as sec:
                 arr = sec.array().reshape(-1).view(np.uint8)
                 write_entry(arr, self.history, entry)
                 set_latency(arr, latency_s)
