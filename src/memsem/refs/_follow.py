@@ -122,8 +122,9 @@ class Follower:
             raise TypeError(f"delta must be True or False, got {delta!r}")
         self.every = every
         self.delta = delta
-        #: the tensors the last load filled and the window it read (a delta's base: see ``_load``)
-        self._held: tuple[Any, int, int] | None = None
+        #: the tensors the last load filled, the window it read and the version it put there (a
+        #: delta's base: see ``_load``)
+        self._held: tuple[Any, int, int, int] | None = None
         self._pin = pin
         self._pin_ttl = _args.ttl(pin_ttl, "pin_ttl")
         self._source: Followable | None = None
@@ -356,12 +357,12 @@ class Follower:
         try:
             version = lease.version if lease is not None else exact
             if is_sd:
-                # the tensors hold self.version of this window as the last load left them: a delta
+                # the tensors hold the version the last load put there, as it left them: a delta
                 held, self._held = self._held, None
-                base = self.version if (self.delta and held is not None and held[0] is dst
-                                        and held[1:] == (ref.spec.gva, ref.spec.generation)) else 0
+                base = held[3] if (self.delta and held is not None and held[0] is dst
+                                   and held[1:3] == (ref.spec.gva, ref.spec.generation)) else 0
                 v = ref.load(dst, version=version, lease=lease, base=base)
-                self._held = (dst, ref.spec.gva, ref.spec.generation)
+                self._held = (dst, ref.spec.gva, ref.spec.generation, v)
                 return v
             return ref.get(dst, version=version, lease=lease, with_version=True).version
         finally:
