@@ -127,8 +127,8 @@ class DeltaHistory:
         self.label = "a state dict"
         self._lock = threading.Lock()
         self._stopped = False
-        self._cleaned = False
         self._pending: dict[int, float] = {}  # version -> perf_counter() of its commit
+        self._cleaned = False
         self._next = 2  # the next version to record (version 1 is recorded here)
         self._records: dict[int, RefSpec] = {}
         self._slots: Any = None
@@ -183,7 +183,7 @@ class DeltaHistory:
     def retiring(self) -> None:
         with self._lock:  # the keeper's thread reads no slot or control word after this
             self._stopped = True
-        self._keeper.wake(self)  # it unpublishes the history's windows
+        self._cleanup()  # the history goes with its window (the retire's caller holds its owner's lock)
 
     # -- the keeper's thread -------------------------------------------------------------------------
     def work(self) -> None:
@@ -254,7 +254,14 @@ class DeltaHistory:
             rec.payload[:] = payload
         self._prev = (v, dg)
         spec = core.publish_spec(rec.raw, access="r")
-        self._records[v] = spec
+        with self._lock:
+            gone = self._cleaned
+            if not gone:
+                self._records[v] = spec
+        if gone:  # the window retired meanwhile: the record goes too
+            with contextlib.suppress(MemsemError):
+                core.unpublish_spec(spec, timeout=core.timeout)
+            return None
         return Entry(v, KIND_RECORD, rec.raw.nbytes, rec.payload.nbytes, rec.dense_bytes, spec.to_bytes())
 
     def _scan(self, new_addr: np.ndarray, old_addr: np.ndarray,
@@ -313,13 +320,17 @@ class DeltaHistory:
         return True
 
     def _cleanup(self) -> None:
-        if self._cleaned or self._core.closed:
+        """Unpublish the index and the records (once; a closing runtime retires them itself)."""
+        with self._lock:
+            if self._cleaned:
+                return
+            self._cleaned = True
+            specs, self._records = [*self._records.values(), self.index], {}
+        if self._core.closed:
             return
-        self._cleaned = True
-        for spec in [*self._records.values(), self.index]:
+        for spec in specs:
             with contextlib.suppress(MemsemError):
                 self._core.unpublish_spec(spec, timeout=self._core.timeout)
-        self._records.clear()
 
 
 __all__ = ["CHUNK_BYTES", "DeltaHistory", "DeltaKeeper", "chunks", "digest_tiles"]
