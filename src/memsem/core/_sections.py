@@ -289,8 +289,10 @@ class CommittedSlots:
         self.label = owned.label
 
     def holds(self, version: int) -> bool:
-        """Whether ``version`` is committed and its slot holds it now (not being overwritten)."""
+        """Whether ``version`` is committed and its slot holds it now (not being overwritten).
+        A full fence first: the reads of the slot before the call are ordered before it."""
         cb = self._owned.cb
+        native.lib.memsem_fence_seq_cst()
         return cb.seq(cb.slot_of(version)) == version << 1
 
     def latest(self) -> int:
