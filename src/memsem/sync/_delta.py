@@ -275,8 +275,11 @@ class DeltaVersions:
         def full() -> int:
             return ref.load_full(ranges, keep, version=version, lease=lease)
 
-        target = version or (lease.version if lease is not None and lease.version else core.latest_version(ref.spec))
-        if base > target or (wait is None and plan.slower(full_s)):
+        pinned = version or (lease.version if lease is not None else 0)
+        target = pinned or core.latest_version(ref.spec)
+        # the latest read here may lag the owner's (across nodes it is a mirror): then the full
+        # load asks the owner for its latest
+        if base > target or (base == target and not pinned) or (wait is None and plan.slower(full_s)):
             return full()
         moved = 0
         try:
