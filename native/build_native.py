@@ -32,7 +32,7 @@ ffibuilder.cdef(_cdef_from_header((HERE / "memsem_native.h").read_text()))
 ffibuilder.set_source(
     "memsem._native",
     '#include "memsem_native.h"',
-    sources=[str((HERE / name).relative_to(HERE.parent)) for name in ("memsem_native.c", "memsem_wait.c", "memsem_pipe.c")],
+    sources=[str((HERE / name).relative_to(HERE.parent)) for name in ("memsem_native.c", "memsem_wait.c", "memsem_pipe.c", "memsem_delta.c")],
     include_dirs=[str(HERE.relative_to(HERE.parent))],
     extra_compile_args=["-O2", "-std=gnu11", "-pthread"],
     extra_link_args=["-pthread"],

@@ -417,4 +417,35 @@ int memsem_wait_any(struct memsem_wait_word *words, int n, uint64_t deadline_ns,
 void memsem_wait_bump(uint32_t *word);
 /* ---- end of async word waiter ---------------------------------------------------------------- */
 
+/* ---- delta versions (native/memsem_delta.c; memsem/sync/_delta*.py) ------------------------
+ * A tile is a run of at most 65536 elements of one tensor (a patch's element indices are
+ * uint16). The *_tiles calls take parallel arrays indexed by tile (addresses as integers) and
+ * allocate nothing; callers split the tiles among threads (cffi drops the GIL around each). */
+#define MEMSEM_DELTA_DENSE 4294967295  /* a tile's count: changed, and moved whole */
+/* 64-bit digest of nbytes at addr (built like XXH3's long-input path): not cryptographic. */
+uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed);
+/* out[i] = memsem_digest(addr[i], nbytes[i], 0) for every tile. */
+void memsem_digest_tiles(const uint64_t *addr, const uint64_t *nbytes, uint64_t n, uint64_t *out);
+/* What changed in each tile since the previous version, in one pass over it (the tile stays in
+ * cache): digest[i] = its digest at new_addr[i]; count[i] = 0 when it equals prev_digest[i]
+ * (prev_digest may be NULL: none), else the elements (itemsize[i] bytes: 1, 2, 4 or 8) that differ
+ * from old_addr[i], written as a patch at out (patches one after another, in tile order: count
+ * uint16 element indices, ascending, padded to 8 bytes, then the count new values, padded to 8;
+ * padding zeroed), or MEMSEM_DELTA_DENSE when there is no old_addr[i] (0), more than limit[i]
+ * differ, or the patch would take the patches past out_cap bytes. Returns the bytes written. */
+uint64_t memsem_record_tiles(const uint64_t *new_addr, const uint64_t *old_addr, const uint64_t *nbytes,
+                             const uint32_t *itemsize, const uint32_t *limit, const uint64_t *prev_digest, uint64_t n,
+                             uint64_t *digest, uint32_t *count, uint64_t out, uint64_t out_cap);
+/* Apply the patch at patch[i] (record_tiles' layout) to the tile at dst[i] (nbytes[i] bytes) for
+ * every tile whose count is neither 0 nor MEMSEM_DELTA_DENSE. An index past its tile is not
+ * written; returns how many there were (0 normally: else the patch is not the writer's). */
+uint64_t memsem_patch_tiles(const uint64_t *dst, const uint64_t *nbytes, const uint32_t *itemsize,
+                            const uint32_t *count, const uint64_t *patch, uint64_t n);
+/* patch_tiles (count may be NULL: no patches), each tile then digested while in cache and
+ * compared with expected[i]: returns the tiles that do not match (a patch index past its tile
+ * counts as a mismatch). */
+uint64_t memsem_check_tiles(const uint64_t *dst, const uint64_t *nbytes, const uint32_t *itemsize,
+                            const uint32_t *count, const uint64_t *patch, const uint64_t *expected, uint64_t n);
+/* ---- end of delta versions ------------------------------------------------------------------ */
+
 #endif

@@ -278,6 +278,16 @@ def _consumer_of_a_state_dict(ctx: Ctx, name: str = "policy") -> tuple[Any, dict
     return rt, {k: np.zeros_like(v) for k, v in model.items()}
 
 
+def p_weight_sync_delta(ctx: Ctx) -> dict:
+    rt, local = _consumer_of_a_state_dict(ctx)
+    return {"rt": rt, "sd": rt.lookup_state_dict("policy", timeout=WAIT_S), "model_state": local}
+
+
+def c_weight_sync_delta(a: dict, b: dict) -> None:
+    step = int(a["model_state"]["step"])  # one version throughout: w and step agree with it
+    assert a["v"] == step + 1 and (a["model_state"]["w"] == step).all() and a["moved"] > 0
+
+
 def p_howto_step(ctx: Ctx) -> dict:
     rt, local = _consumer_of_a_state_dict(ctx)
     return {"sd": rt.lookup_state_dict("policy", timeout=WAIT_S), "local": local}
@@ -411,6 +421,7 @@ RUN: dict[tuple[str, str], Run] = {
     ("docs/weight-sync.md", "rt.write_section(ref)"): Run(p_weight_sync_sections, check=c_weight_sync_sections),
     ("docs/weight-sync.md", "rt.follow(\"policy\""): Run(p_weight_sync_follow, check=c_weight_sync_follow),
     ("docs/weight-sync.md", "name=\"tiny\""): Run(p_weight_sync_sharded, check=c_weight_sync_sharded),
+    ("docs/weight-sync.md", "sd.load(model_state, base=v)"): Run(p_weight_sync_delta, check=c_weight_sync_delta),
 }
 
 #: files none of whose blocks is code to run, with the reason

@@ -249,3 +249,18 @@ def test_ray_transport_table_and_goals():
     assert "ray_gloo_vs_memsem_256MiB >= 1.5: 1.2 (not met)" in out
     assert "ray_store_vs_memsem_64KiB >= 1.5: - (skipped)" in out
     assert "ray_memsem_cross_node_ok: True" in out and "note: gloo: none" in out
+
+
+def test_the_delta_bench_is_wired_and_names_the_issues_keys(monkeypatch):
+    """``memsem bench --delta`` runs memsem_bench.delta (issue 36) and judges the issue's keys."""
+    from memsem import cli
+    from memsem_bench import delta as D
+
+    seen = []
+    monkeypatch.setattr(D, "run_delta", lambda args: seen.append((args.delta, args.json)) or 0)
+    assert cli.main(["bench", "--delta", "--json"]) == 0 and seen == [(True, True)]
+    assert set(D.GOALS) == {"delta_bytes_ratio_1pct", "delta_vs_full_1pct", "delta_vs_full_100pct",
+                            "delta_adamw_bytes_ratio", "delta_trainer_blocked_ms"}
+    assert D.GOALS["delta_bytes_ratio_1pct"][1](0.05) and not D.GOALS["delta_bytes_ratio_1pct"][1](0.06)
+    assert D.GOALS["delta_adamw_bytes_ratio"][1] is None  # reported, with the measured changed fraction
+    assert sum(n for _, n in D._shapes(256)) * 2 == 256 << 20  # the state dict is the issue's 256 MiB

@@ -397,7 +397,7 @@ class Runtime:
 
     def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
                            align: int = 64, bucket_bytes: int = 64 << 20, write_guard: str | None = None,
-                           replace: bool = False):
+                           replace: bool = False, delta_history: int = 4):
         """Publish a mapping of named tensors (``model.state_dict()``, torch or numpy) as one
         versioned window; returns its :class:`memsem.StateDictRef`.
 
@@ -422,6 +422,14 @@ class Runtime:
             align: byte alignment of every tensor in the window (a power of two).
             bucket_bytes: the layout's bucket size for ``stream`` (consecutive tensors).
             write_guard: see ``publish`` (``"protect"`` works here: memsem owns the memory).
+            delta_history: versions of delta history kept (0: none), so that readers holding
+                a version move only what changed (``StateDictRef.load(base=)``, the follower
+                loop): after each commit a background thread of this runtime digests the new
+                version's tiles and records what changed since the one before (sparse
+                patches, changed tiles), off the writer's path. What it costs: that thread's
+                CPU (about one read of the window, plus one of the previous version's slot
+                for the tiles that changed) and at most ``delta_history`` records in memory,
+                each at most a quarter of the state dict's bytes (docs/weight-sync.md).
 
         One window: one registration per engine, one small ref (``to_bytes``: tens of bytes),
         the layout (names, shapes, dtypes, offsets, alignment, buckets) carried once, in the
@@ -432,7 +440,8 @@ class Runtime:
             publish (named), a bad align/bucket_bytes/slots.
         """
         return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
-                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace)
+                                  bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace,
+                                  delta_history=delta_history)
 
     def lookup_state_dict(self, name: str, *, timeout: float = 0.0):
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
@@ -441,7 +450,8 @@ class Runtime:
         return lookup_state_dict(self._core, name, timeout=timeout)
 
     def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
-               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False, reader: str | None = None):
+               pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False, reader: str | None = None,
+               delta: bool = True):
         """Follow the versions of ``source``: an iterator (sync and ``async for``) yielding
         ``(version, tensors)`` for each newer version it loads, ``tensors`` holding exactly
         that version (bit-exact). See :mod:`memsem.sync._follow`.
@@ -475,6 +485,9 @@ class Runtime:
                 (1..48 characters of ``[A-Za-z0-9._-]``; default ``"rank<R>-<n>"``): the
                 writer's :meth:`wait_loaded` waits for readers by these names. Use a stable
                 name per rollout process (``"rollout-0"``) for lockstep syncs.
+            delta: once a state dict's version is loaded into the tensors, load each next one
+                as a delta: only what changed since (``StateDictRef.load(base=)``: checked
+                against the writer's digests, a full load otherwise); False: in full each time.
 
         Returns:
             A :class:`memsem.sync._follow.Follower` (``version``, ``generation``, ``loads``,
@@ -485,7 +498,7 @@ class Runtime:
             the iterator raises as :meth:`memsem.sync._follow.Follower.next`.
         """
         return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
-                      every=every, reader=reader)
+                      every=every, reader=reader, delta=delta)
 
     def wait_loaded(self, source: Any, version: int, *, readers: Sequence[str] | None = None,
                     n: int | None = None, timeout: float | None = None) -> dict[str, int]:

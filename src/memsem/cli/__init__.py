@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                    "rollout replicas of TP 2, reshard on read against gather+broadcast and DTensor (needs torch)")
     b.add_argument("--ray", action="store_true", help="memsem as a Ray tensor transport against Ray's object store "
                    "and gloo, 4 receiving actors (in an interpreter that has Ray: .venv-tq)")
+    b.add_argument("--delta", action="store_true", help="delta versions: bytes moved and load time of a delta "
+                   "against a full load of the same version (synthetic 1%% / 100%% changes, AdamW bf16 steps)")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(fig))
         return 0
+    if args.cmd == "bench" and args.delta:
+        from memsem_bench.delta import run_delta
+
+        return run_delta(args)
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
 

@@ -9,10 +9,10 @@ from memsem.core._completion import Batch, Completion, RangeResult, State
 from memsem.core._runtime_core import CLOSE_TIMEOUT, DEFAULT_TIMEOUT, RuntimeCore, current_core, default_core, default_engines
 from memsem.core._gc import collect
 from memsem.core._lease import Lease
-from memsem.core._sections import WriteSection
+from memsem.core._sections import CommitWatch, CommittedSlots, WriteSection
 from memsem.core._telemetry import Stats
 from memsem.core._routes import ROUTE_STALE, CopyRoute, PlanRoute, WireRoute
 from memsem.core._wait import Wait
 
-__all__ = ["ATTENTION", "Outcome", "Status", "settle", "Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
+__all__ = ["CommitWatch", "CommittedSlots", "ATTENTION", "Outcome", "Status", "settle", "Batch", "Completion", "RangeResult", "State", "collect", "CLOSE_TIMEOUT", "DEFAULT_TIMEOUT",
            "Lease", "PlanRoute", "ROUTE_STALE", "CopyRoute", "WireRoute", "RuntimeCore", "current_core", "default_core", "default_engines", "Stats", "Wait", "WriteSection"]

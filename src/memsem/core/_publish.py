@@ -76,7 +76,7 @@ from memsem.gva._control_block import (
 )
 from memsem.native import Segment
 from memsem.core import _translate as tr
-from memsem.core._sections import WriteSection, format_left, open_sections
+from memsem.core._sections import CommitWatch, CommittedSlots, WriteSection, format_left, open_sections
 from memsem.core._wait import Wait
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class Owned:
     #: telemetry: sections committed and seconds writers waited for pinned leases
     sections: int = 0
     blocked_s: float = 0.0
+    #: what watches its commits (``CommitWatch``: a state dict's delta history), told at retire
+    watchers: list = dataclasses.field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -420,7 +422,7 @@ class Publisher:
 
     # -- write sections (memsem.core._sections) ----------------------------------------------
     def open_section(self, specs_or_names: Sequence[RefSpec | str], *, copy: bool = True,
-                     timeout: float | None = None) -> WriteSection:
+                     timeout: float | None = None, counted: bool = True) -> WriteSection:
         """Open a write section on one or more windows this runtime owns (see
         :class:`memsem.core._sections.WriteSection`). Blocking: waits up to ``timeout`` s
         (default the runtime's) for leases pinning versions the section overwrites.
@@ -446,14 +448,14 @@ class Publisher:
                 raise ValueError(f"windows[{i}]: {o.label} appears twice")
             seen.add(o.info.gva)
             owned.append(o)
-        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry)
+        return open_sections(owned, copy=copy, timeout=t, telemetry=core.telemetry, counted=counted)
 
     def write_section(self, spec_or_name: RefSpec | str | Sequence[RefSpec | str], *, copy: bool = True,
-                      timeout: float | None = None) -> WriteSection:
+                      timeout: float | None = None, counted: bool = True) -> WriteSection:
         """A :class:`WriteSection` (context manager) on one window or a set of windows."""
         if isinstance(spec_or_name, (RefSpec, str)):
-            return self.open_section([spec_or_name], copy=copy, timeout=timeout)
-        return self.open_section(list(spec_or_name), copy=copy, timeout=timeout)
+            return self.open_section([spec_or_name], copy=copy, timeout=timeout, counted=counted)
+        return self.open_section(list(spec_or_name), copy=copy, timeout=timeout, counted=counted)
 
     # -- retire ---------------------------------------------------------------------------------
     def retire(self, owned: Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:
@@ -479,6 +481,12 @@ class Publisher:
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
                         "held by " + ", ".join(f"pid {p} ({format_left(left)})" for p, left in holders),
                         holders=holders)
+            watchers, owned.watchers = owned.watchers, []
+            for w in watchers:  # they stop reading the slots and control words now
+                try:
+                    w.retiring()
+                except Exception:  # noqa: BLE001 - the retire goes on
+                    log.exception("%s: a commit watcher failed at retire", label)
             self.retired[(owned.info.gva, owned.generation)] = None  # the generation its refs hold
             if len(self.retired) > RETIRED_KEPT:
                 del self.retired[next(iter(self.retired))]
@@ -594,6 +602,18 @@ class Publisher:
                 and not (allow_retiring and owned.retiring):
             raise tr.stale(spec_or_name, owned.generation)
         return owned
+
+    def watch_commits(self, spec: RefSpec, watcher: CommitWatch) -> CommittedSlots:
+        """Tell ``watcher`` every commit of ``spec``'s window (this runtime owns it) from now on,
+        and its retire; returns the view of its committed slots the watcher reads.
+
+        Raises:
+            WindowNotFoundError / StaleReferenceError: not a live window of this runtime.
+        """
+        with self.lock:
+            owned = self.owned_for(spec)
+            owned.watchers.append(watcher)
+        return CommittedSlots(owned)
 
     def lease_holders(self, spec: RefSpec) -> list[tuple[int, float]]:
         """``(pid, seconds left)`` of unexpired leases of live holders on a window this runtime

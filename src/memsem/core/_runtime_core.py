@@ -141,6 +141,10 @@ class RuntimeCore:
         self.leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
         #: objects of higher layers (pipelines) closed before this runtime closes
         self.children: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: one object per runtime of a higher layer, by name (``part``), closed like children
+        self._parts: dict[str, Any] = {}
+        #: threads for CPU work that drops the GIL (``cpu_map``), made on first use
+        self._cpu: cf.ThreadPoolExecutor | None = None
         self.engines: dict[str, Engine] = {}
         self.available: dict[str, Availability] = {}
         names = list(engines) if engines is not None else default_engines(directory)
@@ -253,9 +257,43 @@ class RuntimeCore:
         """``stop``: the caller's check after every slice of the wait (``Wait``'s ``stop``)."""
         return self.names.lookup(name, timeout, stop=stop)
 
-    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
+    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None,
+                      counted: bool = True) -> Any:
+        """``counted=False``: memsem's own bookkeeping, not counted in ``stats().write_sections``."""
         self.check_open()
-        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout)
+        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout, counted=counted)
+
+    def watch_commits(self, spec: RefSpec, watcher: Any) -> Any:
+        """Owner: tell ``watcher`` (a ``memsem.core.CommitWatch``) every commit of ``spec``'s
+        window and its retire; returns the window's ``CommittedSlots``."""
+        self.check_open()
+        return self.publisher.watch_commits(spec, watcher)
+
+    # -- parts of higher layers, and CPU work -------------------------------------------------------
+    def part(self, name: str, make: Callable[[], Any]) -> Any:
+        """The one object ``name`` of a higher layer this runtime holds (``make()`` on first
+        use); closed (``close()``) before this runtime closes, like ``children``."""
+        with self._lock:
+            self.check_open()
+            obj = self._parts.get(name)
+            if obj is None:
+                obj = self._parts[name] = make()
+            return obj
+
+    def cpu_map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]`` on this runtime's CPU threads (``os.cpu_count()``, at most
+        16; made on first use), for native work that drops the GIL (digests of tiles). Blocking;
+        the first error is raised after every call ended. Never call it from inside ``fn``."""
+        if len(items) <= 1:
+            return [fn(x) for x in items]
+        with self._lock:
+            self.check_open()
+            if self._cpu is None:
+                self._cpu = cf.ThreadPoolExecutor(max_workers=cpu_threads(), thread_name_prefix="memsem-cpu")
+            pool = self._cpu
+        futs = [pool.submit(fn, x) for x in items]
+        cf.wait(futs)
+        return [f.result() for f in futs]
 
     # -- versions (consumer side: _versions) -------------------------------------------------------
     def latest_version(self, spec: RefSpec) -> int:
@@ -410,7 +448,9 @@ class RuntimeCore:
         t = CLOSE_TIMEOUT if timeout is None else _args.timeout(timeout, "timeout")
         t = min(t, self.timeout) if timeout is None else t
         deadline = time.monotonic() + t
-        for child in list(self.children):
+        with self._lock:
+            parts, self._parts = list(self._parts.values()), {}
+        for child in parts + list(self.children):
             try:
                 child.close()
             except Exception:
@@ -420,6 +460,8 @@ class RuntimeCore:
             # Every step runs whatever the ones before it met (a failure is logged, never a
             # reason to leave segments, records or threads behind).
             self._pool.shutdown(wait=False, cancel_futures=True)  # queued work ends CANCELLED
+            if self._cpu is not None:
+                self._cpu.shutdown(wait=False)
             # Running tasks get the close deadline to finish; later, each holds what it uses
             # (its resolution's mappings) and fails with RuntimeClosedError at its next step.
             _step("waiting for running tasks", lambda: self.transfers.wait_idle(max(0.0, deadline - time.monotonic())))
@@ -455,6 +497,15 @@ def _step(what: str, fn: Any) -> Any:
     except Exception:  # noqa: BLE001 - close finishes whatever fails inside it
         log.warning("memsem close: %s failed", what, exc_info=True)
         return None
+
+
+def cpu_threads() -> int:
+    """Threads of a runtime's CPU pool (``cpu_map``): the CPUs this process may run on, 1 to 16."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(16, n))
 
 
 def default_engines(directory: str | None = None) -> list[str]:

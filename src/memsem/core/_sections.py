@@ -11,6 +11,9 @@ generation; docs/weight-sync.md).
   futex-wake both words (version waiters and readers waiting on the sequence).
 * a body that raises leaves the slot's sequence odd (its bytes are garbage): with two slots
   readers keep reading ``latest``; with one slot they wait for the next section.
+* watchers (``CommitWatch``): bookkeeping done after a commit, off the writer's path (a state
+  dict's delta history): told each committed version and its slot on the writer's thread (they
+  only take note), and told before the window retires (they stop reading its slots first).
 * write guard (debug/testing): ``"protect"`` keeps memsem-allocated, page-aligned slots
   read-only (mprotect) between sections, so an owner store outside a section faults
   (SIGSEGV); ``"checksum"`` records a crc32 of the committed slot and the next section verifies
@@ -20,9 +23,10 @@ The owner's windows themselves (``Owned``) and the retire protocol live in ``_pu
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,11 +41,15 @@ if TYPE_CHECKING:
     from memsem.core._publish import Owned
     from memsem.core._telemetry import Telemetry
 
+log = logging.getLogger(__name__)
 
-def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telemetry: "Telemetry") -> "WriteSection":
+
+def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telemetry: "Telemetry",
+                  counted: bool = True) -> "WriteSection":
     """Open one write section over ``owned`` windows (in GVA order: two sections never wait on
     each other); waits up to ``timeout`` s in all for pinning leases. All or nothing: a failure
-    rolls back the windows already opened.
+    rolls back the windows already opened. ``counted``: its commit counts in the telemetry's
+    write sections (False: memsem's own bookkeeping, a delta history's index).
 
     Raises:
         ValueError: no window. LeaseHeldError, OwnerWriteError, MemsemError: see
@@ -61,7 +69,7 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telem
         raise
     for it in items:  # all open: now the bytes may change
         it.prepare(copy)
-    return WriteSection(items, telemetry)
+    return WriteSection(items, telemetry if counted else None)
 
 
 def _open_one(o: "Owned", wait: Wait) -> "_Item":
@@ -152,6 +160,11 @@ class _Item:
         o.sections += 1
         o.blocked_s += self.blocked_s
         o.section_lock.release()
+        for w in o.watchers:
+            try:
+                w.committed(self.version, self.slot)
+            except Exception:  # noqa: BLE001 - the version is committed; a watcher's failure is its own
+                log.exception("%s: a commit watcher failed on version %d", o.label, self.version)
 
     def abort(self) -> None:
         o, cb = self.owned, self.owned.cb
@@ -177,7 +190,7 @@ class WriteSection:
         copied: whether the target slots were filled with the latest version's bytes first.
     """
 
-    def __init__(self, items: list[_Item], telemetry: "Telemetry") -> None:
+    def __init__(self, items: list[_Item], telemetry: "Telemetry | None") -> None:
         self._items = items
         self._telemetry = telemetry
         self._done = False
@@ -221,7 +234,8 @@ class WriteSection:
         self._done = True
         for it in self._items:
             it.commit()
-        self._telemetry.record_sections(self.blocked_s)
+        if self._telemetry is not None:
+            self._telemetry.record_sections(self.blocked_s)
         return self.version
 
     def abort(self) -> None:
@@ -244,6 +258,52 @@ class WriteSection:
     def __repr__(self) -> str:
         state = "open" if not self._done else "closed"
         return f"<WriteSection {state} {self.versions}>"
+
+
+class CommitWatch(Protocol):
+    """What watches the commits of a window its runtime owns (``RuntimeCore.watch_commits``)."""
+
+    def committed(self, version: int, slot: int) -> None:
+        """``version`` was committed into data slot ``slot``. Called on the writer's thread right
+        after the commit (the section lock is released): take note and return, never block."""
+
+    def retiring(self) -> None:
+        """The window retires (unpublish, republish, close): stop reading its slots and control
+        words before returning (the caller goes on to release them)."""
+
+
+class CommittedSlots:
+    """The owner's view of the committed versions of one of its windows, for a watcher's work
+    after a commit (``RuntimeCore.watch_commits``): a version's bytes in place, and whether its
+    slot still holds it (a seqlock check: read, then ask ``holds`` again; a version whose slot
+    moved meanwhile was overwritten under the read, and what was read is not that version).
+
+    Use it only until the watcher's ``retiring`` was called: the control block goes after that.
+    The arrays it returns keep the slots' memory mapped for as long as they live.
+    """
+
+    def __init__(self, owned: "Owned") -> None:
+        self._owned = owned
+        self.n_slots = owned.n_slots
+        self.nbytes = owned.info.nbytes
+        self.label = owned.label
+
+    def holds(self, version: int) -> bool:
+        """Whether ``version`` is committed and its slot holds it now (not being overwritten).
+        A full fence first: the reads of the slot before the call are ordered before it."""
+        cb = self._owned.cb
+        native.lib.memsem_fence_seq_cst()
+        return cb.seq(cb.slot_of(version)) == version << 1
+
+    def latest(self) -> int:
+        """The latest committed version."""
+        return self._owned.cb.latest
+
+    def array(self, version: int) -> np.ndarray:
+        """The bytes of the slot ``version`` lives in, as a flat uint8 array over the memory
+        itself (read it, then check ``holds(version)``)."""
+        o = self._owned
+        return o.slot_array(o.cb.slot_of(version)).reshape(-1).view(np.uint8)
 
 
 def _wait_pins(cb: ControlBlock, new: int, wait: Wait, label: str) -> float:
@@ -275,4 +335,4 @@ def format_left(seconds: float) -> str:
     return "held until released" if seconds == float("inf") else f"{seconds:.2f} s left"
 
 
-__all__ = ["WriteSection", "format_left", "open_sections"]
+__all__ = ["CommitWatch", "CommittedSlots", "WriteSection", "format_left", "open_sections"]

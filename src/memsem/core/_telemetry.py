@@ -28,6 +28,9 @@ _NB = native.LAT_BUCKETS
 _PIPE_FOLD = 256
 #: lower bound in ns of every latency bucket (the last bucket is open-ended)
 BUCKET_FLOOR_NS = np.array([native.lib.memsem_lat_bucket_floor(b) for b in range(_NB)], np.float64)
+#: delta-version counters (``Stats.deltas``)
+DELTA_KEYS = ("loads_delta", "loads_full", "mismatches", "bytes_moved", "bytes_loaded", "records", "records_none",
+              "record_s", "commit_hook_s")
 #: error kinds counted (``Stats.errors``)
 ERROR_KINDS = ("stale", "torn", "busy", "lease_expired", "peer_lost", "timeout")
 #: the route of latency samples whose operation is not one route (an xcopy batch may span several)
@@ -69,6 +72,15 @@ class Stats:
             ``peer_lost`` and ``timeout`` outcomes.
         leases_held: leases this runtime holds now.
         resolutions: resolutions cached now (each holds its window's mappings).
+        deltas: state-dict loads of this runtime (``StateDictRef.load``, the follower loop):
+            ``loads_delta`` (moved only what changed since the version the buffers held),
+            ``loads_full``, ``mismatches`` (a delta's result failed the writer's digests: loaded
+            in full instead), ``bytes_moved`` (bytes the loads moved: a delta's patches and
+            changed tiles, a full load's tensors), ``bytes_loaded`` (bytes of the tensors the
+            loads filled); and, as a writer, ``records`` (delta records its histories made),
+            ``records_none`` (versions recorded without a delta: overwritten first, or no
+            previous version), ``record_s`` (seconds its background thread spent on them) and
+            ``commit_hook_s`` (seconds of the writers' own threads spent noting commits for it).
         followers: per followed name (``Runtime.follow`` loops of this runtime that are open),
             ``held`` (the version the follower loaded last; 0 before its first load),
             ``latest`` (the writer's latest committed version, read now: a read of the
@@ -95,6 +107,7 @@ class Stats:
         default_factory=dict, repr=False)
     write_sections: dict[str, float] = dataclasses.field(default_factory=dict)
     followers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    deltas: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +140,7 @@ class Telemetry:
         #: deque are atomic: a pipeline's close takes no lock)
         self._pipes: collections.deque[tuple] = collections.deque()
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+        self._deltas: dict[str, float] = dict.fromkeys(DELTA_KEYS, 0)
         #: the follower loops of this runtime (held weakly: a follower nobody iterates goes)
         self._followers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -218,6 +232,13 @@ class Telemetry:
         """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
         with self._lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def count_delta(self, **amounts: float) -> None:
+        """Add ``amounts`` to the delta counters (keys of ``DELTA_KEYS``)."""
+        with self._lock:
+            d = self._deltas
+            for k, v in amounts.items():
+                d[k] += v
 
     def record_sections(self, blocked_s: float) -> None:
         """Count one committed write section and the seconds its open waited for pins."""
@@ -320,9 +341,10 @@ class Telemetry:
             self._fold_pipelines()
             pipelines = dict(self.pipelines)
             sections = {"committed": self._sections[0], "blocked_s": self._sections[1]}
+            deltas = dict(self._deltas)
         return Stats({r: c[1] for r, c in routes.items()}, {r: c[0] for r, c in routes.items()},
                      self.bounce_bytes, dict(self.registrations), lat, rss, windows, pipelines,
-                     errors, leases, resolutions, lat_hist, by_route, sections, self._staleness())
+                     errors, leases, resolutions, lat_hist, by_route, sections, self._staleness(), deltas)
 
 
 def _prometheus_buckets(h: np.ndarray, sum_ns: int) -> dict[str, Any]:

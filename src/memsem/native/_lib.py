@@ -94,6 +94,46 @@ def memcpy(dst: int, src: int, nbytes: int) -> None:
     lib.memsem_memcpy(_cast(_voidp, dst), _cast(_voidp, src), nbytes)
 
 
+# -- delta versions (native/memsem_delta.c): each array argument is the address of a C array,
+#    indexed by tile (uint64 unless named otherwise); the caller keeps them alive and sized ----------
+#: a tile's count meaning "changed, moved whole" (else: 0 unchanged, or the elements of its patch)
+DELTA_DENSE = lib.MEMSEM_DELTA_DENSE
+
+
+def digest(addr: int, nbytes: int, seed: int = 0) -> int:
+    """The 64-bit digest (not cryptographic) of ``nbytes`` at ``addr``, GIL released."""
+    return lib.memsem_digest(addr, nbytes, seed)
+
+
+def digest_tiles(addr: int, nbytes: int, n: int, out: int) -> None:
+    """``out[i]`` = the digest of tile ``i`` (at ``addr[i]``, ``nbytes[i]`` bytes), ``n`` tiles."""
+    lib.memsem_digest_tiles(_cast(_u64p, addr), _cast(_u64p, nbytes), n, _cast(_u64p, out))
+
+
+def record_tiles(new: int, old: int, nbytes: int, itemsize: int, limit: int, prev: int, n: int, digest: int,
+                 count: int, out: int, out_cap: int) -> int:
+    """Digest each tile at ``new[i]`` and find what changed since ``old[i]`` (see the header:
+    ``prev`` 0 for no previous digests); returns the bytes of patches written at ``out``."""
+    return lib.memsem_record_tiles(_cast(_u64p, new), _cast(_u64p, old), _cast(_u64p, nbytes), _cast(_u32p, itemsize),
+                                   _cast(_u32p, limit), _cast(_u64p, prev) if prev else ffi.NULL, n,
+                                   _cast(_u64p, digest), _cast(_u32p, count), out, out_cap)
+
+
+def patch_tiles(dst: int, nbytes: int, itemsize: int, count: int, patch: int, n: int) -> int:
+    """Apply the patch at ``patch[i]`` to each sparse tile at ``dst[i]``; returns the indices that
+    fell outside their tile (not written; 0 normally)."""
+    return lib.memsem_patch_tiles(_cast(_u64p, dst), _cast(_u64p, nbytes), _cast(_u32p, itemsize),
+                                  _cast(_u32p, count), _cast(_u64p, patch), n)
+
+
+def check_tiles(dst: int, nbytes: int, itemsize: int, count: int, patch: int, expected: int, n: int) -> int:
+    """``patch_tiles`` (``count`` 0: none), then each tile's digest against ``expected[i]``;
+    returns the tiles that do not match."""
+    return lib.memsem_check_tiles(_cast(_u64p, dst), _cast(_u64p, nbytes), _cast(_u32p, itemsize),
+                                  _cast(_u32p, count) if count else ffi.NULL, _cast(_u64p, patch) if patch else ffi.NULL,
+                                  _cast(_u64p, expected), n)
+
+
 class UseWord:
     """A native use word (see ``native/memsem_native.h``): counts the holders of a resource and
     tells exactly one caller when to release it (the closer, or the last holder to leave).

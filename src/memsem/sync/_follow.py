@@ -20,6 +20,12 @@ and the loop handles, without the caller seeing them:
   seconds in all, then raises ``MemsemTimeoutError`` naming what it waited for. No error of
   the caller (a destination that does not fit) is retried.
 
+**Deltas.** Once the loop holds a version of a state dict in its tensors, each next load moves
+only what changed since (``StateDictRef.load(base=)``: the owner's delta history, checked
+against the writer's digests, a full load when the check fails or the history does not cover
+it); ``delta=False`` loads in full every time. A step loaded into other tensors (``next(into=)``)
+than the step before loads in full.
+
 Each load pins the version it reads (a lease at the owner, ``TensorRef.pin``) for the load's
 duration, so a load always completes against a trainer that commits every step: the owner waits
 for the pin (never longer than ``pin_ttl``) instead of overwriting the version under the reader.
@@ -110,7 +116,8 @@ class Follower:
 
     def __init__(self, core: RuntimeCore, source: Any, *, into: Any = None, timeout: float | None = None,
                  after: int = 0, pin: bool = True, pin_ttl: float | None = DEFAULT_PIN_TTL,
-                 every: bool = False, reader: str | None = None) -> None:
+                 every: bool = False, reader: str | None = None,
+                 delta: bool = True) -> None:
         self._core = core
         #: this follower's name in its acknowledgements (``wait_loaded``)
         self.reader = _acks.check_reader(reader) if reader is not None else f"rank{core.rank}-{next(_READERS)}"
@@ -121,7 +128,13 @@ class Follower:
             raise TypeError(f"pin must be True or False, got {pin!r}")
         if not isinstance(every, bool):
             raise TypeError(f"every must be True or False, got {every!r}")
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be True or False, got {delta!r}")
         self.every = every
+        self.delta = delta
+        #: the tensors the last load filled, the window it read and the version it put there (a
+        #: delta's base: see ``_load``)
+        self._held: tuple[Any, int, int, int] | None = None
         self._pin = pin
         self._pin_ttl = _args.ttl(pin_ttl, "pin_ttl")
         self._source: Followable | None = None
@@ -374,7 +387,13 @@ class Follower:
         try:
             version = lease.version if lease is not None else exact
             if is_sd:
-                return ref.load(dst, version=version, lease=lease)
+                # the tensors hold the version the last load put there, as it left them: a delta
+                held, self._held = self._held, None
+                base = held[3] if (self.delta and held is not None and held[0] is dst
+                                   and held[1:3] == (ref.spec.gva, ref.spec.generation)) else 0
+                v = ref.load(dst, version=version, lease=lease, base=base)
+                self._held = (dst, ref.spec.gva, ref.spec.generation, v)
+                return v
             return ref.get(dst, version=version, lease=lease, with_version=True).version
         finally:
             if lease is not None:

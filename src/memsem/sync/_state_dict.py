@@ -20,6 +20,12 @@ gets, cached per window generation). Then:
   every bucket from one version pinned by a lease for the stream's duration;
 * ``get()`` returns a new dict.
 
+**Delta versions** (``memsem.sync._delta``, the layer above, installs them): by default the
+owner keeps a bounded history of what each commit changed (``delta_history`` versions), and a
+reader whose tensors hold version ``v`` as memsem left them loads a later one with
+``load(into, base=v)``, moving only what changed, checked against the writer's digests (a
+mismatch loads in full). The follower loop does that by default.
+
 The layout is carried once and never changes within a generation (a different set of tensors
 is a republish). The framework (numpy or torch) of the published tensors is recorded; 0-d and
 empty tensors and every dtype memsem supports (bf16 and fp8 through ml_dtypes) are allowed.
@@ -34,8 +40,9 @@ import json
 import math
 import struct
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,6 +64,55 @@ DEFAULT_ALIGN = 64
 DEFAULT_BUCKET_BYTES = 64 << 20
 _UINT8 = _dtypes.code_of("uint8")
 _layouts: dict[tuple[int, int, bytes], "StateDictLayout"] = {}
+#: versions of delta history an owner keeps by default (``publish_state_dict(delta_history=)``)
+DEFAULT_DELTA_HISTORY = 4
+#: seconds the last full load of each window took here (what a delta's wait may save)
+_full_s: dict[tuple[int, int, bytes], float] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaInfo:
+    """Where a state dict's delta history is (``StateDictLayout.delta``).
+
+    Attributes:
+        index: the serialized ref (``RefSpec`` bytes) of the history's index window.
+        tile_bytes: bytes per tile (a tensor's bytes are tiled from its start: the unit of digests
+            and of changes). history: versions the owner keeps.
+    """
+
+    index: bytes
+    tile_bytes: int
+    history: int
+
+
+class DeltaVersions(Protocol):
+    """What the sync layer gives state dicts: delta versions (``memsem.sync._delta``).
+
+    ``begin`` runs before the state dict's window is published (its history's windows are
+    published first, their ref goes into the layout); ``attach`` once the window exists (the
+    history then watches its commits); ``abandon`` when the publish failed in between.
+    """
+
+    def begin(self, core: RuntimeCore, layout: "StateDictLayout", sources: list[int], history: int) -> tuple[DeltaInfo, Any]: ...
+
+    def attach(self, token: Any, ref: "StateDictRef") -> None: ...
+
+    def abandon(self, token: Any) -> None: ...
+
+    def load(self, ref: "StateDictRef", entries: Any, ranges: list, keep: list, *, base: int, version: int,
+             lease: Lease | None, wait: float | None, full_s: float | None) -> int: ...
+
+    def changed_ranges(self, ref: "StateDictRef", a: int, b: int, timeout: float | None) -> list[tuple[int, int]] | None: ...
+
+
+_delta: DeltaVersions | None = None
+
+
+def install_delta_versions(impl: DeltaVersions) -> None:
+    """Called once by ``memsem.sync`` (the layer above): what ``publish_state_dict``'s history,
+    ``load(base=)`` and ``changed_ranges`` use."""
+    global _delta
+    _delta = impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +145,8 @@ class StateDictLayout:
         every tensor. header_bytes: bytes of the header before the data. data_bytes: bytes of
         the data. buckets: ``(first entry, stop entry)`` index ranges of consecutive tensors of
         at most ``bucket_bytes`` (a bigger tensor is a bucket alone). framework: "torch" or
-        "numpy" (what ``get`` returns by default).
+        "numpy" (what ``get`` returns by default). delta: where the owner's delta history is
+        (None: it keeps none).
     """
 
     entries: tuple[TensorEntry, ...]
@@ -98,6 +155,7 @@ class StateDictLayout:
     data_bytes: int
     buckets: tuple[tuple[int, int], ...]
     framework: str
+    delta: DeltaInfo | None = None
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +176,7 @@ class StateDictLayout:
     # -- build and (de)serialize ------------------------------------------------------------------
     @classmethod
     def build(cls, tensors: list[tuple[str, int, tuple[int, ...], int]], *, align: int, bucket_bytes: int,
-              framework: str) -> "StateDictLayout":
+              framework: str, delta: DeltaInfo | None = None) -> "StateDictLayout":
         """From ``(name, dtype_code, shape, nbytes)`` in order."""
         entries = []
         off = 0
@@ -135,20 +193,24 @@ class StateDictLayout:
             size += e.nbytes
         if entries:
             buckets.append((start, len(entries)))
-        body = cls._json(entries, align, buckets, framework, off)
+        body = cls._json(entries, align, buckets, framework, off, delta)
         header = -(-(_HEAD.size + len(body)) // align) * align
-        return cls(tuple(entries), align, header, off, tuple(buckets), framework)
+        return cls(tuple(entries), align, header, off, tuple(buckets), framework, delta)
 
     @staticmethod
-    def _json(entries: Any, align: int, buckets: Any, framework: str, data_bytes: int) -> bytes:
-        return json.dumps({"v": 1, "align": align, "framework": framework, "data_bytes": data_bytes,
-                           "tensors": [[e.name, _dtypes.name_of(e.dtype_code), list(e.shape), e.offset, e.nbytes]
-                                       for e in entries],
-                           "buckets": [list(b) for b in buckets]}, separators=(",", ":")).encode()
+    def _json(entries: Any, align: int, buckets: Any, framework: str, data_bytes: int,
+              delta: DeltaInfo | None = None) -> bytes:
+        d: dict[str, Any] = {"v": 1, "align": align, "framework": framework, "data_bytes": data_bytes,
+                             "tensors": [[e.name, _dtypes.name_of(e.dtype_code), list(e.shape), e.offset, e.nbytes]
+                                         for e in entries],
+                             "buckets": [list(b) for b in buckets]}
+        if delta is not None:
+            d["delta"] = {"index": delta.index.hex(), "tile_bytes": delta.tile_bytes, "history": delta.history}
+        return json.dumps(d, separators=(",", ":")).encode()
 
     def header(self) -> bytes:
         """The header bytes (``header_bytes`` long, zero-padded)."""
-        body = self._json(self.entries, self.align, self.buckets, self.framework, self.data_bytes)
+        body = self._json(self.entries, self.align, self.buckets, self.framework, self.data_bytes, self.delta)
         raw = _HEAD.pack(LAYOUT_MAGIC, self.header_bytes, len(body)) + body
         return raw + b"\0" * (self.header_bytes - len(raw))
 
@@ -218,7 +280,26 @@ class StateDictLayout:
             out_b.append((b[0], b[1]))
         if prev != len(entries):
             raise ValueError("state-dict layout: buckets do not cover every tensor")
-        return cls(tuple(entries), align, header_bytes, data_bytes, tuple(out_b), framework)
+        return cls(tuple(entries), align, header_bytes, data_bytes, tuple(out_b), framework, _parse_delta(d.get("delta")))
+
+
+def _parse_delta(d: Any) -> DeltaInfo | None:
+    """The layout's ``delta`` entry, checked (None: absent)."""
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise ValueError("state-dict layout: delta must be an object")
+    index, tile, hist = d.get("index"), d.get("tile_bytes"), d.get("history")
+    if not isinstance(index, str) or not 0 < len(index) <= 2048:
+        raise ValueError("state-dict layout: delta.index must be a hex string of at most 2048 characters")
+    try:
+        raw = bytes.fromhex(index)
+    except ValueError:
+        raise ValueError("state-dict layout: delta.index is not hex") from None
+    for v, what, lo, hi in ((tile, "tile_bytes", 1, 1 << 30), (hist, "history", 1, 1 << 16)):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ValueError(f"state-dict layout: delta.{what} must be an int in [{lo}, {hi}], got {v!r}")
+    return DeltaInfo(raw, tile, hist)
 
 
 def _torch_view(arr: np.ndarray, code: int) -> Any:
@@ -420,7 +501,7 @@ class StateDictRef(TensorRef):
         return lay.entries
 
     def load(self, into: Mapping[str, Any], *, version: int = 0, lease: Lease | None = None,
-             strict: bool = True) -> int:
+             strict: bool = True, base: int = 0, delta_wait: float | None = None) -> int:
         """Copy every tensor of one version into the existing tensors of ``into``; returns the
         version loaded. Blocking; bit-exact.
 
@@ -433,9 +514,24 @@ class StateDictRef(TensorRef):
                 missing from ``into``, or one ``into`` has and the state dict lacks (a tensor
                 that would silently keep its old values: a renamed parameter), raises KeyError
                 naming them. False: loads the names both have and leaves the rest of ``into``.
+            base: the version ``into`` holds as memsem last left it (what an earlier ``load``
+                into these tensors returned); 0 (default): unknown. Given, and the owner keeps a
+                delta history covering ``base`` to the version loaded, only what changed moves
+                (the patches and changed tiles of the versions after ``base``); the result is
+                checked against the writer's digests of that version, every tile of ``into``,
+                and anything else (``into`` changed since, the history does not cover it, the
+                delta is not cheaper) is a full load: never a mix of versions.
+            delta_wait: with ``base``, seconds to wait for the owner's delta record of the
+                version (made in the background after its commit) before loading in full.
+                None (default): a delta only where it pays: waiting at most the time the last
+                full load here took less the last delta load's (at most 2 s), not at all while
+                the owner's records take longer than that, and in full while the last delta
+                load here was slower than the last full load (a delta is tried again every
+                16 loads; ``memsem.sync._delta``).
 
         Same node, one native bracket spans every copy (one version check, no per-tensor round
         trip); a torn bracket is redone whole. On an error ``into``'s contents are unspecified.
+        ``rt.stats().deltas`` counts delta and full loads and the bytes they moved.
 
         Raises:
             KeyError: with ``strict``, names missing from ``into`` or not in the state dict
@@ -446,7 +542,50 @@ class StateDictRef(TensorRef):
         """
         entries = self._entries_for(into, strict)
         ranges, keep = self.ranges(into, entries, "into")
-        return self._core().gather(self.spec, ranges, version=version, lease=lease, keep=keep)
+        if base.__class__ is not int or base:
+            base = _args.version(base, "base")
+        if delta_wait is not None:
+            delta_wait = _args.timeout(delta_wait, "delta_wait")
+        if base and _delta is not None and self.layout.delta is not None:
+            return _delta.load(self, entries, ranges, keep, base=base, version=version, lease=lease, wait=delta_wait,
+                               full_s=_full_s.get(_cache_key(self.spec)))
+        return self.load_full(ranges, keep, version=version, lease=lease)
+
+    def load_full(self, ranges: list[tuple[int, int, int]], keep: Any, *, version: int = 0,
+                  lease: Lease | None = None) -> int:
+        """``load`` of ``ranges`` (``self.ranges``) in full, counted in ``stats().deltas``."""
+        core = self._core()
+        t0 = time.perf_counter()
+        v = core.gather(self.spec, ranges, version=version, lease=lease, keep=keep)
+        if len(_full_s) > 1024:
+            _full_s.clear()
+        _full_s[_cache_key(self.spec)] = time.perf_counter() - t0
+        n = sum(r[1] for r in ranges)
+        core.telemetry.count_delta(loads_full=1, bytes_moved=n, bytes_loaded=n)
+        return v
+
+    def changed_ranges(self, a: int, b: int, *, timeout: float | None = None) -> list[tuple[int, int]] | None:
+        """The byte ranges of this window that changed from version ``a`` to version ``b``
+        (``a < b``), from the owner's delta history: ``(offset, nbytes)`` into the window (the
+        ``offset`` of ``ranges``), ascending and coalesced, whole tiles (``layout.delta``'s
+        ``tile_bytes``, tiled from each tensor's start); every byte outside them is the same
+        in both versions. None when the history does not cover ``a`` to ``b`` (the owner keeps
+        none, or not that far back, or a version was recorded without a delta): then treat
+        everything as changed. Waits up to ``timeout`` s (default the runtime's) for the owner
+        to record ``b``. What a reader of part of each tensor (a reshard plan) intersects with
+        its own ranges to move only what changed.
+
+        Raises:
+            TypeError / ValueError: ``a`` / ``b`` not versions, or ``a >= b``.
+        """
+        a, b = _args.version(a, "a"), _args.version(b, "b")
+        if not 0 < a < b:
+            raise ValueError(f"changed_ranges needs versions 0 < a < b, got a={a}, b={b}")
+        if timeout is not None:
+            timeout = _args.timeout(timeout, "timeout")
+        if _delta is None or self.layout.delta is None:
+            return None
+        return _delta.changed_ranges(self, a, b, timeout)
 
     def load_async(self, into: Mapping[str, Any], *, version: int = 0, lease: Lease | None = None,
                    strict: bool = True) -> Completion:
@@ -633,10 +772,12 @@ def _torch_ok() -> bool:
 
 def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name: str | None = None,
                        slots: int = 2, align: int = DEFAULT_ALIGN, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                       write_guard: str | None = None, replace: bool = False) -> StateDictRef:
+                       write_guard: str | None = None, replace: bool = False,
+                       delta_history: int = DEFAULT_DELTA_HISTORY) -> StateDictRef:
     """See ``memsem.Runtime.publish_state_dict``."""
     if name is not None:
         name = _args.window_name(name, "name")  # before anything is allocated or copied
+    delta_history = _args.count(delta_history, "delta_history", minimum=0, maximum=64)
     if not isinstance(state_dict, Mapping) or not state_dict:
         raise ValueError("state_dict must be a non-empty mapping of name to tensor")
     align = _args.count(align, "align", minimum=1, maximum=1 << 20, unit="bytes")
@@ -652,18 +793,30 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
         infos.append((key, info))
         frameworks.add(info.framework)
     fw = "torch" if "torch" in frameworks else "numpy"
-    lay = StateDictLayout.build([(k, i.dtype_code, tuple(i.shape), i.nbytes) for k, i in infos], align=align,
-                                bucket_bytes=bucket_bytes, framework=fw)
-    total = lay.nbytes
-    buf = core.alloc_array(total, np.uint8) if slots == 1 else np.empty(total, np.uint8)
-    buf[:lay.header_bytes] = np.frombuffer(lay.header(), np.uint8)
-    base = buf.ctypes.data + lay.header_bytes
-    for (k, info), e in zip(infos, lay.entries):
-        if e.nbytes:
-            native.memcpy(base + e.offset, info.address, e.nbytes)
-    spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard, replace=replace)
+    tensors = [(k, i.dtype_code, tuple(i.shape), i.nbytes) for k, i in infos]
+    lay = StateDictLayout.build(tensors, align=align, bucket_bytes=bucket_bytes, framework=fw)
+    token = None
+    if delta_history and _delta is not None:
+        # the history's windows first: the layout carries their ref (version 1's digests)
+        info_d, token = _delta.begin(core, lay, [i.address for _, i in infos], delta_history)
+        lay = StateDictLayout.build(tensors, align=align, bucket_bytes=bucket_bytes, framework=fw, delta=info_d)
+    try:
+        total = lay.nbytes
+        buf = core.alloc_array(total, np.uint8) if slots == 1 else np.empty(total, np.uint8)
+        buf[:lay.header_bytes] = np.frombuffer(lay.header(), np.uint8)
+        base = buf.ctypes.data + lay.header_bytes
+        for (k, info), e in zip(infos, lay.entries):
+            if e.nbytes:
+                native.memcpy(base + e.offset, info.address, e.nbytes)
+        spec = core.publish_spec(buf, name=name, access="r", slots=slots, write_guard=write_guard, replace=replace)
+    except BaseException:
+        if token is not None:
+            _delta.abandon(token)
+        raise
     ref = StateDictRef(spec, core)
     _layouts[_cache_key(spec)] = lay
+    if token is not None:
+        _delta.attach(token, ref)
     return ref
 
 
@@ -678,5 +831,6 @@ def lookup_state_dict(core: RuntimeCore, name: str, *, timeout: float = 0.0,
     return ref
 
 
-__all__ = ["StateDictLayout", "StateDictRef", "StateDictSection", "StreamBucket", "TensorEntry",
-           "lookup_state_dict", "publish_state_dict"]
+__all__ = ["DEFAULT_DELTA_HISTORY", "DeltaInfo", "DeltaVersions", "StateDictLayout", "StateDictRef",
+           "StateDictSection", "StreamBucket", "TensorEntry", "install_delta_versions", "lookup_state_dict",
+           "publish_state_dict"]
