@@ -75,10 +75,10 @@ def digest(arr: np.ndarray) -> str:
 
 
 # -- agent: one node = one forked process with its own Runtime ---------------------------------------
-def _c_publish(rt, st, name, nbytes, access, seed):
+def _c_publish(rt, st, name, nbytes, access, seed, replace=False):
     arr = pattern(nbytes, seed)
     st[name] = arr
-    ref = rt.publish(arr, name=name, access=access)
+    ref = rt.publish(arr, name=name, access=access, replace=replace)
     st["ref:" + name] = ref
     return ref.to_bytes()
 
@@ -292,7 +292,7 @@ def _c_result(rt, st, key, timeout):
 
 def _c_republish_tiled(rt, st, name, tile_bytes):
     arr = st[name]
-    ref = rt.publish(arr, name=name, access="rw", tile_bytes=tile_bytes)
+    ref = rt.publish(arr, name=name, access="rw", tile_bytes=tile_bytes, replace=True)
     st["ref:" + name] = ref
     return ref.to_bytes()
 
@@ -890,7 +890,7 @@ def test_stale_rkey_after_republish(nodes):
     got, _ = consumer("get", ref1)
     assert got == owner("digest", "stale")
     regs_before = owner("owner_stats")["engine"]
-    ref2 = owner("publish", "stale", 4096, "rw", 32)  # republish: generation bump, MR re-registered
+    ref2 = owner("publish", "stale", 4096, "rw", 32, True)  # republish (replace=True): generation bump, MR re-registered
     regs_after = owner("owner_stats")["engine"]
     assert regs_after["registrations"] == regs_before["registrations"] + 1
     assert regs_after["deregistrations"] == regs_before["deregistrations"] + 1
