@@ -180,3 +180,51 @@ def test_wait_loaded_refuses_a_version_before_the_first_and_an_unnamed_ref(rt):
         rt.wait_loaded(rt.publish(np.zeros(2, np.float32)), 1, n=1)
     with pytest.raises(ValueError, match="reader must be 1..48"):
         rt.follow("policy", reader="a/b")
+
+
+def test_a_followers_record_goes_when_it_is_dropped_or_its_runtime_closes(rt):
+    """No acknowledgement outlives its follower: closed, dropped unclosed (a ``for`` loop left by
+    an exception) or its runtime closed; nothing of it stays in the job's directory."""
+    import gc
+
+    from memsem.sync import _acks
+
+    sd = rt.publish_state_dict({"w": np.zeros(4, np.float32)}, name="policy")
+
+    def records() -> dict:
+        return rt.core.directory.entries(_acks.prefix("policy"))
+
+    with memsem.Runtime(timeout=5) as r:
+        f = r.follow("policy", reader="dropped", timeout=5)
+        assert f.next()[0] == 1 and set(records()) == {_acks.prefix("policy") + "dropped"}
+        del f
+        gc.collect()
+        assert records() == {}
+        g = r.follow("policy", reader="kept", timeout=5)
+        assert g.next()[0] == 1 and len(records()) == 1
+    assert records() == {}  # the runtime closed its follower first
+    assert sd.version() == 1
+
+
+def test_a_dead_readers_record_is_collected(rt):
+    """A reader killed (SIGKILL: nothing of it runs again) leaves its acknowledgement; the next
+    runtime on the node removes it (memsem.core._gc), so no job folder is kept by it."""
+    import subprocess
+    import sys
+
+    from memsem.core import _gc
+    from memsem.sync import _acks
+
+    rt.publish_state_dict({"w": np.zeros(4, np.float32)}, name="policy")
+    code = ("import memsem, os, signal\n"
+            "r = memsem.Runtime(timeout=20)\n"
+            "f = r.follow('policy', reader='killed', timeout=20)\n"
+            "f.next()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert p.returncode == -9
+    entries = rt.core.directory.entries(_acks.prefix("policy"))
+    assert list(entries) == [_acks.prefix("policy") + "killed"]  # left by the dead reader
+    report = _gc.collect()
+    assert any("acknowledgement of reader 'killed'" in why for _, why in report), list(report)
+    assert rt.core.directory.entries(_acks.prefix("policy")) == {}

@@ -12,7 +12,8 @@ finds can make it raise: a Runtime start never fails because of a planted or cor
 Inside a job folder of the ``local`` directory it removes, for dead owners on this node: rank
 records (``r.``), window records (``w.``), the names they hold (``n.``: a name record names its
 holder) or that point at them; names whose window record is gone and whose owner rank is dead
-or gone (a death mid-republish); temporary
+or gone (a death mid-republish); readers' acknowledgements (``k.`` entries ``loaded/...``) of
+dead readers; temporary
 records (``.tmp.<pid>-<start>.<token>``) of dead writers (a death between write and rename); and
 then the folder itself when nothing is left in it.
 """
@@ -23,6 +24,7 @@ import os
 import re
 import stat
 import time
+from typing import Any
 
 from memsem.directory.local import (
     TMP_PREFIX,
@@ -170,6 +172,25 @@ def _collect_dir(parent: int, dname: str, path: str, dry_run: bool, out: GcRepor
         os.close(fd)
 
 
+#: file names of readers' acknowledgements (``memsem.sync._acks``: entries ``loaded/...``)
+_ACK_PREFIX = "k." + b"loaded/".hex()
+
+
+def _ack_leftover(fd: int, f: str, me: str, skip: Any, removals: list[tuple[str, str]]) -> None:
+    """A reader's acknowledgement of a dead process of this node is removed."""
+    try:
+        text = read_record(fd, f, max_bytes=4096)
+        if text is None:
+            return
+        rec = parse_json_record(text, f)
+        pid, start = rec.get("pid"), rec.get("start")
+    except (OSError, ValueError, AttributeError) as exc:
+        skip(f, f"unparseable acknowledgement ({exc})")
+        return
+    if rec.get("node") == me and isinstance(pid, int) and isinstance(start, int) and not process_alive(pid, start):
+        removals.append((f, f"acknowledgement of reader {rec.get('reader')!r} of dead process {pid}"))
+
+
 def _remaining(fd: int, files: list[str], out: GcReport, path: str) -> bool:
     """(dry run) Whether the folder would keep any file after the removals listed in ``out``."""
     gone = {p for p, _ in out}
@@ -242,6 +263,8 @@ def _collect_records(fd: int, path: str, files: list[str], dry_run: bool, out: G
                     names.append((f, int(text.strip(), 16)))  # a record of an older memsem: the gva
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 skip(f, f"unparseable name record ({exc})")
+        elif f.startswith(_ACK_PREFIX):
+            _ack_leftover(fd, f, me, skip, removals)
         elif f.startswith(TMP_PREFIX):
             _tmp_leftover(fd, f, skip, removals)
         elif not f.startswith(("r.", "k.")):

@@ -104,7 +104,7 @@ def runtime() -> Any:
     with _RUNTIME_LOCK:
         rt = _RUNTIME[0]
         if rt is None or rt.closed:
-            from memsem.refs import Runtime
+            from memsem import Runtime
 
             rt = _RUNTIME[0] = Runtime(timeout=min(TIMEOUT_S, 0.5 * _ray_fetch_timeout()))
             atexit.register(rt.close)

@@ -11,7 +11,8 @@ never a poll loop of its own) until the readers it names, or ``n`` readers, hold
 An entry counts only for the window's current generation (a republished name's versions count
 again from 1), and only at or past the version waited for. A follower removes its entry when
 closed; an entry of a reader that died stays at the last version that reader loaded, so it never
-counts for a later one.
+counts for a later one; the next runtime on its node removes it (``memsem.core._gc``: a record of
+a dead process).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def record(core: RuntimeCore, name: str, reader: str, version: int, generation: 
     try:
         core.directory.put_entry(prefix(name) + reader, {
             "version": int(version), "generation": int(generation), "reader": reader,
-            "pid": me.pid, "node": me.node, "rank": core.rank})
+            "pid": me.pid, "start": me.start_time, "node": me.node, "rank": core.rank})
     except NotSupportedError:
         return False
     return True

@@ -57,6 +57,7 @@ import asyncio
 import itertools
 import logging
 import time
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from memsem import _args, _dtypes
@@ -121,7 +122,10 @@ class Follower:
         self._core = core
         #: this follower's name in its acknowledgements (``wait_loaded``)
         self.reader = _acks.check_reader(reader) if reader is not None else f"rank{core.rank}-{next(_READERS)}"
-        self._acked = ""
+        #: the name this reader's acknowledgement is recorded under ("": none): removed when the
+        #: follower closes, when its runtime closes (a child of it) or when it is dropped unclosed
+        self._acked = [""]
+        self._forget = weakref.finalize(self, _forget_ack, core, self._acked, self.reader)
         self.timeout = _args.timeout_or(timeout, core.timeout, "timeout")
         self._after = _args.version(after, "after")
         if not isinstance(pin, bool):
@@ -162,6 +166,7 @@ class Follower:
         self.loaded_at: float | None = None
         self._closed = False
         core.telemetry.add_follower(self)
+        core.children.add(self)  # closed (its acknowledgement removed) before the runtime closes
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> "Follower":
@@ -188,13 +193,7 @@ class Follower:
         """End the iteration (a blocked step ends by its timeout) and remove this reader's
         acknowledgement (``wait_loaded`` no longer counts it). Safe twice."""
         self._closed = True
-        if self._acked:
-            name, self._acked = self._acked, ""
-            try:
-                _acks.forget(self._core, name, self.reader)
-            except Exception:  # noqa: BLE001 - a closed or unreachable directory: the record stays behind
-                log.debug("follower %s: its acknowledgement of %r could not be removed", self.reader, name,
-                          exc_info=True)
+        self._forget()
 
     def __enter__(self) -> "Follower":
         return self
@@ -340,9 +339,9 @@ class Follower:
         """Record that this reader holds ``self.version`` of ``name`` (``wait_loaded``)."""
         if not name:
             return
-        if self._acked and self._acked != name:
-            _acks.forget(self._core, self._acked, self.reader)
-        self._acked = name if _acks.record(self._core, name, self.reader, self.version, generation) else ""
+        if self._acked[0] and self._acked[0] != name:
+            _acks.forget(self._core, self._acked[0], self.reader)
+        self._acked[0] = name if _acks.record(self._core, name, self.reader, self.version, generation) else ""
 
     def _label(self) -> str:
         if self._name:
@@ -398,6 +397,17 @@ class Follower:
         finally:
             if lease is not None:
                 lease.release()
+
+
+def _forget_ack(core: RuntimeCore, acked: list, reader: str) -> None:
+    """Remove ``reader``'s acknowledgement of ``acked[0]`` (a follower closed or dropped)."""
+    name, acked[0] = acked[0], ""
+    if not name or core.closed:
+        return  # nothing recorded, or the runtime closed: it removed it closing its children first
+    try:
+        _acks.forget(core, name, reader)
+    except Exception:  # noqa: BLE001 - an unreachable directory: the record stays behind (a dead pid's)
+        log.debug("follower %s: its acknowledgement of %r could not be removed", reader, name, exc_info=True)
 
 
 def _is_state_dict(core: RuntimeCore, spec: Any) -> bool:
