@@ -182,9 +182,11 @@ def test_wait_loaded_refuses_a_version_before_the_first_and_an_unnamed_ref(rt):
         rt.follow("policy", reader="a/b")
 
 
-def test_a_followers_record_goes_when_it_is_dropped_or_its_runtime_closes(rt):
-    """No acknowledgement outlives its follower: closed, dropped unclosed (a ``for`` loop left by
-    an exception) or its runtime closed; nothing of it stays in the job's directory."""
+def test_a_followers_record_outlives_the_follower_and_goes_with_its_runtime(rt):
+    """A rollout that loads the last version and leaves its loop (closed, or dropped unclosed by
+    an exception) still holds that version: the writer waiting for it afterwards sees it (the
+    order forced here: the follower ends before the writer waits). The record goes when the
+    reader's runtime closes; nothing of it stays in the job's directory."""
     import gc
 
     from memsem.sync import _acks
@@ -199,11 +201,31 @@ def test_a_followers_record_goes_when_it_is_dropped_or_its_runtime_closes(rt):
         assert f.next()[0] == 1 and set(records()) == {_acks.prefix("policy") + "dropped"}
         del f
         gc.collect()
-        assert records() == {}
-        g = r.follow("policy", reader="kept", timeout=5)
-        assert g.next()[0] == 1 and len(records()) == 1
-    assert records() == {}  # the runtime closed its follower first
-    assert sd.version() == 1
+        assert rt.wait_loaded(sd, 1, readers=["dropped"], timeout=5) == {"dropped": 1}
+        sd.update({"w": np.ones(4, np.float32)})
+        with r.follow("policy", reader="closed", timeout=5) as g:
+            assert g.next()[0] == 2
+        assert rt.wait_loaded(sd, 2, readers=["closed"], timeout=5) == {"closed": 2}
+        with pytest.raises(memsem.MemsemTimeoutError, match=r"dropped \(at version 1\)"):
+            rt.wait_loaded(sd, 2, readers=["closed", "dropped"], timeout=0.2)  # 1 never counts for 2
+        assert len(records()) == 2
+    assert records() == {}  # the reader's runtime closed: its records went with it
+    with pytest.raises(memsem.MemsemTimeoutError, match=r"closed \(no version loaded\)"):
+        rt.wait_loaded(sd, 2, readers=["closed"], timeout=0.2)
+    assert sd.version() == 2
+
+
+def test_a_republished_name_keeps_one_record_per_reader(rt):
+    """A follower of a name whose window is replaced keeps one record: the new generation's."""
+    from memsem.sync import _acks
+
+    rt.publish(np.zeros(4, np.float32), name="t", slots=2)
+    with memsem.Runtime(timeout=5) as r, r.follow("t", reader="r0", timeout=5) as f:
+        assert f.next()[0] == 1
+        new = rt.publish(np.ones(4, np.float32), name="t", slots=2, replace=True)
+        assert f.next()[0] == 1 and f.generation == new.generation
+        recs = rt.core.directory.entries(_acks.prefix("t"))
+        assert [rec["generation"] for rec in recs.values()] == [new.generation]
 
 
 def test_a_dead_readers_record_is_collected(rt):

@@ -508,7 +508,8 @@ class Runtime:
         Each follower of a name records, after every version it loads, which version it holds
         (a directory entry; :mod:`memsem.sync._acks`); this waits on those records (woken by
         the directory, no polling of its own). A record counts for the window's current
-        generation only, at or past ``version``; a follower's record goes when it is closed.
+        generation only, at or past ``version``; a follower's record stays after it ends (its
+        tensors still hold that version) and goes when the follower's runtime closes.
 
         Example::
 

@@ -9,15 +9,19 @@ never a poll loop of its own) until the readers it names, or ``n`` readers, hold
 :func:`wait_loaded` (``memsem.Runtime.wait_loaded``).
 
 An entry counts only for the window's current generation (a republished name's versions count
-again from 1), and only at or past the version waited for. A follower removes its entry when
-closed; an entry of a reader that died stays at the last version that reader loaded, so it never
-counts for a later one; the next runtime on its node removes it (``memsem.core._gc``: a record of
-a dead process).
+again from 1), and only at or past the version waited for. An entry outlives its follower (a
+follower closed, or a ``for`` loop left, after loading the last version: its tensors still hold
+that version, and a writer waiting for it must see it, whatever the order of the two); it goes
+when the runtime that wrote it closes (the reader left the job), and an entry of a reader that
+died stays at the last version that reader loaded, so it never counts for a later one, until the
+next runtime on its node removes it (``memsem.core._gc``: a record of a dead process).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +29,8 @@ from memsem import _args
 from memsem._errors import MemsemTimeoutError, NotSupportedError
 from memsem.core import RuntimeCore, Wait
 from memsem.refs._tensorref import TensorRef
+
+log = logging.getLogger(__name__)
 
 #: a reader's name: 1..48 characters of ``[A-Za-z0-9._-]`` (it is part of a directory entry key)
 READER_RE = re.compile(r"[A-Za-z0-9._-]{1,48}")
@@ -45,24 +51,54 @@ def prefix(name: str) -> str:
     return f"loaded/{hashlib.sha256(name.encode()).hexdigest()[:24]}/"
 
 
+class _Written:
+    """The acknowledgements one runtime wrote (a part of it: ``RuntimeCore.part``), removed when
+    it closes."""
+
+    def __init__(self, core: RuntimeCore) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self.keys: set[str] = set()
+
+    def close(self) -> None:
+        with self._lock:
+            keys, self.keys = sorted(self.keys), set()
+        for key in keys:
+            try:
+                self._core.directory.remove_entry(key)
+            except Exception:  # noqa: BLE001 - an unreachable directory: gc removes it (a dead pid's)
+                log.debug("acknowledgement %s could not be removed", key, exc_info=True)
+
+
 def record(core: RuntimeCore, name: str, reader: str, version: int, generation: int) -> bool:
-    """Record that ``reader`` holds ``version`` of ``name`` (generation ``generation``).
+    """Record that ``reader`` holds ``version`` of ``name`` (generation ``generation``); the
+    record stays until :func:`forget` or until ``core`` closes.
 
     Returns False (recording nothing) where the directory stores no entries."""
     me = core.identity
+    key = prefix(name) + reader
+    written = core.part("sync.acks", lambda: _Written(core))
+    with written._lock:
+        written.keys.add(key)
     try:
-        core.directory.put_entry(prefix(name) + reader, {
+        core.directory.put_entry(key, {
             "version": int(version), "generation": int(generation), "reader": reader,
             "pid": me.pid, "start": me.start_time, "node": me.node, "rank": core.rank})
     except NotSupportedError:
+        with written._lock:
+            written.keys.discard(key)
         return False
     return True
 
 
 def forget(core: RuntimeCore, name: str, reader: str) -> None:
-    """Remove ``reader``'s acknowledgement of ``name`` (a follower closing)."""
+    """Remove ``reader``'s acknowledgement of ``name`` (a follower that moved to another name)."""
+    key = prefix(name) + reader
+    written = core.part("sync.acks", lambda: _Written(core))
+    with written._lock:
+        written.keys.discard(key)
     try:
-        core.directory.remove_entry(prefix(name) + reader)
+        core.directory.remove_entry(key)
     except NotSupportedError:
         pass
 

@@ -55,9 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
-import weakref
 from typing import Any, Protocol, runtime_checkable
 
 from memsem import _args, _dtypes
@@ -75,7 +73,6 @@ from memsem.sync import _acks
 from memsem.sync._state_dict import LAYOUT_MAGIC, StateDictRef
 from memsem.refs._tensorref import TensorRef, check_ref
 
-log = logging.getLogger(__name__)
 _UINT8 = _dtypes.code_of("uint8")
 #: numbers of this process's followers' default reader names
 _READERS = itertools.count(1)
@@ -122,10 +119,9 @@ class Follower:
         self._core = core
         #: this follower's name in its acknowledgements (``wait_loaded``)
         self.reader = _acks.check_reader(reader) if reader is not None else f"rank{core.rank}-{next(_READERS)}"
-        #: the name this reader's acknowledgement is recorded under ("": none): removed when the
-        #: follower closes, when its runtime closes (a child of it) or when it is dropped unclosed
-        self._acked = [""]
-        self._forget = weakref.finalize(self, _forget_ack, core, self._acked, self.reader)
+        #: the name this reader's acknowledgement is recorded under ("": none); it stays when the
+        #: follower ends (its tensors hold that version) and goes when its runtime closes
+        self._acked = ""
         self.timeout = _args.timeout_or(timeout, core.timeout, "timeout")
         self._after = _args.version(after, "after")
         if not isinstance(pin, bool):
@@ -166,7 +162,7 @@ class Follower:
         self.loaded_at: float | None = None
         self._closed = False
         core.telemetry.add_follower(self)
-        core.children.add(self)  # closed (its acknowledgement removed) before the runtime closes
+        core.children.add(self)  # closed before the runtime closes
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> "Follower":
@@ -190,10 +186,10 @@ class Follower:
         return await asyncio.get_running_loop().run_in_executor(None, self.next, into)
 
     def close(self) -> None:
-        """End the iteration (a blocked step ends by its timeout) and remove this reader's
-        acknowledgement (``wait_loaded`` no longer counts it). Safe twice."""
+        """End the iteration (a blocked step ends by its timeout). This reader's acknowledgement
+        stays (the tensors hold the version it names, and ``wait_loaded`` counts it) until its
+        runtime closes. Safe twice."""
         self._closed = True
-        self._forget()
 
     def __enter__(self) -> "Follower":
         return self
@@ -339,9 +335,9 @@ class Follower:
         """Record that this reader holds ``self.version`` of ``name`` (``wait_loaded``)."""
         if not name:
             return
-        if self._acked[0] and self._acked[0] != name:
-            _acks.forget(self._core, self._acked[0], self.reader)
-        self._acked[0] = name if _acks.record(self._core, name, self.reader, self.version, generation) else ""
+        if self._acked and self._acked != name:
+            _acks.forget(self._core, self._acked, self.reader)
+        self._acked = name if _acks.record(self._core, name, self.reader, self.version, generation) else ""
 
     def _label(self) -> str:
         if self._name:
@@ -397,17 +393,6 @@ class Follower:
         finally:
             if lease is not None:
                 lease.release()
-
-
-def _forget_ack(core: RuntimeCore, acked: list, reader: str) -> None:
-    """Remove ``reader``'s acknowledgement of ``acked[0]`` (a follower closed or dropped)."""
-    name, acked[0] = acked[0], ""
-    if not name or core.closed:
-        return  # nothing recorded, or the runtime closed: it removed it closing its children first
-    try:
-        _acks.forget(core, name, reader)
-    except Exception:  # noqa: BLE001 - an unreachable directory: the record stays behind (a dead pid's)
-        log.debug("follower %s: its acknowledgement of %r could not be removed", reader, name, exc_info=True)
 
 
 def _is_state_dict(core: RuntimeCore, spec: Any) -> bool:
