@@ -51,6 +51,15 @@ def smoke() -> bool:
     return os.environ.get("MEMSEM_BENCH_SMOKE", "") == "1"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at this moment (bound, read, released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def fmt_size(n: int) -> str:
     for unit, s in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if n >= s and n % s == 0:
