@@ -21,9 +21,10 @@ per-tile work on the rows (a reduction over each tile) is real.
 
 Figures (``workload_*``): ``workload_vs_ideal`` is the wall time of the steady steps (every step
 after the first, except the step of the kill) against their ideal: the copies at the copy
-bandwidth measured in this run (the commit: one ``np.copyto`` stream of the state dict's
-tensors; the rollouts' loads: two streams, the machine's two cores; the rows: one stream) plus
-the compute (train, the slowest rollout's generation, the trainer's per-tile work).
+bandwidth measured in the same step (after its rows were consumed, the rollouts idle, taken out
+of the step's wall time: one ``np.copyto`` stream of the state dict's tensors for the commit and
+the rows, two streams at once for each two rollouts' loads, the machine's two cores) plus the
+compute (train, the slowest rollout's generation, the trainer's per-tile work).
 ``workload_vs_ideal_with_recovery`` counts every step after the first. ``workload_recovery_s``:
 from the kill to the restarted rollout holding the current version (its own clock reading after
 the load; CLOCK_MONOTONIC is one clock for the machine); its bound is 3 x the liveness bound
@@ -215,27 +216,34 @@ class _Rollouts:
             self.conns[idx].close()
 
 
-def _copy_gbps(sd: dict[str, np.ndarray], streams: int, reps: int = 3) -> float:
-    """GB/s of ``np.copyto`` of every tensor of ``sd`` into tensors of its own, ``streams``
-    threads at once (each copying the whole state dict), best of ``reps``."""
-    dsts = [{k: np.empty_like(a) for k, a in sd.items()} for _ in range(streams)]
+class _CopyFloor:
+    """The copies of a step at the machine's bandwidth of the moment: ``np.copyto`` of every
+    tensor of the state dict into tensors of its own, one stream (a commit's copy) and two
+    streams at once (two rollouts loading at once, on two cores)."""
 
-    def one(d: dict[str, np.ndarray]) -> None:
-        for k, a in sd.items():
+    def __init__(self, sd: dict[str, np.ndarray]) -> None:
+        self.sd = sd
+        self.dsts = [{k: np.empty_like(a) for k, a in sd.items()} for _ in range(2)]
+        for d in self.dsts:
+            self._one(d)
+
+    def _one(self, d: dict[str, np.ndarray]) -> None:
+        for k, a in self.sd.items():
             np.copyto(d[k], a)
 
-    for d in dsts:
-        one(d)
-    best = float("inf")
-    for _ in range(reps):
-        ts = [threading.Thread(target=one, args=(d,)) for d in dsts]
+    def one_stream(self) -> float:
+        t0 = time.perf_counter()
+        self._one(self.dsts[0])
+        return time.perf_counter() - t0
+
+    def two_streams(self) -> float:
+        ts = [threading.Thread(target=self._one, args=(d,)) for d in self.dsts]
         t0 = time.perf_counter()
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        best = min(best, time.perf_counter() - t0)
-    return streams * sum(a.nbytes for a in sd.values()) / best / 1e9
+        return time.perf_counter() - t0
 
 
 def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int, int], seq: int,
@@ -268,7 +276,8 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
     victim = rollouts - 1
     sd = transformer_state_dict(state_bytes)
     nbytes = sum(a.nbytes for a in sd.values())
-    bw1, bw2 = _copy_gbps(sd, 1), _copy_gbps(sd, 2)
+    floor = _CopyFloor(sd)
+    floors: list[tuple[float, float]] = []
     job = f"wl{os.getpid()}-{secrets.token_hex(3)}"
     prefix = f"wl-{secrets.token_hex(3)}"
     cfg = dict(policy=f"{prefix}/policy", prefix=prefix, rows=rows, seq=seq, tile_rows=tile_rows, gen_s=gen_s,
@@ -336,6 +345,11 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
                 t_rows = time.monotonic()
                 if step == steps:
                     break
+                # this step's copies at the machine's bandwidth of the moment, the rollouts idle
+                # (waiting for the next version); taken out of the step's wall time
+                t1, t2 = floor.one_stream(), floor.two_streams()
+                floors.append((t1, t2))
+                floor_s = time.monotonic() - t_rows
                 time.sleep(train_s)  # the trainer's step (an accelerator's time)
                 for a in sd.values():  # every weight changes each step (a full load each time)
                     a.reshape(-1)[:1] += 1
@@ -348,9 +362,8 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
                         parts["commit"].append(commits[v] - t_update)
                         parts["loads"].append(loaded_last - t_step)
                         parts["rows"].append(t_rows - loaded_last)
-                    step_wall[step] = commits[v] - t_step
-                    step_ideal[step] = (nbytes / bw1 + rollouts * nbytes / bw2 + row_bytes / bw1) / 1e9 \
-                        + gen_max + train_s + work
+                    step_wall[step] = commits[v] - t_step - floor_s
+                    step_ideal[step] = t1 * (1 + row_bytes / nbytes) + t2 * rollouts / 2 + gen_max + train_s + work
             rss_end = _rss_bytes()
             for i in range(rollouts):
                 procs.conns[i].send("stop")
@@ -377,7 +390,8 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
         "workload_state_dict_MiB": round(nbytes / MiB, 1), "workload_tensors": len(sd),
         "workload_rollouts": rollouts, "workload_steps": steps, "workload_kill_step": kill_step,
         "workload_seconds": round(time.monotonic() - t_run, 2),
-        "workload_copy_GBps": round(bw1, 2), "workload_copy_2stream_GBps": round(bw2, 2),
+        "workload_copy_GBps": round(nbytes / statistics.median(f[0] for f in floors) / 1e9, 2),
+        "workload_copy_2stream_GBps": round(2 * nbytes / statistics.median(f[1] for f in floors) / 1e9, 2),
         "workload_wall_s": round(wall, 3), "workload_ideal_s": round(ideal, 3),
         "workload_vs_ideal": round(wall / ideal, 3) if ideal else None,
         "workload_vs_ideal_with_recovery": round(sum(step_wall.values()) / sum(step_ideal.values()), 3)
