@@ -29,6 +29,7 @@ from __future__ import annotations
 from memsem_bench import CHECKOUT
 
 import contextlib
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -39,13 +40,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from memsem_bench.measure import free_port
+from memsem_bench.measure import at_once, free_port
 
 _CTX = mp.get_context("spawn")
 
@@ -591,19 +591,41 @@ class TwoStreamCopy:
             np.copyto(y, x)
 
     def rep(self) -> float:
-        ts = [threading.Thread(target=np.copyto, args=(y, x)) for x, y in zip(self.src, self.dst)]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
+        return at_once([functools.partial(np.copyto, y, x) for x, y in zip(self.src, self.dst)])
 
     def gbps(self, seconds: float) -> float:
         return 2 * self.nbytes / seconds / 1e9
 
 
-class SameTensorCopy:
+class TensorCopy:
+    """Two streams copying a state dict's tensors (``src``) into two sets of tensors of their own,
+    each an ``np.copyto`` per tensor: :meth:`one_stream` runs one, :meth:`rep` both at once (the
+    machine's two cores); each returns the seconds."""
+
+    def __init__(self, src: dict[str, np.ndarray], dst: list[dict[str, np.ndarray]] | None = None) -> None:
+        self.src = src
+        self.dst = dst if dst is not None else [{k: np.empty_like(a) for k, a in src.items()} for _ in range(2)]
+        self.nbytes = sum(a.nbytes for a in src.values())
+        for d in self.dst:
+            self._one(d)
+
+    def _one(self, dst: dict[str, np.ndarray]) -> None:
+        for k, a in self.src.items():
+            np.copyto(dst[k], a)
+
+    def one_stream(self) -> float:
+        t0 = time.perf_counter()
+        self._one(self.dst[0])
+        return time.perf_counter() - t0
+
+    def rep(self) -> float:
+        return at_once([functools.partial(self._one, d) for d in self.dst])
+
+    def gbps(self, seconds: float) -> float:
+        return 2 * self.nbytes / seconds / 1e9
+
+
+class SameTensorCopy(TensorCopy):
     """The floor of a weight sync made of its own tensors: two concurrent streams, each an
     ``np.copyto`` of every tensor of the state dict, from arrays over a shared-segment window of
     the sync's own layout (``publish_state_dict``: the same offsets, alignment and sizes a
@@ -613,27 +635,7 @@ class SameTensorCopy:
 
     def __init__(self, rt: Any, sd: dict[str, np.ndarray], bucket_bytes: int) -> None:
         ref = rt.publish_state_dict(sd, slots=1, bucket_bytes=bucket_bytes)
-        self.src = ref.tensors()
-        self.dst = [ref.empty_like("numpy") for _ in range(2)]
-        self.nbytes = sum(a.nbytes for a in self.src.values())
-        for d in self.dst:
-            self._one(d)
-
-    def _one(self, dst: dict[str, np.ndarray]) -> None:
-        for k, a in self.src.items():
-            np.copyto(dst[k], a)
-
-    def rep(self) -> float:
-        ts = [threading.Thread(target=self._one, args=(d,)) for d in self.dst]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
-
-    def gbps(self, seconds: float) -> float:
-        return 2 * self.nbytes / seconds / 1e9
+        super().__init__(ref.tensors(), [ref.empty_like("numpy") for _ in range(2)])
 
 
 def two_stream_copyto_gbps(nbytes: int) -> float:
@@ -841,6 +843,6 @@ def weight_goals_met(fig: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
-__all__ = ["WEIGHT_GOALS", "GlooGroup", "RayPeer", "SameTensorCopy", "SyncRun", "TwoStreamCopy", "digest", "find_ray",
+__all__ = ["WEIGHT_GOALS", "GlooGroup", "RayPeer", "SameTensorCopy", "SyncRun", "TensorCopy", "TwoStreamCopy", "digest", "find_ray",
            "gloo_broadcast", "memsem_sync", "ray_object_store", "step_in_place", "synthetic_state_dict",
            "two_stream_copyto_gbps", "weight_goals_met", "weight_sync_keys"]

@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from memsem_bench.weights import TensorCopy
+
 _CTX = mp.get_context("spawn")
 MiB = 1 << 20
 #: the issue's workload: a state dict of at least 256 MiB, 4 rollouts, at least 20 steps
@@ -216,36 +218,6 @@ class _Rollouts:
             self.conns[idx].close()
 
 
-class _CopyFloor:
-    """The copies of a step at the machine's bandwidth of the moment: ``np.copyto`` of every
-    tensor of the state dict into tensors of its own, one stream (a commit's copy) and two
-    streams at once (two rollouts loading at once, on two cores)."""
-
-    def __init__(self, sd: dict[str, np.ndarray]) -> None:
-        self.sd = sd
-        self.dsts = [{k: np.empty_like(a) for k, a in sd.items()} for _ in range(2)]
-        for d in self.dsts:
-            self._one(d)
-
-    def _one(self, d: dict[str, np.ndarray]) -> None:
-        for k, a in self.sd.items():
-            np.copyto(d[k], a)
-
-    def one_stream(self) -> float:
-        t0 = time.perf_counter()
-        self._one(self.dsts[0])
-        return time.perf_counter() - t0
-
-    def two_streams(self) -> float:
-        ts = [threading.Thread(target=self._one, args=(d,)) for d in self.dsts]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0
-
-
 def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int, int], seq: int,
                  tile_rows: int, gen_s: float, train_s: float, kill_step: int | None = None,
                  timeout: float = 120.0) -> dict[str, Any]:
@@ -276,7 +248,9 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
     victim = rollouts - 1
     sd = transformer_state_dict(state_bytes)
     nbytes = sum(a.nbytes for a in sd.values())
-    floor = _CopyFloor(sd)
+    # the copies of a step at the machine's bandwidth of the moment: the state dict's tensors
+    # into tensors of their own, one stream (a commit) and two at once (two rollouts' loads)
+    floor = TensorCopy(sd)
     floors: list[tuple[float, float]] = []
     job = f"wl{os.getpid()}-{secrets.token_hex(3)}"
     prefix = f"wl-{secrets.token_hex(3)}"
@@ -347,7 +321,7 @@ def run_workload(*, state_bytes: int, rollouts: int, steps: int, rows: tuple[int
                     break
                 # this step's copies at the machine's bandwidth of the moment, the rollouts idle
                 # (waiting for the next version); taken out of the step's wall time
-                t1, t2 = floor.one_stream(), floor.two_streams()
+                t1, t2 = floor.one_stream(), floor.rep()
                 floors.append((t1, t2))
                 floor_s = time.monotonic() - t_rows
                 time.sleep(train_s)  # the trainer's step (an accelerator's time)
@@ -571,28 +545,13 @@ def print_table(fig: dict[str, Any], file: Any = None) -> None:
     print("\n".join(lines), file=out, flush=True)
 
 
-def _smoke() -> bool:
-    from memsem_bench.measure import smoke
-
-    return smoke()
-
-
 def run_workload_cmd(args: Any) -> int:
     """``memsem bench --workload`` (the same run with ``--quick``; ``--json``: the figures as
     the last line of stdout; ``--out``: ``workload.json`` there; ``MEMSEM_BENCH_SMOKE=1``: the
     test's tiny run)."""
-    import json
+    from memsem_bench.measure import emit, smoke
 
-    fig = figures(tiny=_smoke())
-    out = getattr(args, "out", None)
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "workload.json"), "w") as fh:
-            json.dump(fig, fh, indent=1)
-    print_table(fig)
-    if getattr(args, "json", False):
-        print(json.dumps(fig))
-    return 0
+    return emit(figures(tiny=smoke()), args, "workload.json", print_table)
 
 
 __all__ = ["FULL", "TINY", "WORKLOAD_GOALS", "figures", "liveness_bound_s", "print_table", "run_workload", "run_workload_cmd",
