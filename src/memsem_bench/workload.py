@@ -439,8 +439,8 @@ def _kill_and_restart(rt: Any, procs: _Rollouts, i: int, pid: int, fset: Any, ki
     import memsem
 
     def shoot() -> None:
+        kill["t"] = time.monotonic()  # before the signal: the trainer may see the death at once
         os.kill(pid, signal.SIGKILL)
-        kill["t"] = time.monotonic()
 
     timer = threading.Timer(after_s, shoot)
     timer.start()
