@@ -264,3 +264,25 @@ def test_the_delta_bench_is_wired_and_names_the_issues_keys(monkeypatch):
     assert D.GOALS["delta_bytes_ratio_1pct"][1](0.05) and not D.GOALS["delta_bytes_ratio_1pct"][1](0.06)
     assert D.GOALS["delta_adamw_bytes_ratio"][1] is None  # reported, with the measured changed fraction
     assert sum(n for _, n in D._shapes(256)) * 2 == 256 << 20  # the state dict is the issue's 256 MiB
+
+
+def test_workload_runs_kills_and_recovers():
+    """The workload table at its smallest (16 MiB, 2 rollouts, 3 steps): every key is there,
+    the killed rollout's death reached the trainer as an error naming its process, and the
+    restarted rollout holds the last version. No timing is judged here (the bench does)."""
+    from memsem_bench import workload as W
+
+    fig = W.figures(tiny=True)
+    for key, _text, _ok in W.WORKLOAD_GOALS:
+        assert fig[key] is not None, key
+    for key in ("workload_vs_ideal_with_recovery", "workload_recovery_bound_s", "workload_death_to_error_s",
+                "workload_bounce_bytes", "workload_first_tile_ms_p50", "workload_overlap_ratio",
+                "workload_version_load_ms_p50", "workload_version_load_ms_p99", "workload_version_load_ms_p999",
+                "workload_field_wait_ms_p50", "workload_field_wait_ms_p99", "workload_field_wait_ms_p999"):
+        assert key in fig and fig[key] is not None, key
+    assert fig["workload_error_names_rollout"] is True, fig["workload_error"]
+    assert fig["workload_restarted_holds_current"] is True
+    assert fig["workload_held_version"] == 1 + fig["workload_steps"]
+    assert fig["workload_recovered_version"] == 1 + fig["workload_kill_step"]
+    assert fig["workload_bounce_bytes"] == 0
+    assert set(fig["workload_goals"].values()) <= {"met", "not met"}

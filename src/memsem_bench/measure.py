@@ -51,6 +51,44 @@ def smoke() -> bool:
     return os.environ.get("MEMSEM_BENCH_SMOKE", "") == "1"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at this moment (bound, read, released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def at_once(fns: list[Callable[[], Any]]) -> float:
+    """Run ``fns`` in threads at once (one each); the seconds from the first start to the last
+    end (numpy's copies release the GIL: two copies are two streams on two cores)."""
+    import threading
+
+    ts = [threading.Thread(target=fn) for fn in fns]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def emit(fig: dict[str, Any], args: Any, filename: str, table: Callable[[dict[str, Any]], None]) -> int:
+    """The end of a ``memsem bench --<table>`` command: ``fig`` to ``<args.out>/<filename>``
+    (when ``--out``), ``table(fig)`` (on stderr), and with ``--json`` ``fig`` as the last line of
+    stdout. Returns the exit status (0)."""
+    out = getattr(args, "out", None)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, filename), "w") as fh:
+            json.dump(fig, fh, indent=1)
+    table(fig)
+    if getattr(args, "json", False):
+        print(json.dumps(fig))
+    return 0
+
+
 def fmt_size(n: int) -> str:
     for unit, s in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
         if n >= s and n % s == 0:

@@ -47,7 +47,6 @@ import os
 import queue
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -57,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from memsem_bench.measure import RatioStat
+from memsem_bench.measure import RatioStat, free_port
 
 N_WINDOWS = 10_000
 N_CONSUMERS = 16
@@ -308,9 +307,7 @@ def redis_server(timeout: float = 20.0) -> Iterator[str]:
     removed on exit; yields its URL."""
     import redis  # noqa: F401  (redis.Redis, redis.RedisError below)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix=f"memsem-redis-{os.getpid()}-")
     log = open(os.path.join(tmp, "redis.log"), "wb")
     proc = subprocess.Popen([_redis_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                    "and gloo, 4 receiving actors (in an interpreter that has Ray: .venv-tq)")
     b.add_argument("--delta", action="store_true", help="delta versions: bytes moved and load time of a delta "
                    "against a full load of the same version (synthetic 1%% / 100%% changes, AdamW bf16 steps)")
+    b.add_argument("--workload", action="store_true", help="one RL-shaped run: a 256 MiB state dict committed "
+                   "each step, 4 rollouts following it and streaming rollout rows back, one killed and restarted")
 
     args = p.parse_args(argv)
     if args.cmd == "demo":
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from memsem_bench.delta import run_delta
 
         return run_delta(args)
+    if args.cmd == "bench" and args.workload:
+        from memsem_bench.workload import run_workload_cmd
+
+        return run_workload_cmd(args)
     if args.cmd == "bench" and args.fanout:
         from memsem_bench.fanout import run_fanout
 
