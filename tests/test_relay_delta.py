@@ -49,6 +49,10 @@ def _recorded(src: memsem.FanoutSource, version: int) -> None:
     src.ref.runtime.core.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), version, WAIT)
 
 
+def _copy(sd: dict) -> dict:
+    return {k: a.copy() for k, a in sd.items()}
+
+
 def _empty(sd: dict) -> dict:
     return {k: np.empty_like(a) for k, a in sd.items()}
 
@@ -247,12 +251,11 @@ def _tcp_trainer(conn) -> None:
     with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=30) as rt:
         sd = _model(rng)
         with memsem.FanoutSource(rt, sd, name="remote-policy", chunk_bytes=CHUNK) as src:
-            conn.send({k: a.copy() for k, a in sd.items()})
-            while conn.recv() == "step":
+            conn.send(_copy(sd))
+            while conn.recv() == "step":  # 1% changed, committed, recorded: the version and its values
                 _change(rng, sd, 0.01)
-                v = src.update(sd)
-                _recorded(src, v)
-                conn.send((v, {k: a.copy() for k, a in sd.items()}))
+                _recorded(src, src.update(sd))
+                conn.send((src.version(), _copy(sd)))
 
 
 @pytest.mark.multiproc
