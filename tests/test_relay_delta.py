@@ -155,6 +155,33 @@ def test_a_relay_that_skips_versions_gets_the_union(rt):
             r.close()
 
 
+def test_a_relay_further_behind_than_the_history_moves_the_version_in_full(rt):
+    """Rank 0 stops after version 1 while the trainer commits 2 to 7 (its delta history keeps
+    4): no record of 2 anywhere, so 7 moves in full, bit-exact; 8 is a delta again."""
+    rng = np.random.default_rng(8)
+    sd = _model(rng)
+    with memsem.FanoutSource(rt, sd, name="policy", chunk_bytes=CHUNK) as src:
+        r = Hooked(rt, "policy", rank=0, world=1, plan="chain", timeout=WAIT, delta_wait=WAIT, at=1)
+        try:
+            assert r.reached.wait(WAIT)
+            for v in range(2, 8):
+                _change(rng, sd, 0.01)
+                assert src.update(sd) == v
+                _recorded(src, v)
+            r.gate.set()
+            into = _empty(sd)
+            assert r.load(into, version=7, timeout=WAIT) == 7 and _same(into, sd)
+            assert r.stats().versions == [1, 7] and r.stats().deltas == [] and r.stats().records == {}  # none fetched
+            assert r.stats().chunks[TRAINER] == 2 * -(-src.nbytes // CHUNK)
+            _change(rng, sd, 0.01)
+            assert src.update(sd) == 8
+            assert r.load(into, version=8, timeout=WAIT) == 8 and _same(into, sd)
+            assert r.stats().deltas == [8]
+        finally:
+            r.gate.set()
+            r.close()
+
+
 def test_a_wrong_record_or_a_changed_buffer_moves_those_chunks_in_full(rt):
     """Rank 0 offers records with a wrong byte; rank 1's held buffer is changed by hand (through
     ``hold``, against its contract): the chunks that do not match the trainer's digests are

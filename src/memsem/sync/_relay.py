@@ -103,7 +103,14 @@ from memsem.sync._relay_upstream import (
     trainer_identity,
 )
 from memsem.sync._delta_format import Record
-from memsem.sync._relay_delta import KEEP_RECORDS, apply as apply_delta, fetch_record, tiles_of, trainer_records, worth_it
+from memsem.sync._relay_delta import (
+    KEEP_RECORDS,
+    apply as apply_delta,
+    fetch_record,
+    tiles_of,
+    trainer_records,
+    worth_it,
+)
 from memsem.sync._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
@@ -776,7 +783,7 @@ class Relay:
                 self._count_record(up.rank, rec)
         missing = [u for u in want if u not in got]
         if missing:
-            more = trainer_records(sd, missing[0], missing[-1], self.delta_wait)
+            more = trainer_records(sd, missing, self.delta_wait)
             for u in missing:
                 if u in more:
                     got[u] = more[u]

@@ -57,23 +57,29 @@ def fetch_record(core: RuntimeCore, spec: RefSpec, version: int, tiles: Tiles) -
     return Record.parse(raw, version, tiles)
 
 
-def trainer_records(sd: StateDictRef, first: int, last: int, wait: float) -> dict[int, Record]:
-    """The records of versions ``first`` to ``last`` the trainer's history holds (each a delta
-    from the one before); waits up to ``wait`` s for ``last``'s. Missing ones are left out."""
-    if sd.layout.delta is None or first > last:
+def trainer_records(sd: StateDictRef, versions: list[int], wait: float) -> dict[int, Record]:
+    """The records of ``versions`` (ascending) from the trainer's history (each a delta from
+    the one before), waiting up to ``wait`` s for the last one's; {} unless the history holds
+    every one of them and they come to at most ``DELTA_MAX`` of the window's bytes (nothing is
+    fetched that could not be used)."""
+    if sd.layout.delta is None or not versions:
         return {}
     plan = _Plan(sd, [], [])
     try:
-        idx = plan.index_at(last, wait, None)
+        idx = plan.index_at(versions[-1], wait, None)
         if idx is None:
             return {}
+        entries = [idx.entry(v) for v in versions]
+        if any(e is None or e.kind != KIND_RECORD for e in entries):
+            return {}
+        if sum(e.record_bytes + e.dense for e in entries) > DELTA_MAX * sd.layout.nbytes:
+            return {}
         out = {}
-        for v in range(first, last + 1):
-            e = idx.entry(v)
-            if e is not None and e.kind == KIND_RECORD:
-                rec = fetch_record(plan.core, RefSpec.from_bytes(e.ref), v, plan.tiles)
-                if rec.base == v - 1:
-                    out[v] = rec
+        for v, e in zip(versions, entries):
+            rec = fetch_record(plan.core, RefSpec.from_bytes(e.ref), v, plan.tiles)
+            if rec.base != v - 1:
+                return {}
+            out[v] = rec
         return out
     except (MemsemError, ValueError):
         return {}

@@ -176,8 +176,9 @@ class ShardedReader:
 
     Attributes:
         sharded: the :class:`ShardedStateDictRef`. plan: the :class:`memsem.sync.ReshardPlan`.
-        targets: the targets it was planned from (None when made from a plan). loads: versions loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each
-        in full, the changed part of it for a delta). retries: loads started again (a rank's
+        targets: the targets it was planned from (None when made from a plan). loads: versions
+        loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each in full, the changed
+        part of it for a delta). retries: loads started again (a rank's
         version gone before it was pinned). deltas: loads made as deltas.
 
     Args:
@@ -362,7 +363,8 @@ class ShardedReader:
             self.bytes_moved += sum(n for rr in done.values() for _, n, _ in rr)
             if self.delta:
                 if moving is None:
-                    held = Held(core, bases, [math.prod(sh) * d.itemsize for sh, d in zip(self.plan.shapes, self.plan.dtypes)], v)
+                    sizes = [math.prod(sh) * d.itemsize for sh, d in zip(self.plan.shapes, self.plan.dtypes)]
+                    held = Held(core, bases, sizes, v)
                 else:
                     self.deltas += 1
                     held.moved(v, [x for rr in moving.values() for x in rr])
