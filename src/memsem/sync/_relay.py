@@ -216,7 +216,8 @@ class Relay:
             of every version is moved.
         delta_wait: the most seconds to wait for the trainer to have recorded a version's delta
             (its records are made after the commit, off the trainer's path) before moving
-            that version in full.
+            that version in full; no wait while the trainer's last record came later than
+            that after its commit (a trainer whose records come late costs no latency).
         follow: start the follower thread now (default); else call :meth:`start`.
 
     A relay holds native state (windows, a thread): ``close()`` it, or use ``with``.

@@ -59,14 +59,19 @@ def fetch_record(core: RuntimeCore, spec: RefSpec, version: int, tiles: Tiles) -
 
 def trainer_records(sd: StateDictRef, versions: list[int], wait: float) -> dict[int, Record]:
     """The records of ``versions`` (ascending) from the trainer's history (each a delta from
-    the one before), waiting up to ``wait`` s for the last one's; {} unless the history holds
+    the one before), waiting up to ``wait`` s for the last one's (not at all while the trainer's
+    last record came later than that after its commit); {} unless the history holds
     every one of them and they come to at most ``DELTA_MAX`` of the window's bytes (nothing is
     fetched that could not be used)."""
     if sd.layout.delta is None or not versions:
         return {}
     plan = _Plan(sd, [], [])
     try:
-        idx = plan.index_at(versions[-1], wait, None)
+        idx = plan.read_index()
+        if idx.entry(versions[-1]) is None:
+            if idx.latency_s > wait:  # its last record came later than that: waiting would not pay
+                return {}
+            idx = plan.index_at(versions[-1], wait, None)
         if idx is None:
             return {}
         entries = [idx.entry(v) for v in versions]
