@@ -132,51 +132,37 @@ def test_a_chain_moves_about_the_deltas_bytes_per_hop_bit_exact(rt):
                 r.close()
 
 
-def test_a_relay_that_skips_versions_gets_the_union(rt):
-    """Rank 0 stops after version 1 while the trainer commits 2 and 3 (its window no longer
-    holds 2): it builds 3 from 1 and the records of 2 and 3, bit-exact."""
+@pytest.mark.parametrize("behind", [2, 6])
+def test_a_relay_that_skips_versions_gets_the_union_or_a_full_version(rt, behind):
+    """Rank 0 stops after version 1 while the trainer commits ``behind`` more (its window no
+    longer holds 2). 2 behind: it builds 3 from 1 and the records of 2 and 3. 6 behind (the
+    trainer's delta history keeps 4): no record of 2 anywhere, nothing fetched, 7 moves in
+    full; the next version is a delta again. Bit-exact every time."""
     rng = np.random.default_rng(2)
     sd = _model(rng)
+    last = 1 + behind
     with memsem.FanoutSource(rt, sd, name="policy", chunk_bytes=CHUNK) as src:
         r = Hooked(rt, "policy", rank=0, world=1, plan="chain", timeout=WAIT, delta_wait=WAIT, at=1)
         try:
             assert r.reached.wait(WAIT)
-            for v in (2, 3):
+            for v in range(2, last + 1):
                 _change(rng, sd, 0.01)
                 assert src.update(sd) == v
                 _recorded(src, v)  # (a commit before the last one is recorded makes that record weaker)
             r.gate.set()
             into = _empty(sd)
-            assert r.load(into, version=3, timeout=WAIT) == 3 and _same(into, sd)
+            assert r.load(into, version=last, timeout=WAIT) == last and _same(into, sd)
             st = r.stats()
-            assert st.versions == [1, 3] and st.deltas == [3] and st.records == {TRAINER: 2}
-        finally:
-            r.gate.set()
-            r.close()
-
-
-def test_a_relay_further_behind_than_the_history_moves_the_version_in_full(rt):
-    """Rank 0 stops after version 1 while the trainer commits 2 to 7 (its delta history keeps
-    4): no record of 2 anywhere, so 7 moves in full, bit-exact; 8 is a delta again."""
-    rng = np.random.default_rng(8)
-    sd = _model(rng)
-    with memsem.FanoutSource(rt, sd, name="policy", chunk_bytes=CHUNK) as src:
-        r = Hooked(rt, "policy", rank=0, world=1, plan="chain", timeout=WAIT, delta_wait=WAIT, at=1)
-        try:
-            assert r.reached.wait(WAIT)
-            for v in range(2, 8):
-                _change(rng, sd, 0.01)
-                assert src.update(sd) == v
-                _recorded(src, v)
-            r.gate.set()
-            into = _empty(sd)
-            assert r.load(into, version=7, timeout=WAIT) == 7 and _same(into, sd)
-            assert r.stats().versions == [1, 7] and r.stats().deltas == [] and r.stats().records == {}  # none fetched
-            assert r.stats().chunks[TRAINER] == 2 * -(-src.nbytes // CHUNK)
+            assert st.versions == [1, last]
+            if behind == 2:
+                assert st.deltas == [3] and st.records == {TRAINER: 2}
+            else:
+                assert st.deltas == [] and st.records == {}
+                assert st.chunks[TRAINER] == 2 * -(-src.nbytes // CHUNK)
             _change(rng, sd, 0.01)
-            assert src.update(sd) == 8
-            assert r.load(into, version=8, timeout=WAIT) == 8 and _same(into, sd)
-            assert r.stats().deltas == [8]
+            assert src.update(sd) == last + 1
+            assert r.load(into, version=last + 1, timeout=WAIT) == last + 1 and _same(into, sd)
+            assert r.stats().deltas[-1] == last + 1
         finally:
             r.gate.set()
             r.close()
