@@ -436,7 +436,8 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
 @pytest.mark.multiproc
 def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
     """Trainer ranks on another node (their own node id): every range is read over memsem's tcp
-    route, owner-checked, and the version is pinned at each owner (a reservation)."""
+    route, owner-checked, and the version is pinned at each owner (a reservation); the second
+    version is a delta: ``b`` did not change, so it does not move."""
     monkeypatch.setenv("MEMSEM_JOB_SECRET", "reshard-test-secret")
     procs = [spawn(np_trainer_on_node, r, "far", "node-trainer") for r in range(2)]
     try:
@@ -446,7 +447,7 @@ def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
         with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
             sd = lookup_sharded(rt, "far", timeout=30)
             assert rt.route(sd.refs[1]).engine == "tcp"
-            reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1), "b": Target("b")})
+            reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1), "b": Target("b")}, delta_wait=30)
             into = reader.empty("numpy")
             assert reader.load(into) == 1 and into["w"].tobytes() == values(1)[:, 2:].tobytes()
             for _, c in procs:
@@ -455,7 +456,8 @@ def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
             with rt.follow(reader, into=into, timeout=30, after=1) as follower:
                 v, _ = next(follower)
             assert v == 2 and into["w"].tobytes() == values(2)[:, 2:].tobytes()
-            assert reader.retries == 0 and reader.bytes_moved == 2 * (9 * 2 * 4 + 3 * 8)
+            assert reader.retries == 0 and reader.deltas == 1
+            assert reader.bytes_moved == (9 * 2 * 4 + 3 * 8) + 9 * 2 * 4
         for _, c in procs:
             c.send("stop")
     finally:

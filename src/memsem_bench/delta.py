@@ -26,6 +26,12 @@ is how long after a commit its record is there (what a reader that wants the del
 waits); ``delta_update_vs_plain`` is ``ref.update`` with a history over one without (another
 state dict of the same shapes), interleaved: the background thread's cost as the writer sees it.
 
+Relays (in one process, every window local: what a hop moves, not a network's time): a trainer's
+``FanoutSource`` of ``MEMSEM_DELTA_RELAY_MIB`` MiB (default 64) bf16, a chain of two relays that
+pass deltas on, 1% of elements changed per version: ``delta_relay_bytes_per_hop_1pct`` is the
+bytes each relay received per version (records and chunks) / the state dict's bytes, and
+``delta_relay_deltas`` how many versions each built from records.
+
 Keys (the last line of stdout with ``--json``; ``GOALS``): ``delta_bytes_ratio_1pct``,
 ``delta_vs_full_1pct`` and ``delta_vs_full_100pct`` (the tcp reader: across nodes, where bytes
 are time; ``*_same_node`` the same on the trainer's node), ``delta_adamw_bytes_ratio``,
@@ -133,6 +139,43 @@ def _trainer(a: argparse.Namespace) -> None:
             pins = after.write_sections["blocked_s"] - before.write_sections["blocked_s"]
             _say(version=mine, update_s=times[True], plain_update_s=times[False], blocked_ms=(hook + pins) * 1e3,
                  record_ms=record_s * 1e3, changed=changed)
+
+
+# -- relays ---------------------------------------------------------------------------------------------
+def relay_figures(mib: int, versions: int) -> dict[str, Any]:
+    """A chain trainer -> relay 0 -> relay 1 in one process, 1% changed per version (module docstring)."""
+    import ml_dtypes
+    import numpy as np
+
+    import memsem
+    from memsem.gva import RefSpec
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(1)
+    sd = {n: rng.standard_normal(k).astype(bf16) for n, k in _shapes(mib)}
+    with memsem.Runtime(engines=ENGINES, timeout=120) as rt:
+        src = memsem.FanoutSource(rt, sd, name="bench/relay-delta")
+        relays = [memsem.Relay(rt, "bench/relay-delta", rank=r, world=2, plan="chain", delta_wait=60) for r in (0, 1)]
+        try:
+            for r in relays:
+                r.load(version=1, timeout=120)
+            before = [r.stats().bytes_received for r in relays]
+            for _ in range(versions):
+                for arr in sd.values():
+                    u = arr.view(np.uint16)
+                    u[rng.random(u.size) < 0.01] ^= np.uint16(1)
+                v = src.update(sd)
+                rt.core.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), v, 120)  # recorded
+                for r in relays:
+                    r.load(version=v, timeout=120)
+            per_hop = [(r.stats().bytes_received - b) / versions / src.nbytes for r, b in zip(relays, before)]
+            return {"delta_relay_bytes_per_hop_1pct": round(max(per_hop), 4),
+                    "delta_relay_deltas": [f"{len(r.stats().deltas)}/{versions}" for r in relays],
+                    "delta_relay_mib": mib}
+        finally:
+            for r in relays:
+                r.close()
+            src.close()
 
 
 # -- a reader -------------------------------------------------------------------------------------------
@@ -282,6 +325,8 @@ def figures(quick: bool = False, mib: int | None = None, log: Any = None) -> dic
     finally:
         for p in reversed(procs):
             p.close()
+    log("delta: relays")
+    fig.update(relay_figures(int(os.environ.get("MEMSEM_DELTA_RELAY_MIB", "64")), 2 if quick else 4))
     return fig
 
 
@@ -294,7 +339,7 @@ def print_table(fig: dict[str, Any], out: Any = sys.stderr) -> None:
     for k in ("delta_vs_full_1pct_same_node", "delta_vs_full_100pct_same_node", "delta_bytes_ratio_1pct_same_node",
               "delta_adamw_changed_fraction", "delta_record_ms_1pct", "delta_update_vs_plain",
               "delta_load_ms_1pct", "full_load_ms_1pct", "delta_load_ms_1pct_same_node",
-              "full_load_ms_1pct_same_node"):
+              "full_load_ms_1pct_same_node", "delta_relay_bytes_per_hop_1pct", "delta_relay_deltas"):
         print(f"  {k:<34} {fig.get(k)}", file=out)
 
 

@@ -20,6 +20,12 @@ new version ``v`` it
    children read chunk ``k`` of ``v`` as soon as it is held: the fan-out is pipelined chunk by
    chunk and the trainer's link carries about one copy per version (chain and tree plans).
 
+With ``delta=True`` (default) a relay that holds an older version ``b`` first builds ``v`` from
+it and the delta records of the versions between (:mod:`memsem.sync._relay_delta`: from its
+parent, which offers them on, else the trainer's history): the chunks that then match the
+trainer's digests are ready at once and only the others are moved in step 3, so a hop moves
+about the records' bytes.
+
 A data window lives for one version: its generation *is* the version's identity, so a ready
 word of one version never satisfies a wait on another, and a relay that moves on (it keeps
 ``slots`` versions) retires the oldest window: readers still on it get ``StaleReferenceError``
@@ -96,6 +102,15 @@ from memsem.sync._relay_upstream import (
     manifest_name,
     trainer_identity,
 )
+from memsem.sync._delta_format import Record
+from memsem.sync._relay_delta import (
+    KEEP_RECORDS,
+    apply as apply_delta,
+    fetch_record,
+    tiles_of,
+    trainer_records,
+    worth_it,
+)
 from memsem.sync._state_dict import StateDictRef
 from memsem.refs._tensorref import TensorRef, as_core, usable_core
 
@@ -119,6 +134,10 @@ class RelayStats:
         faults: the :class:`DigestMismatchError` of every chunk a relay served wrong.
         dropped: versions it dropped before completing them (gone upstream).
         digest_s: seconds spent checking digests.
+        deltas: versions built from the version held before and delta records
+            (``memsem.sync._relay_delta``), in order.
+        delta_bytes: bytes of delta records received (counted in ``bytes_received`` too).
+        records: delta records received, by upstream rank (-1: the trainer's history).
         generations: the generation of the trainer's state-dict window for each trainer
             followed, in order: one more each time a new publisher of the name (a restarted
             trainer) or a republish was followed (``Relay.generation`` is the last one).
@@ -132,6 +151,9 @@ class RelayStats:
     dropped: list[int] = dataclasses.field(default_factory=list)
     digest_s: float = 0.0
     generations: list[int] = dataclasses.field(default_factory=list)
+    deltas: list[int] = dataclasses.field(default_factory=list)
+    delta_bytes: int = 0
+    records: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -142,9 +164,20 @@ class _Held:
     offer: str  # hex of the read-only ref handed to children
     gen: tuple[int, int]  # the trainer it is a version of (trainer_identity)
     sd: StateDictRef  # that trainer's state dict (its layout)
+    dg: Digests | None = None  # the trainer's digests of the version
     have: set[int] = dataclasses.field(default_factory=set)
     complete: bool = False
     holds: int = 0
+
+
+@dataclasses.dataclass
+class _Offered:
+    """A delta record this relay got and offers on: version ``record.version``'s, of ``gen``."""
+
+    record: Record
+    spec: RefSpec
+    offer: str
+    gen: tuple[int, int]
 
 
 class Relay:
@@ -176,6 +209,15 @@ class Relay:
         on_mismatch: "raise" (default): a relay caught serving wrong bytes makes the next
             ``load`` raise :class:`DigestMismatchError` (once; the version itself is completed
             from upstream); "bypass": only recorded (``stats().faults``) and logged.
+        delta: build a version from the one held before and the delta records of the versions
+            between (from the parent relay, else the trainer's delta history), moving only the
+            records and the chunks they do not cover; every chunk is still checked against the
+            trainer's digest (``memsem.sync._relay_delta``). Default True; False: every chunk
+            of every version is moved.
+        delta_wait: the most seconds to wait for the trainer to have recorded a version's delta
+            (its records are made after the commit, off the trainer's path) before moving
+            that version in full; no wait while the trainer's last record came later than
+            that after its commit (a trainer whose records come late costs no latency).
         follow: start the follower thread now (default); else call :meth:`start`.
 
     A relay holds native state (windows, a thread): ``close()`` it, or use ``with``.
@@ -183,7 +225,8 @@ class Relay:
 
     def __init__(self, runtime: Any, name: str, *, rank: int, world: int, plan: FanoutPlan | str = "auto",
                  link: LinkModel | None = None, slots: int = 2, depth: int | None = None, attach_timeout: float = 10.0,
-                 timeout: float | None = None, on_mismatch: str = "raise", follow: bool = True) -> None:
+                 timeout: float | None = None, on_mismatch: str = "raise", follow: bool = True,
+                 delta: bool = True, delta_wait: float = 2.0) -> None:
         core = usable_core(as_core(runtime))
         name = fanout_name(name)
         world = _args.count(world, "world", minimum=1)
@@ -206,6 +249,10 @@ class Relay:
             raise ValueError(f"on_mismatch must be 'raise' or 'bypass', got {on_mismatch!r}")
         if not isinstance(follow, bool):
             raise TypeError(f"follow must be True or False, got {follow!r}")
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be True or False, got {delta!r}")
+        self.delta = delta
+        self.delta_wait = _args.timeout(delta_wait, "delta_wait")
         self.name = name
         self.world = world
         self.slots = _args.count(slots, "slots", minimum=2, maximum=16)
@@ -217,6 +264,7 @@ class Relay:
         self._label = f"rank {self.rank} of {name!r}"
         self._cond = threading.Condition()
         self._held: dict[int, _Held] = {}
+        self._records: dict[int, _Offered] = {}  # delta records offered on, by version
         self._free: list[np.ndarray] = []
         self._stats = RelayStats()
         #: the follower's last error (it retries): ``(serial, error)``; a call reports only the
@@ -257,7 +305,8 @@ class Relay:
             s = self._stats
             return dataclasses.replace(s, versions=list(s.versions), chunks=dict(s.chunks),
                                        reattached=list(s.reattached), faults=list(s.faults), dropped=list(s.dropped),
-                                       generations=list(s.generations))
+                                       generations=list(s.generations), deltas=list(s.deltas),
+                                       records=dict(s.records))
 
     @property
     def generation(self) -> int | None:
@@ -507,6 +556,10 @@ class Relay:
             with contextlib.suppress(MemsemError):
                 core.unpublish_spec(h.spec, timeout=timeout)
         self._held.clear()
+        for o in list(self._records.values()):
+            with contextlib.suppress(MemsemError):
+                core.unpublish_spec(o.spec, timeout=timeout)
+        self._records.clear()
         with contextlib.suppress(MemsemError):
             core.unpublish_spec(self._manifest.spec, timeout=timeout)
 
@@ -587,6 +640,7 @@ class Relay:
             self._cond.notify_all()
         for v in stale:
             self._drop(v, complete=True)
+        self._forget_records(lambda o: o.gen != ident)
         if old is None:
             return False
         log.info("relay %s: follows a new trainer of %r (its window's generation %d -> %d)", self._label, self.name,
@@ -608,7 +662,19 @@ class Relay:
             if trainer_identity(sd) != gen:  # looked up again meanwhile: another trainer
                 raise WindowRetiredError(f"relay {self._label}: the trainer of {self.name!r} changed",
                                          window=self.name, generation=gen[1] if gen else None)
-            h = self._start(v, dg, sd)
+            base = self._base(v, gen) if self.delta and sd.layout.delta is not None else None
+            try:
+                recs = self._delta_records(up, base, v, sd) if base is not None else None
+                h = self._start(v, dg, sd)
+                try:
+                    if recs is not None:  # the chunks the records rebuild are held before any is moved
+                        self._apply_delta(h, base, recs)
+                except BaseException:
+                    self._drop(v, complete=False)
+                    raise
+            finally:
+                if base is not None:
+                    self._release(base)
             try:
                 self._fill(h, up, dg)
             except UpstreamGone:
@@ -648,7 +714,7 @@ class Relay:
             buf = np.empty(dg.nbytes, np.uint8)
         spec = core.publish_spec(buf, access="rw", tile_bytes=dg.chunk_bytes)
         ro = core.server.mint(dataclasses.replace(spec, access="r", mint=None))
-        h = _Held(v, buf, spec, ro.to_bytes().hex(), trainer_identity(sd), sd)
+        h = _Held(v, buf, spec, ro.to_bytes().hex(), trainer_identity(sd), sd, dg)
         with self._cond:
             self._held[v] = h
         self._commit_manifest()
@@ -673,11 +739,102 @@ class Relay:
         with self._cond:
             gen = self._gen
             offers = sorted((v, h.offer) for v, h in self._held.items() if h.gen == gen)
-        raw = manifest_bytes(self.rank, offers, gen)
+            records = sorted((v, o.offer) for v, o in self._records.items() if o.gen == gen)
+        raw = manifest_bytes(self.rank, offers, gen, records)
         with self._core.write_section(self._manifest.spec, copy=False) as sec:
             arr = sec.array().reshape(-1).view(np.uint8)
             arr[:len(raw)] = np.frombuffer(raw, np.uint8)
             arr[len(raw):] = 0
+
+    # -- deltas (memsem.sync._relay_delta) -------------------------------------------------------------------------
+    def _base(self, v: int, gen: tuple[int, int] | None) -> _Held | None:
+        """The newest complete version older than ``v`` of the trainer ``gen``, held (released
+        by the caller), or None."""
+        with self._cond:
+            ok = [h for h in self._held.values() if h.complete and h.gen == gen and h.version < v and h.dg is not None]
+            if not ok:
+                return None
+            h = max(ok, key=lambda x: x.version)
+            h.holds += 1
+            return h
+
+    def _delta_records(self, up: Upstream, base: _Held, v: int, sd: StateDictRef) -> list[Record] | None:
+        """The records of versions ``base.version + 1`` to ``v``: those ``up`` offers, the rest
+        from the trainer's delta history; offered on from here. None: one is missing, or they
+        move more than ``DELTA_MAX`` of the window's bytes (the version is moved in full)."""
+        tiles, _ = tiles_of(sd)
+        want = range(base.version + 1, v + 1)
+        got: dict[int, Record] = {}
+        with self._cond:
+            for u in want:
+                o = self._records.get(u)
+                if o is not None and o.gen == base.gen:
+                    got[u] = o.record
+        for u in want:
+            hexref = up.records.get(u)
+            if u in got or hexref is None:
+                continue
+            try:
+                rec = fetch_record(self._core, RefSpec.from_bytes(bytes.fromhex(hexref)), u, tiles)
+            except (MemsemError, ValueError) as exc:  # gone meanwhile, or not a record: the trainer's
+                log.debug("relay %s: record of version %d from %s: %s", self._label, u, up.label, exc)
+                continue
+            if rec.base == u - 1:
+                got[u] = rec
+                self._count_record(up.rank, rec)
+        missing = [u for u in want if u not in got]
+        if missing:
+            more = trainer_records(sd, missing, self.delta_wait)
+            for u in missing:
+                if u in more:
+                    got[u] = more[u]
+                    self._count_record(TRAINER, more[u])
+        for u in want:
+            if u in got:
+                self._offer_record(got[u], base.gen)
+        recs = [got.get(u) for u in want]
+        if any(r is None for r in recs) or not worth_it(recs, base.buf.nbytes):
+            return None
+        return recs
+
+    def _count_record(self, rank: int, rec: Record) -> None:
+        with self._cond:
+            s = self._stats
+            s.records[rank] = s.records.get(rank, 0) + 1
+            s.delta_bytes += rec.raw.nbytes
+            s.bytes_received += rec.raw.nbytes
+
+    def _offer_record(self, rec: Record, gen: tuple[int, int]) -> None:
+        """Publish ``rec`` (read-only) for this relay's children; the oldest beyond
+        ``KEEP_RECORDS`` are retired."""
+        with self._cond:
+            if rec.version in self._records:
+                return
+        spec = self._core.publish_spec(rec.raw, access="r")
+        with self._cond:
+            self._records[rec.version] = _Offered(rec, spec, spec.to_bytes().hex(), gen)
+        self._forget_records(lambda o: o.record.version <= max(self._records) - KEEP_RECORDS)
+
+    def _forget_records(self, which: Any) -> None:
+        with self._cond:
+            gone = [self._records.pop(v) for v, o in list(self._records.items()) if which(o)]
+        for o in gone:
+            with contextlib.suppress(MemsemError):
+                self._core.unpublish_spec(o.spec, timeout=self.timeout)
+
+    def _apply_delta(self, h: _Held, base: _Held, recs: list[Record]) -> None:
+        """Build ``h`` from ``base`` and ``recs``: the chunks that then match the trainer's
+        digests are marked ready (the rest are moved by ``_fill``)."""
+        native.memcpy(array_address(h.buf), array_address(base.buf), h.buf.nbytes)
+        t0 = time.perf_counter()
+        good, _checked = apply_delta(h.buf, h.sd, recs, h.dg)
+        dt = time.perf_counter() - t0
+        for k in good:
+            self._core.mark_ready(h.spec, k)
+        with self._cond:
+            h.have.update(good)
+            self._stats.deltas.append(h.version)
+            self._stats.digest_s += dt
 
     # -- moving chunks -------------------------------------------------------------------------------------------
     def _fill(self, h: _Held, up: Upstream, dg: Digests) -> None:

@@ -44,11 +44,13 @@ def trainer_identity(sd: StateDictRef) -> tuple[int, int]:
     return sd.spec.gva, sd.spec.generation
 
 
-def manifest_bytes(rank: int, offers: list[tuple[int, str]], trainer: tuple[int, int] | None = None) -> bytes:
+def manifest_bytes(rank: int, offers: list[tuple[int, str]], trainer: tuple[int, int] | None = None,
+                   records: list[tuple[int, str]] | None = None) -> bytes:
     """The manifest of relay ``rank`` offering ``(version, hex of the data window's ref)`` of
-    the trainer ``trainer`` (:func:`trainer_identity`)."""
-    raw = json.dumps({"rank": rank, "offers": offers, "trainer": list(trainer) if trainer else None},
-                     separators=(",", ":")).encode()
+    the trainer ``trainer`` (:func:`trainer_identity`), and ``records``: ``(version, hex of the
+    ref of a window holding that version's delta record)`` (``memsem.sync._relay_delta``)."""
+    raw = json.dumps({"rank": rank, "offers": offers, "trainer": list(trainer) if trainer else None,
+                      "records": records or []}, separators=(",", ":")).encode()
     if len(raw) > MANIFEST_BYTES:
         raise MemsemError(f"relay rank {rank}: manifest of {len(raw)} bytes exceeds {MANIFEST_BYTES}")
     return raw
@@ -65,10 +67,11 @@ class RelayClosing(RuntimeClosedError):
 class Upstream:
     """Where chunks come from: the trainer (``rank`` -1) or a relay's data window of one version."""
 
-    def __init__(self, rank: int, label: str, spec: RefSpec | None) -> None:
+    def __init__(self, rank: int, label: str, spec: RefSpec | None, records: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.label = label
         self.spec = spec  # the relay's data window of the version (None: the trainer)
+        self.records = records or {}  # version -> hex of its delta record's window, as the relay offers
 
 
 class Upstreams:
@@ -182,24 +185,27 @@ class Upstreams:
             self._manifests[rank] = m
         return m
 
-    def read_manifest(self, m: TensorRef) -> tuple[int, dict[int, str]]:
-        """``(manifest version, {version: hex of its data window's ref})``: only offers of the
-        trainer this relay follows (a relay that still follows a trainer gone since, or has
-        already followed a restarted one, offers nothing to this one)."""
+    def read_manifest(self, m: TensorRef) -> tuple[int, dict[int, str], dict[int, str]]:
+        """``(manifest version, {version: hex of its data window's ref}, {version: hex of its
+        delta record's ref})``: only offers of the trainer this relay follows (a relay that
+        still follows a trainer gone since, or has already followed a restarted one, offers
+        nothing to this one)."""
         out = np.empty(MANIFEST_BYTES, np.uint8)
         mv = self._core.gather(m.spec, [(0, MANIFEST_BYTES, array_address(out))], keep=out)
         raw = out.tobytes().rstrip(b"\0")
         if not raw:
-            return mv, {}
+            return mv, {}, {}
         try:
             d = json.loads(raw)
             offers = {int(v): str(r) for v, r in d["offers"]}
+            records = {int(v): str(r) for v, r in d.get("records", [])}
             theirs = d.get("trainer")
             theirs = None if theirs is None else (int(theirs[0]), int(theirs[1]))
         except (ValueError, KeyError, TypeError):
             raise MemsemError(f"relay manifest {m.spec.label} is malformed") from None
-        mine = self.identity()
-        return mv, (offers if theirs is not None and theirs == mine else {})
+        if theirs is None or theirs != self.identity():
+            return mv, {}, {}
+        return mv, offers, records
 
     def offers(self, rank: int, version: int) -> bool:
         """Whether relay ``rank`` still offers ``version`` (its manifest, read once it is found
@@ -222,12 +228,12 @@ class Upstreams:
             while True:
                 wait.check()
                 self.stop()
-                mv, offers = self.read_manifest(m)
+                mv, offers, records = self.read_manifest(m)
                 good = [v for v in offers if (v == at_least if exact else v >= at_least)]
                 if good:
                     v = max(good)
                     spec = RefSpec.from_bytes(bytes.fromhex(offers[v]))
-                    return Upstream(rank, f"rank {rank} of {self.name!r}", spec), v
+                    return Upstream(rank, f"rank {rank} of {self.name!r}", spec, records), v
                 if exact and any(v > at_least for v in offers):
                     raise UpstreamGone()
                 self._core.wait_version(m.spec, mv + 1, wait.left(), stop=self.stop)

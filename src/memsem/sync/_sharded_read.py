@@ -51,6 +51,7 @@ from memsem.sync._reshard import (
     plan_reshard,
 )
 from memsem.sync._sharded import MAX_RANKS, META_MAGIC, core_of, meta_name, shard_name
+from memsem.sync._sharded_delta import Held, intersect
 
 #: the largest placement record a reader accepts (bytes)
 MAX_META_BYTES = 64 << 20
@@ -160,12 +161,14 @@ class ShardedStateDictRef:
         return plan_reshard(self.layout, targets, reader=reader)
 
     def reader(self, targets: Mapping[str, Target] | ReshardPlan, *, reader: int = 0,
-               pin_ttl: float | None = 10.0) -> "ShardedReader":
+               pin_ttl: float | None = 10.0, delta: bool = True, delta_wait: float = 0.25) -> "ShardedReader":
         """A :class:`ShardedReader` loading ``targets`` (or a plan made of this state dict's
-        layout) version after version; followable (``rt.follow(reader, into=reader.empty())``)."""
+        layout) version after version; followable (``rt.follow(reader, into=reader.empty())``).
+        ``delta`` / ``delta_wait``: see :class:`ShardedReader`."""
         if isinstance(targets, ReshardPlan):
-            return ShardedReader(self, targets, pin_ttl=pin_ttl)
-        return ShardedReader(self, self.plan(targets, reader=reader), pin_ttl=pin_ttl, targets=targets)
+            return ShardedReader(self, targets, pin_ttl=pin_ttl, delta=delta, delta_wait=delta_wait)
+        return ShardedReader(self, self.plan(targets, reader=reader), pin_ttl=pin_ttl, targets=targets, delta=delta,
+                             delta_wait=delta_wait)
 
 
 class ShardedReader:
@@ -173,15 +176,30 @@ class ShardedReader:
 
     Attributes:
         sharded: the :class:`ShardedStateDictRef`. plan: the :class:`memsem.sync.ReshardPlan`.
-        targets: the targets it was planned from (None when made from a plan). loads: versions loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each).
-        retries: loads started again (a rank's version gone before it was pinned).
+        targets: the targets it was planned from (None when made from a plan). loads: versions
+        loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each in full, the changed
+        part of it for a delta). retries: loads started again (a rank's
+        version gone before it was pinned). deltas: loads made as deltas.
+
+    Args:
+        delta: a load into the tensors the last load filled, which still hold what it left
+            there, moves only the parts of the plan's ranges that changed since (each rank's
+            delta history, ``StateDictRef.changed_ranges``; ``memsem.sync._sharded_delta``):
+            checked by a digest of every 64 KiB the reader holds (one read of its tensors per
+            load, on the CPU threads); else, or when a rank's history does not cover the
+            versions, in full. Default True.
+        delta_wait: the most seconds a delta load waits for each rank to have recorded the
+            version (its records are made after the commit, off the trainer's path) before it
+            loads in full.
 
     Followable (``version``, ``wait_version``, ``load``): ``rt.follow(reader, into=...)``.
     Thread safety: one load at a time per reader.
     """
 
     def __init__(self, sharded: ShardedStateDictRef, plan: ReshardPlan, *, pin_ttl: float | None = 10.0,
-                 targets: Mapping[str, Target] | None = None) -> None:
+                 targets: Mapping[str, Target] | None = None, delta: bool = True, delta_wait: float = 0.25) -> None:
+        if not isinstance(delta, bool):
+            raise TypeError(f"delta must be True or False, got {delta!r}")
         self.sharded = sharded
         self.plan = plan
         self.targets = dict(targets) if targets is not None else None
@@ -190,6 +208,10 @@ class ShardedReader:
         self.loads = 0
         self.bytes_moved = 0
         self.retries = 0
+        self.deltas = 0
+        self.delta = delta
+        self.delta_wait = _args.timeout(delta_wait, "delta_wait")
+        self._held: Held | None = None
         self._pin = True
         self._staging: dict[int, np.ndarray] | None = None
 
@@ -281,7 +303,8 @@ class ShardedReader:
             version: the oldest version acceptable (waits for it; a newer one may be loaded).
             timeout: seconds for the whole load (waits included), default the runtime's.
 
-        Exactly ``plan.nbytes`` bytes move, from each rank only its part, straight into
+        Exactly ``plan.nbytes`` bytes move (a delta load: only the parts of them in tiles that
+        changed, see ``delta``), from each rank only its part, straight into
         ``into`` (a target converted on read goes through a staging buffer of its own size,
         converted after the version's pins are released: ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version of a rank may
         have been copied): load again.
@@ -301,8 +324,12 @@ class ShardedReader:
         t = _args.timeout_or(timeout, core.timeout)
         deadline = time.monotonic() + t
         ranges = self.plan.ranges(bases)
+        held, self._held = self._held, None  # what the last load left; none until this one ends
+        if held is not None and (not self.delta or held.key != tuple(bases) or not held.intact()):
+            held = None
         while True:
             v = sd.wait_version(want, max(1e-3, deadline - time.monotonic()))
+            moving = self._changed(held, v, ranges, deadline) if held is not None else None
             pins: dict[int, Lease] = {}
             try:
                 try:
@@ -312,10 +339,11 @@ class ShardedReader:
                     self.retries += 1
                     want = v + 1
                     continue
-                for r, rr in ranges.items():
+                for r, rr in (ranges if moving is None else moving).items():
                     lease = pins.get(r)
                     try:
-                        core.gather(sd.refs[r].spec, rr, version=v, lease=lease, keep=keep)
+                        if rr:
+                            core.gather(sd.refs[r].spec, rr, version=v, lease=lease, keep=keep)
                     except VersionGoneError:
                         raise
                     except MemsemError as exc:
@@ -325,15 +353,46 @@ class ShardedReader:
                     raise
                 self.retries += 1  # unpinned route: a rank overwrote v under the load
                 want = v + 1
+                held = None  # part of v may be in the tensors: the next try loads in full
                 continue
             finally:
                 for lease in pins.values():
                     lease.release()
             self.loads += 1
-            self.bytes_moved += sum(n for rr in ranges.values() for _, n, _ in rr)
+            done = ranges if moving is None else moving
+            self.bytes_moved += sum(n for rr in done.values() for _, n, _ in rr)
+            if self.delta:
+                if moving is None:
+                    sizes = [math.prod(sh) * d.itemsize for sh, d in zip(self.plan.shapes, self.plan.dtypes)]
+                    held = Held(core, bases, sizes, v)
+                else:
+                    self.deltas += 1
+                    held.moved(v, [x for rr in moving.values() for x in rr])
+                self._held = held
             if self._staging:
                 self._convert(into)  # after the pins went: the trainer never waits for it
             return v
+
+    def _changed(self, held: Held, v: int, ranges: dict[int, list[tuple[int, int, int]]],
+                 deadline: float) -> dict[int, list[tuple[int, int, int]]] | None:
+        """The parts of ``ranges`` (by rank) that changed from ``held.version`` to ``v``, or
+        None: a rank's history does not cover them (load in full)."""
+        if held.version > v:
+            return None
+        out = {}
+        for r, rr in ranges.items():
+            if held.version == v:
+                out[r] = []
+                continue
+            wait = max(1e-3, min(self.delta_wait, deadline - time.monotonic()))
+            try:
+                ch = self.sharded.refs[r].changed_ranges(held.version, v, timeout=wait)
+            except MemsemError:
+                return None  # the full load says why, if it fails too
+            if ch is None:
+                return None
+            out[r] = intersect(rr, ch)
+        return out
 
     def _pin_all(self, v: int, deadline: float) -> dict[int, Lease]:
         """Pin version ``v`` on every rank the plan reads ({} where the route offers no pins)."""
