@@ -248,5 +248,6 @@ def test_a_dead_readers_record_is_collected(rt):
     entries = rt.core.directory.entries(_acks.prefix("policy"))
     assert list(entries) == [_acks.prefix("policy") + "killed"]  # left by the dead reader
     report = _gc.collect()
-    assert any("acknowledgement of reader 'killed'" in why for _, why in report), list(report)
-    assert rt.core.directory.entries(_acks.prefix("policy")) == {}
+    # gone now, and only a collect removes a dead process's record (this one, or one of another
+    # runtime of this node that ran first: then this report does not name it)
+    assert rt.core.directory.entries(_acks.prefix("policy")) == {}, list(report)
