@@ -126,7 +126,7 @@ def _trainer(a: argparse.Namespace) -> None:
                 if r is ref:
                     mine = v
                     t1 = time.perf_counter()
-                    rt.core.wait_version(index, v, 120)  # the record is there
+                    rt.wait_version(index, v, 120)  # the record is there
                     record_s = time.perf_counter() - t1
             after = rt.stats()
             hook = after.deltas["commit_hook_s"] - before.deltas["commit_hook_s"]
