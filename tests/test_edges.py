@@ -113,7 +113,7 @@ def test_a_destination_of_another_dtype_is_an_error_unless_raw(rt):
         with pytest.raises(TypeError, match="dtype"):
             fs["x"].get_rows(0, 8, out=np.empty((8, 2), np.int32))
         # the core's own xcopy lane (no check of the local buffer): the range fails with the TypeError
-        b = rt.xcopy_specs([(ref.spec, np.empty(16, np.int32))])
+        b = rt.transfers.xcopy([(ref.spec, np.empty(16, np.int32))])
         (r,) = b.wait(10)
         assert r.state.name == "FAILED" and isinstance(r.error, TypeError)
 

@@ -249,7 +249,7 @@ def test_readiness_writes_need_the_windows_published_access(rt):
     forged = memsem.TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw", "mint": None}), rt)
     with memsem.Runtime(timeout=5.0, engines=["host"]) as cons:
         f = forged.bind(cons)
-        for call in (lambda: f.mark_ready(1), lambda: rt.clear_ready(forged.spec, 1),
+        for call in (lambda: f.mark_ready(1), lambda: rt.readiness.clear(forged.spec, 1),
                      lambda: f.put_tile(1, np.zeros(1024, np.uint8))):
             with pytest.raises(AccessDeniedError):
                 call()

@@ -108,7 +108,7 @@ class Owner:
             return {}
         if op == "clear":
             for t in cmd["tiles"]:
-                rt.clear_ready(self.wins[cmd["name"]].spec, t)
+                rt.readiness.clear(self.wins[cmd["name"]].spec, t)
             return {}
         if op == "hold_pushes":  # the watch hub tells no subscriber of a change until release_pushes
             self.held = []

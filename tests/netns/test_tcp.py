@@ -388,7 +388,7 @@ def test_a_consumer_reads_its_own_ready_word_writes(owner, rt, how):
     assert owner("hold_pushes")["held"] >= 1
     try:
         if how == "clear":
-            rt.clear_ready(obs.spec, 0)
+            rt.readiness.clear(obs.spec, 0)
             assert not obs.is_ready(0)
             with pytest.raises(memsem.MemsemTimeoutError, match="tile 0"):
                 obs.wait_tiles(0, 1, timeout=0.2)

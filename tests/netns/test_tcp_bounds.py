@@ -395,7 +395,7 @@ def test_ready_marks_are_bounded_by_the_minted_range(owner, rt):
     tile2.mark_ready(2)
     whole = _ref(rt, owner("bytes", name="w", offset=0, nbytes=8 * tb)["ref"])
     whole.wait_tile(2, timeout=20)
-    for tile, fn in ((7, tile2.mark_ready), (5, lambda t: rt.clear_ready(tile2.spec, t)), (3, tile2.mark_ready)):
+    for tile, fn in ((7, tile2.mark_ready), (5, lambda t: rt.readiness.clear(tile2.spec, t)), (3, tile2.mark_ready)):
         with pytest.raises(memsem.AccessDeniedError, match="minted for bytes"):
             fn(tile)
     assert owner("ready_words", name="w")["words"][7] == 0

@@ -50,7 +50,7 @@ from memsem.directory import Directory, open_directory
 from memsem.engines import Availability, Engine, EngineContext, engine_class
 from memsem.gva import RefSpec
 from memsem.native import ProcessIdentity
-from memsem.core._completion import Batch, Completion
+from memsem.core._completion import Completion
 from memsem.core._lease import Lease
 from memsem.core._liveness import Peers, record_alive
 from memsem.core._names import Names
@@ -396,9 +396,6 @@ class RuntimeCore:
     def get_spec(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
         return self.transfers.get(spec, out, lease=lease, version=version)
 
-    def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
-        return self.transfers.put(spec, src, lease=lease)
-
     def transfer(self, spec: RefSpec, kind: str, offset: int, local: np.ndarray, *,
                  lease: Lease | None = None, signal_tile: int | None = None, version: int = 0) -> int:
         """Move ``local.nbytes`` bytes between ``local`` (flat uint8) and the window at
@@ -406,9 +403,6 @@ class RuntimeCore:
         returns the version read or overwritten."""
         return self.transfers.transfer_array(spec, kind == "put", offset, local, lease=lease, version=version,
                                              signal_tile=signal_tile)
-
-    def xcopy_specs(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
-        return self.transfers.xcopy(pairs, lease=lease)
 
     def submit(self, what: str, fn: Any) -> Completion:
         return self.transfers.submit(what, fn)
@@ -432,14 +426,6 @@ class RuntimeCore:
     def mark_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.mark(spec, tile)
 
-    def add_rows(self, spec: RefSpec, tile: int, rows: int, total: int) -> int:
-        """Count ``rows`` written rows of tile ``tile`` (of ``total``); the write that completes
-        the tile marks it (see ``Readiness.add_rows``). Returns the rows written so far."""
-        return self.readiness.add_rows(spec, tile, rows, total)
-
-    def clear_ready(self, spec: RefSpec, tile: int) -> None:
-        self.readiness.clear(spec, tile)
-
     def is_ready(self, spec: RefSpec, tile: int) -> bool:
         return self.readiness.is_ready(spec, tile)
 
@@ -449,10 +435,6 @@ class RuntimeCore:
     def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None, *,
                   stop: Callable[[], None] | None = None) -> None:
         self.readiness.wait(spec, tile, timeout, stop=stop)
-
-    def n_tiles(self, spec: RefSpec) -> int:
-        """Ready words (tiles) of ``spec``'s window (0: published without tiles)."""
-        return self.readiness.n_tiles(spec)
 
     async def wait_tile_async(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
         await self.readiness.wait_async(spec, tile, timeout)

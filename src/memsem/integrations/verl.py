@@ -447,7 +447,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         """
         core = self.runtime
         for st, _ in self._rollouts:
-            core.clear_ready(st.spec, slot)
+            core.readiness.clear(st.spec, slot)
         for st, label in self._rollouts:
             if st.is_ready(W_FAILED):
                 return st, label
