@@ -94,7 +94,7 @@ class _SlowReads:
     """Make the process runtime's data copies of gets slow, to hold a get inside its lease."""
 
     def __init__(self, rt, delay: float) -> None:
-        self.rt, self.delay = rt, delay  # the core moves the bytes (Runtime holds it)
+        self.rt, self.delay = rt, delay
         self.inside = threading.Event()
         self._orig = self.rt.transfer
 
