@@ -114,7 +114,8 @@ class _Timeout:
 
 
 class RuntimeCore:
-    """A process's memsem runtime: owns its windows, resolves others', moves bytes.
+    """A process's memsem runtime: owns its windows, resolves others', moves bytes. Users hold
+    its subclass ``memsem.Runtime`` (the same object, with the entry points of the layers above).
 
     Args:
         directory: ``"local"`` (default; or ``MEMSEM_DIRECTORY``) or ``"redis://host:port/db"``.
