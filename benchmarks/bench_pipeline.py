@@ -180,7 +180,7 @@ def overlap_bench(rt: memsem.Runtime, ref: memsem.TensorRef, tile_bytes: int, de
     slot = np.zeros(tile_bytes, np.uint8)
     other = np.zeros(tile_bytes, np.uint8)
     whole = np.zeros(spec.nbytes, np.uint8)  # pre-touched: bulk pays no page faults
-    get = rt.core.transfer
+    get = rt.transfer
     sizes = [min(tile_bytes, spec.nbytes - i * tile_bytes) for i in range(n)]
     get(spec, "get", 0, slot)
     comp = _Compute(tile_bytes)

@@ -21,6 +21,12 @@ MODULES: list[tuple[str, list[str] | None]] = [
     ("memsem.topology", None),
     ("memsem.metrics", None),
 ]
+#: members a class inherits that belong to its documented API (``memsem.Runtime`` is a
+#: ``memsem.core.RuntimeCore`` plus the layers' entry points: of the core's calls, these are the
+#: user's; its parts and spec-level calls are the layers' own, see docs/architecture.md)
+INHERITED: dict[str, tuple[str, ...]] = {
+    "Runtime": ("alloc", "close", "engine", "lease", "lease_holders", "stats", "write_section"),
+}
 #: names not worth a section of their own (constants, re-exports documented elsewhere)
 SKIP = {"__version__", "MemsemError"}
 
@@ -64,7 +70,9 @@ def main() -> None:
             print(f"```python\n{kind} {name}{_sig(obj)}\n```\n")
             print(_doc(obj) + "\n")
             if inspect.isclass(obj):
-                for mname, m in sorted(vars(obj).items()):
+                members = dict(vars(obj))
+                members.update((n, inspect.getattr_static(obj, n)) for n in INHERITED.get(name, ()))
+                for mname, m in sorted(members.items()):
                     if mname.startswith("_") and mname not in ("__enter__", "__await__", "__aiter__"):
                         continue
                     if not (callable(m) or isinstance(m, (property, classmethod, staticmethod))):

@@ -180,7 +180,7 @@ def _op_loop_get(st: _State, refbytes: bytes, seconds: float) -> list[str]:
     ref = _ref(st, refbytes)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        st.rt.core.resolver.drop(ref.spec.gva)
+        st.rt.resolver.drop(ref.spec.gva)
         try:
             a = ref.get()
             out.append("ok" if a.size == ref.nbytes else "short")
@@ -240,7 +240,7 @@ def _op_chaos(st: _State, refbytes: bytes, seed: int, seconds: float) -> int:
                         with tile:
                             tile.raw[:1].sum()
             else:
-                st.rt.core.resolver.drop(ref.spec.gva)
+                st.rt.resolver.drop(ref.spec.gva)
         except (memsem.MemsemError, ValueError):
             pass
         n += 1

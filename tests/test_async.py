@@ -323,7 +323,7 @@ def test_handle_timeouts_are_validated(owner, bad, exc):
 # -- the native word waiter ---------------------------------------------------------------------
 from memsem import native  # noqa: E402
 from memsem.native import Segment  # noqa: E402
-from memsem.core._async import AsyncWordWaiter, probe, word_waiter  # noqa: E402
+from memsem.core._async import AsyncWordWaiter, probe  # noqa: E402
 from tests._proc import reap, recv, spawn  # noqa: E402
 
 MODES = ["waitv", "slices"]
@@ -509,8 +509,8 @@ def test_close_fails_pending_awaits_and_stops_threads(segment, waiter):
 def test_runtime_close_closes_its_word_waiter(segment):
     base = segment.address
     rt = memsem.Runtime(timeout=10.0)
-    w = word_waiter(rt)
-    assert word_waiter(rt) is w  # one per runtime
+    w = rt.word_waiter()
+    assert rt.word_waiter() is w  # one per runtime
     assert w.threads == 0  # created lazily
 
     async def main():
@@ -527,7 +527,7 @@ def test_runtime_close_closes_its_word_waiter(segment):
         rt.close()
     assert w.closed and w.threads == 0
     with pytest.raises(memsem.MemsemError, match="runtime is closed"):
-        word_waiter(rt)
+        rt.word_waiter()
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

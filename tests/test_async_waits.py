@@ -30,7 +30,7 @@ def pair():
 
 async def _until_waiting(rt: memsem.Runtime, n: int = 1) -> None:
     """Let the loop run until ``n`` words are awaited on ``rt``'s native word waiter."""
-    waiter = rt.core.word_waiter()
+    waiter = rt.word_waiter()
     for _ in range(10_000):
         if waiter.pending >= n:
             return
@@ -54,7 +54,7 @@ def test_wait_tile_async_is_woken_by_the_mark(pair):
         await asyncio.wait_for(task, WAIT)
 
     asyncio.run(main())
-    assert consumer.core.word_waiter().pending == 0
+    assert consumer.word_waiter().pending == 0
 
 
 @pytest.mark.parametrize("index, exc", [(4, ValueError), (-1, ValueError), (True, TypeError),
@@ -87,7 +87,7 @@ def test_cancelling_wait_tile_async_removes_its_waiter(pair):
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0)
-        assert consumer.core.word_waiter().pending == 0
+        assert consumer.word_waiter().pending == 0
         ref.mark_ready(0)  # nothing delivered to the cancelled wait; a new one returns at once
         await asyncio.wait_for(cref.wait_tile_async(0, timeout=WAIT), WAIT)
 
@@ -131,7 +131,7 @@ def test_wait_rows_and_tiles_async_check_arguments_before_waiting(pair, call, st
         stop = 3  # tiles: 2 of them
     with pytest.raises(exc):
         asyncio.run(fn(start, stop, timeout=WAIT))
-    assert consumer.core.word_waiter().pending == 0  # refused before anything was awaited
+    assert consumer.word_waiter().pending == 0  # refused before anything was awaited
 
 
 def test_fieldset_wait_async_every_field(pair):
@@ -224,7 +224,7 @@ def test_cancelling_a_pending_load_async_leaves_into_untouched(pair):
         if not release.wait(WAIT):
             raise AssertionError("never released")
 
-    blocker = consumer.core.submit("the only worker, held", block)  # workers=1
+    blocker = consumer.submit("the only worker, held", block)  # workers=1
 
     async def main():
         assert started.wait(WAIT)

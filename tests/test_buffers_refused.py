@@ -113,7 +113,7 @@ def test_refused_on_every_path(rt, window, path, bad_name):
     # Nothing moved: the window holds its bytes, and no window was published for the bad buffer.
     np.testing.assert_array_equal(src, PATTERN)
     np.testing.assert_array_equal(ref.get(), PATTERN)
-    assert [w for w in rt.core.directory.windows() if w.get("name") not in ("w", "fs/f")] == []
+    assert [w for w in rt.directory.windows() if w.get("name") not in ("w", "fs/f")] == []
 
 
 def test_buffer_info_never_leaks_torch_errors():

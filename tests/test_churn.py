@@ -141,7 +141,7 @@ def test_the_resolution_bound_follows_a_working_set_of_live_windows(working_set,
         for i, a in enumerate(arrays):
             a[:] = i
         refs = [consumer.ref(owner.publish(a, access="r").to_bytes()) for a in arrays]
-        resolver = consumer.core.resolver
+        resolver = consumer.resolver
         resolver.limit, resolver.cap = limit, cap
         made = []
         real_make = resolver._make

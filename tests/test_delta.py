@@ -31,7 +31,7 @@ def _bf16():
 
 def _recorded(ref: memsem.StateDictRef, version: int, timeout: float = 60.0) -> None:
     """Wait for the owner to have recorded ``version`` (its index moves in step with the window)."""
-    ref.runtime.core.wait_version(RefSpec.from_bytes(ref.layout.delta.index), version, timeout)
+    ref.runtime.wait_version(RefSpec.from_bytes(ref.layout.delta.index), version, timeout)
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -112,8 +112,8 @@ def test_a_destination_of_another_dtype_is_an_error_unless_raw(rt):
         fs["x"].put_rows(0, np.ones((8, 2), np.float32))
         with pytest.raises(TypeError, match="dtype"):
             fs["x"].get_rows(0, 8, out=np.empty((8, 2), np.int32))
-        # the core's own xcopy lane (no facade check): the range fails with the TypeError
-        b = rt.core.xcopy_specs([(ref.spec, np.empty(16, np.int32))])
+        # the core's own xcopy lane (no check of the local buffer): the range fails with the TypeError
+        b = rt.transfers.xcopy([(ref.spec, np.empty(16, np.int32))])
         (r,) = b.wait(10)
         assert r.state.name == "FAILED" and isinstance(r.error, TypeError)
 

@@ -64,7 +64,7 @@ def test_case3_owner_killed_during_256MiB_get(rt, shared):
         assert rt.route(ref).kind == ("host/shm" if shared else "host/cma")
         out = np.empty(256 * MiB, np.uint8)
         ref.get(out)  # resolve and fault in ``out``
-        cb = rt.core.resolve(ref.spec).cb
+        cb = rt.resolve(ref.spec).cb
         out[:] = 0
         c = ref.get_async(out)
         deadline = time.monotonic() + 60
@@ -319,11 +319,11 @@ def test_write_needs_rw(rt):
 
 def test_segments_0600_directory_0700(rt):
     ref = rt.publish(rt.alloc(4096, np.uint8))
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     for name in (res.info.control, res.info.descriptors["host"].fields["segment"]):
         mode = stat.S_IMODE(os.stat(os.path.join(segment_dir(), name)).st_mode)
         assert mode == 0o600, (name, oct(mode))
-    mode = stat.S_IMODE(os.stat(rt.core.directory.path).st_mode)
+    mode = stat.S_IMODE(os.stat(rt.directory.path).st_mode)
     assert mode == 0o700, oct(mode)
 
 

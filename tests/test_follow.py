@@ -142,7 +142,7 @@ class _Misses:
 @pytest.mark.multiproc
 def test_the_follower_loop_through_publish_republish_death_and_a_new_owner():
     with memsem.Runtime(timeout=30.0) as rt:
-        misses = _Misses(rt.core.directory)
+        misses = _Misses(rt.directory)
         f = rt.follow("policy", timeout=60)
         got: list = []
         gate = threading.Semaphore(0)

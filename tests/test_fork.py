@@ -47,8 +47,8 @@ def test_forked_child_exiting_normally_leaves_the_parent_intact():
             priv = np.arange(4096, dtype=np.uint8)
             pref = rt.publish(priv, name="priv")
             gen = ref.generation
-            seg = rt.core.publisher.segment_of(shared.__array_interface__["data"][0], 4096).name
-            cb = rt.core.publisher.owned[ref.spec.gva].cb.segment.name
+            seg = rt.publisher.segment_of(shared.__array_interface__["data"][0], 4096).name
+            cb = rt.publisher.owned[ref.spec.gva].cb.segment.name
             for how in ("exit", "with", "close", "gc"):
                 pid = os.fork()
                 if pid == 0:
@@ -65,9 +65,9 @@ def test_forked_child_exiting_normally_leaves_the_parent_intact():
                 assert os.waitstatus_to_exitcode(status) == 0, how
                 assert os.path.exists(os.path.join(segment_dir(), seg)), f"{how}: alloc segment unlinked"
                 assert os.path.exists(os.path.join(segment_dir(), cb)), f"{how}: control block unlinked"
-                assert ref.generation == gen and rt.core.publisher.owned[ref.spec.gva].cb.generation == gen, how
+                assert ref.generation == gen and rt.publisher.owned[ref.spec.gva].cb.generation == gen, how
                 assert (ref.get() == 7).all() and (pref.get() == priv).all(), how
-                assert rt.core.directory.get_window(ref.spec.gva) is not None, f"{how}: record removed"
+                assert rt.directory.get_window(ref.spec.gva) is not None, f"{how}: record removed"
         print("ok")
     """)
     assert out.strip().endswith("ok")

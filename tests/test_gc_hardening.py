@@ -147,7 +147,7 @@ def test_folder_swapped_for_a_symlink_after_open_is_not_followed(root, shm):
     """Operations go through the folder's descriptor: renaming the folder away and planting a
     symlink in its place after the runtime opened it redirects nothing."""
     with memsem.Runtime(timeout=5.0, job="swap") as rt:
-        path = rt.core.directory.path
+        path = rt.directory.path
         moved = path + ".moved"
         os.rename(path, moved)
         trap = os.path.join(shm, "trap")
@@ -164,7 +164,7 @@ def test_folder_swapped_for_a_symlink_after_open_is_not_followed(root, shm):
 # -- unparseable records in our own job folder ------------------------------------------------
 def test_unparseable_records_are_skipped_and_runtime_starts(root, shm):
     with memsem.Runtime(timeout=5.0, job="garbage") as rt:
-        folder = rt.core.directory.path
+        folder = rt.directory.path
         ref = rt.publish(np.arange(16, dtype=np.float32), name="good")
         gva = ref.spec.gva
         plants = {
@@ -191,12 +191,12 @@ def test_unparseable_records_are_skipped_and_runtime_starts(root, shm):
         assert open("/etc/passwd", "rb").read(1)  # the link target is untouched
 
         # The directory's own listings skip them; new runtimes of the job start and resolve.
-        assert [w["gva"] for w in rt.core.directory.windows()] == [gva]
-        assert set(rt.core.directory.ranks()) == {rt.rank}
+        assert [w["gva"] for w in rt.directory.windows()] == [gva]
+        assert set(rt.directory.ranks()) == {rt.rank}
         with memsem.Runtime(timeout=5.0, job="garbage") as other:
             assert other.rank not in (77, 78, 79, 80, 81)
             assert (other.ref(ref.to_bytes()).get() == np.arange(16)).all()
-            assert other.core.directory.entries("e/") == {}
+            assert other.directory.entries("e/") == {}
         cli = subprocess.run([sys.executable, "-m", "memsem.cli", "gc", "--dry-run"], capture_output=True,
                              text=True, timeout=60, env=dict(os.environ))
         assert cli.returncode == 0, cli.stderr
@@ -303,10 +303,10 @@ def test_empty_job_folders_are_removed(root, shm):
         report = collect()
         assert (empty, "empty job folder") in report and (dead_only, "empty job folder") in report
         assert not os.path.exists(empty) and not os.path.exists(dead_only)
-        assert os.path.isdir(in_use.core.directory.path)
+        assert os.path.isdir(in_use.directory.path)
     finally:
         in_use.close()
-    assert not os.path.exists(in_use.core.directory.path)  # its last user removed it
+    assert not os.path.exists(in_use.directory.path)  # its last user removed it
 
 
 def test_rank_claims_are_never_torn(root, shm):

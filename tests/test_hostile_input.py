@@ -306,7 +306,7 @@ def test_fieldref_whose_tiling_disagrees_with_the_window_is_refused(rt):
 # -- directory records and descriptors -----------------------------------------------------------
 def _record(rt) -> dict:
     ref = rt.publish(np.arange(16, dtype=np.float32), name="rec")
-    return rt.core.publisher.owned[ref.spec.gva].info.to_json(), ref
+    return rt.publisher.owned[ref.spec.gva].info.to_json(), ref
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -351,12 +351,12 @@ def test_corrupt_directory_record_gives_valueerror_through_get(rt):
                                "host descriptor has no field 'kind'")):
             bad = {**rec, "descriptors": {k: dict(v) for k, v in rec["descriptors"].items()}}
             mutate(bad)
-            rt.core.directory.put_window(ref.spec.gva, "rec", bad)
-            consumer.core.resolver.close(0)
+            rt.directory.put_window(ref.spec.gva, "rec", bad)
+            consumer.resolver.close(0)
             with pytest.raises(ValueError, match=field):
                 cref.get()
-        rt.core.directory.put_window(ref.spec.gva, "rec", rec)
-        consumer.core.resolver.close(0)
+        rt.directory.put_window(ref.spec.gva, "rec", rec)
+        consumer.resolver.close(0)
         assert (cref.get() == np.arange(16, dtype=np.float32)).all()
 
 
@@ -365,14 +365,14 @@ def test_garbage_directory_file_gives_valueerror_naming_it(rt):
     import os
 
     with memsem.Runtime(timeout=5.0) as consumer:
-        path = os.path.join(rt.core.directory.path, f"w.{ref.spec.gva:016x}")
+        path = os.path.join(rt.directory.path, f"w.{ref.spec.gva:016x}")
         for garbage in (b"{not json", b"[1, 2]", b'{"gva": "x"}', b"\xff\xfe"):
             with open(path, "wb") as f:
                 f.write(garbage)
-            consumer.core.resolver.close(0)
+            consumer.resolver.close(0)
             with pytest.raises(ValueError, match=f"w.{ref.spec.gva:016x}"):
                 consumer.ref(ref.to_bytes()).get()
-        assert all(isinstance(w, dict) for w in consumer.core.directory.windows())
+        assert all(isinstance(w, dict) for w in consumer.directory.windows())
 
 
 def _other_engines_fields():
@@ -525,7 +525,7 @@ def test_field_timeouts_report_the_timeout_given(rt, unmarked):
 def test_publish_fields_tile_rows(rt, tile_rows, exc):
     with pytest.raises(exc, match="tile_rows"):
         rt.publish_fields({"x": ((8, 2), np.float32)}, tile_rows=tile_rows, name="tr")
-    assert rt.core.directory.windows() == []  # nothing was left published
+    assert rt.directory.windows() == []  # nothing was left published
 
 
 def test_sizes_counts_and_indices(rt, unmarked):

@@ -52,7 +52,7 @@ def test_every_plain_dtype_goes_through_one_call(rt, name):
     dt = _dtypes.numpy_dtype(_dtypes.code_of(name))
     src = (np.arange(32) % 2).astype(dt) if name == "bool" else np.arange(32).astype(dt)
     ref = rt.publish(src.copy(), access="rw")
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     out = np.zeros_like(src)
     rc = _hot.copy(res.addr, 0, ref.spec.offset, out, ref.nbytes, -1)
     assert rc & native.lib.MEMSEM_RC_STATUS_MASK == Status.OK
@@ -86,7 +86,7 @@ def test_buffers_the_call_does_not_take_come_back_untouched(rt, what):
     """RC_BUFFER, nothing moved; the door then decides (and names the argument when it refuses)."""
     buf = _refused_for_get()[what]
     ref = rt.publish(np.arange(64, dtype=np.uint8), access="rw")
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     ops = rt.stats().ops_by_route
     assert _hot.copy(res.addr, 0, ref.spec.offset, buf, ref.nbytes, -1) == _hot.RC_BUFFER
     assert rt.stats().ops_by_route == ops  # nothing counted: nothing was done
@@ -102,7 +102,7 @@ def test_buffers_the_call_does_not_take_come_back_untouched(rt, what):
 def test_torch_and_dlpack_buffers_take_the_door(rt):
     torch = pytest.importorskip("torch")
     ref = rt.publish(np.arange(16, dtype=np.float32), access="rw")
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     t = torch.zeros(16)
     assert _hot.copy(res.addr, 0, ref.spec.offset, t, ref.nbytes, -1) == _hot.RC_BUFFER
     ref.get(t)
@@ -226,26 +226,26 @@ def test_a_refs_plain_gets_skip_the_cache_and_still_see_every_change(rt):
     out = np.zeros(64, np.uint8)
     ref.get(out)
     kept = ref._route
-    res = rt.core.resolver.cache[ref.spec.gva]
+    res = rt.resolver.cache[ref.spec.gva]
     assert kept is not None and kept.keeper[0] is res and isinstance(kept, PlanRoute)
     a[:] = 2
     assert (ref.get(out) == 2).all() and ref._route is kept  # served by the kept resolution
-    rt.core.resolver.drop(ref.spec.gva)  # as the cache's bound does
+    rt.resolver.drop(ref.spec.gva)  # as the cache's bound does
     assert res.closed and kept.keeper == [None]  # released: the ref's route no longer holds it
     a[:] = 3
     assert (ref.get(out) == 3).all()  # the closed plan refused; resolved again
     assert (ref.get(out) == 3).all() and ref._route is not None and ref._route.keeper[0] is not res
-    assert ref._route.keeper[0] is rt.core.resolver.cache[ref.spec.gva]
-    busy = rt.core.resolver.cache[ref.spec.gva]
+    assert ref._route.keeper[0] is rt.resolver.cache[ref.spec.gva]
+    busy = rt.resolver.cache[ref.spec.gva]
     assert busy.enter()  # a copy running through it: closed by the drop, released only after
-    rt.core.resolver.drop(ref.spec.gva)
+    rt.resolver.drop(ref.spec.gva)
     assert busy.closed and ref._route.keeper[0] is busy
     assert (ref.get(out) == 3).all()  # refused natively (closed), settled through it
     busy.leave()
     assert ref._route.keeper == [None] or ref._route.keeper[0] is not busy
     ref.put(np.full(64, 4, np.uint8))  # puts go through the kept route too
     assert (a == 4).all() and ref._route.writable is True
-    rt.core.resolver.drop(ref.spec.gva)
+    rt.resolver.drop(ref.spec.gva)
     ref.put(np.full(64, 5, np.uint8))  # refused natively (closed), settled, kept anew
     assert (a == 5).all() and not ref._route.keeper[0].closed
     rt.unpublish(ref)
@@ -262,7 +262,7 @@ def test_kept_routes_stay_right_past_the_cache_bound(rt):
     """More windows than the cache holds, read in turn twice: the resolutions the bound dropped
     are freed though refs kept routes through them; each such ref resolves again at its next
     get; every get returns its own window's bytes."""
-    limit = rt.core.resolver.limit
+    limit = rt.resolver.limit
     n = limit + 64
     arrays, refs = [], []
     for i in range(n):
@@ -292,10 +292,10 @@ def test_a_kept_route_is_the_refs_runtime_and_spec_only():
         other = r2.publish(b)
         out = np.empty(64, np.uint8)
         ref.get(out)
-        assert ref._route is not None and ref._route.token is r1.core.token
+        assert ref._route is not None and ref._route.token is r1.token
         twin = r2.ref(ref.to_bytes())  # same window through the other runtime
         twin._route = ref._route  # even a route kept by another runtime's ref
-        assert (twin.get(out) == 5).all() and twin._route.token is r2.core.token
+        assert (twin.get(out) == 5).all() and twin._route.token is r2.token
         ref.spec = other.spec  # a ref pointed elsewhere reads there, never a's bytes
         assert (ref.get(out) == 6).all() and ref._route.spec is other.spec
 
@@ -329,7 +329,7 @@ def test_a_kept_route_keeps_nothing_alive_the_cache_dropped(rt):
     weak = [weakref.ref(ref._route.keeper[0]) for ref, _ in refs]
     assert all(w() is not None for w in weak)
     for ref, _ in refs:
-        rt.core.resolver.drop(ref.spec.gva)
+        rt.resolver.drop(ref.spec.gva)
     gc.collect()
     assert [w() for w in weak] == [None, None, None]
     for i, (ref, _) in enumerate(refs):
@@ -348,7 +348,7 @@ def _pidfds() -> int:
 def test_kept_routes_hold_no_dead_owners_pidfd(rt):
     """Refs to windows of owners that died keep none of their pidfds open once the cache dropped
     the resolutions: at most the resolver's bounded memo of owners does (found by review)."""
-    resolver = rt.core.resolver
+    resolver = rt.resolver
     resolver.limit = resolver.cap = 1  # its memo of dropped windows' owners: 4 x limit
     agents = [Agent(SPAWN, timeout=30.0) for _ in range(6)]
     try:
@@ -382,14 +382,14 @@ def test_an_unbound_refs_kept_route_keeps_no_closed_runtime_alive():
         ref = memsem.TensorRef.from_bytes(b)  # unbound: the newest open runtime, cons
         out = np.empty(64, np.uint8)
         ref.get(out)
-        assert ref._route is not None and ref._route.token is cons.core.token
-        w = weakref.ref(cons.core)
+        assert ref._route is not None and ref._route.token is cons.token
+        w = weakref.ref(cons)
         cons.close()
         del cons
         gc.collect()
         assert w() is None, "a ref's kept route kept a closed runtime alive"
         assert ref._route.keeper == [None]
         out[:] = 0
-        assert (ref.get(out) == 8).all() and ref._route.token is owner.core.token  # the current one now
+        assert (ref.get(out) == 8).all() and ref._route.token is owner.token  # the current one now
     finally:
         owner.close()

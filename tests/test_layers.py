@@ -90,15 +90,87 @@ def test_runtime_modules_import_in_order():
     assert not bad, "out-of-order imports inside core/:\n" + "\n".join(bad)
 
 
-def test_public_runtime_shows_no_internal_names():
+def test_one_runtime_class():
+    """``memsem.Runtime`` is the runtime: a ``RuntimeCore`` plus the layers' entry points, the
+    object users hold, refs and parts receive, and the default runtime is; nothing wraps it."""
+    import numpy as np
+
+    import memsem
+    from memsem.core import RuntimeCore
+
+    assert issubclass(memsem.Runtime, RuntimeCore)
+    for gone in ("core", "of_core", "facade", "facade_type", "user_runtime", "_core"):
+        assert not hasattr(memsem.Runtime, gone), gone
+    with memsem.Runtime() as rt:
+        ref = rt.publish(np.arange(4, dtype=np.float32), name="one-runtime")
+        assert ref.runtime is rt
+        assert memsem.TensorRef.from_bytes(ref.to_bytes()).runtime is rt  # unbound: the current one
+        assert rt.owns(ref.spec) and rt.lookup("one-runtime").runtime is rt
+    d = memsem.default_runtime()
+    try:
+        assert type(d) is memsem.Runtime and memsem.default_runtime() is d
+    finally:
+        d.close()
+
+
+def _forwards(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``fn``'s body (past its docstring) is one call of a method of another object
+    (``self.x.m(...)``) with ``fn``'s own arguments: a pass-through."""
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        fn.body[0].value, ast.Constant) else fn.body
+    if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+        return False
+    call = body[0].value.value if isinstance(body[0].value, ast.Await) else body[0].value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Attribute)):
+        return False
+    own = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+    return all(isinstance(a, ast.Name) and a.id in own for a in call.args + [k.value for k in call.keywords])
+
+
+def test_runtime_forwards_nothing_to_the_core():
+    """``memsem.Runtime`` only adds the entry points of the layers above core: it overrides
+    none of ``RuntimeCore``'s names and none of its methods is a pass-through."""
+    import memsem
+    from memsem.core import RuntimeCore
+
+    overridden = (set(vars(memsem.Runtime)) & set(dir(RuntimeCore))) - {"__doc__", "__module__", "__repr__",
+                                                                         "__qualname__", "__firstlineno__",
+                                                                         "__static_attributes__", "__dict__",
+                                                                         "__weakref__"}
+    assert not overridden, sorted(overridden)
+    tree = ast.parse((SRC / "_runtime.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Runtime"]
+    fwd = [f.name for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _forwards(f)]
+    assert not fwd, fwd
+
+
+def test_user_docs_use_only_the_documented_runtime_api():
+    """The runtime's user API is what docs/api.md lists under ``memsem.Runtime`` (and the
+    attributes its docstring names): README.md and docs/*.md use no other name of a runtime
+    (its parts and spec-level calls are the layers' own), and never ``.core``."""
+    import re
+
     import memsem
 
-    internal = {"publish_spec", "xcopy_specs", "serve_open", "peer_alive", "get_spec", "put_spec",
-                "view_spec", "transfer", "submit", "resolve", "route_of", "alloc_array", "unpublish_spec",
-                "lookup_spec", "directory", "telemetry", "staging", "identity"}
-    shown = {n for n in dir(memsem.Runtime) if not n.startswith("_")}
-    assert not shown & internal, sorted(shown & internal)
-    assert issubclass(memsem.Runtime, object) and not issubclass(memsem.Runtime, memsem.core.RuntimeCore)
+    root = SRC.parent.parent
+    api = (root / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^### `Runtime\.(\w+)", api, re.M))
+    documented |= set(re.findall(r"^\s+(\w+): ", memsem.Runtime.__doc__.split("Attributes:")[1], re.M))
+    assert {"publish", "lookup", "close", "stats", "timeout", "rank", "engines", "closed"} <= documented
+    internal = {"publish_spec", "get_spec", "put_spec", "lookup_spec", "unpublish_spec", "resolve", "route_of",
+                "transfer", "submit", "publisher", "resolver", "transfers", "directory", "server", "telemetry"}
+    assert not documented & internal, sorted(documented & internal)
+    bad = []
+    for path in [root / "README.md"] + sorted((root / "docs").glob("*.md")):
+        if path.name == "api.md":
+            continue
+        text = path.read_text()
+        bad += [f"{path.name}: {m.group(0)}" for m in re.finditer(r"\b(?:rt\d?|runtime)\.(\w+)", text)
+                if m.group(1) not in documented]
+        bad += [f"{path.name}: {m.group(0)}" for m in re.finditer(r"[\w.]+\.core\b(?!_)", text)
+                if not m.group(0).startswith("memsem.")]
+    assert not bad, "undocumented runtime names in the user docs:\n" + "\n".join(bad)
 
 
 def _private_definitions(tree: ast.AST) -> set[str]:

@@ -140,7 +140,7 @@ def test_unpublish_waits_then_names_holders(rt, agent):
 def test_unpublish_proceeds_when_lease_expires(rt, agent):
     ref = rt.publish(pattern(3, 4096))
     lid = agent.call("lease", ref.to_bytes(), 0.4)
-    cb = rt.core.publisher.owned[ref.spec.gva].cb
+    cb = rt.publisher.owned[ref.spec.gva].cb
     [(_, _, _, expiry_ns, _)] = cb.unexpired_leases(0)
     rt.unpublish(ref, timeout=30.0)
     # Order, not duration: unpublish returned only once the lease had expired.
@@ -167,7 +167,7 @@ def test_dead_consumer_leases_reaped(rt):
 
 def test_lease_slot_reclaimed_after_expiry(rt):
     ref = rt.publish(np.zeros(16, np.uint8))
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     leases = [ref.lease(ttl=1.0).acquire() for _ in range(res.cb.n_lease)]
     with pytest.raises(memsem.MemsemError, match="lease slots are held"):
         ref.lease(ttl=1.0).acquire()
@@ -299,7 +299,7 @@ def test_case2_lease_expires_during_slow_get(rt, reclaim):
         cref = cons.ref(ref.to_bytes())
         lease = cref.lease(ttl=0.1).acquire()
         out = np.zeros(4 * MiB, np.uint8)
-        c = cons.core.submit("slow get", lambda: cref.get(out, lease=lease))
+        c = cons.submit("slow get", lambda: cref.get(out, lease=lease))
         t0 = time.monotonic()
         if reclaim == "unpublish":
             rt.unpublish("w", timeout=5.0)  # waits out the lease (0.1 s), then the copy
@@ -336,7 +336,7 @@ def test_a_slot_being_claimed_is_neither_stolen_nor_reaped_nor_counted(rt):
     from memsem.gva import _lease_slots as L
 
     ref = rt.publish(np.zeros(64, np.uint8))
-    cb = rt.core.publisher.owned[ref.gva].cb
+    cb = rt.publisher.owned[ref.gva].cb
     a = cb.lease_slot_addr(0)
     dead = _dead_pid()
     # the previous holder of slot 0: dead, expired, released-but-not-cleared words
@@ -423,7 +423,7 @@ def test_a_claim_on_a_window_not_live_is_undone(rt):
     from memsem.gva._control_block import W_STATE, WindowState
 
     ref = rt.publish(np.zeros(64, np.uint8))
-    cb = rt.core.publisher.owned[ref.gva].cb
+    cb = rt.publisher.owned[ref.gva].cb
     me = native.ProcessIdentity.current().start_time
     cb.set_word(W_STATE, WindowState.CLOSING)
     try:

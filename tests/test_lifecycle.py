@@ -32,7 +32,7 @@ MiB = 1 << 20
 
 def _inflight_pids(rt: memsem.Runtime, ref: memsem.TensorRef) -> set[int]:
     """Pids with a copy in flight on a window this runtime owns (its control block's slots)."""
-    cb = rt.core.publisher.owned[ref.spec.gva].cb
+    cb = rt.publisher.owned[ref.spec.gva].cb
     return {identity_of(ident)[0] for ident, n in cb.busy_inflight() if n}
 
 
@@ -111,12 +111,12 @@ def test_a_copy_outlives_its_resolution_and_then_releases_it(rt, how):
                           engine_objects={"host": ScriptedEngine(HostEngine(), before=gate)})
     try:
         cref = cons.ref(ref.to_bytes())
-        res = cons.core.resolve(ref.spec)
+        res = cons.resolve(ref.spec)
         seg = res.remote.real.segment  # the host engine's mapping under the scripted engine
         c = cref.get_async()
         assert gate.entered.wait(30)
         if how == "drop":
-            cons.core.resolver.drop(ref.spec.gva)
+            cons.resolver.drop(ref.spec.gva)
         else:
             cons.close(timeout=0.05)  # gives up waiting: the copy keeps its mapping
         assert res.closed and seg.mapped, "unmapped under a running copy"
@@ -249,7 +249,7 @@ def test_readiness_writes_need_the_windows_published_access(rt):
     forged = memsem.TensorRef(memsem.gva.RefSpec(**{**ref.spec.__dict__, "access": "rw", "mint": None}), rt)
     with memsem.Runtime(timeout=5.0, engines=["host"]) as cons:
         f = forged.bind(cons)
-        for call in (lambda: f.mark_ready(1), lambda: rt.core.clear_ready(forged.spec, 1),
+        for call in (lambda: f.mark_ready(1), lambda: rt.readiness.clear(forged.spec, 1),
                      lambda: f.put_tile(1, np.zeros(1024, np.uint8))):
             with pytest.raises(AccessDeniedError):
                 call()

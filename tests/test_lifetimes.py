@@ -51,7 +51,7 @@ def test_readiness_is_the_producers_and_generation_checked(rt):
     new = rt.publish(np.zeros(4096, np.uint8), name="t", tile_bytes=1024, replace=True)
     new.put_tile(0, np.ones(1024, np.uint8))
     with pytest.raises(StaleReferenceError):
-        rt.core.clear_ready(ref.spec, 0)  # a stale ref never clears the new generation's mark
+        rt.readiness.clear(ref.spec, 0)  # a stale ref never clears the new generation's mark
     assert new.is_ready(0)
     with pytest.raises(ValueError, match="whole window"):
         new.tile(2, 1024).put_tile(0, np.ones(1024, np.uint8))

@@ -140,14 +140,14 @@ def _scenario_data(team, peers: Peers) -> dict:
     pe, n = team.my_pe, team.n_pes
     nb = 64 * 1024
     with _runtime() as rt:
-        assert rt.core.location.attrs["shmem_team"] == team.team_id and rt.core.location.attrs["shmem_pe"] == pe
+        assert rt.location.attrs["shmem_team"] == team.team_id and rt.location.attrs["shmem_pe"] == pe
         w = rt.alloc(nb, np.uint8, engine="mte")                  # collective
         assert team.in_heap(w.__array_interface__["data"][0], nb)
         w[:] = _pattern(pe, nb)
         ref = rt.publish(w, name=f"w{pe}")
-        assert "mte" in rt.core.publisher.owned[ref.gva].info.descriptors
+        assert "mte" in rt.publisher.owned[ref.gva].info.descriptors
         priv = rt.publish(np.full(4096, pe, np.uint8), name=f"private{pe}")
-        assert "mte" not in rt.core.publisher.owned[priv.gva].info.descriptors  # not in the symmetric heap
+        assert "mte" not in rt.publisher.owned[priv.gva].info.descriptors  # not in the symmetric heap
         gathered = peers.allgather("refs", (ref.to_bytes(), priv.to_bytes()))
         refs = {q: rt.ref(b[0]) for q, b in gathered.items() if q != pe}
         privs = {q: rt.ref(b[1]) for q, b in gathered.items() if q != pe}
@@ -164,7 +164,7 @@ def _scenario_data(team, peers: Peers) -> dict:
             del v
         for q, r in privs.items():
             assert r.route().kind == "host/cma"
-            assert "mte" not in rt.core.resolve(r.spec).info.descriptors   # no mte route offered
+            assert "mte" not in rt.resolve(r.spec).info.descriptors   # no mte route offered
         peers.allgather("read", None)
         # put: every PE writes its slot [pe*1024, +1024) of its right neighbour's window
         right = (pe + 1) % n
@@ -191,7 +191,7 @@ def _scenario_data(team, peers: Peers) -> dict:
         assert (w[32768 + 256 * src_pe:32768 + 256 * (src_pe + 1)] == _pattern(q2_of_src, nb)[60000:60256]).all()
         # engine batch (nbi + one quiet); with MEMSEM_SHMEM_EMU_DEFER_NBI=1 a missing quiet shows
         eng = rt.engine("mte")
-        remote = rt.core.resolve(refs[right].spec).remote
+        remote = rt.resolve(refs[right].spec).remote
         from memsem.engines import Op, OpKind
 
         got = np.zeros(4096, np.uint8)
@@ -237,7 +237,7 @@ def _scenario_ready(team, peers: Peers) -> dict:
         b = peers.allgather("ref", ref.to_bytes() if ref is not None else None)[0]
         eng = rt.engine("mte")
         if pe == 0:
-            desc = rt.core.publisher.owned[ref.gva].info.descriptors["mte"]
+            desc = rt.publisher.owned[ref.gva].info.descriptors["mte"]
             assert desc.fields["n_sig"] == tiles
             # producers write tiles in reverse order; the owner waits on each SHMEM signal
             for t in reversed(range(tiles - 1)):
@@ -301,7 +301,7 @@ def _scenario_bad_input(team, peers: Peers) -> dict:
         eng = rt.engine("mte")
         w = rt.alloc(4096, np.uint8, engine="mte")
         ref = rt.publish(w, name=f"b{pe}")
-        desc = rt.core.publisher.owned[ref.gva].info.descriptors["mte"]
+        desc = rt.publisher.owned[ref.gva].info.descriptors["mte"]
         f = desc.fields
         # an unmapped peer: aclshmem_ptr gives NULL -> EngineError naming it
         with pytest.raises(memsem.EngineError, match="PE 99") as info:

@@ -77,7 +77,7 @@ def test_consumer_exit_never_unlinks(rt):
     a = rt.alloc(1024, np.uint8)
     a[:] = 1
     ref = rt.publish(a)
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     cb_path = os.path.join(memsem.native.segment_dir(), res.info.control)
     data_path = os.path.join(memsem.native.segment_dir(), res.info.descriptors["host"].fields["segment"])
     assert run_children(_attach_and_exit, [(ref.to_bytes(),)]) == [1024]

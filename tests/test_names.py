@@ -105,7 +105,7 @@ def test_close_finishes_whatever_fails_inside_it(monkeypatch):
     window is retired and every segment released."""
     before = _mine()
     rt = memsem.Runtime(timeout=5, job=f"close-broken-{os.getpid()}")  # its records stay: a job of its own
-    folder = rt.core.directory.path
+    folder = rt.directory.path
     rt.publish(np.ones(1 << 16, np.uint8), name="a")
     rt.publish(np.ones(1 << 12, np.uint8), name="b", slots=2)
     rt.publish_state_dict({"w": np.ones(64, np.float32)}, name="sd")
@@ -114,8 +114,8 @@ def test_close_finishes_whatever_fails_inside_it(monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(errno.ENAMETOOLONG, "File name too long")
 
-    monkeypatch.setattr(rt.core.directory, "remove_window", broken)
-    monkeypatch.setattr(rt.core.directory, "release_rank", broken)
+    monkeypatch.setattr(rt.directory, "remove_window", broken)
+    monkeypatch.setattr(rt.directory, "release_rank", broken)
     rt.close()
     assert rt.closed
     assert _mine() - before == set(), "close left segments"
@@ -229,9 +229,9 @@ _JOB_CHILD = textwrap.dedent("""
         try:
             rt.publish(np.full(4, os.getpid(), np.int64), name="policy")
             got = int(rt.lookup("policy").get()[0])
-            print("won", rt.core.directory.job, got, flush=True)
+            print("won", rt.directory.job, got, flush=True)
         except memsem.NameHeldError as exc:
-            print("held", rt.core.directory.job, exc.holder.get("pid"), flush=True)
+            print("held", rt.directory.job, exc.holder.get("pid"), flush=True)
         sys.stdin.read()  # live until the test closes stdin
 """)
 
@@ -293,7 +293,7 @@ def test_an_explicit_job_is_shared_and_a_launchers_run_id_scopes_the_default(mon
     with memsem.Runtime(timeout=5) as a, memsem.Runtime(timeout=5, job="other") as b:
         a.publish(np.ones(2), name="policy")
         b.publish(np.ones(2), name="policy")  # another job: another namespace
-        assert a.core.directory.job == "shared" and b.core.directory.job == "other"
+        assert a.directory.job == "shared" and b.directory.job == "other"
 
 
 # -- lookup --------------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_a_name_that_never_appeared_says_so_with_the_job_hint(monkeypatch):
     for var in ("MEMSEM_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
     with memsem.Runtime(timeout=5) as rt:
-        job = rt.core.directory.job
+        job = rt.directory.job
         with pytest.raises(memsem.MemsemTimeoutError) as info:
             rt.lookup("never", timeout=0.05)
         assert f"'never' in job '{job}'" in str(info.value) and "MEMSEM_JOB" in str(info.value)
@@ -325,7 +325,7 @@ def test_lookup_waits_for_a_name_to_appear(directory):
     import threading
 
     with memsem.Runtime(timeout=10) as trainer, memsem.Runtime(timeout=10) as follower:
-        d = follower.core.directory
+        d = follower.directory
         real = d.lookup
         missed = threading.Event()
 
@@ -356,7 +356,7 @@ def test_a_lookup_racing_a_republish_never_returns_the_retired_generation(direct
     republish retires meanwhile: the lookup checks the window itself and reads again."""
     with memsem.Runtime(timeout=10) as owner, memsem.Runtime(timeout=10) as reader:
         old = owner.publish(np.full(4, 1, np.float32), name="w")
-        d = reader.core.directory
+        d = reader.directory
         real = d.window_with_key
         stale = real(old.spec.gva)
         calls = []

@@ -194,7 +194,7 @@ def test_a_followers_record_outlives_the_follower_and_goes_with_its_runtime(rt):
     sd = rt.publish_state_dict({"w": np.zeros(4, np.float32)}, name="policy")
 
     def records() -> dict:
-        return rt.core.directory.entries(_acks.prefix("policy"))
+        return rt.directory.entries(_acks.prefix("policy"))
 
     with memsem.Runtime(timeout=5) as r:
         f = r.follow("policy", reader="dropped", timeout=5)
@@ -224,7 +224,7 @@ def test_a_republished_name_keeps_one_record_per_reader(rt):
         assert f.next()[0] == 1
         new = rt.publish(np.ones(4, np.float32), name="t", slots=2, replace=True)
         assert f.next()[0] == 1 and f.generation == new.generation
-        recs = rt.core.directory.entries(_acks.prefix("t"))
+        recs = rt.directory.entries(_acks.prefix("t"))
         assert [rec["generation"] for rec in recs.values()] == [new.generation]
 
 
@@ -245,9 +245,9 @@ def test_a_dead_readers_record_is_collected(rt):
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     p = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert p.returncode == -9
-    entries = rt.core.directory.entries(_acks.prefix("policy"))
+    entries = rt.directory.entries(_acks.prefix("policy"))
     assert list(entries) == [_acks.prefix("policy") + "killed"]  # left by the dead reader
     report = _gc.collect()
     # gone now, and only a collect removes a dead process's record (this one, or one of another
     # runtime of this node that ran first: then this report does not name it)
-    assert rt.core.directory.entries(_acks.prefix("policy")) == {}, list(report)
+    assert rt.directory.entries(_acks.prefix("policy")) == {}, list(report)

@@ -424,7 +424,7 @@ def test_sigkilled_producer_ends_pipeline_with_peer_lost():
     try:
         with memsem.Runtime() as rt:
             ref = rt.ref(recv(conn))
-            peer = rt.core.resolve(ref.spec).peer
+            peer = rt.resolve(ref.spec).peer
             with rt.pipeline(ref, timeout=60) as pipe:
                 t0 = next(pipe)
                 assert int(t0.raw[0]) == 1
@@ -602,7 +602,7 @@ def test_default_tiling_is_decided_once_per_resolution_and_bounded():
     with memsem.Runtime() as rt:
         data = pattern(256 << 10)
         ref = rt.publish(data, name="memo")
-        res = rt.core.resolve(ref.spec)
+        res = rt.resolve(ref.spec)
         with rt.pipeline(ref) as p1:
             got1 = b"".join(t.raw.tobytes() for t in p1)
         with rt.pipeline(ref) as p2:
@@ -623,7 +623,7 @@ def test_default_tiling_is_decided_once_per_resolution_and_bounded():
         with rt.pipeline(ref2) as p4:  # the default path again: its own size decides (a view)
             assert p4.mode == "view" and p4.tile_bytes == big.nbytes and len(p4) == 1
             assert all(np.array_equal(t.raw, big) for t in p4)
-        res2 = rt.core.resolve(ref2.spec)
+        res2 = rt.resolve(ref2.spec)
         assert res2 is not res and ("pipeline", 0, big.nbytes, ref2.spec.dtype_code, ref2.spec.shape) in res2.memo
 
 
@@ -639,7 +639,7 @@ def test_the_movers_modelled_start_depends_on_who_moves():
     with memsem.Runtime() as rt:
         ref = rt.publish(pattern(64 << 10))
         with rt.pipeline(ref, zero_copy=False) as p:
-            start = _tiling.NATIVE_START_COST_S if rt.core.resolve(ref.spec).direct else _tiling.START_COST_S
+            start = _tiling.NATIVE_START_COST_S if rt.resolve(ref.spec).direct else _tiling.START_COST_S
             assert _tiling.fmt_s(start) in p.explanation
             assert sum(t.nbytes for t in p) == 64 << 10
 
@@ -753,13 +753,13 @@ def test_one_mover_pool_per_runtime_serves_concurrent_pipelines_and_is_joined_at
         got_b.append(tb.raw.copy())
     assert np.array_equal(np.concatenate(got_a), pattern(32 * 4096, 1))
     assert np.array_equal(np.concatenate(got_b), pattern(32 * 4096, 2))
-    pool = _movers.mover_pool(rt.core)
+    pool = _movers.mover_pool(rt)
     assert pa._handoff is None or pa._handoff.mover is None or pa._handoff.mover.pool is pool
     assert 1 <= pool.workers <= min(_movers.MAX_WORKERS, os.cpu_count() or 1)
     rt.close()
     assert pool.shut  # every worker joined
     with memsem.Runtime() as rt2:  # a new runtime gets a new pool
-        assert _movers.mover_pool(rt2.core) is not pool
+        assert _movers.mover_pool(rt2) is not pool
 
 
 # -- double-buffered (versioned, slots=2) windows ---------------------------------------------------
@@ -883,7 +883,7 @@ def test_a_stopped_pipe_takes_no_run_a_taken_over_one_does():
     lib = memsem.native.lib
     with memsem.Runtime() as rt:
         ref = rt.publish(pattern(4 * 4096))
-        res = rt.core.resolve(ref.spec)
+        res = rt.resolve(ref.spec)
         pool = _movers.MoverPool(1)
         try:
             p, _keep = _raw_pipe()
@@ -928,7 +928,7 @@ def test_a_worker_on_the_callers_cpu_leaves_it():
     cpu = min(allowed)
     with memsem.Runtime() as rt:
         ref = rt.publish(pattern(4 * 4096))
-        res = rt.core.resolve(ref.spec)
+        res = rt.resolve(ref.spec)
         pool = _movers.MoverPool(1)
         before = _mover_tids()
         got: dict[str, object] = {}
@@ -1024,7 +1024,7 @@ def test_late_tile_is_copied_into_a_spare_and_the_mover_goes_on(monkeypatch):
         while mover.running() and time.monotonic() < end:
             time.sleep(0.001)
         _movers.reap_unjoined()
-        assert rt.core.staging._pooled >= 3 * 65536  # the spare and the slots went back to the pool
+        assert rt.staging._pooled >= 3 * 65536  # the spare and the slots went back to the pool
 
 
 def test_a_busy_pool_is_not_waited_for_the_run_is_submitted_again(monkeypatch):
@@ -1053,7 +1053,7 @@ def test_close_does_not_wait_for_a_worker_but_keeps_what_it_writes():
     tile = 32 << 20
     with memsem.Runtime() as rt:
         ref = rt.publish(np.zeros(4 * tile, np.uint8))
-        staging = rt.core.staging
+        staging = rt.staging
         for _ in range(3):
             p = rt.pipeline(ref, tile_bytes=tile, depth=2, zero_copy=False, timeout=30)
             next(p)

@@ -70,7 +70,7 @@ def test_version_2_63_never_reads_the_unwritten_slot(rt):
     """The bracket compared ``seq != version << 1`` in 64 bits: 2**63 << 1 wraps to 0, the
     sequence word of the slot never written, and its zeros came back as version 2**63."""
     ref = _double_buffered(rt)
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     dst = np.full(4096, 0xAA, np.uint8)
     for v in (2**63, 2**63 + 2, VERSION_MAX + 1, 2**64 - 2):
         rc = native.lib.memsem_plan_copy(res.plan, 0, 0, dst.ctypes.data, dst.nbytes, v, 0, 0)
@@ -166,7 +166,7 @@ def test_a_torn_retry_storm_ends_within_the_timeout():
             with memsem.Runtime(timeout=0.3, **kw) as rt:
                 ref = rt.ref(priv_b if path in ("cma", "pipeline") else shm_b)
                 if path == "engine":
-                    assert rt.core.resolve(ref.spec).strategy.kind == "engine"
+                    assert rt.resolve(ref.spec).strategy.kind == "engine"
 
                 def call(path=path, rt=rt, ref=ref):
                     if path in ("get", "cma", "engine"):
@@ -248,9 +248,9 @@ def _watched_grant(rt):
     from memsem.gva import credential_proof, credential_token
 
     ref = rt.publish(np.zeros(4096, np.uint8), tile_bytes=1024)
-    spec = rt.core.server.mint(ref.spec)
+    spec = rt.server.mint(ref.spec)
     token, challenge = credential_token(spec), b"c" * 24
-    grant = rt.core.server.open(token, challenge, credential_proof(spec.key, challenge, token))
+    grant = rt.server.open(token, challenge, credential_proof(spec.key, challenge, token))
     return ref, grant
 
 
@@ -265,11 +265,11 @@ def test_a_watch_releases_its_control_block_pins_once(order):
     with memsem.Runtime() as rt:
         ref, grant = _watched_grant(rt)
         target = [(0, WATCHABLE_HEADER[0], 1)]
-        seg = rt.core.publisher.owned[ref.gva].cb.segment
+        seg = rt.publisher.owned[ref.gva].cb.segment
         before = seg.holders
         sub = grant.watch(target, lambda: None)
         assert seg.holders == before + 2  # the subscription's pin and the hub's
-        hub = rt.core.server.hub
+        hub = rt.server.hub
         if order == "subscription first":
             sub.close()
             hub.close()

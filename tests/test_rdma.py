@@ -93,7 +93,7 @@ def _c_owner_stats(rt, st):
 
 def _c_mr_access(rt, st, name):
     ref = st["ref:" + name]
-    rec = rt.core.directory.get_window(ref.gva)
+    rec = rt.directory.get_window(ref.gva)
     return rt.engine("rdma").registration_access(Descriptor.from_json(rec["descriptors"]["rdma"]))
 
 
@@ -130,7 +130,7 @@ def _c_xcopy(rt, st, data, ranges, seed):
 def _c_submit(rt, st, data, ranges):
     """Engine-level batch: ``ranges`` READ work requests posted as one list."""
     ref = rt.ref(data)
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     eng = rt.engine("rdma")
     chunk = ref.nbytes // ranges
     out = np.zeros(ref.nbytes, np.uint8)
@@ -173,7 +173,7 @@ def _c_latency(rt, st, data, iters):
 def _c_raw_put(rt, st, data):
     """Bypass the runtime's permission check: post an RDMA WRITE with the window's rkey."""
     ref = rt.ref(data)
-    rec = rt.core.directory.get_window(ref.gva)
+    rec = rt.directory.get_window(ref.gva)
     desc = Descriptor.from_json(rec["descriptors"]["rdma"])
     eng = rt.engine("rdma")
     remote = eng.attach(desc, ref.nbytes)
@@ -306,7 +306,7 @@ def _c_raw_ctl_write(rt, st, data):
     of its control words. Returns the work completion's status name and code."""
     from memsem.gva._control_block import W_GENERATION
 
-    res = rt.core.resolve(rt.ref(data).spec)
+    res = rt.resolve(rt.ref(data).spec)
     eng = rt.engine("rdma")
     try:
         eng.put(res.remote.ctl_header, 8 * W_GENERATION, np.full(8, 0x5A, np.uint8))
@@ -316,7 +316,7 @@ def _c_raw_ctl_write(rt, st, data):
 
 
 def _c_window_record(rt, st, data):
-    return rt.core.directory.get_window(rt.ref(data).gva)
+    return rt.directory.get_window(rt.ref(data).gva)
 
 
 def _c_bad_reads(rt, st, data):
@@ -324,7 +324,7 @@ def _c_bad_reads(rt, st, data):
     from memsem.engines import WATCH_HEADER, WATCH_READY
 
     ref = rt.ref(data)
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     eng = rt.engine("rdma")
     out = []
     for args in ((WATCH_READY, 4, 1), (WATCH_HEADER, 0, 25), (7, 0, 1), (WATCH_HEADER, True, 1)):
@@ -387,7 +387,7 @@ def _c_read_counted(rt, st, data, version):
     out = np.empty(ref.nbytes, np.uint8)
     eng = rt.engine("rdma")
     before, torn = eng.stats()["round_trips"], rt.stats().errors.get("torn", 0)
-    v = rt.core.transfer(ref.spec, "get", 0, out, version=version)
+    v = rt.transfer(ref.spec, "get", 0, out, version=version)
     return v, digest(out), eng.stats()["round_trips"] - before, rt.stats().errors.get("torn", 0) - torn
 
 

@@ -189,7 +189,7 @@ def test_sigkilled_producer_gives_peer_lost_fast():
         with memsem.Runtime() as rt:
             ref = rt.ref(recv(conn))
             ref.wait_tile(0, timeout=5)
-            peer = rt.core.resolve(ref.spec).peer
+            peer = rt.resolve(ref.spec).peer
             errors = []
 
             def waiter() -> None:

@@ -46,7 +46,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _recorded(src: memsem.FanoutSource, version: int) -> None:
     """The trainer's history recorded ``version`` (its index moves in step with the window)."""
-    src.ref.runtime.core.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), version, WAIT)
+    src.ref.runtime.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), version, WAIT)
 
 
 def _copy(sd: dict) -> dict:

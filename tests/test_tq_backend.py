@@ -94,7 +94,7 @@ class _SlowReads:
     """Make the process runtime's data copies of gets slow, to hold a get inside its lease."""
 
     def __init__(self, rt, delay: float) -> None:
-        self.rt, self.delay = rt.core, delay  # the core moves the bytes (Runtime holds it)
+        self.rt, self.delay = rt, delay
         self.inside = threading.Event()
         self._orig = self.rt.transfer
 
@@ -217,7 +217,7 @@ def test_failed_put_frees_its_region(agent, monkeypatch):
     def broken(spec, kind, offset, local, *, lease=None):
         raise OSError("injected failure")
 
-    monkeypatch.setattr(rt.core, "transfer", broken)
+    monkeypatch.setattr(rt, "transfer", broken)
     with pytest.raises(OSError, match="injected"):
         cl.put(["0@w"], [torch.ones(8)])
     monkeypatch.undo()

@@ -33,7 +33,7 @@ def test_single_slot_reader_waits_for_the_section_and_gets_the_new_version(rt):
         got = {}
 
         def read():
-            got["v"] = reader_rt.core.transfers.transfer(r.spec, False, 0, out.ctypes.data, out.nbytes, out)
+            got["v"] = reader_rt.transfers.transfer(r.spec, False, 0, out.ctypes.data, out.nbytes, out)
 
         out = np.empty_like(a)
         t = threading.Thread(target=read)
@@ -160,7 +160,7 @@ def test_pinned_version_holds_the_writer_until_released(rt):
 def _writer_intent(rt, ref):
     from memsem.gva._control_block import W_WRITER
 
-    return rt.core.publisher.owned[ref.spec.gva].cb.word(W_WRITER)
+    return rt.publisher.owned[ref.spec.gva].cb.word(W_WRITER)
 
 
 def test_single_slot_pin_blocks_the_writer_and_expiry_frees_it(rt):
@@ -245,7 +245,7 @@ _PROTECT_CHILD = r"""
 import sys, numpy as np, memsem
 with memsem.Runtime() as rt:
     ref = rt.publish(np.zeros(100, np.float32), slots=2, write_guard="protect")
-    o = rt.core.publisher.owned[ref.spec.gva]
+    o = rt.publisher.owned[ref.spec.gva]
     with rt.write_section(ref) as s:
         s.array()[:] = 1          # inside a section: fine
     print("inside ok", flush=True)
@@ -344,7 +344,7 @@ def test_a_gather_counts_the_bytes_of_its_ranges_not_the_window():
         dst = np.zeros(300, np.uint8)
         before = sum(reader.stats().bytes_by_route.values())
         ranges = [(0, 100, dst.ctypes.data), (1000, 200, dst.ctypes.data + 100)]
-        assert reader.core.gather(spec, ranges, keep=dst) == 1
+        assert reader.gather(spec, ranges, keep=dst) == 1
         assert sum(reader.stats().bytes_by_route.values()) - before == 300
         assert (dst[:100] == np.arange(100)).all() and (dst[100:] == (np.arange(1000, 1200) % 256)).all()
         del ref

@@ -177,7 +177,7 @@ def test_a_directory_record_with_a_huge_tile_count_is_refused():
 
     with memsem.Runtime(engines=("loopback", "host")) as rt:
         ref = rt.publish(np.zeros(64, np.uint8), tile_bytes=16)
-        rec = rt.core.directory.get_window(ref.spec.gva)
+        rec = rt.directory.get_window(ref.spec.gva)
         for n_ready in (2 ** 40, 65):  # more ready words than any window, or than bytes
             bad = dict(rec, n_ready=n_ready)
             with pytest.raises(ValueError, match="n_ready"):
@@ -225,12 +225,12 @@ class _Kept:
 
     def __init__(self, rt, engine, owner, n=N):
         self.ref = rt.publish(np.zeros(n, np.uint8))
-        self.res = rt.core.resolve(self.ref.spec)
+        self.res = rt.resolve(self.ref.spec)
         self.remote = remote_of(engine, owner, 1 << 20)
         engine.get_version(self.remote, 0, np.zeros(n, np.uint8), 0)  # opens the connection and handle
         kr = engine.kept(self.remote, n)
         assert kr is not None
-        self.route = WireRoute(self.res, self.ref.spec, rt.core.token, kr)
+        self.route = WireRoute(self.res, self.ref.spec, rt.token, kr)
 
     def transfer(self, put, buf):
         return self.route.transfer(buf, put)

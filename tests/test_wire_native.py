@@ -46,7 +46,7 @@ def _window(rt, access="rw"):
     if access == "r":
         a.flags.writeable = False
     ref = rt.publish(a, access=access)
-    res = rt.core.resolve(ref.spec)
+    res = rt.resolve(ref.spec)
     return ref, res, KeptBracket(res.plan)
 
 

@@ -1,18 +1,21 @@
-"""``memsem.Runtime``: the user-facing runtime (publishes TensorRefs, builds pipelines)."""
+"""``memsem.Runtime``: the runtime users hold and parts receive.
+
+It is :class:`memsem.core.RuntimeCore` (its parts, its lifetime, its spec-level calls: inherited,
+not forwarded) plus the entry points of the layers above core: refs (``publish``, ``lookup``,
+``ref``, ``xcopy``), pipelines, state dicts, followers and field sets, each a call into its layer
+with the runtime itself. It registers itself with the core layer (``set_runtime_class``) so that
+the runtimes memsem makes for users (the default runtime) are of this class.
+"""
 from __future__ import annotations
 
-import os
-import weakref
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from memsem import _dtypes
 from memsem._buffers import check_buffer
 from memsem.gva import RefSpec
 from memsem.refs._tensorref import TensorRef, check_ref
-from memsem.core import DEFAULT_TIMEOUT, Batch, Lease, RuntimeCore, Stats, default_core
+from memsem.core import Batch, Lease, RuntimeCore, default_runtime, set_runtime_class
 from memsem.pipeline import Pipeline
 from memsem.refs._fields import FIELD_MAGIC, FieldRef
 from memsem.refs._fieldset import SET_MAGIC, FieldSet
@@ -27,7 +30,7 @@ _UINT8 = _dtypes.code_of("uint8")
 _STATE_DICT_HEAD = 8
 
 
-class Runtime:
+class Runtime(RuntimeCore):
     """A process's memsem runtime. Use as a context manager, or call ``close()``.
 
     Args:
@@ -57,81 +60,23 @@ class Runtime:
     ``close()`` its refs raise ``RuntimeClosedError``. In a process forked from this one, the
     inherited runtime is unusable (``RuntimeClosedError``) and refs bound to it use the child's
     default runtime; nothing the parent owns is touched.
+
+    Attributes:
+        closed: True once closed (and in a process forked from the one that made it).
+        rank: this runtime's rank in the job's directory (its GVA slice).
+        engines: the enabled engines by name (``{name: engine}``; ``list(rt.engines)``: their
+            names).
+        timeout: the default bound in seconds of its blocking calls (settable, > 0).
+
+    The calls documented in docs/api.md are the user's API. A runtime also carries what memsem's
+    own layers and integrations use (it is a :class:`memsem.core.RuntimeCore`): its parts
+    (``publisher``, ``resolver``, ``transfers``...) and calls on ``RefSpec``s (``publish_spec``,
+    ``get_spec``...).
     """
 
-    __slots__ = ("_core", "__weakref__")
-
-    def __init__(self, *, directory: str | None = None, engines: Sequence[str] | None = None,
-                 engine_objects: dict[str, Any] | None = None, job: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None, workers: int = 4) -> None:
-        self._core = RuntimeCore(directory=directory, engines=engines, engine_objects=engine_objects,
-                                 job=job, timeout=timeout, prefer=prefer, workers=workers)
-        self._core.facade = weakref.ref(self)
-
-    @classmethod
-    def of_core(cls, core: RuntimeCore) -> "Runtime":
-        """The facade of ``core`` (the existing one, or a new one around the same core)."""
-        f = core.facade() if core.facade is not None else None
-        if f is None:
-            f = object.__new__(cls)
-            f._core = core
-            core.facade = weakref.ref(f)
-        return f
-
-    @property
-    def core(self) -> RuntimeCore:
-        """The runtime core (the layer below refs): for integrations and engines' authors."""
-        return self._core
-
-    # -- context & lifetime ------------------------------------------------------------------------
-    def __enter__(self) -> "Runtime":
-        self._core.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._core.__exit__(*exc)
-
-    def close(self, timeout: float | None = None) -> None:
-        """Close the runtime (see :meth:`memsem.core.RuntimeCore.close`). Safe twice."""
-        self._core.close(timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    @property
-    def timeout(self) -> float:
-        """The default bound in seconds of this runtime's blocking calls (settable, > 0)."""
-        return self._core.timeout
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        from memsem import _args
-
-        self._core.timeout = _args.timeout(value, "timeout", positive=True)
-
-    @property
-    def rank(self) -> int:
-        """This runtime's rank in the job's directory (its GVA slice)."""
-        return self._core.rank
-
-    @property
-    def engines(self) -> list[str]:
-        """Names of the engines enabled here."""
-        return list(self._core.engines)
-
-    def engine(self, name: str) -> Any:
-        """The enabled engine ``name`` (NotSupportedError when not enabled)."""
-        return self._core.engine(name)
-
-    def stats(self) -> Stats:
-        """A snapshot of this runtime's telemetry (:class:`memsem.Stats`)."""
-        return self._core.stats()
-
     def __repr__(self) -> str:
-        c = self._core
-        state = "closed" if c.closed else f"{c.stats().windows_published} window(s)"
-        return f"<memsem.Runtime rank {c.rank} {c.directory.url} {state}>"
+        state = "closed" if self.closed else f"{self.stats().windows_published} window(s)"
+        return f"<memsem.Runtime rank {self.rank} {self.directory.url} {state}>"
 
     # -- publish ---------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
@@ -187,26 +132,8 @@ class Runtime:
             AccessDeniedError: ``access="rw"`` on read-only memory. LeaseHeldError: republish
             while leases on the old generation outlast the timeout.
         """
-        return TensorRef(self._core.publish_spec(obj, name=name, access=access, tile_bytes=tile_bytes,
-                                                 tiles=tiles, slots=slots, write_guard=write_guard,
-                                                 replace=replace), self._core)
-
-    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
-              engine: str | None = None) -> np.ndarray:
-        """A zero-filled array in a shared segment (mode 0600, unguessable name), ready to be
-        published for zero-copy ``view()`` by same-node consumers.
-
-        ``engine="mte"`` allocates from the SHMEM symmetric heap instead (a collective call:
-        every PE of the team makes it with the same shape and dtype in the same order); its
-        windows are reached by the PEs of the team through route ``mte``. That memory is
-        released by ``rt.engine("mte").free(arr)`` (collective) or when the team closes.
-
-        Raises:
-            OutOfMemoryError: the segment directory (tmpfs) cannot hold ``shape`` x itemsize bytes;
-                checked now, so no SIGBUS happens later (or the symmetric heap is full).
-            NotSupportedError: ``engine`` is not enabled here or cannot allocate memory.
-        """
-        return self._core.alloc_array(shape, dtype, engine=engine)
+        return TensorRef(self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles,
+                                                slots=slots, write_guard=write_guard, replace=replace), self)
 
     def unpublish(self, ref: TensorRef | str, *, timeout: float | None = None) -> None:
         """Retire a window this runtime owns: refuse new leases, wait up to ``timeout`` s for
@@ -218,48 +145,7 @@ class Runtime:
             WindowNotFoundError: this runtime owns no such window.
             StaleReferenceError: ``ref`` is from an older generation.
         """
-        self._core.unpublish_spec(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
-
-    def write_section(self, ref: Any, *, copy: bool = True, timeout: float | None = None) -> Any:
-        """Owner: open a write section on a window (a ref or a name) or a set of windows (a list
-        of them); a context manager giving a :class:`memsem.core.WriteSection`.
-
-        While it is open no reader returns bytes of the version being written as valid: on a
-        single-slot window readers wait (up to their timeout) for the close, or retry a copy it
-        tore; on a double-buffered window (``slots=2``) they keep reading the latest version,
-        untouched. Leaving the block publishes the next version of each window (release
-        store, readers and ``wait_version`` waiters woken). A body that raises publishes
-        nothing (see ``WriteSection``).
-
-        ``section.array()`` is the memory to write: the window's own memory (single slot; the
-        published object itself may be written as well) or the target slot (double-buffered;
-        filled with the latest version's bytes first when ``copy``, so in-place updates work;
-        ``copy=False`` when every byte is rewritten).
-
-        Blocking: opening waits (up to ``timeout`` s, default the runtime's) for leases that
-        pin a version the section overwrites (``TensorRef.pin``): never longer than they last.
-
-        Writes by the owner outside a write section are invisible to readers' checks: a reader
-        may then get a mixture of old and new bytes with no error. The ``write_guard`` of
-        ``publish`` makes such writes loud in debug and tests.
-
-        Raises:
-            LeaseHeldError: pinned leases outlasted ``timeout``. OwnerWriteError: the checksum
-            guard found the latest version changed outside a section. WindowNotFoundError: this
-            runtime owns no such window. StaleReferenceError: an old ref. MemsemError: a section
-            is already open on it.
-        """
-        if isinstance(ref, (list, tuple)):
-            specs = [r if isinstance(r, str) else check_ref(r, f"ref[{i}]").spec for i, r in enumerate(ref)]
-            return self._core.write_section(specs, copy=copy, timeout=timeout)
-        return self._core.write_section(ref if isinstance(ref, str) else check_ref(ref, "ref").spec,
-                                        copy=copy, timeout=timeout)
-
-    def lease_holders(self, ref: TensorRef | str) -> list[tuple[int, float]]:
-        """Owner: ``(pid, seconds left)`` of the unexpired leases live processes hold on a window
-        this runtime owns."""
-        spec = self._core.lookup_spec(ref) if isinstance(ref, str) else check_ref(ref, "ref").spec
-        return self._core.lease_holders(spec)
+        self.publisher.unpublish(ref if isinstance(ref, str) else check_ref(ref, "ref").spec, timeout=timeout)
 
     def lookup(self, name: str, *, timeout: float = 0.0) -> TensorRef:
         """Ref of the live window published under ``name`` in this job: by this runtime, or by
@@ -288,14 +174,14 @@ class Runtime:
             ``timeout`` s. AccessDeniedError: the directory holds no key for this process
             (redis without a job secret). TypeError / ValueError: a bad name or timeout.
         """
-        spec = self._core.lookup_spec(name, timeout)
+        spec = self.names.lookup(name, timeout)
         if spec.dtype_code == _UINT8 and spec.nbytes >= _STATE_DICT_HEAD:
-            ref = TensorRef(spec, self._core)
+            ref = TensorRef(spec, self)
             if ref.bytes(0, len(LAYOUT_MAGIC)).get().tobytes() == LAYOUT_MAGIC:
-                sd = StateDictRef(spec, self._core)  # a state dict's window: its own kind
+                sd = StateDictRef(spec, self)  # a state dict's window: its own kind
                 _ = sd.layout  # validated now, as lookup_state_dict does
                 return sd
-        return TensorRef(spec, self._core)
+        return TensorRef(spec, self)
 
     def ref(self, data: bytes | bytearray | memoryview) -> Any:
         """Deserialize a ref of any kind and bind it to this runtime: a ``TensorRef``, or what
@@ -308,7 +194,7 @@ class Runtime:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
         kind = {REF_MAGIC: StateDictRef, SET_MAGIC: FieldSet, FIELD_MAGIC: FieldRef}.get(bytes(data[:4]), TensorRef)
-        return kind.from_bytes(data, self._core)
+        return kind.from_bytes(data, self)
 
     # -- data ------------------------------------------------------------------------------------
     def xcopy(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
@@ -352,26 +238,15 @@ class Runtime:
             elif not d_ref and not isinstance(dst, RefSpec):
                 check_buffer(dst, f"pairs[{i}] dst", writable=True, dtype_code=src.dtype_code)
             specs.append((src, dst))
-        return self._core.xcopy_specs(specs, lease=lease)
-
-    def lease(self, ref: TensorRef, ttl: float | None = 10.0, *, version: int = 0) -> Lease:
-        """A lease on ``ref``'s window, acquired on ``with`` entry or by ``acquire()``.
-
-        Args:
-            ttl: seconds until expiry unless renewed; None holds until release (reaped if this
-                process dies).
-            version: a version the lease pins (the owner's write sections do not overwrite it
-                while the lease lasts); 0 pins none. ``TensorRef.pin`` pins the latest one.
-        """
-        return Lease(self._core, check_ref(ref, "ref").spec, ttl, version=version)
+        return self.transfers.xcopy(specs, lease=lease)
 
     def explain(self, ref: TensorRef) -> str:
         """Which route reaches ``ref`` from here, why, its modeled cost, and why not the others."""
-        return self._core.route_of(check_ref(ref, "ref").spec).explain()
+        return self.route(ref).explain()
 
     def route(self, ref: TensorRef) -> Route:
         """The :class:`memsem.topology.Route` that reaches ``ref`` from here."""
-        return self._core.route_of(check_ref(ref, "ref").spec)
+        return self.resolver.resolve(check_ref(ref, "ref").spec).route
 
     # -- pipeline & fields -----------------------------------------------------------------------
     def pipeline(self, ref: TensorRef, *, tile_bytes: int | None = None, depth: int | None = None,
@@ -392,7 +267,7 @@ class Runtime:
         window's tile size, else an automatic choice; ``out`` receives the whole ref;
         ``zero_copy`` forces or forbids views).
         """
-        return Pipeline(self._core, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
+        return Pipeline(self, check_ref(ref, "ref").spec, tile_bytes=tile_bytes, depth=depth,
                         wait_ready=wait_ready, timeout=timeout, zero_copy=zero_copy, out=out, lease=lease)
 
     def publish_state_dict(self, state_dict: Any, *, name: str | None = None, slots: int = 2,
@@ -439,7 +314,7 @@ class Runtime:
             ValueError / TypeError: an empty mapping, a non-str key, a tensor memsem cannot
             publish (named), a bad align/bucket_bytes/slots.
         """
-        return publish_state_dict(self._core, state_dict, name=name, slots=slots, align=align,
+        return publish_state_dict(self, state_dict, name=name, slots=slots, align=align,
                                   bucket_bytes=bucket_bytes, write_guard=write_guard, replace=replace,
                                   delta_history=delta_history)
 
@@ -447,7 +322,7 @@ class Runtime:
         """The :class:`memsem.StateDictRef` of the state-dict window named ``name`` in this job
         (any process; see ``lookup``, whose ``timeout`` waits for it to appear). Its layout is
         read and checked now."""
-        return lookup_state_dict(self._core, name, timeout=timeout)
+        return lookup_state_dict(self, name, timeout=timeout)
 
     def follow(self, source: Any, *, into: Any = None, timeout: float | None = None, after: int = 0,
                pin: bool = True, pin_ttl: float | None = 10.0, every: bool = False, reader: str | None = None,
@@ -497,7 +372,7 @@ class Runtime:
             TypeError / ValueError: a bad source, name, timeout, after or pin_ttl (at once);
             the iterator raises as :meth:`memsem.sync._follow.Follower.next`.
         """
-        return follow(self._core, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
+        return follow(self, source, into=into, timeout=timeout, after=after, pin=pin, pin_ttl=pin_ttl,
                       every=every, reader=reader, delta=delta)
 
     def wait_loaded(self, source: Any, version: int, *, readers: Sequence[str] | None = None,
@@ -535,7 +410,7 @@ class Runtime:
             MemsemTimeoutError: ``source`` is a name that is not published (the lookup's wait).
             RuntimeClosedError: the runtime is closed.
         """
-        return wait_loaded(self._core, source, version, readers=readers, n=n, timeout=timeout)
+        return wait_loaded(self, source, version, readers=readers, n=n, timeout=timeout)
 
     def publish_fields(self, fields: dict[str, Any], *, tile_rows: int | dict[str, int] | None = None,
                        name: str | None = None, access: str = "rw", replace: bool = False):
@@ -544,29 +419,9 @@ class Runtime:
         See :meth:`memsem.refs.FieldSet.publish` (``replace=True`` to publish a set of a name
         again).
         """
-        return FieldSet.publish(self._core, fields, tile_rows=tile_rows, name=name, access=access, replace=replace)
+        return FieldSet.publish(self, fields, tile_rows=tile_rows, name=name, access=access, replace=replace)
 
 
-RuntimeCore.facade_type = Runtime
+set_runtime_class(Runtime)  # the default runtime is one (the layers below never import this one)
 
-_default: Runtime | None = None
-
-
-def default_runtime() -> Runtime:
-    """The process's default runtime (created on first use, closed at exit). Used by refs that
-    were deserialized without an explicit runtime (e.g. unpickled in a worker), and in a forked
-    child by refs bound to a runtime the parent made."""
-    global _default
-    core = default_core()
-    f = _default
-    if f is None or f.core is not core:
-        f = _default = Runtime.of_core(core)
-    return f
-
-
-def _after_fork_in_child() -> None:
-    global _default
-    _default = None  # the parent's (closed in the child): a new one on first use
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+__all__ = ["Runtime", "default_runtime"]

@@ -132,7 +132,7 @@ def _trainer(a: argparse.Namespace) -> None:
                 if r is ref:
                     mine = v
                     t1 = time.perf_counter()
-                    rt.core.wait_version(index, v, 120)  # the record is there
+                    rt.wait_version(index, v, 120)  # the record is there
                     record_s = time.perf_counter() - t1
             after = rt.stats()
             hook = after.deltas["commit_hook_s"] - before.deltas["commit_hook_s"]
@@ -165,7 +165,7 @@ def relay_figures(mib: int, versions: int) -> dict[str, Any]:
                     u = arr.view(np.uint16)
                     u[rng.random(u.size) < 0.01] ^= np.uint16(1)
                 v = src.update(sd)
-                rt.core.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), v, 120)  # recorded
+                rt.wait_version(RefSpec.from_bytes(src.ref.layout.delta.index), v, 120)  # recorded
                 for r in relays:
                     r.load(version=v, timeout=120)
             per_hop = [(r.stats().bytes_received - b) / versions / src.nbytes for r, b in zip(relays, before)]

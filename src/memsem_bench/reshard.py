@@ -182,7 +182,7 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
             if trainer:
                 pub.close()
                 if full_ref is not None:
-                    rt.core.unpublish_spec(full_ref.spec)
+                    rt.unpublish_spec(full_ref.spec)
     finally:
         dist.destroy_process_group()
 

@@ -361,7 +361,7 @@ def _redis_owner(conn: Any, url: str, n: int, job_big: str, job_one: str, secret
             for r in range(5):
                 for k, rt in ((("big", big), ("one", one)) if r % 2 == 0 else (("one", one), ("big", big))):
                     t = _now()
-                    rt.core.directory.heartbeat(rt.core.rank)
+                    rt.directory.heartbeat(rt.rank)
                     beats[k].append(_now() - t)
             conn.send(("ok", beats))
             conn.recv()
@@ -435,7 +435,7 @@ def lookup_rounds(owner: _RedisOwner, rounds: int, per_round: int) -> dict[str, 
                         ref = rt.lookup(name)
                         ts.append(_now() - t)
                         if cold:
-                            rt.core.resolver.drop(ref.spec.gva)
+                            rt.resolver.drop(ref.spec.gva)
                     return ts
                 return run
 
@@ -544,7 +544,7 @@ def _get_figures(owner: _Owner, n: int, rounds: int) -> dict[str, Any]:
         refs = [cb.ref(b) for b in owner.refs]
         one = c1.ref(owner.ref1)
         out = np.empty(64, np.uint8)
-        resolver = cb.core.resolver
+        resolver = cb.resolver
         stride = next(p for p in (7919, 104729, 1299709) if n % p)  # a prime not dividing n
         cursor = [0]
 

@@ -334,7 +334,7 @@ def idle_connections(ref: Any, n: int) -> list[socket.socket]:
     from memsem.engines.tcp import _wire as W
     from memsem.gva import credential_proof, credential_token
 
-    res = ref.runtime.core.resolve(ref.spec)
+    res = ref.runtime.resolve(ref.spec)
     host, port = W.split_endpoint(res.remote.endpoint)
     token = credential_token(ref.spec)
     socks = []
@@ -363,7 +363,7 @@ def unauthenticated_connections(ref: Any, n: int) -> list[socket.socket]:
     """``n`` connections that never authenticate: half send nothing, half only the hello."""
     from memsem.engines.tcp import _wire as W
 
-    host, port = W.split_endpoint(ref.runtime.core.resolve(ref.spec).remote.endpoint)
+    host, port = W.split_endpoint(ref.runtime.resolve(ref.spec).remote.endpoint)
     socks = []
     for i in range(n):
         s = socket.create_connection((host, port), timeout=30)

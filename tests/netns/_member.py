@@ -35,7 +35,7 @@ def say(**kw) -> None:
 
 
 def _stats(rt: Runtime) -> dict:
-    d = rt.core.directory
+    d = rt.directory
     return {"reclaims": d.reclaims, "restored": d.restored, "incarnation": d.incarnation,
             "lost_rank": d.lost_rank, "rank": rt.rank}
 
@@ -96,7 +96,7 @@ def consumer() -> None:
     info = json.loads(sys.stdin.readline())
     rt = Runtime(engines=ENGINES, timeout=10)
     refs = {k: rt.ref(bytes.fromhex(v)) for k, v in info["refs"].items()}
-    peers = {k: rt.core.resolve(r.spec).peer for k, r in refs.items()}  # the owners as first resolved
+    peers = {k: rt.resolve(r.spec).peer for k, r in refs.items()}  # the owners as first resolved
     lease = rt.lease(refs["live"], ttl=None).acquire()
     say(ready=True, routes={k: rt.route(r).kind for k, r in refs.items()}, **_stats(rt))
     loop = Loop(refs)

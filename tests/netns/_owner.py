@@ -108,11 +108,11 @@ class Owner:
             return {}
         if op == "clear":
             for t in cmd["tiles"]:
-                rt.core.clear_ready(self.wins[cmd["name"]].spec, t)
+                rt.readiness.clear(self.wins[cmd["name"]].spec, t)
             return {}
         if op == "hold_pushes":  # the watch hub tells no subscriber of a change until release_pushes
             self.held = []
-            for w in list(rt.core.server.hub._windows.values()):
+            for w in list(rt.server.hub._windows.values()):
                 for sub in list(w.subs):
                     orig = sub.notify
                     sub.notify = lambda: None
@@ -179,12 +179,12 @@ class Owner:
             return {"sum": float(a.astype(np.float64).sum()), "head": a.ravel()[:8].tolist()}
         if op == "ready_words":  # the window's ready words as the owner's control block holds them
             spec = self.sets[cmd["set"]][cmd["field"]].spec if "set" in cmd else self.wins[cmd["name"]].spec
-            cb = rt.core.resolve(spec).cb
+            cb = rt.resolve(spec).cb
             from memsem.gva._control_block import W_READY_SEQ
 
             return {"words": [memsem.native.load_acquire(cb.ready_addr(t)) for t in range(cb.n_ready)],
                     "seq": cb.word(W_READY_SEQ), "generation": cb.generation,
-                    "hub": rt.core.server.hub.count}
+                    "hub": rt.server.hub.count}
         if op == "rss":
             with open("/proc/self/status") as f:
                 for line in f:

@@ -67,7 +67,7 @@ def open_handle(s: socket.socket, nonce: bytes, spec: RefSpec, handle: int = 1, 
 
 
 def endpoint_of(rt, ref) -> str:
-    return rt.core.resolve(ref.spec).remote.endpoint
+    return rt.resolve(ref.spec).remote.endpoint
 
 
 def raise_nofile(n: int) -> int:

@@ -193,7 +193,7 @@ def test_producers_on_another_node_complete_a_tile_in_parts(owner, rt):
     """Two producers of another node each write half of a tile: the owner counts their rows
     and marks the tile once both halves are in."""
     fsb = owner("fields", name="fs", fields={"lp": [[128, 4], "float32"]}, tile_rows=64)["set"]
-    with memsem.Runtime(directory=rt.core.directory.url, job=rt.core.directory.job, engines=ENGINES,
+    with memsem.Runtime(directory=rt.directory.url, job=rt.directory.job, engines=ENGINES,
                         timeout=20) as other:
         fa = memsem.FieldSet.from_bytes(bytes.fromhex(fsb), rt)["lp"]
         fb = memsem.FieldSet.from_bytes(bytes.fromhex(fsb), other)["lp"]

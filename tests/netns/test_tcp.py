@@ -151,7 +151,7 @@ def test_versions_across_nodes_never_torn(owner, rt):
     out = np.empty(n, np.int64)
     versions = []
     for _ in range(40):
-        v = rt.core.transfer(w.spec, "get", 0, out.view(np.uint8))
+        v = rt.transfer(w.spec, "get", 0, out.view(np.uint8))
         assert (out == out[0]).all(), "torn read returned as valid"
         versions.append((v, int(out[0])))
     sections = owner("writer_stop")["sections"]
@@ -163,7 +163,7 @@ def test_versions_across_nodes_never_torn(owner, rt):
     from memsem.gva._control_block import W_LATEST
 
     latest = owner("write", name="w", value=-5)["version"]
-    got = rt.core.readiness.wait_word(w.spec, W_LATEST, lambda x: x >= latest, timeout=20)
+    got = rt.readiness.wait_word(w.spec, W_LATEST, lambda x: x >= latest, timeout=20)
     assert got >= latest and (w.get() == -5).all()
 
 
@@ -327,7 +327,7 @@ def test_the_access_key_never_crosses_the_wire(owner, rt, monkeypatch, redis_url
     hexref = owner("publish", name="w", n=4096, tile_bytes=8192)["ref"]
     probe = _ref(rt, hexref)
     real = W.split_endpoint(_endpoint(rt, probe))
-    rt.core.resolver.drop(probe.spec.gva)
+    rt.resolver.drop(probe.spec.gva)
     rec = _Recorder(real)
     try:
         monkeypatch.setattr(W, "split_endpoint", lambda ep: rec.addr)
@@ -388,7 +388,7 @@ def test_a_consumer_reads_its_own_ready_word_writes(owner, rt, how):
     assert owner("hold_pushes")["held"] >= 1
     try:
         if how == "clear":
-            rt.core.clear_ready(obs.spec, 0)
+            rt.readiness.clear(obs.spec, 0)
             assert not obs.is_ready(0)
             with pytest.raises(memsem.MemsemTimeoutError, match="tile 0"):
                 obs.wait_tiles(0, 1, timeout=0.2)
@@ -564,7 +564,7 @@ def test_a_process_reads_its_own_window_through_tcp_when_it_prefers_tcp():
 # -- the kept route: a ref's next plain small get or put is one bracket around one request ------------
 def _conn(rt, ref):
     """This thread's data connection to the owner of ``ref`` (the engine's own)."""
-    remote = rt.core.resolve(ref.spec).remote_for(ref.spec)
+    remote = rt.resolve(ref.spec).remote_for(ref.spec)
     return rt.engine("tcp")._local.conns[remote.endpoint], remote.credential.token
 
 
@@ -724,7 +724,7 @@ def test_the_kept_route_after_republish_is_stale(owner, rt):
 def _idle(rt, ref):
     """The resolution of ``ref`` has no copy in flight: its use word holds the cache's claim
     alone (a bracket left open would hold it)."""
-    return rt.core.resolve(ref.spec).use.holders == 1
+    return rt.resolve(ref.spec).use.holders == 1
 
 
 @pytest.mark.parametrize("slots", [1, 2])

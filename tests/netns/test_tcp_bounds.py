@@ -244,7 +244,7 @@ def test_unauthenticated_connections_at_the_cap_make_room_for_a_consumer(redis_u
     try:
         w = _ref(rt, o("publish", name="w", n=1024)["ref"])
         ep = R.endpoint_of(rt, w)
-        rt.core.resolver.drop(w.spec.gva)
+        rt.resolver.drop(w.spec.gva)
         idle = [R.connect(ep)[0] for _ in range(6)]  # six that never authenticate: the cap
         assert (w.get()[:2] == [0, 1]).all()  # the oldest is closed for it, saying why
         head, text = R.reply(idle[0])
@@ -395,7 +395,7 @@ def test_ready_marks_are_bounded_by_the_minted_range(owner, rt):
     tile2.mark_ready(2)
     whole = _ref(rt, owner("bytes", name="w", offset=0, nbytes=8 * tb)["ref"])
     whole.wait_tile(2, timeout=20)
-    for tile, fn in ((7, tile2.mark_ready), (5, lambda t: rt.core.clear_ready(tile2.spec, t)), (3, tile2.mark_ready)):
+    for tile, fn in ((7, tile2.mark_ready), (5, lambda t: rt.readiness.clear(tile2.spec, t)), (3, tile2.mark_ready)):
         with pytest.raises(memsem.AccessDeniedError, match="minted for bytes"):
             fn(tile)
     assert owner("ready_words", name="w")["words"][7] == 0

@@ -47,7 +47,7 @@ def _probe() -> int:
             ref = rt.ref(ref_bytes)
             ref.bytes(0, 8).put(np.arange(8, dtype=np.uint8))
             ok = bool((ref.bytes(0, 8).get() == np.arange(8)).all())
-            return os.environ.get("MEMSEM_NODE_ID", ""), rt.route(ref).kind, rt.core.directory.url, ok
+            return os.environ.get("MEMSEM_NODE_ID", ""), rt.route(ref).kind, rt.directory.url, ok
 
     job = "tq-cluster-probe"
     agent = start_agent(job=job, timeout=120)

@@ -50,9 +50,9 @@ class Owner:
         self.leases: list[object] = []
 
     def where(self) -> dict:
-        d = self.rt.core.directory
-        return {"node": os.environ.get("MEMSEM_NODE_ID"), "rank": self.rt.core.rank, "job": d.job,
-                "url": d.url, "engines": sorted(self.rt.core.engines)}
+        d = self.rt.directory
+        return {"node": os.environ.get("MEMSEM_NODE_ID"), "rank": self.rt.rank, "job": d.job,
+                "url": d.url, "engines": sorted(self.rt.engines)}
 
     def publish(self, name: str, n: int, fill: int = 0) -> bytes:
         arr = np.arange(n, dtype=np.int64) + fill
@@ -72,7 +72,7 @@ def read_by_name(name: str) -> dict:
         ref = rt.lookup(name)
         data = ref.get()
         return {"node": os.environ.get("MEMSEM_NODE_ID"), "route": rt.route(ref).kind, "sum": int(data.sum()),
-                "url": rt.core.directory.url, "job": rt.core.directory.job}
+                "url": rt.directory.url, "job": rt.directory.job}
 
 
 @ray.remote(num_cpus=0)
@@ -111,7 +111,7 @@ def test_chosen_inside_a_ray_job_and_windows_found_across_nodes(cluster):
         with memsem.Runtime(timeout=LONG) as rt:  # the driver, on the head: a third node
             ref = rt.lookup("weights")
             assert rt.route(ref).kind == "tcp" and (ref.get() == 7).all()
-            assert rt.core.directory.job == info["job"]
+            assert rt.directory.job == info["job"]
     finally:
         ray.get(owner.close.remote(), timeout=LONG)
         ray.kill(owner)
@@ -329,7 +329,7 @@ def test_a_node_removed_mid_run(cluster):
     doomed = Owner.options(**placed("gone")).remote()
     keeper = Owner.options(**placed("w1")).remote()
     with memsem.Runtime(timeout=LONG) as rt:
-        d = rt.core.directory
+        d = rt.directory
         c = rt.publish(np.arange(64, dtype=np.int64), name="c", access="r")
         ray.get(doomed.publish.remote("a", 256, 1), timeout=LONG)
         ray.get(keeper.publish.remote("b", 256, 2), timeout=LONG)

@@ -150,8 +150,8 @@ class Worker:
         runtime opened and the memsem settings it inherited."""
         rt = self.engine._rt
         return {"netns": os.readlink("/proc/self/ns/net"), "node": memsem.native.node_id(),
-                "directory": None if rt is None else type(rt.core.directory).__name__,
-                "engines": None if rt is None else rt.engines,
+                "directory": None if rt is None else type(rt.directory).__name__,
+                "engines": None if rt is None else list(rt.engines),
                 "ops": None if rt is None else dict(rt.stats().ops_by_route),
                 "errors": None if rt is None else dict(rt.stats().errors),
                 "env": sorted(k for k in os.environ if k.startswith("MEMSEM_"))}

@@ -49,7 +49,7 @@ def pipeline_phase(path: str, args: Any, console: Any) -> bool:
         data = conn.recv()
         h = hashlib.sha256()
         with memsem.Runtime(timeout=timeout) as rt:
-            r = stream_report(rt.core, rt.ref(data), tile_bytes=tile_bytes, depth=2,
+            r = stream_report(rt, rt.ref(data), tile_bytes=tile_bytes, depth=2,
                               compute=lambda a: h.update(memoryview(a)), zero_copy=False, timeout=timeout)
     finally:
         try:

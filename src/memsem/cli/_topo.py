@@ -52,10 +52,10 @@ def run_topo(args) -> int:
         for label, ref, where in (("same node, private memory", priv, native.node_id()),
                                   ("same node, shared segment", shared, native.node_id()),
                                   ("another node", shared, "(another node)")):
-            res = rt.core.resolve(ref.spec)
+            res = rt.resolve(ref.spec)
             try:
                 routes[label] = choose_route(Location(where, -1, {}), Location(res.info.node, res.info.owner_pid),
-                                             res.info.descriptors, rt.core.available, nbytes=ref.nbytes)
+                                             res.info.descriptors, rt.available, nbytes=ref.nbytes)
             except NotSupportedError as exc:
                 routes[label] = str(exc)
         for label, r in routes.items():

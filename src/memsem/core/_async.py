@@ -44,7 +44,7 @@ from memsem import _args
 from memsem._errors import EngineError, MemsemError, MemsemTimeoutError, NotSupportedError
 from memsem.native._lib import ffi, lib
 
-__all__ = ["AsyncWordWaiter", "probe", "word_waiter"]
+__all__ = ["AsyncWordWaiter", "probe"]
 
 #: futex entries of one native wait call (the kernel's FUTEX_WAITV_MAX)
 WAITV_MAX = lib.MEMSEM_WAITV_MAX
@@ -331,12 +331,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-def word_waiter(runtime: Any) -> AsyncWordWaiter:
-    """The runtime's own waiter (``RuntimeCore.word_waiter``): one per runtime, created on first
-    use and closed by the runtime's ``close()``.
-
-    Raises:
-        MemsemError: the runtime is closed.
-    """
-    return getattr(runtime, "core", runtime).word_waiter()  # a memsem.Runtime holds its core

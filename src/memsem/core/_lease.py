@@ -42,7 +42,7 @@ class Lease:
     views taken under this lease are alive. A lease of a dead process is reaped by the owner.
 
     Args:
-        runtime: the consumer's runtime core.
+        runtime: the consumer's runtime.
         spec: the ref whose window is leased.
         ttl: seconds until expiry unless renewed, or None (until released).
         version: for a double-buffered versioned window, the version this lease keeps readable
@@ -55,7 +55,7 @@ class Lease:
     def __init__(self, runtime: "RuntimeCore", spec: RefSpec, ttl: float | None, *, version: int = 0,
                  reserve: bool = False) -> None:
         self.ttl = _args.ttl(ttl)
-        self.runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
+        self.runtime = runtime
         self.spec = spec
         self.version = _args.version(version, "version")
         #: pin the latest version when ``version`` is 0 (``pin``): at another node's owner, a

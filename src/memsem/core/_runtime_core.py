@@ -13,9 +13,13 @@ part               concern (module)
 ``telemetry``      counters (_telemetry)
 =================  =========================================================================
 
-The core works on :class:`memsem.gva.RefSpec`; the user-facing ``memsem.Runtime`` (refs
-layer) holds a core and wraps specs into TensorRefs. This is the one place that checks
-generation, lease and permission; engine errors become memsem errors in ``_translate``.
+The core works on :class:`memsem.gva.RefSpec`. ``memsem.Runtime`` (on top of every layer) is
+this class plus the entry points of the layers above core (refs, pipelines, state dicts,
+followers), each a call into its layer with the runtime itself: one object that users hold and
+parts receive. Every runtime memsem makes for a user is of that class: the default runtime is
+made by the class ``memsem.Runtime`` registers here when imported (``set_runtime_class``; the
+layers below it never import it). This is the one place that checks generation, lease and
+permission; engine errors become memsem errors in ``_translate``.
 
 Lifetimes: closing waits (within its timeout) for copies running through this runtime's
 resolutions and releases each mapping when its last user is done, never under it; queued
@@ -46,7 +50,7 @@ from memsem.directory import Directory, open_directory
 from memsem.engines import Availability, Engine, EngineContext, engine_class
 from memsem.gva import RefSpec
 from memsem.native import ProcessIdentity
-from memsem.core._completion import Batch, Completion
+from memsem.core._completion import Completion
 from memsem.core._lease import Lease
 from memsem.core._liveness import Peers, record_alive
 from memsem.core._names import Names
@@ -100,8 +104,18 @@ class _Context(EngineContext):
         return self._c().peers.alive(pid, start, node, rank)
 
 
+class _Timeout:
+    """``RuntimeCore.timeout``: read as a plain attribute (no call: every resolution and wait
+    reads it), checked when set (seconds > 0, else TypeError / ValueError naming it). A data
+    descriptor with no ``__get__``: reads find the instance's own value."""
+
+    def __set__(self, obj: Any, value: float) -> None:
+        vars(obj)["timeout"] = _args.timeout(value, "timeout", positive=True)
+
+
 class RuntimeCore:
-    """A process's memsem runtime: owns its windows, resolves others', moves bytes.
+    """A process's memsem runtime: owns its windows, resolves others', moves bytes. Users hold
+    its subclass ``memsem.Runtime`` (the same object, with the entry points of the layers above).
 
     Args:
         directory: ``"local"`` (default; or ``MEMSEM_DIRECTORY``) or ``"redis://host:port/db"``.
@@ -122,7 +136,7 @@ class RuntimeCore:
                  engine_objects: dict[str, Engine] | None = None, job: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, prefer: str | None = None, workers: int = 4) -> None:
         global _order
-        self.timeout = _args.timeout(timeout, "timeout", positive=True)
+        self.timeout = timeout
         workers = _args.count(workers, "workers", minimum=1, maximum=256)
         if prefer is not None and not isinstance(prefer, str):
             raise TypeError(f"prefer must be an engine name or None, got {prefer!r}")
@@ -134,8 +148,6 @@ class RuntimeCore:
         self.closed = False
         #: True in a process forked from the one that made this runtime (it owns nothing here)
         self.forked = False
-        #: the user-facing ``memsem.Runtime`` wrapping this core (weak), set by that class
-        self.facade: Any = None
         self._lock = threading.RLock()
         self.telemetry = Telemetry()
         self.leases: "weakref.WeakSet[Lease]" = weakref.WeakSet()
@@ -193,7 +205,7 @@ class RuntimeCore:
             eng.bind(ctx)
 
     # -- context ---------------------------------------------------------------------------------
-    def __enter__(self) -> "RuntimeCore":
+    def __enter__(self) -> Any:
         self._token = _current.set(self)
         return self
 
@@ -206,17 +218,8 @@ class RuntimeCore:
             self._token = None
         self.close()
 
-    #: the user-facing class around a core (``memsem.Runtime`` registers itself when imported:
-    #: the layers below it hand users that class, never import it)
-    facade_type: Any = None
-
-    def user_runtime(self) -> Any:
-        """The user-facing ``memsem.Runtime`` around this core (its existing one, else a new
-        one around the same core); the core itself when no such class was imported."""
-        f = self.facade() if self.facade is not None else None
-        if f is None and RuntimeCore.facade_type is not None:
-            f = RuntimeCore.facade_type.of_core(self)
-        return f if f is not None else self
+    #: the default bound in seconds of this runtime's blocking calls (settable, > 0)
+    timeout = _Timeout()
 
     def check_open(self) -> None:
         """Raise RuntimeClosedError when closed (or inherited through fork)."""
@@ -233,6 +236,11 @@ class RuntimeCore:
         return Location(self.identity.node, self.identity.pid, self.location_attrs)
 
     def engine(self, name: str) -> Engine:
+        """The enabled engine ``name`` (``engines`` maps every enabled one by name).
+
+        Raises:
+            NotSupportedError: ``name`` is not enabled here.
+        """
         try:
             return self.engines[name]
         except KeyError:
@@ -240,8 +248,21 @@ class RuntimeCore:
                                     f"(enabled: {', '.join(self.engines)})") from None
 
     # -- owner side (publisher) --------------------------------------------------------------------
-    def alloc_array(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
-                    engine: str | None = None) -> np.ndarray:
+    def alloc(self, shape: int | Sequence[int], dtype: Any = np.float32, *,
+              engine: str | None = None) -> np.ndarray:
+        """A zero-filled array in a shared segment (mode 0600, unguessable name), ready to be
+        published for zero-copy ``view()`` by same-node consumers.
+
+        ``engine="mte"`` allocates from the SHMEM symmetric heap instead (a collective call:
+        every PE of the team makes it with the same shape and dtype in the same order); its
+        windows are reached by the PEs of the team through route ``mte``. That memory is
+        released by ``rt.engine("mte").free(arr)`` (collective) or when the team closes.
+
+        Raises:
+            OutOfMemoryError: the segment directory (tmpfs) cannot hold ``shape`` x itemsize bytes;
+                checked now, so no SIGBUS happens later (or the symmetric heap is full).
+            NotSupportedError: ``engine`` is not enabled here or cannot allocate memory.
+        """
         return self.publisher.alloc(shape, dtype, engine=engine)
 
     def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
@@ -257,11 +278,47 @@ class RuntimeCore:
         """``stop``: the caller's check after every slice of the wait (``Wait``'s ``stop``)."""
         return self.names.lookup(name, timeout, stop=stop)
 
-    def write_section(self, spec_or_name: Any, *, copy: bool = True, timeout: float | None = None,
+    def write_section(self, ref: Any, *, copy: bool = True, timeout: float | None = None,
                       counted: bool = True) -> Any:
-        """``counted=False``: memsem's own bookkeeping, not counted in ``stats().write_sections``."""
+        """Owner: open a write section on a window (a ref or a name) or a set of windows (a list
+        of them); a context manager giving a :class:`memsem.core.WriteSection`.
+
+        While it is open no reader returns bytes of the version being written as valid: on a
+        single-slot window readers wait (up to their timeout) for the close, or retry a copy it
+        tore; on a double-buffered window (``slots=2``) they keep reading the latest version,
+        untouched. Leaving the block publishes the next version of each window (release
+        store, readers and ``wait_version`` waiters woken). A body that raises publishes
+        nothing (see ``WriteSection``).
+
+        ``section.array()`` is the memory to write: the window's own memory (single slot; the
+        published object itself may be written as well) or the target slot (double-buffered;
+        filled with the latest version's bytes first when ``copy``, so in-place updates work;
+        ``copy=False`` when every byte is rewritten).
+
+        Blocking: opening waits (up to ``timeout`` s, default the runtime's) for leases that
+        pin a version the section overwrites (``TensorRef.pin``): never longer than they last.
+
+        Writes by the owner outside a write section are invisible to readers' checks: a reader
+        may then get a mixture of old and new bytes with no error. The ``write_guard`` of
+        ``publish`` makes such writes loud in debug and tests.
+
+        Args:
+            ref: a ``TensorRef`` (or its ``RefSpec``), a window name, or a list of them.
+            counted: False for memsem's own bookkeeping (not counted in
+                ``stats().write_sections``).
+
+        Raises:
+            LeaseHeldError: pinned leases outlasted ``timeout``. OwnerWriteError: the checksum
+            guard found the latest version changed outside a section. WindowNotFoundError: this
+            runtime owns no such window. StaleReferenceError: an old ref. MemsemError: a section
+            is already open on it. TypeError: ``ref`` is none of the above.
+        """
+        if isinstance(ref, (list, tuple)):
+            target: Any = [window_of(r, f"ref[{i}]") for i, r in enumerate(ref)]
+        else:
+            target = window_of(ref, "ref")
         self.check_open()
-        return self.publisher.write_section(spec_or_name, copy=copy, timeout=timeout, counted=counted)
+        return self.publisher.write_section(target, copy=copy, timeout=timeout, counted=counted)
 
     def watch_commits(self, spec: RefSpec, watcher: Any) -> Any:
         """Owner: tell ``watcher`` (a ``memsem.core.CommitWatch``) every commit of ``spec``'s
@@ -315,9 +372,12 @@ class RuntimeCore:
                keep: Any = None) -> int:
         return self.versions.gather(spec, ranges, version=version, lease=lease, keep=keep)
 
-    def lease_holders(self, spec: RefSpec) -> list[tuple[int, float]]:
+    def lease_holders(self, ref: Any) -> list[tuple[int, float]]:
+        """Owner: ``(pid, seconds left)`` of the unexpired leases live processes hold on a window
+        this runtime owns (``ref``: a ``TensorRef``, its ``RefSpec`` or the window's name)."""
+        target = window_of(ref, "ref")
         self.check_open()
-        return self.publisher.lease_holders(spec)
+        return self.publisher.lease_holders(self.names.lookup(target) if isinstance(target, str) else target)
 
     def wait_unleased(self, spec: RefSpec, timeout: float) -> list[tuple[int, float]]:
         """Owner: wait up to ``timeout`` s for every lease on ``spec``'s window to end; returns
@@ -337,9 +397,6 @@ class RuntimeCore:
     def get_spec(self, spec: RefSpec, out: Any = None, *, lease: Lease | None = None, version: int = 0) -> np.ndarray:
         return self.transfers.get(spec, out, lease=lease, version=version)
 
-    def put_spec(self, spec: RefSpec, src: Any, *, lease: Lease | None = None) -> int:
-        return self.transfers.put(spec, src, lease=lease)
-
     def transfer(self, spec: RefSpec, kind: str, offset: int, local: np.ndarray, *,
                  lease: Lease | None = None, signal_tile: int | None = None, version: int = 0) -> int:
         """Move ``local.nbytes`` bytes between ``local`` (flat uint8) and the window at
@@ -348,29 +405,27 @@ class RuntimeCore:
         return self.transfers.transfer_array(spec, kind == "put", offset, local, lease=lease, version=version,
                                              signal_tile=signal_tile)
 
-    def xcopy_specs(self, pairs: Sequence[tuple[Any, Any]], *, lease: Lease | None = None) -> Batch:
-        return self.transfers.xcopy(pairs, lease=lease)
-
     def submit(self, what: str, fn: Any) -> Completion:
         return self.transfers.submit(what, fn)
 
     def view_spec(self, spec: RefSpec, *, lease: Lease | None = None) -> np.ndarray:
         return _view(self, spec, lease=lease)
 
-    def lease(self, spec: RefSpec, ttl: float | None = 10.0, *, version: int = 0) -> Lease:
-        return Lease(self, spec, ttl, version=version)
+    def lease(self, ref: Any, ttl: float | None = 10.0, *, version: int = 0) -> Lease:
+        """A lease on ``ref``'s window (a ``TensorRef`` or its ``RefSpec``), acquired on
+        ``with`` entry or by ``acquire()``.
+
+        Args:
+            ttl: seconds until expiry unless renewed; None holds until release (reaped if this
+                process dies).
+            version: a version the lease pins (the owner's write sections do not overwrite it
+                while the lease lasts); 0 pins none. ``TensorRef.pin`` pins the latest one.
+        """
+        return Lease(self, window_of(ref, "ref", names=False), ttl, version=version)
 
     # -- readiness -------------------------------------------------------------------------------
     def mark_ready(self, spec: RefSpec, tile: int) -> None:
         self.readiness.mark(spec, tile)
-
-    def add_rows(self, spec: RefSpec, tile: int, rows: int, total: int) -> int:
-        """Count ``rows`` written rows of tile ``tile`` (of ``total``); the write that completes
-        the tile marks it (see ``Readiness.add_rows``). Returns the rows written so far."""
-        return self.readiness.add_rows(spec, tile, rows, total)
-
-    def clear_ready(self, spec: RefSpec, tile: int) -> None:
-        self.readiness.clear(spec, tile)
 
     def is_ready(self, spec: RefSpec, tile: int) -> bool:
         return self.readiness.is_ready(spec, tile)
@@ -381,10 +436,6 @@ class RuntimeCore:
     def wait_tile(self, spec: RefSpec, tile: int, timeout: float | None = None, *,
                   stop: Callable[[], None] | None = None) -> None:
         self.readiness.wait(spec, tile, timeout, stop=stop)
-
-    def n_tiles(self, spec: RefSpec) -> int:
-        """Ready words (tiles) of ``spec``'s window (0: published without tiles)."""
-        return self.readiness.n_tiles(spec)
 
     async def wait_tile_async(self, spec: RefSpec, tile: int, timeout: float | None = None) -> None:
         await self.readiness.wait_async(spec, tile, timeout)
@@ -489,6 +540,21 @@ class RuntimeCore:
                           "'with'", ResourceWarning, stacklevel=2)
 
 
+def window_of(ref: Any, argname: str, *, names: bool = True) -> RefSpec | str:
+    """The window a call names: a ref's ``spec`` (any kind of ref), a ``RefSpec``, or (where
+    ``names``) a window name.
+
+    Raises:
+        TypeError: ``ref`` is none of these (the message names ``argname``).
+    """
+    if isinstance(ref, RefSpec) or (names and isinstance(ref, str)):
+        return ref
+    spec = getattr(ref, "spec", None)
+    if isinstance(spec, RefSpec):
+        return spec
+    raise TypeError(f"{argname} must be a TensorRef{' or a window name' if names else ''}, got {type(ref).__name__}")
+
+
 def _step(what: str, fn: Any) -> Any:
     """One step of ``close``: run it; a failure is logged (with its traceback) and the close
     goes on. Returns what ``fn`` returned (None after a failure)."""
@@ -522,7 +588,7 @@ def default_engines(directory: str | None = None) -> list[str]:
     return ["loopback", "host", "tcp"] if choose_url(directory)[0] == "ray" else ["loopback", "host"]
 
 
-def current_core() -> RuntimeCore | None:
+def current_runtime() -> RuntimeCore | None:
     """The runtime of the innermost ``with Runtime()`` block of this context, else the most
     recently created open runtime of this process, else None."""
     rt = _current.get()
@@ -537,16 +603,33 @@ def current_core() -> RuntimeCore | None:
 
 _default: RuntimeCore | None = None
 _default_lock = threading.Lock()
+#: the class of the runtimes memsem makes for users (the default runtime): ``memsem.Runtime``,
+#: registered by ``set_runtime_class`` when it is imported (the layers below it never import it)
+_runtime_class: type[RuntimeCore] = RuntimeCore
 
 
-def default_core() -> RuntimeCore:
-    """The process's default runtime (created on first use, closed at exit). Used by refs that
-    were deserialized without an explicit runtime (e.g. unpickled in a worker), and in a forked
-    child by refs bound to a runtime the parent made."""
+def set_runtime_class(cls: type[RuntimeCore]) -> None:
+    """Make ``cls`` (a subclass of RuntimeCore: ``memsem.Runtime``, which registers itself when
+    imported) the class of the default runtime, so that a runtime memsem makes for a user (a
+    ref deserialized without one, a ref used in a forked child) offers every layer's calls.
+
+    Raises:
+        TypeError: ``cls`` is not a subclass of RuntimeCore.
+    """
+    global _runtime_class
+    if not (isinstance(cls, type) and issubclass(cls, RuntimeCore)):
+        raise TypeError(f"cls must be a subclass of RuntimeCore, got {cls!r}")
+    _runtime_class = cls
+
+
+def default_runtime() -> RuntimeCore:
+    """The process's default runtime (a ``memsem.Runtime``, created on first use, closed at
+    exit). Used by refs that were deserialized without an explicit runtime (e.g. unpickled in a
+    worker), and in a forked child by refs bound to a runtime the parent made."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
-            _default = RuntimeCore()
+            _default = _runtime_class()
             atexit.register(_default.close)
         return _default
 
@@ -566,4 +649,5 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["CLOSE_TIMEOUT", "DEFAULT_TIMEOUT", "RuntimeCore", "current_core", "default_core"]
+__all__ = ["CLOSE_TIMEOUT", "DEFAULT_TIMEOUT", "RuntimeCore", "current_runtime", "default_runtime", "set_runtime_class",
+           "window_of"]

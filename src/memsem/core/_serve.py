@@ -456,7 +456,7 @@ class Server:
         #: the key a proof is checked against when the window named is not served here, so
         #: that an unowned GVA costs and answers exactly what a wrong proof does
         self._decoy = secrets.token_bytes(16)
-        self.hub = WatchHub(core)
+        self.hub = WatchHub()
 
     # -- mints ------------------------------------------------------------------------------------
     def mint(self, spec: RefSpec) -> RefSpec:

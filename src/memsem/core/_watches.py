@@ -23,7 +23,6 @@ from memsem.engines import WATCH_HEADER, WATCH_READY
 from memsem.gva._control_block import W_GENERATION, W_LATEST, W_READY_SEQ, W_SEQ0, W_SEQ1, W_STATE
 
 if TYPE_CHECKING:
-    from memsem.core._runtime_core import RuntimeCore
     from memsem.core._serve import Grant
 
 log = logging.getLogger(__name__)
@@ -121,8 +120,7 @@ class WatchHub:
     ``SHARD_WORDS`` watched words, blocked in the native multi-word waiter (``futex_waitv``
     where the kernel has it, else bounded futex slices), woken by the writers of the words."""
 
-    def __init__(self, core: "RuntimeCore") -> None:
-        self.core = core
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._windows: dict[int, _Window] = {}
         self._shards: list[_Shard] = []

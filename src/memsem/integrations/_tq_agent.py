@@ -369,7 +369,7 @@ class Agent:
         waited = bool(_lease_holders(self.rt, region.ref))
         if waited:
             try:  # asleep on the leases' own words (woken by their release), within the deadline
-                left = self.rt.core.wait_unleased(region.ref.spec, max(0.0, deadline - t0))
+                left = self.rt.wait_unleased(region.ref.spec, max(0.0, deadline - t0))
             except memsem.WindowNotFoundError:
                 left = []
             if left:

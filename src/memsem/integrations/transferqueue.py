@@ -358,10 +358,10 @@ class MemsemStorageClient(StorageKVClient):
         moved = 0
         try:
             for off, src in sources:
-                rt.core.transfer(spec, "put", off, src)
+                rt.transfer(spec, "put", off, src)
                 moved += src.nbytes
             # Commit: the item words go last; a reader accepts an item only once its word is set.
-            rt.core.transfer(spec, "put", 0, gens.view(np.uint8))
+            rt.transfer(spec, "put", 0, gens.view(np.uint8))
         except BaseException:
             try:
                 self._agent.call("abort", rid=int(grant["rid"]), gva=spec.gva)
@@ -435,7 +435,7 @@ class MemsemStorageClient(StorageKVClient):
                         j += 1
                     if n:
                         try:
-                            rt.core.transfer(spec, "get", src, out_np[dst:dst + n], lease=lease)
+                            rt.transfer(spec, "get", src, out_np[dst:dst + n], lease=lease)
                         except StaleReferenceError as exc:
                             raise self._gone(keys, idxs[i:j], "its region was freed during the read") from exc
                         moved += n
@@ -493,7 +493,7 @@ class MemsemStorageClient(StorageKVClient):
         hi = max(int(metas[i]["i"]) for i in idxs) + 1
         words = np.empty(hi, np.uint64)
         try:
-            rt.core.transfer(spec, "get", 0, words.view(np.uint8), lease=lease)
+            rt.transfer(spec, "get", 0, words.view(np.uint8), lease=lease)
         except StaleReferenceError as exc:
             raise self._gone(keys, idxs, f"its region was freed {when} the read") from exc
         bad = [i for i in idxs if int(words[int(metas[i]["i"])]) != int(metas[i]["g"])]

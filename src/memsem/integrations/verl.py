@@ -348,7 +348,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         if self.rank != 0:
             raise RuntimeError(f"only the trainer (rank 0) sends weights; this is rank {self.rank}")
         rt = self.runtime
-        core = rt.core
+        core = rt
         loop = asyncio.get_running_loop()
         step = -1 if global_steps is None else int(global_steps)
         buckets = 0
@@ -415,7 +415,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             with rt.write_section(self._digests, copy=False, timeout=self.timeout) as ds:
                 ds.array()[at:at + DIGEST_SIZE] = np.frombuffer(d, np.uint8)
 
-        await rt.core.submit(f"digest of bucket {index}", put)
+        await rt.submit(f"digest of bucket {index}", put)
 
     async def _await_slot(self, loop: asyncio.AbstractEventLoop, bucket: int) -> float:
         """Before bucket ``bucket`` is written: every rollout is done with what its slot holds
@@ -426,7 +426,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             PeerLostError: a rollout died while awaited, or reported a failure.
             MemsemTimeoutError: a rollout's word was not marked within ``timeout``.
         """
-        core = self.runtime.core
+        core = self.runtime
         slot = (FIRST_BUCKET_VERSION + bucket) % 2
         what = "join" if bucket < 2 else f"finish copying bucket {bucket - 2}"
         t0 = loop.time()
@@ -445,9 +445,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
         "failed" mark, which the look after the clear sees: the failure is never lost with the
         word (the final wait, on that very word, would otherwise wait out its timeout).
         """
-        core = self.runtime.core
+        core = self.runtime
         for st, _ in self._rollouts:
-            core.clear_ready(st.spec, slot)
+            core.readiness.clear(st.spec, slot)
         for st, label in self._rollouts:
             if st.is_ready(W_FAILED):
                 return st, label
@@ -459,7 +459,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         Raises:
             PeerLostError: always.
         """
-        raw = await self.runtime.core.submit(f"{label}: its error", status.get)
+        raw = await self.runtime.submit(f"{label}: its error", status.get)
         raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {_failure_message(raw)}")
 
     async def _await_done(self, loop: asyncio.AbstractEventLoop, last: int) -> None:
@@ -482,7 +482,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             PeerLostError: a rollout died while awaited, or marked "failed" (named, with its message).
             MemsemTimeoutError: a rollout's word was not marked within ``timeout``.
         """
-        core = self.runtime.core
+        core = self.runtime
         deadline = loop.time() + self.timeout
         for status, label in rollouts:
             left = max(0.0, deadline - loop.time())
@@ -612,7 +612,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         except memsem.MemsemTimeoutError as exc:
             raise memsem.MemsemTimeoutError(f"{label} published no bucket window to relay within {self.timeout:g} s",
                                             what=label, timeout=self.timeout) from exc
-        raw = bytes(await self.runtime.core.submit(f"{label}: its bucket window", status.get))
+        raw = bytes(await self.runtime.submit(f"{label}: its bucket window", status.get))
         if status.is_ready(W_FAILED):
             raise memsem.PeerLostError(f"{label} left the sync before it relayed the buckets: {_failure_message(raw)}")
         (n,) = struct.unpack_from("<I", raw, RELAY_AT)
@@ -650,7 +650,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
                 head = self._check_bucket(win, buf, got, version, global_steps)
                 # before it is yielded or re-served: the trainer's bytes, whoever served them
-                await rt.core.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
+                await rt.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
             except BaseException:
                 if sec is not None:
                     sec.abort()

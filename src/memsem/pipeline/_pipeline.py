@@ -240,9 +240,7 @@ class Pipeline:
         self._t0 = _perf()
         reap_unjoined()  # earlier pipelines' memory a worker was still writing at their close
         if not isinstance(runtime, RuntimeCore):
-            runtime = getattr(runtime, "core", runtime)  # a memsem.Runtime holds its core
-            if not isinstance(runtime, RuntimeCore):
-                raise TypeError(f"runtime must be a memsem runtime, got {type(runtime).__name__}")
+            raise TypeError(f"runtime must be a memsem runtime, got {type(runtime).__name__}")
         if not isinstance(spec, RefSpec):
             spec = getattr(spec, "spec", spec)
             if not isinstance(spec, RefSpec):

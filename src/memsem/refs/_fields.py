@@ -314,7 +314,7 @@ class FieldRef(TensorRef):
                     done.append(t)
                     continue
                 rows = min(b, stop) - max(a, start)
-                so_far = core.add_rows(self.spec, t, rows, b - a)
+                so_far = core.readiness.add_rows(self.spec, t, rows, b - a)
                 if so_far == b - a:
                     done.append(t)
                 else:

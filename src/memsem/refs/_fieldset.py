@@ -102,9 +102,9 @@ class FieldSet(Mapping[str, FieldRef]):
                     raise ValueError(f"field names must be non-empty str without '/', got {fname!r}")
                 if isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], np.ndarray):
                     shape, dtype = value
-                    obj = runtime.alloc_array(shape, dtype)
+                    obj = runtime.alloc(shape, dtype)
                 elif isinstance(value, Mapping):
-                    obj = runtime.alloc_array(value["shape"], value.get("dtype", np.float32))
+                    obj = runtime.alloc(value["shape"], value.get("dtype", np.float32))
                 else:
                     obj = value
                 info = buffer_info(obj, f"fields[{fname!r}]")

@@ -10,7 +10,7 @@ from memsem import _args, _dtypes, native
 from memsem._buffers import as_byte_array, check_buffer
 from memsem._errors import MemsemError
 from memsem.gva import RefSpec
-from memsem.core import Completion, Lease, PlanRoute, RuntimeCore, WireRoute, current_core, default_core
+from memsem.core import Completion, Lease, PlanRoute, RuntimeCore, WireRoute, current_runtime, default_runtime
 
 _ATTN = native.lib.MEMSEM_RC_ATTENTION
 _UINT8 = _dtypes.code_of("uint8")
@@ -29,19 +29,17 @@ class Versioned(NamedTuple):
 
 
 def _default_core() -> RuntimeCore:
-    rt = current_core()
+    """The current runtime, else the default one (a ``memsem.Runtime``)."""
+    rt = current_runtime()
     if rt is not None:
         return rt
-    return default_core()
+    return default_runtime()
 
 
 def as_core(runtime: Any, argname: str = "runtime") -> RuntimeCore | None:
-    """The RuntimeCore of a ``memsem.Runtime`` (or a core itself, or None)."""
+    """``runtime`` checked: a ``memsem.Runtime`` (or None)."""
     if runtime is None or isinstance(runtime, RuntimeCore):
         return runtime
-    core = getattr(runtime, "_core", None)
-    if isinstance(core, RuntimeCore):
-        return core
     raise TypeError(f"{argname} must be a memsem.Runtime, got {type(runtime).__name__}")
 
 
@@ -88,7 +86,7 @@ class TensorRef:
     def runtime(self) -> Any:
         """The ``memsem.Runtime`` this ref works through (its own, or the current/default one
         when unbound). Raises RuntimeClosedError when its runtime was closed."""
-        return usable_core(self._rt).user_runtime()
+        return usable_core(self._rt)
 
     def _core(self) -> RuntimeCore:
         rt = self._rt

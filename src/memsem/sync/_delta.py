@@ -106,7 +106,7 @@ class _Plan:
     def __init__(self, ref: StateDictRef, entries: Any, ranges: list) -> None:
         lay = ref.layout
         self.ref, self.layout, self.key = ref, lay, _key(ref)
-        self.core: RuntimeCore = ref.runtime.core
+        self.core: RuntimeCore = ref.runtime
         self.reader = _reader(self.core)
         self.tiles = t = self.reader.tiles(ref)
         pos = {e.name: i for i, e in enumerate(lay.entries)}

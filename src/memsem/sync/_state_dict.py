@@ -802,7 +802,7 @@ def publish_state_dict(core: RuntimeCore, state_dict: Mapping[str, Any], *, name
         lay = StateDictLayout.build(tensors, align=align, bucket_bytes=bucket_bytes, framework=fw, delta=info_d)
     try:
         total = lay.nbytes
-        buf = core.alloc_array(total, np.uint8) if slots == 1 else np.empty(total, np.uint8)
+        buf = core.alloc(total, np.uint8) if slots == 1 else np.empty(total, np.uint8)
         buf[:lay.header_bytes] = np.frombuffer(lay.header(), np.uint8)
         base = buf.ctypes.data + lay.header_bytes
         for (k, info), e in zip(infos, lay.entries):
