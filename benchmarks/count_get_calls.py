@@ -143,18 +143,26 @@ def _spy(*args: Any) -> int:
 _copy_buf: Any = None
 
 
-def spy_on_copy_buf() -> None:
+def spy_on_copy_buf() -> Callable[[], None]:
     """Make the partials of ``memsem._hot.copy_buf`` made from now on visible to the counter
-    (see the module docstring)."""
+    (see the module docstring); returns what undoes it (a test puts the modules back)."""
     global _copy_buf
     from memsem import _hot
 
     _copy_buf = _hot.copy_buf
+    spied = []
     for name, mod in list(sys.modules.items()):
         if name.startswith("memsem.") and mod is not None:
             for attr, v in list(vars(mod).items()):
                 if v is _copy_buf:
                     setattr(mod, attr, _spy)
+                    spied.append((mod, attr))
+
+    def undo() -> None:
+        for mod, attr in spied:
+            setattr(mod, attr, _copy_buf)
+
+    return undo
 
 
 # -- roles -------------------------------------------------------------------------------------------
