@@ -308,9 +308,10 @@ class Resolver:
         self._owners: dict[tuple[int, int], Peer] = {}
         self._lock = threading.RLock()
 
-    def resolve(self, spec: RefSpec, record: dict | None = None) -> Resolution:
-        """The resolution for ``spec`` (cached, or made now). ``record``: the window's directory
-        record as the caller just read it (a lookup), used instead of reading it again.
+    def resolve(self, spec: RefSpec, info: WindowInfo | None = None) -> Resolution:
+        """The resolution for ``spec`` (cached, or made now). ``info``: the window's directory
+        record as the caller just read and parsed it (a lookup), used instead of reading and
+        checking it again.
 
         Raises:
             RuntimeClosedError, WindowNotFoundError / StaleReferenceError, AccessDeniedError,
@@ -337,7 +338,7 @@ class Resolver:
                 return res
             if res is not None:
                 self.drop(spec.gva)
-            res = self._make(spec, record=record)
+            res = self._make(spec, info=info)
             if self.cache:
                 self._sweep(SWEEP_PER_RESOLVE)
             self.cache[spec.gva] = res
@@ -451,20 +452,21 @@ class Resolver:
                                    f"exited): the ref is stale{hint}", window=spec.name,
                                    expected=spec.generation)
 
-    def _make(self, spec: RefSpec, prefer: str | None | bool = True, record: dict | None = None) -> Resolution:
+    def _make(self, spec: RefSpec, prefer: str | None | bool = True, info: WindowInfo | None = None) -> Resolution:
         """A new resolution; ``prefer`` True takes the runtime's preference, else that one;
-        ``record``: the window's directory record, read by the caller just now."""
+        ``info``: the window's directory record, read and parsed by the caller just now."""
         core = self._core
         owned = core.publisher.owned.get(spec.gva)
         if owned is not None:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
-            rec = record if record is not None else core.directory.get_window(spec.gva)
-            if rec is None:  # its owner may be re-claiming its rank after a directory outage
-                rec = core.peers.reread(split_gva(spec.gva)[0], lambda: core.directory.get_window(spec.gva))
-                if rec is None:
-                    raise self._missing(spec)
-            info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
+            if info is None:
+                rec = core.directory.get_window(spec.gva)
+                if rec is None:  # its owner may be re-claiming its rank after a directory outage
+                    rec = core.peers.reread(split_gva(spec.gva)[0], lambda: core.directory.get_window(spec.gva))
+                    if rec is None:
+                        raise self._missing(spec)
+                info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
             cb, own_cb = None, False
         if not key_matches(spec.key, info.key_digest):
             if info.generation != spec.generation:  # republished: new generation, new key
