@@ -23,7 +23,7 @@ from memsem.core import PlanRoute
 from memsem import native
 from memsem.core import Status
 
-from tests._agent import Agent
+from tests._agent import Agent, pattern
 from tests._proc import recv, reap, spawn
 
 SPAWN = mp.get_context("spawn")
@@ -393,3 +393,82 @@ def test_an_unbound_refs_kept_route_keeps_no_closed_runtime_alive():
         assert (ref.get(out) == 8).all() and ref._route.token is owner.token  # the current one now
     finally:
         owner.close()
+
+
+# -- how many functions a get walks (benchmarks/count_get_calls.py counts them; issue 34) -----------
+def _counter():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "count_get_calls.py")
+    spec = importlib.util.spec_from_file_location("count_get_calls", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: the most distinct Python functions a cold same-node ``get(out=)`` may walk through (issue 34:
+#: 108 at filing, 88 before the resolution was made a straight line)
+COLD_GET_FUNCTIONS = 50
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    # the owner's liveness re-check is not due during these gets (it is every
+    # LIVENESS_INTERVAL_S: then a get takes the retry loop, which checks it)
+    monkeypatch.setattr(memsem.core._resolve, "LIVENESS_INTERVAL_S", 3600.0)
+    mod = _counter()
+    undo = mod.spy_on_copy_buf()  # a ref's route made from now on is counted as the native call it is
+    try:
+        yield mod
+    finally:
+        undo()
+
+
+@pytest.mark.multiproc
+def test_a_cold_same_node_get_walks_few_functions_and_a_warm_one_is_one_native_call(counter):
+    """A fresh runtime's first get of a window published by another process (the owner's record
+    read, both segments mapped, the plan and the ref's route made) walks at most
+    COLD_GET_FUNCTIONS distinct Python functions; its second get (the owner's liveness re-check
+    not due) is one native call and nothing else (no Python function below ``TensorRef.get``,
+    no other C call)."""
+    agent = Agent(SPAWN, timeout=30.0)
+    try:
+        data = agent.call("publish", 3, 64, True, "rw", None)
+        with memsem.Runtime() as rt:
+            ref = rt.ref(data)
+            out = np.zeros(64, np.uint8)
+            cold = counter.count_calls(lambda: ref.get(out))
+            assert ref.route().kind == "host/shm" and isinstance(ref._route, PlanRoute)
+            np.testing.assert_array_equal(out, pattern(3, 64))
+            assert cold["frames"] >= 1, "the cold get's copy was not seen"
+            assert cold["distinct"] <= COLD_GET_FUNCTIONS, "\n".join(cold["functions"])
+            out[:] = 0
+            warm = counter.count_calls(lambda: ref.get(out))
+            np.testing.assert_array_equal(out, pattern(3, 64))
+            assert (warm["calls"], warm["calls_c"], warm["native"]) == (1, 1, 1), warm["functions"]
+    finally:
+        agent.kill()
+
+
+@pytest.mark.multiproc
+def test_a_warm_tcp_get_is_one_native_call(counter, monkeypatch):
+    """Over tcp (the owner on another node), a ref's second small get (the owner's liveness
+    re-check not due) makes one native call (the request and its reply, ``memsem._hot.wire``)
+    and no other native one."""
+    monkeypatch.setenv("MEMSEM_NODE_ID", "hot-other-node")  # the agent's node (inherited at spawn)
+    agent = Agent(SPAWN, timeout=30.0, engines=["loopback", "host", "tcp"])
+    monkeypatch.delenv("MEMSEM_NODE_ID")
+    try:
+        data = agent.call("publish", 4, 64, True, "rw", None)
+        with memsem.Runtime(engines=["loopback", "host", "tcp"]) as rt:
+            ref = rt.ref(data)
+            out = np.zeros(64, np.uint8)
+            ref.get(out)
+            assert ref.route().kind == "tcp"
+            out[:] = 0
+            warm = counter.count_calls(lambda: ref.get(out))
+            np.testing.assert_array_equal(out, pattern(4, 64))
+            assert warm["native"] == 1, warm["functions"]
+    finally:
+        agent.kill()

@@ -38,6 +38,10 @@ _BY_NUMPY = {dt: code for code, (_, dt, _) in _TABLE.items()}
 NUMPY_CODES: "dict[np.dtype, int]" = _BY_NUMPY
 
 
+#: every wire dtype code
+CODES = frozenset(_TABLE)
+
+
 def codes() -> list[int]:
     """Every wire dtype code."""
     return list(_TABLE)

@@ -22,6 +22,7 @@ units (checks made, slices waited), never in wall-clock time.
 """
 from __future__ import annotations
 
+import functools
 import os
 import select
 import threading
@@ -39,6 +40,7 @@ LIVENESS_INTERVAL_S = 0.05
 #: copies of at least this many bytes re-check the owner's liveness after the copy
 LIVENESS_CHECK_BYTES = 1 << 18
 _INTERVAL_NS = int(LIVENESS_INTERVAL_S * 1e9)
+_monotonic_ns = native.lib.memsem_monotonic_ns
 #: slice of every blocking wait between liveness checks (seconds)
 WAIT_SLICE_S = 0.05
 
@@ -55,10 +57,15 @@ class Peer:
     """
 
     __slots__ = ("pid", "start", "node", "rank", "_fd", "dead", "checks", "_checked", "checked_addr", "_remote",
-                 "watchers", "why", "incarnation", "__weakref__")
+                 "watchers", "why", "incarnation", "local", "is_self", "__weakref__")
 
-    def __init__(self, pid: int, start: int, node: str, rank: int, remote: Callable[[], Any] | None) -> None:
+    def __init__(self, pid: int, start: int, node: str, rank: int, remote: Callable[[], Any] | None,
+                 local: bool | None = None) -> None:
         self.pid, self.start, self.node, self.rank = pid, start, node, rank
+        #: the process runs on this node (``local``: the runtime's node, by default this
+        #: process's ``node_id()`` now), and it is this very process (``is_self``)
+        self.local = node == native.node_id() if local is None else local
+        self.is_self = self.local and pid == os.getpid()
         self._fd = -1
         self.dead = False
         self.why = ""
@@ -67,23 +74,36 @@ class Peer:
         #: the time of the last check (CLOCK_MONOTONIC ns) as a native word: every plan of this
         #: owner reads it (``memsem_plan.checked_addr``), so the owner is checked once per
         #: interval however many of its windows are read, not once per window
-        self._checked = native.ffi.new("uint64_t *", native.monotonic_ns())
+        self._checked = native.ffi.new("uint64_t *", _monotonic_ns())
         self.checked_addr = int(native.ffi.cast("uintptr_t", self._checked))
         self._remote = remote
-        #: objects with a ``close()`` closed when this peer is found dead (its resolutions: a
-        #: copy through them after that re-resolves and meets PeerLostError)
-        self.watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        if node == native.node_id() and pid != os.getpid():
+        #: id -> weak reference of objects with a ``close()`` closed when this peer is found dead
+        #: (its resolutions, which remove themselves when released: a copy through them after
+        #: that re-resolves and meets PeerLostError)
+        self.watchers: "dict[int, weakref.ref[Any]]" = {}
+        if self.local and not self.is_self:
             try:
                 fd = os.pidfd_open(pid)
             except OSError:
                 fd = -1
-            if fd >= 0 and not process_alive(pid, start):
-                os.close(fd)
-                fd = -1
+            # checked now, as the first check (``alive``): a peer made for a resolution needs
+            # no second one at once; a verdict of death is final
+            self.checks = 1
+            if not process_alive(pid, start):
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+                self.dead = True
+                self.why = "its process exited"
             self._fd = fd
-            if fd >= 0:
-                weakref.finalize(self, os.close, fd)
+
+    def __del__(self) -> None:
+        if self._fd >= 0:  # the pidfd is this process's own (STYLE 8: a local thing)
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
 
     @property
     def checked_ns(self) -> int:
@@ -96,10 +116,6 @@ class Peer:
         (another node, this process, or no pidfd here): native waiters poll it."""
         return self._fd
 
-    @property
-    def is_self(self) -> bool:
-        return self.pid == os.getpid() and self.node == native.node_id()
-
     def alive(self) -> bool:
         """Check now (one check; other nodes: from the directory's view, no server round
         trip). True for this very process."""
@@ -108,13 +124,13 @@ class Peer:
         if self.is_self:
             return True
         self.checks += 1
-        self._checked[0] = native.monotonic_ns()
+        self._checked[0] = _monotonic_ns()
         final = True
         if self._fd >= 0:
             r, _, _ = select.select([self._fd], [], [], 0)
             ok = not r
             why = "its process exited"
-        elif self.node == native.node_id():
+        elif self.local:
             ok = process_alive(self.pid, self.start)
             why = "its process exited"
         else:
@@ -125,7 +141,10 @@ class Peer:
         self.why = why
         if final:
             self.dead = True  # final: every later check says so at once
-            for w in list(self.watchers):
+            for r in list(self.watchers.values()):
+                w = r()
+                if w is None:
+                    continue
                 try:
                     w.close()
                 except Exception:  # noqa: BLE001 - a watcher's failure must not hide the death
@@ -139,7 +158,7 @@ class Peer:
         view or lease."""
         if self.dead:
             return False
-        if native.monotonic_ns() - self._checked[0] < _INTERVAL_NS:
+        if _monotonic_ns() - self._checked[0] < _INTERVAL_NS:
             return True
         return self.alive()
 
@@ -166,7 +185,7 @@ class Peer:
         """The PeerLostError for this peer (one wording everywhere)."""
         from memsem._errors import PeerLostError
 
-        if self.node == native.node_id():
+        if self.local:
             return PeerLostError(f"the owner of {what} (pid {self.pid}) is dead")
         why = f": {self.why}" if self.why else ""
         return PeerLostError(f"the owner of {what} (pid {self.pid} on {self.node}, rank {self.rank}) is "
@@ -174,25 +193,44 @@ class Peer:
 
 
 class Peers:
-    """The peers of one runtime, one object per process (kept while a resolution uses it)."""
+    """The peers of one runtime, one object per process (kept while a resolution uses it).
 
-    def __init__(self, directory: Any) -> None:
+    Args:
+        directory: the runtime's directory (other nodes' liveness). node: the runtime's node
+            (default ``node_id()`` now): the processes on it are checked through their pids.
+    """
+
+    def __init__(self, directory: Any, node: str | None = None) -> None:
         self._directory = directory
-        self._peers: "weakref.WeakValueDictionary[tuple[int, int, str], Peer]" = weakref.WeakValueDictionary()
+        self._node = native.node_id() if node is None else node
+        #: (pid, start, node) -> a weak reference to its Peer (removed when the peer goes)
+        self._peers: dict[tuple[int, int, str], "weakref.ref[Peer]"] = {}
         self._lock = threading.Lock()
 
-    def get(self, pid: int, start: int, node: str, rank: int = -1) -> Peer:
+    def get(self, pid: int, start: int, node: str, rank: int = -1, what: Any = None) -> Peer:
+        """The peer of this process (made now if no resolution holds it). With ``what`` (a ref
+        spec: what the error names), its liveness is checked now: a peer made now on this node
+        was checked as it was made, this very process needs none.
+
+        Raises:
+            PeerLostError: (``what`` given) it is dead, or lost.
+        """
         key = (pid, start, node)
         with self._lock:
-            p = self._peers.get(key)
-            if p is None:
+            r = self._peers.get(key)
+            p = None if r is None else r()
+            made = p is None
+            if made:
+                local = node == self._node
                 remote = None
-                if node != native.node_id() and rank >= 0:
+                if not local and rank >= 0:
                     d = self._directory
                     remote = lambda: d.member(rank)  # noqa: E731
-                p = Peer(pid, start, node, rank, remote)
-                self._peers[key] = p
-            return p
+                p = Peer(pid, start, node, rank, remote, local)
+                self._peers[key] = weakref.ref(p, functools.partial(_forget, self._peers, key))
+        if what is not None and (p.dead or not (p.is_self or (made and p.local) or p.alive())):
+            raise p.lost(what.label)
+        return p
 
     def alive(self, pid: int, start: int, node: str, rank: int = -1) -> bool:
         return self.get(pid, start, node, rank).alive()
@@ -214,6 +252,11 @@ class Peers:
             if rec is not None:
                 return rec
         return None
+
+
+def _forget(peers: dict, key: tuple[int, int, str], ref: "weakref.ref[Peer]") -> None:
+    if peers.get(key) is ref:  # not a newer peer of the same process
+        del peers[key]
 
 
 def record_alive(rec: dict[str, Any]) -> bool:

@@ -162,7 +162,7 @@ class Names:
             spec = RefSpec(gva, i.generation, key, i.access, 0, i.nbytes, i.dtype_code, i.shape,
                            i.byte_offset, i.framework, name, mint)
             try:
-                core.resolver.resolve(spec, rec)  # the generation is live (same node: its control block)
+                core.resolver.resolve(spec, i)  # the generation is live (same node: its control block)
             except WindowRetiredError as exc:
                 why = f"its window gva {gva:#x} was retired ({exc})"
                 continue

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from memsem import native
@@ -51,7 +52,7 @@ from memsem.gva import (
     key_matches,
     split_gva,
 )
-from memsem.gva._control_block import FIRST_VERSION, W_NSLOTS, W_SLOT_STRIDE
+from memsem.gva._control_block import FIRST_VERSION, I_COUNT, identity_word
 from memsem.native import UseWord
 from memsem.core import _translate as tr
 from memsem.core._liveness import LIVENESS_CHECK_BYTES, LIVENESS_INTERVAL_S, Peer, record_alive
@@ -105,7 +106,7 @@ class Resolution:
 
     __slots__ = ("info", "gva", "generation", "key", "route", "engine", "remote", "cb", "own_cb",
                  "peer", "plan", "addr", "use", "direct", "writable", "nbytes", "slot", "mint", "_remotes",
-                 "resolver", "telemetry", "timeout", "strategy", "memo", "keeper", "seen", "_ident", "_core", "_released",
+                 "resolver", "telemetry", "timeout", "strategy", "memo", "keeper", "seen", "_core", "_released",
                  "__weakref__")
 
     def __init__(self, core: "RuntimeCore", info: WindowInfo, key: bytes, route: Route, engine: Engine,
@@ -129,16 +130,16 @@ class Resolution:
         self.writable = info.access == "rw"
         self.nbytes = info.nbytes
         self.slot = -1
-        self._ident = core.identity
         self._released = False
-        #: ``[self]`` while this resolution is unreleased, ``[None]`` after: what refs that keep
-        #: its route hold (``hold``; ``memsem.core._routes.PlanRoute``), so they never keep it past its release
-        self.keeper: list[Resolution | None] | None = None
+        #: ``[self]`` while this resolution is unreleased, ``[None]`` after (``release``): what a
+        #: ref's route holds instead of it (``memsem.core._routes.PlanRoute``), so a ref never
+        #: keeps it past its release
+        self.keeper: list[Resolution | None] = [self]
         #: the newest version a copy through this resolution returned (another node's window:
         #: what its version words' mirror may not show yet; ``Versions.latest`` never reports
         #: less, so a label is never older than bytes already returned)
         self.seen = 0
-        plan = self.plan = native.new_plan()
+        plan = self.plan = _ffi.new("memsem_plan *")
         self.addr = int(_ffi.cast("uintptr_t", plan))  # the plan's address, for memsem._hot.copy
         self.use = UseWord(_ffi.addressof(plan, "use"))
         self.use.enter()  # the cache's claim, dropped by close()
@@ -151,15 +152,15 @@ class Resolution:
             plan.gen_addr = cb.generation_addr
             plan.seq_addr = cb.seq_addr
             plan.latest_addr = cb.latest_addr
-            plan.nslots = cb.word(W_NSLOTS)
+            plan.nslots = cb.n_slots
             try:
-                self.slot = inflight_slots.claim(cb, self._ident.pid, self._ident.start_time)
+                self.slot = inflight_slots.claim(cb, self.resolver.me)
             except inflight_slots.InflightSlotsFull as exc:
                 raise MemsemError(f"window gva {info.gva:#x}: all {cb.n_inflight} in-flight slots are "
                                   f"held by live processes (pids {exc.holders}); a window serves at most "
                                   f"{cb.n_inflight} same-node participants at once") from None
-            plan.inflight_addr = inflight_slots.count_addr(cb, self.slot)
-            plan.slot_stride = cb.word(W_SLOT_STRIDE)
+            plan.inflight_addr = cb.inflight_slot_addr(self.slot) + I_COUNT  # the slot's count
+            plan.slot_stride = cb.slot_stride
         else:
             plan.gen_addr = int(_ffi.cast("uintptr_t", _ffi.addressof(plan, "local_gen")))
             plan.seq_addr = int(_ffi.cast("uintptr_t", _ffi.addressof(plan, "local_seq")))
@@ -178,7 +179,7 @@ class Resolution:
         if own_cb:
             cb.pin()  # the owner's block: held for as long as this resolution
         core.telemetry.track(self)
-        peer.watchers.add(self)
+        peer.watchers[id(self)] = weakref.ref(self)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def enter(self) -> bool:
@@ -209,14 +210,6 @@ class Resolution:
         if self.use.leave():
             self.release()
 
-    def hold(self) -> "list[Resolution | None]":
-        """The keeper a ref's route holds instead of this resolution: ``[self]`` while it is
-        unreleased, ``[None]`` after (``release`` empties it)."""
-        keeper = self.keeper
-        if keeper is None:
-            keeper = self.keeper = [None if self._released else self]
-        return keeper
-
     def close(self) -> None:
         """Drop the cache's claim; released now, or by the last running copy."""
         if self.use.close() == 2:
@@ -233,9 +226,9 @@ class Resolution:
         if self._released:
             return
         self._released = True
-        if self.keeper is not None:
-            self.keeper[0] = None  # refs keeping this route let go of it (its plan is closed)
+        self.keeper[0] = None  # refs keeping this route let go of it (its plan is closed)
         self._core.telemetry.absorb(self)
+        self.peer.watchers.pop(id(self), None)
         cb = self.cb
         for r in [self.remote, *self._remotes.values()]:
             try:
@@ -245,7 +238,7 @@ class Resolution:
         self._remotes.clear()
         if cb is not None:
             if self.slot >= 0:
-                inflight_slots.release(cb, self.slot, self._ident.pid, self._ident.start_time)
+                inflight_slots.release(cb, self.slot, self.resolver.me)
             if self.own_cb:
                 cb.unpin()
             else:
@@ -296,6 +289,11 @@ class Resolver:
 
     def __init__(self, core: "RuntimeCore", limit: int = RESOLUTION_LIMIT, cap: int = RESOLUTION_CAP) -> None:
         self._core = core
+        #: this runtime's segment directory and place, read once (``segment_dir()``, ``core.location``)
+        self._folder = native.segment_dir()
+        self._here = core.location
+        #: this process's identity word (what its in-flight slots hold)
+        self.me = identity_word(core.identity.pid, core.identity.start_time)
         self.limit = limit
         self.cap = max(cap, limit)
         self.grown = 0
@@ -310,9 +308,10 @@ class Resolver:
         self._owners: dict[tuple[int, int], Peer] = {}
         self._lock = threading.RLock()
 
-    def resolve(self, spec: RefSpec, record: dict | None = None) -> Resolution:
-        """The resolution for ``spec`` (cached, or made now). ``record``: the window's directory
-        record as the caller just read it (a lookup), used instead of reading it again.
+    def resolve(self, spec: RefSpec, info: WindowInfo | None = None) -> Resolution:
+        """The resolution for ``spec`` (cached, or made now). ``info``: the window's directory
+        record as the caller just read and parsed it (a lookup), used instead of reading and
+        checking it again.
 
         Raises:
             RuntimeClosedError, WindowNotFoundError / StaleReferenceError, AccessDeniedError,
@@ -320,12 +319,14 @@ class Resolver:
             (no route).
         """
         core = self._core
-        core.check_open()
+        if core.closed:
+            core.check_open()
         res = self.cache.get(spec.gva)
         if res is not None and res.generation == spec.generation and res.key == spec.key and not res.closed:
             return res
         with self._lock:
-            core.check_open()
+            if core.closed:
+                core.check_open()
             res = self.cache.get(spec.gva)
             if res is not None and not res.closed and res.generation == spec.generation:
                 if res.key == spec.key:
@@ -337,8 +338,9 @@ class Resolver:
                 return res
             if res is not None:
                 self.drop(spec.gva)
-            res = self._make(spec, record=record)
-            self._sweep(SWEEP_PER_RESOLVE)
+            res = self._make(spec, info=info)
+            if self.cache:
+                self._sweep(SWEEP_PER_RESOLVE)
             self.cache[spec.gva] = res
             if self._ghosts.pop((spec.gva, spec.generation), 0) is None and self.limit < self.cap:
                 self.limit = min(self.cap, 2 * self.limit)  # the working set is larger than the bound
@@ -426,37 +428,45 @@ class Resolver:
         return busy
 
     # -- making one -------------------------------------------------------------------------------
-    def _make(self, spec: RefSpec, prefer: str | None | bool = True, record: dict | None = None) -> Resolution:
+    def _missing(self, spec: RefSpec) -> MemsemError:
+        """The error for ``spec``'s window, whose record is not in the directory: its owner died
+        (PeerLostError), or it is not published (WindowNotFoundError, with a hint when the job
+        name may differ between processes)."""
+        core = self._core
+        rank, _ = split_gva(spec.gva)
+        owner = self._owners.get((spec.gva, spec.generation))
+        if owner is not None and not owner.alive():  # asked again, not remembered
+            return owner.lost(spec.label)
+        rrec = core.directory.rank_record(rank)
+        if rrec is not None and not record_alive(rrec):
+            return PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
+        if (spec.gva, spec.generation) in core.publisher.retired:  # unpublished here: no job question
+            return WindowNotFoundError(f"{spec.label} is not published: this runtime (rank {rank}) "
+                                       "unpublished it; the ref is stale", window=spec.name,
+                                       expected=spec.generation)
+        d = core.directory
+        hint = (f"; or it is published in another job (this runtime's job {d.job!r} was derived "
+                "from its process group: set MEMSEM_JOB to the same name in every process that "
+                "shares refs)") if job_is_derived(getattr(d, "job", "")) else ""
+        return WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
+                                   f"exited): the ref is stale{hint}", window=spec.name,
+                                   expected=spec.generation)
+
+    def _make(self, spec: RefSpec, prefer: str | None | bool = True, info: WindowInfo | None = None) -> Resolution:
         """A new resolution; ``prefer`` True takes the runtime's preference, else that one;
-        ``record``: the window's directory record, read by the caller just now."""
+        ``info``: the window's directory record, read and parsed by the caller just now."""
         core = self._core
         owned = core.publisher.owned.get(spec.gva)
         if owned is not None:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
-            rec = record if record is not None else core.directory.get_window(spec.gva)
-            rank, _ = split_gva(spec.gva)
-            if rec is None:  # its owner may be re-claiming its rank after a directory outage
-                rec = core.peers.reread(rank, lambda: core.directory.get_window(spec.gva))
-            if rec is None:
-                owner = self._owners.get((spec.gva, spec.generation))
-                if owner is not None and not owner.alive():  # asked again, not remembered
-                    raise owner.lost(spec.label)
-                rrec = core.directory.rank_record(rank)
-                if rrec is not None and not record_alive(rrec):
-                    raise PeerLostError(f"the owner of {spec.label} (rank {rank}, pid {rrec.get('pid')}) is dead")
-                if (spec.gva, spec.generation) in core.publisher.retired:  # unpublished here: no job question
-                    raise WindowNotFoundError(f"{spec.label} is not published: this runtime (rank {rank}) "
-                                              "unpublished it; the ref is stale", window=spec.name,
-                                              expected=spec.generation)
-                d = core.directory
-                hint = (f"; or it is published in another job (this runtime's job {d.job!r} was derived "
-                        "from its process group: set MEMSEM_JOB to the same name in every process that "
-                        "shares refs)") if job_is_derived(getattr(d, "job", "")) else ""
-                raise WindowNotFoundError(f"{spec.label} is not published (unpublished, or its owner "
-                                          f"exited): the ref is stale{hint}", window=spec.name,
-                                          expected=spec.generation)
-            info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
+            if info is None:
+                rec = core.directory.get_window(spec.gva)
+                if rec is None:  # its owner may be re-claiming its rank after a directory outage
+                    rec = core.peers.reread(split_gva(spec.gva)[0], lambda: core.directory.get_window(spec.gva))
+                    if rec is None:
+                        raise self._missing(spec)
+                info = WindowInfo.from_json(rec)  # ValueError naming the field of a corrupt record
             cb, own_cb = None, False
         if not key_matches(spec.key, info.key_digest):
             if info.generation != spec.generation:  # republished: new generation, new key
@@ -464,14 +474,12 @@ class Resolver:
             raise tr.wrong_key(spec)
         if spec.offset < 0 or spec.offset + spec.nbytes > info.nbytes:
             raise tr.out_of_range(spec, spec.offset, spec.offset + spec.nbytes, info.nbytes)
-        peer = core.peers.get(info.owner_pid, info.owner_start, info.node, info.rank)
-        if not own_cb and not peer.alive():
-            raise peer.lost(spec.label)
+        peer = core.peers.get(info.owner_pid, info.owner_start, info.node, info.rank, what=spec)
         if info.generation != spec.generation:
             raise tr.stale(spec, info.generation)
         if cb is None and info.node == core.identity.node and info.control:
             try:
-                cb = ControlBlock.attach(info.control)
+                cb = ControlBlock.attach(info.control, self._folder)
             except WindowNotFoundError:
                 raise tr.stale(spec, None) from None
             except (ValueError, EngineError) as exc:
@@ -482,12 +490,12 @@ class Resolver:
                 cb.close()
                 raise tr.stale(spec, found)
         try:
-            route = choose_route(core.location, Location(info.node, info.owner_pid), info.descriptors,
+            route = choose_route(self._here, Location(info.node, info.owner_pid), info.descriptors,
                                  core.available, nbytes=info.nbytes, prefer=core.prefer if prefer is True else prefer)
             eng = core.engines[route.engine]
             cred = owner_credential(spec) if eng.enforces_generation == GenerationCheck.OWNER else b""
             # a double-buffered window's registration spans its slots (nbytes is one slot)
-            span = remote_span(info) if cb is None else max(info.nbytes, cb.word(W_NSLOTS) * cb.word(W_SLOT_STRIDE))
+            span = remote_span(info) if cb is None else max(info.nbytes, cb.n_slots * cb.slot_stride)
             try:
                 remote = eng.attach(info.descriptors[route.engine], span, cred)
             except WindowNotFoundError:

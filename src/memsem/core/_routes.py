@@ -121,8 +121,9 @@ class DirectRoute(CopyRoute):
         ls, lid = lease_args(lease, spec)
         return settle(res, _copy(res.plan, put, at, addr, n, version, ls, lid))
 
-    def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "PlanRoute":
-        return PlanRoute(res, spec, token)
+    #: a ref's route here is a PlanRoute of the resolution: ``ref_route(res, spec, token)``
+    #: makes one (the class itself, set below: no call in between)
+    ref_route: Any = None
 
 
 class EngineRoute(CopyRoute):
@@ -365,13 +366,16 @@ class PlanRoute:
     deadline = None
 
     def __init__(self, res: "Resolution", spec: RefSpec, token: object) -> None:
-        self.keeper = res.hold()
+        self.keeper = res.keeper
         self.spec = spec
         self.token = token
         self.writable = spec.access == "rw"
         self._plan = res.plan
         self.get = functools.partial(_copy_buf, res.addr, 0, spec.offset, spec.nbytes, spec.dtype_code)
         self.put = functools.partial(_copy_buf, res.addr, 1, spec.offset, spec.nbytes, spec.dtype_code)
+
+
+DirectRoute.ref_route = staticmethod(PlanRoute)
 
 
 class WireRoute:
@@ -399,7 +403,7 @@ class WireRoute:
                  "_code", "_requests")
 
     def __init__(self, res: "Resolution", spec: RefSpec, token: object, requests: Any) -> None:
-        self.keeper = res.hold()
+        self.keeper = res.keeper
         self.spec = spec
         self.token = token
         self.writable = spec.access == "rw"

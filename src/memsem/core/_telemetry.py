@@ -126,7 +126,8 @@ class Telemetry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: "weakref.WeakSet[Resolution]" = weakref.WeakSet()
+        #: id -> weak reference of the unreleased resolutions (each removed by its ``absorb``)
+        self._live: "dict[int, weakref.ref[Resolution]]" = {}
         #: route kind -> [ops, bytes] of released resolutions
         self._routes: dict[str, list[int]] = {}
         #: (op kind, route kind) -> histogram counts, and the sum of the latencies they count (ns)
@@ -177,13 +178,13 @@ class Telemetry:
     # -- hot-path counters live in plans ----------------------------------------------------------
     def track(self, res: "Resolution") -> None:
         with self._lock:
-            self._live.add(res)
+            self._live[id(res)] = weakref.ref(res)
 
     def absorb(self, res: "Resolution") -> None:
         """Fold a released resolution's counters into the totals (once)."""
         ops, nbytes, hist, sums = _plan_counts(res.plan)
         with self._lock:
-            self._live.discard(res)
+            self._live.pop(id(res), None)
             c = self._routes.setdefault(res.route.kind, [0, 0])
             c[0] += ops
             c[1] += nbytes
@@ -295,7 +296,7 @@ class Telemetry:
             routes = {k: list(v) for k, v in self._routes.items()}
             hist = {k: v.copy() for k, v in self._hist.items()}
             sums = dict(self._sum)
-            live = list(self._live)
+            live = [r for r in (w() for w in self._live.values()) if r is not None]
         for res in live:
             ops, nbytes, h, t = _plan_counts(res.plan)
             c = routes.setdefault(res.route.kind, [0, 0])

@@ -278,9 +278,7 @@ class Transfers:
             What the get or put raises.
         """
         if route is None and (not put or spec.access == "rw"):  # the first plain get or put here:
-            res = self.cached(spec)                                # resolve, then take the route
-            if res is None or res.closed:
-                res = self._resolver.resolve(spec)
+            res = self._resolver.resolve(spec)                     # resolve, then take the route
             route = res.strategy.ref_route(res, spec, self._core.token)
             if route is not None and (route.writable or not put):
                 rc = route.put(buf) if put else route.get(buf)

@@ -239,12 +239,18 @@ def read_record(fd: int, name: str, max_bytes: int = MAX_RECORD_BYTES) -> str | 
         raise ValueError(f"record {name} is not UTF-8 text") from None
 
 
+_RAW_DECODE = json.JSONDecoder().raw_decode
+
+
 def parse_json_record(text: str, name: str) -> dict[str, Any]:
     """A JSON object, else ValueError naming the record."""
+    t = text.strip(" \t\n\r")  # JSON's whitespace, as json.loads skips it
     try:
-        rec = json.loads(text)
+        rec, end = _RAW_DECODE(t)
     except ValueError:
         raise ValueError(f"record {name} is not valid JSON") from None
+    if end != len(t):
+        raise ValueError(f"record {name} is not valid JSON (data after the object)")
     if not isinstance(rec, dict):
         raise ValueError(f"record {name} is JSON {type(rec).__name__}, not an object")
     return rec
@@ -270,7 +276,8 @@ def check_window_record(rec: dict[str, Any], name: str) -> dict[str, Any]:
     """The fields of a window record the directory and gc read themselves (the GVA layer checks
     the rest): int ``gva``, ``rank``, ``owner_pid``, ``owner_start``; str ``name``, ``node``."""
     for field in ("gva", "rank", "owner_pid", "owner_start"):
-        _int_field(rec, field, name)
+        if rec.get(field).__class__ is not int:  # JSON gives exact ints (and bools apart)
+            _int_field(rec, field, name)  # raises, naming the field
     for field in ("name", "node"):
         if not isinstance(rec.get(field, ""), str):
             raise ValueError(f"record {name} field {field!r} must be a str")
@@ -516,7 +523,7 @@ class LocalDirectory(Directory):
 
     def _window_record(self, gva: int) -> dict[str, Any] | None:
         name = f"w.{gva:016x}"
-        text = self._read(name)
+        text = read_record(self.fd, name)
         if not text:
             return None
         try:

@@ -33,6 +33,11 @@ class HostEngine(Engine):
 
     name = "host"
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: the segment directory as this engine was made (``native.segment_dir()``)
+        self._folder = native.segment_dir()
+
     @classmethod
     def probe(cls) -> Availability:
         if not os.path.isdir(native.segment_dir()):
@@ -76,7 +81,7 @@ class HostEngine(Engine):
             seg_name = descriptor.field("segment", str)
             if off < 0 or "/" in seg_name or not seg_name:
                 raise ValueError(f"host descriptor: segment {seg_name!r} at offset {off} is not a segment range")
-            seg = Segment.attach(seg_name, off + nbytes, writable=writable)
+            seg = Segment.attach(seg_name, off + nbytes, writable=writable, folder=self._folder)
             return RemoteRegion(self, nbytes, DirectAccess(False, pid, seg.address + off),
                                 writable=writable, segment=seg)
         if kind == "cma":

@@ -52,13 +52,18 @@ class SliceAllocator:
         return gva
 
 
+_KEY_SALT = b"memsem-access-key\0"
+
+
 def key_digest(key: bytes) -> str:
     """What the directory stores instead of the access key itself."""
-    return hashlib.sha256(b"memsem-access-key\0" + key).hexdigest()
+    return hashlib.sha256(_KEY_SALT + key).hexdigest()
 
 
 def key_matches(key: bytes, digest: str) -> bool:
-    return hmac.compare_digest(key_digest(key), digest)
+    """``key`` is the access key whose :func:`key_digest` is ``digest`` (compared in constant
+    time)."""
+    return hmac.compare_digest(hashlib.sha256(_KEY_SALT + key).hexdigest(), digest)
 
 
 @dataclasses.dataclass
@@ -132,7 +137,7 @@ class WindowInfo:
                              f"(a ready word per tile, a tile per byte at most), got {out['n_ready']}")
         if out["access"] not in ("r", "rw"):
             raise ValueError(f"{what} field 'access' must be 'r' or 'rw', got {out['access']!r}")
-        if out["dtype_code"] not in _dtypes.codes():
+        if out["dtype_code"] not in _dtypes.CODES:
             raise ValueError(f"{what} field 'dtype_code' {out['dtype_code']} is not a known dtype code")
         shape = out["shape"]
         for i, dim in enumerate(shape):

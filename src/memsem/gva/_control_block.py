@@ -50,6 +50,10 @@ import secrets
 from memsem import native
 from memsem.native import Segment
 
+_load = native.lib.memsem_load_acquire
+_cast = native.ffi.cast
+_U64P = native.ffi.typeof("uint64_t *")
+
 MAGIC = int.from_bytes(b"MEMSEMCB", "little")
 LAYOUT_VERSION = 3
 HEADER_WORDS = 24
@@ -119,8 +123,8 @@ class ControlBlock:
     serving grant) pins it, so it is never unmapped under it.
     """
 
-    __slots__ = ("segment", "base", "n_ready", "n_lease", "n_inflight", "n_slots", "generation_addr", "seq_addr",
-                 "latest_addr", "_lease0", "_inflight0", "_ready0", "__weakref__")
+    __slots__ = ("segment", "base", "n_ready", "n_lease", "n_inflight", "n_slots", "slot_stride", "generation_addr",
+                 "seq_addr", "latest_addr", "_words", "_lease0", "_inflight0", "_ready0", "__weakref__")
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
@@ -130,22 +134,25 @@ class ControlBlock:
         self.generation_addr = b + 8 * W_GENERATION
         self.seq_addr = b + 8 * W_SEQ0
         self.latest_addr = b + 8 * W_LATEST
-        if segment.nbytes < 8 * HEADER_WORDS or self.word(W_MAGIC) != MAGIC:
+        w = self._words = _cast(_U64P, b)  # the header words (native pointer arithmetic)
+        if segment.nbytes < 8 * HEADER_WORDS or _load(w + W_MAGIC) != MAGIC:
             raise ValueError(f"segment {segment.name!r} is not a memsem control block")
-        version = self.word(W_VERSION)
+        version = _load(w + W_VERSION)
         if version != LAYOUT_VERSION:
             raise ValueError(f"control block layout version {version}, this memsem reads {LAYOUT_VERSION}")
-        self.n_ready = self.word(W_NREADY)
-        self.n_lease = self.word(W_NLEASE)
-        self.n_inflight = self.word(W_NINFLIGHT)
-        self.n_slots = self.word(W_NSLOTS)
-        if (self.n_ready > MAX_READY_WORDS or self.n_lease > 4096 or self.n_inflight > 4096
-                or self.n_slots not in (1, 2)
-                or control_block_bytes(self.n_ready, self.n_lease, self.n_inflight) > segment.nbytes):
-            raise ValueError(f"segment {segment.name!r} has an inconsistent control block header")
-        self._lease0 = self.base + 8 * HEADER_WORDS
+        # the layout words never change after publish: read once here
+        self.n_ready = _load(w + W_NREADY)
+        self.n_lease = _load(w + W_NLEASE)
+        self.n_inflight = _load(w + W_NINFLIGHT)
+        self.n_slots = _load(w + W_NSLOTS)
+        self.slot_stride = _load(w + W_SLOT_STRIDE)
+        self._lease0 = b + 8 * HEADER_WORDS
         self._inflight0 = self._lease0 + 8 * LEASE_WORDS * self.n_lease
         self._ready0 = self._inflight0 + 8 * INFLIGHT_WORDS * self.n_inflight
+        if (self.n_ready > MAX_READY_WORDS or self.n_lease > 4096 or self.n_inflight > 4096
+                or self.n_slots not in (1, 2)
+                or self._ready0 + 8 * self.n_ready - b > segment.nbytes):  # control_block_bytes
+            raise ValueError(f"segment {segment.name!r} has an inconsistent control block header")
 
     @classmethod
     def create(cls, *, owner_pid: int, owner_start: int, nbytes: int, perms: int, n_ready: int,
@@ -167,8 +174,13 @@ class ControlBlock:
         return cls(seg)
 
     @classmethod
-    def attach(cls, name: str) -> "ControlBlock":
-        seg = Segment.attach(name)
+    def attach(cls, name: str, folder: str | None = None) -> "ControlBlock":
+        """Map the control block in segment ``name`` (``folder``: see ``Segment.attach``).
+
+        Raises:
+            As ``Segment.attach``; ValueError: the segment holds no control block of this layout.
+        """
+        seg = Segment.attach(name, folder=folder)
         try:
             return cls(seg)
         except BaseException:
@@ -187,7 +199,7 @@ class ControlBlock:
 
     @property
     def generation(self) -> int:
-        return native.load_acquire(self.base + 8 * W_GENERATION)
+        return _load(self._words + W_GENERATION)
 
     @property
     def latest(self) -> int:

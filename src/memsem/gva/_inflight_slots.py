@@ -13,8 +13,12 @@ copy never wedges the window, and a live one is waited for (bounded by the calle
 from __future__ import annotations
 
 from memsem import native
-from memsem.gva._control_block import I_COUNT, I_IDENT, ControlBlock, identity_of, identity_word
+from memsem.gva._control_block import I_COUNT, I_IDENT, ControlBlock, identity_of
 from memsem.native import process_alive
+
+_load, _store, _cas = native.lib.memsem_load_acquire, native.lib.memsem_store_release, native.lib.memsem_compare_exchange
+_cast = native.ffi.cast
+_U64P = native.ffi.typeof("uint64_t *")
 
 
 class InflightSlotsFull(Exception):
@@ -26,36 +30,34 @@ class InflightSlotsFull(Exception):
         self.holders = holders
 
 
-def claim(cb: ControlBlock, pid: int, start: int) -> int:
-    """Claim a free (or a dead holder's) slot for ``pid``/``start``; returns its index."""
-    me = identity_word(pid, start)
+def claim(cb: ControlBlock, me: int) -> int:
+    """Claim a free (or a dead holder's) slot for the process of identity word ``me``
+    (:func:`~memsem.gva._control_block.identity_word`); returns its index."""
+    seen = native.ffi.new("uint64_t *")
     for reclaim in (False, True):
         for slot in range(cb.n_inflight):
             a = cb.inflight_slot_addr(slot)
-            cur = native.load_acquire(a + I_IDENT)
+            ident = _cast(_U64P, a + I_IDENT)
+            cur = _load(ident)
             if cur != 0:
                 if not reclaim:
                     continue
                 hpid, hstart = identity_of(cur)
                 if process_alive(hpid, hstart):
                     continue
-            ok, _ = native.compare_exchange(a + I_IDENT, cur, me)
-            if ok:
+            seen[0] = cur
+            if _cas(ident, seen, me):
                 # A dead holder's count is void; ours starts at 0 (the native copy adds to it).
-                native.store_release(a + I_COUNT, 0)
+                _store(_cast(_U64P, a + I_COUNT), 0)
                 return slot
     live = [identity_of(native.load_acquire(cb.inflight_slot_addr(s) + I_IDENT))[0] for s in range(cb.n_inflight)]
     raise InflightSlotsFull(sorted(set(p for p in live if p)))
 
 
-def release(cb: ControlBlock, slot: int, pid: int, start: int) -> None:
-    """Free ``slot`` if it still belongs to ``pid``/``start`` (its copies are all done)."""
-    native.compare_exchange(cb.inflight_slot_addr(slot) + I_IDENT, identity_word(pid, start), 0)
-
-
-def count_addr(cb: ControlBlock, slot: int) -> int:
-    """Address of the slot's counter (what the native copy adds to)."""
-    return cb.inflight_slot_addr(slot) + I_COUNT
+def release(cb: ControlBlock, slot: int, me: int) -> None:
+    """Free ``slot`` if it still belongs to the process of identity word ``me`` (its copies are
+    all done)."""
+    native.compare_exchange(cb.inflight_slot_addr(slot) + I_IDENT, me, 0)
 
 
 def busy_counts(cb: ControlBlock) -> list[tuple[int, int, int]]:

@@ -98,8 +98,11 @@ class Segment:
         return cls(name, nbytes, addr, owner=True, writable=True)
 
     @classmethod
-    def attach(cls, name: str, nbytes: int | None = None, *, writable: bool = True) -> "Segment":
+    def attach(cls, name: str, nbytes: int | None = None, *, writable: bool = True,
+               folder: str | None = None) -> "Segment":
         """Map an existing segment of this user. Never unlinks it (only the creator or gc does).
+        ``folder``: the segment directory (default :func:`segment_dir` now; a runtime passes the
+        one it read when it was made).
 
         Raises:
             ValueError: ``name`` is not a memsem segment name of this user.
@@ -108,7 +111,7 @@ class Segment:
         """
         if not isinstance(name, str) or os.sep in name or not name.startswith(segment_prefix()):
             raise ValueError(f"segment name must be a memsem segment of this user, got {name!r}")
-        path = os.path.join(segment_dir(), name)
+        path = f"{segment_dir() if folder is None else folder}/{name}"
         try:
             fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError as exc:

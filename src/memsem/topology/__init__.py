@@ -110,7 +110,7 @@ def candidates(me: Location, owner: Location, descriptors: Mapping[str, Descript
         if avail is None:
             no.append((engine, "engine not configured in this runtime"))
             continue
-        if not avail:
+        if not avail.ok:
             no.append((engine, f"unavailable here: {avail.reason}"))
             continue
         try:
