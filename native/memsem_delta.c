@@ -36,7 +36,8 @@ static inline uint64_t round64(uint64_t acc, uint64_t in) {
 /* The bulk: 8 accumulators, each 64-byte stripe adds to lane i the product of the two 32-bit
  * halves of (word i ^ key i) and to lane i ^ 1 word i itself (so every input bit reaches an
  * accumulator through a plain add); every 16 stripes the lanes are scrambled (xorshift, key,
- * a 32-bit prime). The same arithmetic with SSE2 (two lanes per register) and in plain C. */
+ * a 32-bit prime). The same arithmetic with SSE2 (two lanes per register) or in plain C (the
+ * base), and with AVX2 (four lanes) where the CPU has it. */
 static const uint64_t KEY[8] = {0xbe4ba423396cfeb8ull, 0x1cad21f72c81017cull, 0xdb979083e96dd4deull,
                                 0x1f67b3b7a4a44072ull, 0x78e5c0cc4ee679cbull, 0x2172ffcc7dd05a82ull,
                                 0x8e2443f7744608b8ull, 0x4c263a81e69035e0ull};
@@ -47,7 +48,7 @@ static const uint64_t KEY[8] = {0xbe4ba423396cfeb8ull, 0x1cad21f72c81017cull, 0x
 #if defined(__SSE2__)
 #include <emmintrin.h>
 
-static void bulk(uint64_t acc_out[8], const uint8_t *p, uint64_t stripes) {
+static void bulk_base(uint64_t acc_out[8], const uint8_t *p, uint64_t stripes) {
     __m128i acc[4], key[4];
     const __m128i prime = _mm_set1_epi32((int)PRIME32);
     for (int j = 0; j < 4; j++) {
@@ -75,7 +76,7 @@ static void bulk(uint64_t acc_out[8], const uint8_t *p, uint64_t stripes) {
         _mm_storeu_si128((__m128i *)(acc_out + 2 * j), acc[j]);
 }
 #else
-static void bulk(uint64_t acc[8], const uint8_t *p, uint64_t stripes) {
+static void bulk_base(uint64_t acc[8], const uint8_t *p, uint64_t stripes) {
     for (uint64_t s = 0; s < stripes; s++, p += STRIPE) {
         for (int i = 0; i < 8; i++) {
             uint64_t v = rd64(p + 8 * i), k = v ^ KEY[i];
@@ -93,6 +94,97 @@ static void bulk(uint64_t acc[8], const uint8_t *p, uint64_t stripes) {
     }
 }
 #endif
+
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2_BULK 1
+
+/* The same arithmetic four lanes at a time: _mm256_shuffle_epi32 and _mm256_mul_epu32 act on each
+ * 128-bit half as their SSE2 forms do on one register, so every lane computes what it computes
+ * above, and the digest is the same function on every machine (a writer with AVX2 and a reader
+ * without agree). Chosen at run time (memsem_digest_impl). */
+__attribute__((target("avx2"))) static void bulk_avx2(uint64_t acc_out[8], const uint8_t *p, uint64_t stripes) {
+    __m256i acc[2], key[2];
+    const __m256i prime = _mm256_set1_epi32((int)PRIME32);
+    for (int j = 0; j < 2; j++) {
+        acc[j] = _mm256_loadu_si256((const __m256i *)(acc_out + 4 * j));
+        key[j] = _mm256_loadu_si256((const __m256i *)(KEY + 4 * j));
+    }
+    for (uint64_t s = 0; s < stripes; s++, p += STRIPE) {
+        for (int j = 0; j < 2; j++) {
+            __m256i d = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+            __m256i k = _mm256_xor_si256(d, key[j]);
+            __m256i prod = _mm256_mul_epu32(k, _mm256_shuffle_epi32(k, _MM_SHUFFLE(0, 3, 0, 1)));
+            __m256i swap = _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2));
+            acc[j] = _mm256_add_epi64(acc[j], _mm256_add_epi64(prod, swap));
+        }
+        if ((s + 1) % STRIPES_PER_BLOCK == 0) {
+            for (int j = 0; j < 2; j++) {
+                __m256i a = _mm256_xor_si256(_mm256_xor_si256(acc[j], _mm256_srli_epi64(acc[j], 47)), key[j]);
+                __m256i lo = _mm256_mul_epu32(a, prime);
+                __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+                acc[j] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+            }
+        }
+    }
+    for (int j = 0; j < 2; j++)
+        _mm256_storeu_si256((__m256i *)(acc_out + 4 * j), acc[j]);
+}
+#endif
+
+typedef void (*bulk_fn)(uint64_t acc[8], const uint8_t *p, uint64_t stripes);
+/* the bulk in use (NULL: not chosen yet); a relaxed atomic word: every thread that chooses
+ * chooses the same */
+static bulk_fn bulk_impl;
+
+static bulk_fn choose_bulk(void) {
+#ifdef HAVE_AVX2_BULK
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        return bulk_avx2;
+#endif
+    return bulk_base;
+}
+
+int memsem_digest_impl(int which) {
+    bulk_fn f;
+    if (which == 0)
+        f = choose_bulk();
+    else if (which == 1)
+        f = bulk_base;
+    else if (which == 2) {
+#ifdef HAVE_AVX2_BULK
+        __builtin_cpu_init();
+        if (!__builtin_cpu_supports("avx2"))
+            return -1;
+        f = bulk_avx2;
+#else
+        return -1;
+#endif
+    } else if (which == -1) {
+        f = __atomic_load_n(&bulk_impl, __ATOMIC_RELAXED);
+        if (f == NULL)
+            f = choose_bulk();
+    } else
+        return -1;
+    if (which != -1)
+        __atomic_store_n(&bulk_impl, f, __ATOMIC_RELAXED);
+#ifdef HAVE_AVX2_BULK
+    if (f == bulk_avx2)
+        return 2;
+#endif
+    return 1;
+}
+
+static inline void bulk(uint64_t acc[8], const uint8_t *p, uint64_t stripes) {
+    bulk_fn f = __atomic_load_n(&bulk_impl, __ATOMIC_RELAXED);
+    if (__builtin_expect(f == NULL, 0)) {
+        f = choose_bulk();
+        __atomic_store_n(&bulk_impl, f, __ATOMIC_RELAXED);
+    }
+    f(acc, p, stripes);
+}
 
 uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed) {
     const uint8_t *p = (const uint8_t *)(uintptr_t)addr;

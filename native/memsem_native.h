@@ -426,6 +426,11 @@ void memsem_wait_bump(uint32_t *word);
 uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed);
 /* out[i] = memsem_digest(addr[i], nbytes[i], 0) for every tile. */
 void memsem_digest_tiles(const uint64_t *addr, const uint64_t *nbytes, uint64_t n, uint64_t *out);
+/* Which implementation of the digest's bulk runs (every one computes the same function):
+ * which = 0 the fastest this CPU has (the default, chosen at the first digest), 1 the base
+ * (SSE2 or plain C), 2 AVX2, -1 none (a query). Returns the one in use (1 or 2), or -1 when
+ * which is not one of these or the CPU lacks it (nothing changed). */
+int memsem_digest_impl(int which);
 /* What changed in each tile since the previous version, in one pass over it (the tile stays in
  * cache): digest[i] = its digest at new_addr[i]; count[i] = 0 when it equals prev_digest[i]
  * (prev_digest may be NULL: none), else the elements (itemsize[i] bytes: 1, 2, 4 or 8) that differ

@@ -116,6 +116,36 @@ def test_the_digest_sees_every_single_bit():
     assert native.digest(a.ctypes.data, a.nbytes) == native.digest(a.ctypes.data, a.nbytes)
 
 
+@pytest.mark.parametrize("impl", [1, 2], ids=["base", "avx2"])
+def test_every_digest_implementation_computes_the_same_function(impl):
+    """A writer's digests are compared by readers on other machines: the base (SSE2 / C) and the
+    AVX2 bulk must both compute the function written out in tests/_digest_ref.py, at every length
+    around the stripe (64 B) and scramble (1 KiB) edges, with and without a seed, through every
+    native entry (one buffer; tiles)."""
+    from tests._digest_ref import digest as reference
+
+    if native.lib.memsem_digest_impl(impl) != impl:
+        native.lib.memsem_digest_impl(0)
+        pytest.skip("this CPU has no AVX2" if impl == 2 else "no base implementation")
+    try:
+        rng = np.random.default_rng(impl)
+        sizes = [0, 1, 7, 8, 9, 63, 64, 65, 127, 1023, 1024, 1025, 2048 + 64 + 3, 5000]
+        for n in sizes:
+            a = rng.integers(0, 256, n, dtype=np.uint8)
+            for seed in (0, 0x0123456789ABCDEF):
+                assert native.digest(a.ctypes.data, n, seed) == reference(a.tobytes(), seed), (n, seed)
+        big = rng.integers(0, 256, 3 << 16, dtype=np.uint8)  # tiles of several sizes, one call
+        bounds = np.array([0, 1000, 1000 + 65536, 1000 + 65536 + 64, big.nbytes], np.uint64)
+        addr = (bounds[:-1] + np.uint64(big.ctypes.data)).astype(np.uint64)
+        nbytes = np.diff(bounds).astype(np.uint64)
+        out = np.zeros(len(nbytes), np.uint64)
+        native.digest_tiles(addr.ctypes.data, nbytes.ctypes.data, len(nbytes), out.ctypes.data)
+        want = [reference(big[int(s):int(e)].tobytes()) for s, e in zip(bounds[:-1], bounds[1:])]
+        assert out.tolist() == want
+    finally:
+        assert native.lib.memsem_digest_impl(0) in (1, 2)
+
+
 # -- state dicts ---------------------------------------------------------------------------------------
 def _model(rng, dtype, sizes=(1 << 20, 3 << 18, 1 << 16, 1000, 7)) -> dict:
     return {f"w{i}": rng.integers(0, 1 << 15, n).astype(np.uint16).view(dtype) if dtype.itemsize == 2
