@@ -129,10 +129,12 @@ def _ray_fetch_timeout() -> float:
 
 @dataclasses.dataclass
 class MemsemTransportMetadata(TensorTransportMetadata):
-    """Ray's ``tensor_meta`` and device, plus one serialized memsem ref per tensor (None for an
-    empty tensor: nothing to read)."""
+    """Ray's ``tensor_meta`` and device, plus per tensor one serialized memsem ref and its
+    window's record (None for an empty tensor: nothing to read). The windows are unlisted (no
+    directory record): a receiver resolves each from the record beside its ref."""
 
     refs: list[bytes | None] = dataclasses.field(default_factory=list)
+    records: list[dict | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -156,9 +158,10 @@ class MemsemFetchRequest(FetchRequest):
 
 @dataclasses.dataclass
 class _Window:
-    ref: Any          # the TensorRef this process published
+    ref: Any          # the RefSpec of the window this process published (unlisted)
     data: Any         # the memory published (kept alive with the window)
     objects: int = 0  # live Ray objects whose metadata names it
+    record: dict | None = None  # the window's record, carried in the objects' metadata
 
 
 def _memory_key(t: Any) -> tuple:
@@ -267,6 +270,7 @@ class MemsemTensorTransport(TensorTransportManager):
                 data = self._publishable(t)
                 if data.nbytes == 0:
                     meta.refs.append(None)
+                    meta.records.append(None)
                     continue
                 key = _memory_key(data)
                 with self._lock:
@@ -275,7 +279,8 @@ class MemsemTensorTransport(TensorTransportManager):
                         w.objects += 1
                         self._count("reused")
                 if w is None:
-                    w = _Window(rt.publish(data, access="r"), data, 1)
+                    spec = rt.publish_spec(data, access="r", listed=False)  # no directory call
+                    w = _Window(spec, data, 1, rt.publisher.record(spec))
                     with self._lock:
                         other = self._windows.setdefault(key, w)
                         if other is not w:  # published meanwhile by another thread: use that one
@@ -284,10 +289,11 @@ class MemsemTensorTransport(TensorTransportManager):
                         else:
                             self._count("published")
                     if other is not w:
-                        rt.unpublish(w.ref)
+                        rt.unpublish_spec(w.ref)
                         w = other
                 keys.append(key)
                 meta.refs.append(w.ref.to_bytes())
+                meta.records.append(w.record)
         except BaseException:
             self._release(keys)
             raise
@@ -320,7 +326,7 @@ class MemsemTensorTransport(TensorTransportManager):
             if rt is None or rt.closed:
                 continue  # the runtime's close retired every window already
             try:
-                rt.unpublish(w.ref)  # waits (bounded) for copies in flight to drain
+                rt.unpublish_spec(w.ref)  # waits (bounded) for copies in flight to drain
                 self._count("unpublished")
             except MemsemError as exc:
                 logger.warning("memsem transport: unpublishing %s failed: %s", w.ref, exc)
@@ -382,6 +388,8 @@ class MemsemTensorTransport(TensorTransportManager):
     def _read_all(self, obj_id: str, meta: Any, target_buffers: list[Any] | None, ev: threading.Event) -> list[Any]:
         if not isinstance(meta, MemsemTransportMetadata):
             raise TypeError(f"object {obj_id}: metadata of another transport ({type(meta).__name__})")
+        if len(meta.records) != len(meta.refs):
+            raise ValueError(f"object {obj_id}: {len(meta.records)} window records for {len(meta.refs)} refs")
         if target_buffers is not None and len(target_buffers) != len(meta.refs):
             raise ValueError(f"object {obj_id}: {len(target_buffers)} target buffers for {len(meta.refs)} tensors")
         rt = self.runtime
@@ -391,9 +399,11 @@ class MemsemTensorTransport(TensorTransportManager):
             out = list(target_buffers)
         else:
             out = self._empties(meta.tensor_meta)
-        for raw, buf in zip(meta.refs, out):
+        for raw, record, buf in zip(meta.refs, meta.records, out):
             if raw is not None:
-                self._read(rt.ref(raw), buf, ev, obj_id)
+                ref = rt.ref(raw)
+                with rt.resolver.carry(ref.spec, record):  # resolved from the record: no directory read
+                    self._read(ref, buf, ev, obj_id)
         return out
 
     def _read(self, ref: Any, buf: Any, ev: threading.Event, obj_id: str) -> None:
