@@ -21,16 +21,22 @@ What happens, by Ray's calls (each runs in the process named):
 * ``extract_tensor_transport_metadata`` (the returning actor, right after the method returns):
   every returned tensor is published as a memsem window **in place** (a non-contiguous one, or
   a conj/neg view, is published from a contiguous copy that the window keeps alive); the
-  metadata Ray keeps with the object carries each window's serialized ref (~100 bytes). The same
-  memory returned again while an earlier object of it is alive reuses its window (counted), so a
-  method that returns ``self.w`` every step publishes once. A tensor that is not on the CPU
+  metadata Ray keeps with the object carries each window's serialized ref (~100 bytes) and its
+  record (~800 bytes: owner, generation, control block, descriptors by engine). The windows are
+  *unlisted*: no record in the job's ``ray`` directory, so publishing makes no directory call
+  (the directory is an actor: a call is a Ray task). The same memory returned again while an
+  earlier object of it is alive reuses its window (counted), so a method that returns ``self.w``
+  while the previous step's object lives publishes once. A tensor that is not on the CPU
   publishes nothing: Ray refuses the device with its own ``ValueError`` ("does not support tensor
-  transfer on device ..."). Publishing is local work plus one directory record: it never waits
-  for a receiver, so the actor's next task is not held.
+  transfer on device ..."). Publishing is local work only: it never waits for a receiver, so the
+  actor's next task is not held.
 * ``recv_multiple_tensors`` / ``fetch_multiple_tensors`` (each receiving actor, or a process's
-  ``ray.get``): one-sided memsem gets of every ref into Ray's target buffers when it passes them
-  (``ray.experimental.set_target_for_ref``), else into new tensors (of 4 MiB and more: memory
-  advised for transparent huge pages, so the first copy faults far fewer pages); by the route memsem picks
+  ``ray.get``): one-sided memsem gets of every ref (each window resolved from the record beside
+  it, checked as a directory's record would be: the ref's key, the generation at the window's
+  control block or its owner, the owner's liveness; no directory read) into Ray's target
+  buffers when it passes them (``ray.experimental.set_target_for_ref``), else into new tensors
+  (of 4 MiB and more: memory advised for transparent huge pages, so the first copy faults far
+  fewer pages); by the route memsem picks
   (cross-memory attach or a shared segment on one node, tcp across Ray nodes: each Ray node is a
   node of memsem's ``ray`` directory, nothing to set). A tensor larger than ``CHUNK_BYTES`` is
   read in chunks so that an abort is seen within one chunk. Every wait is bounded by the
@@ -43,7 +49,8 @@ What happens, by Ray's calls (each runs in the process named):
   their next chunk with ``MemsemError`` ("aborted").
 * ``garbage_collect`` (the returning actor, once Ray's reference counting found the object out of
   scope, so after every receiver): the object's windows are unpublished (a window reused by a
-  live object stays until that one goes too).
+  live object stays until that one goes too): their generation moves, so the refs and records
+  in the object's metadata read nothing from then on (``StaleReferenceError``).
 
 Counters of this process's transport: :func:`transport_stats` (windows published, reused and
 unpublished; tensors and bytes received; aborts) and the transport runtime's ``stats()`` (bytes by
