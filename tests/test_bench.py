@@ -249,6 +249,16 @@ def test_ray_transport_table_and_goals():
     assert "ray_gloo_vs_memsem_256MiB >= 1.5: 1.2 (not met)" in out
     assert "ray_store_vs_memsem_64KiB >= 1.5: - (skipped)" in out
     assert "ray_memsem_cross_node_ok: True" in out and "note: gloo: none" in out
+    assert "ray_store_vs_null_64KiB" not in out  # no null figure: no verdict
+    # the null transport (no byte moved) is Ray's floor: a ratio below the goal says no
+    # transport can meet it; at or above, that it is within reach
+    fig.update({"ray_null_64KiB_ms": 8.0, "ray_store_vs_null_64KiB": 0.7, "ray_store_vs_null_64KiB_spread": [0.6, 0.9]})
+    out = RT.table(fig)
+    assert "8.000" in out and "0.70 [0.60, 0.90]" in out
+    assert "ray_store_vs_null_64KiB: 0.7 (the best any tensor transport can do; below the goal: " \
+           "no tensor transport can meet it in this run)" in out
+    fig["ray_store_vs_null_64KiB"] = 1.6
+    assert "the goal is within a transport's reach" in RT.table(fig)
 
 
 def test_the_delta_bench_is_wired_and_names_the_issues_keys(monkeypatch):

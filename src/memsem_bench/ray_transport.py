@@ -3,14 +3,18 @@
 One returning actor and 4 receiving actors on one Ray node (a local Ray instance, started here).
 Per call: the returning actor's method returns one CPU torch tensor (the same memory every call,
 as a trainer returns its weights), the 4 receivers each take it as a task argument, and the call
-ends when all 4 tasks returned (then the ref is dropped: Ray frees the object). Three ways, in
+ends when all 4 tasks returned (then the ref is dropped: Ray frees the object). Four ways, in
 interleaved rounds (the order reversed every other round; ratios per round, median and
 [p10, p90]):
 
 * ``store``: the method without a transport (Ray's object store: serialize, copy into the store,
   copy out in each receiver; 64 KiB goes inline with the task);
 * ``gloo``: ``tensor_transport="gloo"`` (a collective group of the 5 actors, two-sided sends);
-* ``memsem``: ``tensor_transport="memsem"`` (published in place, each receiver reads one-sidedly).
+* ``memsem``: ``tensor_transport="memsem"`` (published in place, each receiver reads one-sidedly);
+* ``null``: ``tensor_transport="null"``, this bench's own one-sided transport that moves no byte
+  (its metadata is the tensor's shape and dtype, its receivers return ``torch.empty``): Ray's
+  own cost per out-of-band object (a receive task per receiver, a free task), the floor of
+  every tensor transport.
 
 Sizes 64 KiB, 4 MiB, 256 MiB. Then, across nodes: a Ray cluster of three nodes on this machine
 (``ray.cluster_utils``; every node a memsem node of its own, so the bytes go over tcp), a random
@@ -18,7 +22,10 @@ Sizes 64 KiB, 4 MiB, 256 MiB. Then, across nodes: a Ray cluster of three nodes o
 
 Keys (``--json`` prints them as one JSON object, the last line of stdout):
 ``ray_store_vs_memsem_256MiB`` / ``_4MiB`` / ``_64KiB`` (object store time / memsem time, per
-call), ``ray_gloo_vs_memsem_256MiB`` / ...; ``ray_<way>_<size>_ms`` (median per call);
+call), ``ray_gloo_vs_memsem_256MiB`` / ...; ``ray_store_vs_null_<size>`` (object store time /
+the null transport's: the most any tensor transport can reach); ``ray_<way>_<size>_ms`` (median
+per call); ``ray_memsem_source_objects`` / ``_windows_published`` (the returning actor's
+counters: how often an object found its memory's window still published);
 ``ray_memsem_cross_node_ok``; ``ray_python`` (the interpreter that ran Ray). Needs Ray: run in
 the first interpreter that imports it (this one, ``.venv-tq``, ``.venv-verl``), as a subprocess.
 """
@@ -38,15 +45,84 @@ SIZES = {"64KiB": 64 * KiB, "4MiB": 4 * MiB, "256MiB": 256 * MiB}
 #: (rounds, calls per round) by size: full, quick
 ROUNDS = {"64KiB": ((9, 30), (5, 15)), "4MiB": ((9, 10), (5, 5)), "256MiB": ((7, 2), (3, 1))}
 RECEIVERS = 4
-WAYS = ("store", "gloo", "memsem")
+WAYS = ("store", "gloo", "memsem", "null")
+#: the bench's own transport that moves no byte (Ray's floor per out-of-band object)
+NULL_TRANSPORT = "NULL"
 #: goals of the issue (38): object store / memsem and gloo / memsem, per call
 GOALS = {"ray_store_vs_memsem_256MiB": 2.0, "ray_gloo_vs_memsem_256MiB": 1.5, "ray_store_vs_memsem_64KiB": 1.5}
+
+
+def _null_transport() -> type:
+    """Ray's own floor for an out-of-band object: a one-sided transport (registered as
+    ``"null"``, as memsem's is) whose metadata carries only the tensors' shapes and dtypes and
+    whose receivers return ``torch.empty`` of them. No byte moves; what a call of it costs is
+    Ray's per-object work (the metadata, a receive task per receiver, a free task), which no
+    tensor transport can remove."""
+    from ray.experimental.rdt.tensor_transport_manager import (
+        CommunicatorMetadata,
+        TensorTransportManager,
+        TensorTransportMetadata,
+    )
+
+    class NullTransport(TensorTransportManager):
+        def tensor_transport_backend(self) -> str:
+            return NULL_TRANSPORT
+
+        @staticmethod
+        def is_one_sided() -> bool:
+            return True
+
+        @staticmethod
+        def can_abort_transport() -> bool:
+            return False
+
+        def actor_has_tensor_transport(self, actor: Any) -> bool:
+            return True
+
+        def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: list[Any]) -> Any:
+            devices = {t.device.type for t in rdt_object}
+            return TensorTransportMetadata(tensor_meta=[(t.shape, t.dtype) for t in rdt_object],
+                                           tensor_device=devices.pop() if devices else None)
+
+        def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: str | None = None) -> Any:
+            return CommunicatorMetadata()
+
+        def recv_multiple_tensors(self, obj_id: str, tensor_transport_metadata: Any, communicator_metadata: Any,
+                                  target_buffers: list[Any] | None = None) -> list[Any]:
+            import torch
+
+            if target_buffers is not None:
+                return list(target_buffers)
+            return [torch.empty(shape, dtype=dtype) for shape, dtype in tensor_transport_metadata.tensor_meta]
+
+        def send_multiple_tensors(self, tensors: list[Any], tensor_transport_metadata: Any,
+                                  communicator_metadata: Any) -> None:
+            raise NotImplementedError("the null transport is one-sided")
+
+        def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
+            pass
+
+        def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+            pass
+
+    return NullTransport
+
+
+def _register_null() -> None:
+    """Register the null transport in this process (once; Ray registers it in the actors)."""
+    import torch
+    from ray.experimental import register_tensor_transport
+    from ray.experimental.rdt.util import transport_manager_info
+
+    if NULL_TRANSPORT not in transport_manager_info:
+        register_tensor_transport(NULL_TRANSPORT, ["cpu"], _null_transport(), torch.Tensor)
 
 
 def _actors(ray: Any, torch: Any, sizes: dict[str, int]) -> tuple[Any, list[Any]]:
     import memsem.integrations.ray_transport as mrt
 
     mrt.register()
+    _register_null()
 
     @ray.remote(num_cpus=0, enable_tensor_transport=True)
     class Source:
@@ -62,6 +138,10 @@ def _actors(ray: Any, torch: Any, sizes: dict[str, int]) -> tuple[Any, list[Any]
 
         @ray.method(tensor_transport="memsem")
         def memsem(self, n: int):
+            return self.bufs[n]
+
+        @ray.method(tensor_transport="null")
+        def null(self, n: int):
             return self.bufs[n]
 
         def ready(self) -> bool:
@@ -86,14 +166,16 @@ def _call(ray: Any, src: Any, recv: list[Any], way: str, n: int) -> float:
     ref = getattr(src, way).remote(n)
     got = ray.get([r.take.remote(ref) for r in recv], timeout=300)
     dt = time.perf_counter() - t0
-    if got != [n // 4 - 1] * len(recv):
+    if way != "null" and got != [n // 4 - 1] * len(recv):  # null moves no byte: nothing to check
         raise RuntimeError(f"{way}: receivers read {got}, not {n // 4 - 1}")
     del ref
     return dt
 
 
-def single_node(quick: bool, ways: tuple[str, ...] = WAYS) -> tuple[dict[str, Any], list[str]]:
-    """The interleaved rounds on one node; ``(figures, notes)``."""
+def single_node(quick: bool, ways: tuple[str, ...] = WAYS,
+                sizes: tuple[str, ...] = tuple(SIZES)) -> tuple[dict[str, Any], list[str]]:
+    """The interleaved rounds on one node, of ``ways`` at ``sizes`` (labels of ``SIZES``);
+    ``(figures, notes)``."""
     import ray
     import torch
 
@@ -114,7 +196,8 @@ def single_node(quick: bool, ways: tuple[str, ...] = WAYS) -> tuple[dict[str, An
             except Exception as exc:  # noqa: BLE001 - a missing peer is a note, never the bench's end
                 ways.remove("gloo")
                 notes.append(f"gloo: no collective group ({exc!r})")
-        for label, n in SIZES.items():
+        for label in sizes:
+            n = SIZES[label]
             rounds, per = ROUNDS[label][1 if quick else 0]
             for way in ways:  # warm: first publish, first connection, first group send
                 _call(ray, src, recv, way, n)
@@ -126,12 +209,16 @@ def single_node(quick: bool, ways: tuple[str, ...] = WAYS) -> tuple[dict[str, An
             for way in ways:
                 fig.update(M.spread_keys(f"ray_{way}_{label}_ms", per_round[way], 1e3))
             for way in ways:
-                if way != "memsem":
+                if way != "memsem" and "memsem" in ways:
                     fig.update(M.ratio_of_rounds(per_round[way], per_round["memsem"]).keys(f"ray_{way}_vs_memsem_{label}"))
+            if "null" in ways and "store" in ways:
+                fig.update(M.ratio_of_rounds(per_round["store"], per_round["null"]).keys(f"ray_store_vs_null_{label}"))
         import memsem.integrations.ray_transport as mrt
 
-        fig["ray_memsem_source_windows_published"] = ray.get(src.__ray_call__.remote(
-            lambda self: mrt.transport_stats()["published"]), timeout=60)
+        if "memsem" in ways:
+            st = ray.get(src.__ray_call__.remote(lambda self: mrt.transport_stats()), timeout=60)
+            fig["ray_memsem_source_objects"] = st["objects"]
+            fig["ray_memsem_source_windows_published"] = st["published"]
     finally:
         ray.shutdown()
     return fig, notes
@@ -207,16 +294,19 @@ def cross_node() -> tuple[bool, str]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def measure(quick: bool) -> dict[str, Any]:
-    """Every figure of this bench, in this interpreter (it must import Ray)."""
-    fig, notes = single_node(quick)
-    try:
-        ok, why = cross_node()
-    except Exception as exc:  # noqa: BLE001 - reported as a figure with its reason
-        ok, why = False, f"cross-node run failed: {exc!r}"
-    fig["ray_memsem_cross_node_ok"] = ok
-    if why:
-        notes.append(f"ray_memsem_cross_node_ok: {why}")
+def measure(quick: bool, ways: tuple[str, ...] = WAYS, sizes: tuple[str, ...] = tuple(SIZES),
+            cross: bool = True) -> dict[str, Any]:
+    """Every figure of this bench (``ways`` at ``sizes``; ``cross``: the cross-node check too),
+    in this interpreter (it must import Ray)."""
+    fig, notes = single_node(quick, ways, sizes)
+    if cross:
+        try:
+            ok, why = cross_node()
+        except Exception as exc:  # noqa: BLE001 - reported as a figure with its reason
+            ok, why = False, f"cross-node run failed: {exc!r}"
+        fig["ray_memsem_cross_node_ok"] = ok
+        if why:
+            notes.append(f"ray_memsem_cross_node_ok: {why}")
     fig["ray_python"] = sys.executable
     fig["ray_notes"] = notes
     return fig
@@ -244,7 +334,8 @@ def run(quick: bool) -> dict[str, Any]:
 
 def table(fig: dict[str, Any]) -> str:
     """The figures as a text table (per call, median ms; ratios with [p10, p90]), then the goals."""
-    rows = [f"{'size':>7} | {'object store':>13} | {'gloo':>9} | {'memsem':>9} | {'store/memsem':>20} | {'gloo/memsem':>20}"]
+    rows = [f"{'size':>7} | {'object store':>13} | {'gloo':>9} | {'memsem':>9} | {'null':>9} | {'store/memsem':>20} | "
+            f"{'gloo/memsem':>20} | {'store/null':>20}"]
 
     def ms(k: str) -> str:
         v = fig.get(k)
@@ -256,13 +347,21 @@ def table(fig: dict[str, Any]) -> str:
 
     for label in SIZES:
         rows.append(f"{label:>7} | {ms(f'ray_store_{label}_ms'):>13} | {ms(f'ray_gloo_{label}_ms'):>9} | "
-                    f"{ms(f'ray_memsem_{label}_ms'):>9} | {ratio(f'ray_store_vs_memsem_{label}'):>20} | "
-                    f"{ratio(f'ray_gloo_vs_memsem_{label}'):>20}")
-    rows.append(f"ms per call: 1 returning actor, {RECEIVERS} receiving actors, one node")
+                    f"{ms(f'ray_memsem_{label}_ms'):>9} | {ms(f'ray_null_{label}_ms'):>9} | "
+                    f"{ratio(f'ray_store_vs_memsem_{label}'):>20} | {ratio(f'ray_gloo_vs_memsem_{label}'):>20} | "
+                    f"{ratio(f'ray_store_vs_null_{label}'):>20}")
+    rows.append(f"ms per call: 1 returning actor, {RECEIVERS} receiving actors, one node; null: a transport "
+                "that moves no byte (Ray's own cost per out-of-band object)")
     for k, bound in GOALS.items():
         v = fig.get(k)
         state = "skipped" if v is None else ("met" if v >= bound else "not met")
         rows.append(f"{k} >= {bound}: {'-' if v is None else v} ({state})")
+    floor = fig.get("ray_store_vs_null_64KiB")
+    if floor is not None:
+        bound = GOALS["ray_store_vs_memsem_64KiB"]
+        verdict = ("below the goal: no tensor transport can meet it in this run" if floor < bound
+                   else "the goal is within a transport's reach")
+        rows.append(f"ray_store_vs_null_64KiB: {floor} (the best any tensor transport can do; {verdict})")
     rows.append(f"ray_memsem_cross_node_ok: {fig.get('ray_memsem_cross_node_ok')}")
     rows += [f"note: {n}" for n in fig.get("ray_notes") or []]
     return "\n".join(rows)
@@ -272,8 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memsem_bench.ray_transport", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object (last line)")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)} (default all)")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)} (default all)")
+    p.add_argument("--no-cross-node", action="store_true", help="skip the cross-node check")
     args = p.parse_args(argv)
-    fig = measure(args.quick)
+    ways, sizes = tuple(args.ways.split(",")), tuple(args.sizes.split(","))
+    for what, got, known in (("--ways", ways, WAYS), ("--sizes", sizes, tuple(SIZES))):
+        bad = [x for x in got if x not in known]
+        if bad:
+            p.error(f"{what}: unknown {bad}; known: {', '.join(known)}")
+    fig = measure(args.quick, ways, sizes, cross=not args.no_cross_node)
     print(table(fig), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(fig))

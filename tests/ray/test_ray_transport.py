@@ -40,6 +40,31 @@ def _transport_runtime_closed():
     mrt.close()
 
 
+#: the directory calls of a window's life: a receiver of the transport makes none of them
+WINDOW_CALLS = ("get_window", "window_with_key", "put_window", "remove_window", "lease_holders")
+
+
+def _counting():
+    """``(count, calls)`` for ``actor.__ray_call__``: count the actor's transport runtime's
+    directory calls of ``WINDOW_CALLS`` from now; the counts. (Nested: Ray's workers cannot
+    import this module, so what an actor runs is pickled by value.)"""
+
+    def count(self) -> None:
+        d = mrt.runtime().directory
+        calls = d.counted_calls = {}
+        for name in WINDOW_CALLS:
+            def counted(*a, _f=getattr(d, name), _n=name, **k):
+                calls[_n] = calls.get(_n, 0) + 1
+                return _f(*a, **k)
+
+            setattr(d, name, counted)
+
+    def counts(self) -> dict:
+        return dict(mrt.runtime().directory.counted_calls)
+
+    return count, counts
+
+
 def _until(pred, what: str, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,6 +102,11 @@ class Source:
     def plain(self, n: int):
         return torch.arange(n)
 
+    def live_metadata(self) -> list:
+        """The metadata of this actor's live objects of the transport (what Ray carries)."""
+        return [meta for meta, _ in mrt.manager()._objects.values()]
+
+
     def stats(self, name: str = "memsem") -> dict:
         return mrt.transport_stats(name)
 
@@ -99,6 +129,11 @@ class Receiver:
 
     def plain_sum(self, t) -> int:
         return int(t.sum())
+
+    def read_meta(self, meta) -> list:
+        """Read an object by its metadata, as Ray's receive does."""
+        return [t.tolist() for t in mrt.manager().recv_multiple_tensors("probe", meta, None)]
+
 
     def stats(self, name: str = "memsem") -> dict:
         return mrt.transport_stats(name)
@@ -179,6 +214,40 @@ def test_structures_numpy_target_buffers_and_plain_methods(cluster):
     finally:
         ray.kill(src)
         ray.kill(dst)
+
+
+def test_windows_resolve_from_the_metadata_and_a_freed_objects_window_is_gone(cluster):
+    """The windows are unlisted: their records travel in the object's metadata, so the
+    returning actor (publish, unpublish) and its receivers on w1 (cross-memory attach) and on
+    w2 (tcp) make no directory call for them. Once Ray freed the object, its metadata reads
+    nothing on either node: its windows are gone (StaleReferenceError)."""
+    src = Source.options(**placed("w1")).remote()
+    near = Receiver.options(**placed("w1")).remote()
+    far = Receiver.options(**placed("w2")).remote()
+    try:
+        count, counts = _counting()
+        ray.get([a.__ray_call__.remote(count) for a in (src, near, far)], timeout=LONG)
+        ref = src.batch.remote(16)
+        want = {"t": torch.arange(16, dtype=torch.int64).reshape(-1, 4).t().tolist(), "small": [7.0] * 3,
+                "tag": "b", "empty": []}
+        assert ray.get([r.digest.remote(ref) for r in (near, far)], timeout=LONG) == [want] * 2
+        (meta,) = ray.get(src.live_metadata.remote(), timeout=LONG)
+        assert len(meta.records) == 3 and meta.records[2] is None  # the empty tensor: no window
+        got = ray.get([r.read_meta.remote(meta) for r in (near, far)], timeout=LONG)
+        assert got == [[want["t"], want["small"], []]] * 2
+        calls = ray.get([a.__ray_call__.remote(counts) for a in (src, near, far)], timeout=LONG)
+        assert calls == [{}, {}, {}], calls
+        assert ray.get(far.stats.remote(), timeout=LONG)["bytes_by_route"] == {"tcp": 2 * (128 + 6)}
+        del ref
+        _until(lambda: ray.get(src.stats.remote(), timeout=LONG)["live_windows"] == 0, "the windows unpublished")
+        assert ray.get(src.__ray_call__.remote(counts), timeout=LONG) == {}  # the unpublish made none either
+        for r in (near, far):
+            with pytest.raises(ray.exceptions.RayTaskError) as err:
+                ray.get(r.read_meta.remote(meta), timeout=LONG)
+            assert isinstance(err.value, memsem.StaleReferenceError), err.value
+    finally:
+        for a in (src, near, far):
+            ray.kill(a)
 
 
 def test_unsupported_device_is_refused_with_rays_error(cluster):

@@ -142,6 +142,9 @@ class Owned:
     blocked_s: float = 0.0
     #: what watches its commits (``CommitWatch``: a state dict's delta history), told at retire
     watchers: list = dataclasses.field(default_factory=list)
+    #: its record is in the directory (False: ``publish(listed=False)``, the record travels with
+    #: its refs instead: no directory call at publish or retire, no leases of other nodes)
+    listed: bool = True
 
     @property
     def label(self) -> str:
@@ -239,14 +242,24 @@ class Publisher:
     # -- publish ----------------------------------------------------------------------------------
     def publish(self, obj: Any, *, name: str | None = None, access: str | None = None,
                 tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
-                write_guard: str | None = None, replace: bool = False) -> RefSpec:
+                write_guard: str | None = None, replace: bool = False, listed: bool = True) -> RefSpec:
         """Publish ``obj`` as a window (see ``memsem.Runtime.publish``): in place with
         ``slots=1``; with ``slots=2`` its bytes are copied into version 1 of a double-buffered
         window memsem allocates (the owner changes it through write sections only). A name is
-        claimed (``_names``) before anything is created."""
+        claimed (``_names``) before anything is created.
+
+        ``listed=False``: the window's record is not written to the directory (nor removed at
+        retire): a consumer resolves it from the record its owner hands out with the ref
+        (``record``; ``Resolver.carry``), with no directory call on either side. Such a window
+        has no name and no leases of other nodes (the directory holds those); its generation is
+        checked as any window's (its control block on this node, its owner on another)."""
         core = self._core
         core.check_open()
+        if not isinstance(listed, bool):
+            raise TypeError(f"listed must be True or False, got {listed!r}")
         if name is not None:
+            if not listed:
+                raise ValueError(f"a named window is listed in the directory: name={name!r} with listed=False")
             name = _args.window_name(name, "name")
         if not isinstance(replace, bool):
             raise TypeError(f"replace must be True or False, got {replace!r}")
@@ -288,16 +301,16 @@ class Publisher:
                 self.names.pop(name)
             gva = self._gva.allocate(info.nbytes)
             return self._publish_at(gva, name or "", info, access, n_ready, tb, cb=None, slots=slots,
-                                    write_guard=write_guard, replace=replace)
+                                    write_guard=write_guard, replace=replace, listed=listed)
 
     def _publish_at(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int,
                     tile_bytes: int, cb: ControlBlock | None, slots: int = 1,
-                    write_guard: str | None = None, replace: bool = False) -> RefSpec:
+                    write_guard: str | None = None, replace: bool = False, listed: bool = True) -> RefSpec:
         core = self._core
         if name:
             core.names.claim(name, gva, replace=replace)  # NameHeldError before anything exists
         try:
-            return self._create(gva, name, info, access, n_ready, tile_bytes, cb, slots, write_guard)
+            return self._create(gva, name, info, access, n_ready, tile_bytes, cb, slots, write_guard, listed)
         except BaseException:
             if name:
                 try:
@@ -307,7 +320,7 @@ class Publisher:
             raise
 
     def _create(self, gva: int, name: str, info: BufferInfo, access: str, n_ready: int, tile_bytes: int,
-                cb: ControlBlock | None, slots: int, write_guard: str | None) -> RefSpec:
+                cb: ControlBlock | None, slots: int, write_guard: str | None, listed: bool = True) -> RefSpec:
         core = self._core
         me = core.identity
         perms = PERM_READ | (PERM_WRITE if access == "rw" else 0)
@@ -387,9 +400,10 @@ class Publisher:
                            descriptors={e.name: d for e, d in regs},
                            dtype_code=info.dtype_code, shape=info.shape, byte_offset=info.byte_offset,
                            framework=info.framework,
-                           extra={"slots": slots, "slot_stride": stride} if slots > 1 else {})
+                           extra=({"slots": slots, "slot_stride": stride} if slots > 1 else {})
+                           | ({} if listed else {"listed": False}))
         owned = Owned(winfo, cb, key, region.keepalive, region, regs, gen, n_slots=slots, stride=stride,
-                      slots_segment=slots_seg, guard=guard, mint=mint)
+                      slots_segment=slots_seg, guard=guard, mint=mint, listed=listed)
         first = cb.slot_of(FIRST_VERSION)
         if guard == "checksum":
             owned.sums[first] = owned.checksum(first)
@@ -403,7 +417,8 @@ class Publisher:
         # job secret where there is one; docs/threat-model.md): they look it up by name. With it,
         # the MAC of the whole-window mint, so a ref looked up works on owner-checked routes.
         # (the name's record, claimed before, already points here)
-        core.directory.put_window(gva, "", winfo.to_json(), key=key + mint.mac if name else None)
+        if listed:
+            core.directory.put_window(gva, "", winfo.to_json(), key=key + mint.mac if name else None)
         return owned.spec()
 
     def _republish(self, old: Owned, info: BufferInfo, access: str, n_ready: int, tile_bytes: int,
@@ -475,7 +490,7 @@ class Publisher:
                     warnings.warn(f"{label} closed with leases held by {holders}", ResourceWarning, stacklevel=3)
                 else:
                     cb.set_word(W_STATE, WindowState.LIVE)
-                    if d.holds_leases:
+                    if d.holds_leases and owned.listed:
                         d.reopen_window(owned.info.gva)
                     raise LeaseHeldError(
                         f"cannot unpublish {label}: {len(holders)} unexpired lease(s) after {timeout} s, "
@@ -528,8 +543,9 @@ class Publisher:
         if owned.info.name and not keep_name:
             self.names.pop(owned.info.name, None)
         try:
-            dwait = Wait(f"the removal of {label}'s records from {d.url}", core.timeout, telemetry=core.telemetry)
-            d.remove_window(gva, "" if keep_name else owned.info.name, pause=dwait.pause)
+            if owned.listed:
+                dwait = Wait(f"the removal of {label}'s records from {d.url}", core.timeout, telemetry=core.telemetry)
+                d.remove_window(gva, "" if keep_name else owned.info.name, pause=dwait.pause)
         except (MemsemError, OSError, ValueError) as exc:  # the retire goes on: the records are gc's
             log.warning("removing %s from the directory failed: %s", label, exc)
         core.resolver.drop(gva)
@@ -549,7 +565,7 @@ class Publisher:
         while True:
             leases = _lease.blocking_leases(cb)
             holders = [(pid, left) for pid, left, _ in leases]
-            if d.holds_leases:  # leases of other nodes (closing: no new ones)
+            if d.holds_leases and owned.listed:  # leases of other nodes (closing: no new ones)
                 holders += d.lease_holders(owned.info.gva, closing=closing)
             if not holders:
                 return []
@@ -603,6 +619,16 @@ class Publisher:
             raise tr.stale(spec_or_name, owned.generation)
         return owned
 
+    def record(self, spec: RefSpec) -> dict[str, Any]:
+        """The record of a live window this runtime owns, as the directory would hold it (no
+        key): what a consumer of an unlisted window resolves it with (``Resolver.carry``).
+
+        Raises:
+            WindowNotFoundError / StaleReferenceError: not a live window of this runtime.
+        """
+        with self.lock:
+            return self.owned_for(spec).info.to_json()
+
     def watch_commits(self, spec: RefSpec, watcher: CommitWatch) -> CommittedSlots:
         """Tell ``watcher`` every commit of ``spec``'s window (this runtime owns it) from now on,
         and its retire; returns the view of its committed slots the watcher reads.
@@ -620,7 +646,7 @@ class Publisher:
         owns (same node, and other nodes where the directory holds leases)."""
         owned = self.owned_for(spec)
         out = _lease.blocking_holders(owned.cb)
-        if self._core.directory.holds_leases:
+        if self._core.directory.holds_leases and owned.listed:
             out += self._core.directory.lease_holders(owned.info.gva)
         return out
 

@@ -27,10 +27,12 @@ shrinks in a runtime's life; windows that retire are dropped by the sweep (``SWE
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from memsem import native
 from memsem._errors import (
@@ -306,6 +308,9 @@ class Resolver:
         #: verdict) and says PeerLostError for a lost one, not WindowNotFoundError. Keyed by
         #: generation too: a new owner may reuse the GVA.
         self._owners: dict[tuple[int, int], Peer] = {}
+        #: (gva, generation) -> [record, holders]: records handed out with refs (an unlisted
+        #: window's, ``carry``), resolved from instead of the directory while a holder runs
+        self._carried: dict[tuple[int, int], list] = {}
         self._lock = threading.RLock()
 
     def resolve(self, spec: RefSpec, info: WindowInfo | None = None) -> Resolution:
@@ -353,6 +358,38 @@ class Resolver:
                 if len(self._ghosts) > self.cap:
                     del self._ghosts[next(iter(self._ghosts))]
             return res
+
+    @contextlib.contextmanager
+    def carry(self, spec: RefSpec, record: Any) -> Iterator[WindowInfo]:
+        """While the block runs, ``spec``'s window resolves from ``record`` (the window's record
+        as its owner handed it out with the ref: ``Publisher.record``; an unlisted window has no
+        other) instead of a directory read. The record is checked as a directory's would be:
+        the ref's key against its digest, the generation against the window's control block
+        (this node) or its owner (another node), the owner's liveness. Blocks may nest and run
+        in several threads at once; a resolution made inside one outlives it (cached as any).
+
+        Yields:
+            The parsed record.
+
+        Raises:
+            ValueError: ``record`` does not parse (naming the field), or is not the record of
+                ``spec``'s window at ``spec``'s generation.
+        """
+        info = WindowInfo.from_json(record)
+        if (info.gva, info.generation) != (spec.gva, spec.generation):
+            raise ValueError(f"record is of window gva {info.gva:#x} generation {info.generation}, not of "
+                             f"{spec.label} (generation {spec.generation})")
+        k = (spec.gva, spec.generation)
+        with self._lock:
+            held = self._carried.setdefault(k, [info, 0])
+            held[1] += 1
+        try:
+            yield info
+        finally:
+            with self._lock:
+                held[1] -= 1
+                if held[1] <= 0 and self._carried.get(k) is held:
+                    del self._carried[k]
 
     def resolve_direct(self, spec: RefSpec) -> Resolution:
         """A new resolution of ``spec`` whose plan reaches the window's memory from this process
@@ -460,6 +497,9 @@ class Resolver:
         if owned is not None:
             info, cb, own_cb = owned.info, owned.cb, True
         else:
+            if info is None:
+                held = self._carried.get((spec.gva, spec.generation))
+                info = held[0] if held is not None else None
             if info is None:
                 rec = core.directory.get_window(spec.gva)
                 if rec is None:  # its owner may be re-claiming its rank after a directory outage

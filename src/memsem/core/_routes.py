@@ -335,7 +335,8 @@ def engine_error(exc: BaseException, res: "Resolution", spec: RefSpec, put: bool
             return tr.lease_expired(spec, "during the transfer and the owner reclaimed the window; the bytes "
                                           "moved are not valid")
         return exc
-    if res.cb is None and isinstance(exc, EngineError):
+    if res.cb is None and isinstance(exc, EngineError) and res.info.extra.get("listed", True):
+        # (an unlisted window has no record to ask: its owner's liveness decides, below)
         now = res.resolver.generation_now(spec)
         if now != spec.generation:
             res.resolver.drop(spec.gva, res)

@@ -267,9 +267,10 @@ class RuntimeCore:
 
     def publish_spec(self, obj: Any, *, name: str | None = None, access: str | None = None,
                      tile_bytes: int | None = None, tiles: int | None = None, slots: int = 1,
-                     write_guard: str | None = None, replace: bool = False) -> RefSpec:
+                     write_guard: str | None = None, replace: bool = False, listed: bool = True) -> RefSpec:
+        """``listed=False``: no directory record (``Publisher.publish``)."""
         return self.publisher.publish(obj, name=name, access=access, tile_bytes=tile_bytes, tiles=tiles,
-                                      slots=slots, write_guard=write_guard, replace=replace)
+                                      slots=slots, write_guard=write_guard, replace=replace, listed=listed)
 
     def unpublish_spec(self, spec_or_name: RefSpec | str, *, timeout: float | None = None) -> None:
         self.publisher.unpublish(spec_or_name, timeout=timeout)

@@ -21,16 +21,22 @@ What happens, by Ray's calls (each runs in the process named):
 * ``extract_tensor_transport_metadata`` (the returning actor, right after the method returns):
   every returned tensor is published as a memsem window **in place** (a non-contiguous one, or
   a conj/neg view, is published from a contiguous copy that the window keeps alive); the
-  metadata Ray keeps with the object carries each window's serialized ref (~100 bytes). The same
-  memory returned again while an earlier object of it is alive reuses its window (counted), so a
-  method that returns ``self.w`` every step publishes once. A tensor that is not on the CPU
+  metadata Ray keeps with the object carries each window's serialized ref (~100 bytes) and its
+  record (~800 bytes: owner, generation, control block, descriptors by engine). The windows are
+  *unlisted*: no record in the job's ``ray`` directory, so publishing makes no directory call
+  (the directory is an actor: a call is a Ray task). The same memory returned again while an
+  earlier object of it is alive reuses its window (counted), so a method that returns ``self.w``
+  while the previous step's object lives publishes once. A tensor that is not on the CPU
   publishes nothing: Ray refuses the device with its own ``ValueError`` ("does not support tensor
-  transfer on device ..."). Publishing is local work plus one directory record: it never waits
-  for a receiver, so the actor's next task is not held.
+  transfer on device ..."). Publishing is local work only: it never waits for a receiver, so the
+  actor's next task is not held.
 * ``recv_multiple_tensors`` / ``fetch_multiple_tensors`` (each receiving actor, or a process's
-  ``ray.get``): one-sided memsem gets of every ref into Ray's target buffers when it passes them
-  (``ray.experimental.set_target_for_ref``), else into new tensors (of 4 MiB and more: memory
-  advised for transparent huge pages, so the first copy faults far fewer pages); by the route memsem picks
+  ``ray.get``): one-sided memsem gets of every ref (each window resolved from the record beside
+  it, checked as a directory's record would be: the ref's key, the generation at the window's
+  control block or its owner, the owner's liveness; no directory read) into Ray's target
+  buffers when it passes them (``ray.experimental.set_target_for_ref``), else into new tensors
+  (of 4 MiB and more: memory advised for transparent huge pages, so the first copy faults far
+  fewer pages); by the route memsem picks
   (cross-memory attach or a shared segment on one node, tcp across Ray nodes: each Ray node is a
   node of memsem's ``ray`` directory, nothing to set). A tensor larger than ``CHUNK_BYTES`` is
   read in chunks so that an abort is seen within one chunk. Every wait is bounded by the
@@ -43,7 +49,8 @@ What happens, by Ray's calls (each runs in the process named):
   their next chunk with ``MemsemError`` ("aborted").
 * ``garbage_collect`` (the returning actor, once Ray's reference counting found the object out of
   scope, so after every receiver): the object's windows are unpublished (a window reused by a
-  live object stays until that one goes too).
+  live object stays until that one goes too): their generation moves, so the refs and records
+  in the object's metadata read nothing from then on (``StaleReferenceError``).
 
 Counters of this process's transport: :func:`transport_stats` (windows published, reused and
 unpublished; tensors and bytes received; aborts) and the transport runtime's ``stats()`` (bytes by
@@ -129,10 +136,12 @@ def _ray_fetch_timeout() -> float:
 
 @dataclasses.dataclass
 class MemsemTransportMetadata(TensorTransportMetadata):
-    """Ray's ``tensor_meta`` and device, plus one serialized memsem ref per tensor (None for an
-    empty tensor: nothing to read)."""
+    """Ray's ``tensor_meta`` and device, plus per tensor one serialized memsem ref and its
+    window's record (None for an empty tensor: nothing to read). The windows are unlisted (no
+    directory record): a receiver resolves each from the record beside its ref."""
 
     refs: list[bytes | None] = dataclasses.field(default_factory=list)
+    records: list[dict | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -156,9 +165,10 @@ class MemsemFetchRequest(FetchRequest):
 
 @dataclasses.dataclass
 class _Window:
-    ref: Any          # the TensorRef this process published
+    ref: Any          # the RefSpec of the window this process published (unlisted)
     data: Any         # the memory published (kept alive with the window)
     objects: int = 0  # live Ray objects whose metadata names it
+    record: dict | None = None  # the window's record, carried in the objects' metadata
 
 
 def _memory_key(t: Any) -> tuple:
@@ -267,6 +277,7 @@ class MemsemTensorTransport(TensorTransportManager):
                 data = self._publishable(t)
                 if data.nbytes == 0:
                     meta.refs.append(None)
+                    meta.records.append(None)
                     continue
                 key = _memory_key(data)
                 with self._lock:
@@ -275,7 +286,8 @@ class MemsemTensorTransport(TensorTransportManager):
                         w.objects += 1
                         self._count("reused")
                 if w is None:
-                    w = _Window(rt.publish(data, access="r"), data, 1)
+                    spec = rt.publish_spec(data, access="r", listed=False)  # no directory call
+                    w = _Window(spec, data, 1, rt.publisher.record(spec))
                     with self._lock:
                         other = self._windows.setdefault(key, w)
                         if other is not w:  # published meanwhile by another thread: use that one
@@ -284,10 +296,11 @@ class MemsemTensorTransport(TensorTransportManager):
                         else:
                             self._count("published")
                     if other is not w:
-                        rt.unpublish(w.ref)
+                        rt.unpublish_spec(w.ref)
                         w = other
                 keys.append(key)
                 meta.refs.append(w.ref.to_bytes())
+                meta.records.append(w.record)
         except BaseException:
             self._release(keys)
             raise
@@ -320,7 +333,7 @@ class MemsemTensorTransport(TensorTransportManager):
             if rt is None or rt.closed:
                 continue  # the runtime's close retired every window already
             try:
-                rt.unpublish(w.ref)  # waits (bounded) for copies in flight to drain
+                rt.unpublish_spec(w.ref)  # waits (bounded) for copies in flight to drain
                 self._count("unpublished")
             except MemsemError as exc:
                 logger.warning("memsem transport: unpublishing %s failed: %s", w.ref, exc)
@@ -382,6 +395,8 @@ class MemsemTensorTransport(TensorTransportManager):
     def _read_all(self, obj_id: str, meta: Any, target_buffers: list[Any] | None, ev: threading.Event) -> list[Any]:
         if not isinstance(meta, MemsemTransportMetadata):
             raise TypeError(f"object {obj_id}: metadata of another transport ({type(meta).__name__})")
+        if len(meta.records) != len(meta.refs):
+            raise ValueError(f"object {obj_id}: {len(meta.records)} window records for {len(meta.refs)} refs")
         if target_buffers is not None and len(target_buffers) != len(meta.refs):
             raise ValueError(f"object {obj_id}: {len(target_buffers)} target buffers for {len(meta.refs)} tensors")
         rt = self.runtime
@@ -391,9 +406,11 @@ class MemsemTensorTransport(TensorTransportManager):
             out = list(target_buffers)
         else:
             out = self._empties(meta.tensor_meta)
-        for raw, buf in zip(meta.refs, out):
+        for raw, record, buf in zip(meta.refs, meta.records, out):
             if raw is not None:
-                self._read(rt.ref(raw), buf, ev, obj_id)
+                ref = rt.ref(raw)
+                with rt.resolver.carry(ref.spec, record):  # resolved from the record: no directory read
+                    self._read(ref, buf, ev, obj_id)
         return out
 
     def _read(self, ref: Any, buf: Any, ev: threading.Event, obj_id: str) -> None:
