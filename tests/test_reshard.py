@@ -33,7 +33,7 @@ from memsem.sync import (
 )
 from memsem.sync._reshard import SourceShard, SourceTensor, check_tiling
 
-from memsem_bench.reshard import free_port
+from memsem_bench.measure import free_port
 from tests._proc import CTX, reap, recv, spawn
 from tests._sharded_ranks import np_trainer, np_trainer_on_node, values
 
@@ -425,7 +425,7 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
         assert seen == sorted(set(seen)) and seen[-1] == steps
         # versions committed while the reader loaded others are skipped (counted), never mixed
         assert skipped == seen[-1] - seen[0] + 1 - len(seen) and reader.loads == len(seen)
-        assert reader.bytes_moved == len(seen) * (9 * 2 * 4 + 3 * 8)
+        assert reader.window_bytes == len(seen) * (9 * 2 * 4 + 3 * 8)
         for _, c in procs:
             assert recv(c, 60) == "done"
             c.send("stop")
@@ -457,7 +457,7 @@ def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
                 v, _ = next(follower)
             assert v == 2 and into["w"].tobytes() == values(2)[:, 2:].tobytes()
             assert reader.retries == 0 and reader.deltas == 1
-            assert reader.bytes_moved == (9 * 2 * 4 + 3 * 8) + 9 * 2 * 4
+            assert reader.window_bytes == (9 * 2 * 4 + 3 * 8) + 9 * 2 * 4 and reader.record_bytes > 0
         for _, c in procs:
             c.send("stop")
     finally:
