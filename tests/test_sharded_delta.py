@@ -256,3 +256,37 @@ def test_intersect_cuts_runs_to_the_changed_ranges():
     assert intersect(runs, changed) == [(50, 50, 1050), (200, 50, 5000), (405, 5, 9005)]
     assert intersect(runs, []) == [] and intersect([], changed) == []
     assert intersect([(0, 10, 0)], [(10, 5)]) == []
+
+
+def _one_patch(indices: list[int]):
+    """Heads of one record over a float16 tensor of 64 elements in tiles of 32 (64 bytes), at
+    window offset 1000: tile 0 patched at ``indices`` (values 100, 101, ...), tile 1 unchanged."""
+    from types import SimpleNamespace
+
+    from memsem.sync._delta import Heads
+
+    tiles = _delta_format.Tiles.of([SimpleNamespace(nbytes=128, dtype=np.dtype(np.float16))], 64)
+    c = np.array([len(indices), 0], np.uint32)
+    size = int(_delta_format.patch_sizes(c, tiles.itemsize).sum())
+    rec = _delta_format.Record.new(2, 1, np.zeros(2, np.uint64), c, size, 0, 64)
+    n = len(indices)
+    rec.payload[:2 * n] = np.array(indices, np.uint16).view(np.uint8)
+    v0 = (2 * n + 7) & ~7
+    rec.payload[v0:v0 + 2 * n] = np.arange(100, 100 + n, dtype=np.uint16).view(np.uint8)
+    return Heads(None, tiles, 1000 + tiles.start, [rec], [None], 0)
+
+
+def test_patches_decode_inside_their_tiles_and_map_through_whole_elements():
+    from memsem.sync._sharded_delta import _decode, _through
+
+    heads = _one_patch([3, 31])
+    eo, vals = _decode(heads, 0, np.array([0]), 2)
+    assert eo.tolist() == [1006, 1062] and vals.tolist() == [100, 101]
+    # two runs into targets 1 and 0: elements outside every run are not written
+    rs, rn = np.array([1060, 1000]), np.array([4, 8])
+    p = _through(eo, vals, rs, rn, np.array([0, 1]), np.array([10, 500]))
+    assert [(x.target, x.offset.tolist(), x.values.tolist()) for x in p] == [(0, [12], [101]), (1, [506], [100])]
+    assert _through(eo, vals, np.array([1000]), np.array([7]), np.array([0]), np.array([0])) is None  # cut
+    assert _decode(_one_patch([3, 32]), 0, np.array([0]), 2) is None  # past its tile
+    assert _decode(_one_patch([5, 5]), 0, np.array([0]), 2) is None  # twice
+    assert _decode(_one_patch([7, 5]), 0, np.array([0]), 2) is not None  # out of order: sorted

@@ -145,21 +145,22 @@ def _decode(heads: Heads, i: int, tiles: np.ndarray, k: int) -> tuple[np.ndarray
     bytes); None when an index lies outside its tile or repeats."""
     t, rec = heads.tiles, heads.records[i]
     sizes = patch_sizes(rec.counts, t.itemsize).astype(np.int64)
-    offs = np.cumsum(sizes) - sizes
+    po = (np.cumsum(sizes) - sizes)[tiles]  # each patch's start, on an 8-byte bound: typed views
     c = rec.counts[tiles].astype(np.int64)
-    starts = np.cumsum(c) - c
-    j = np.arange(int(c.sum()), dtype=np.int64) - np.repeat(starts, c)
-    po = np.repeat(offs[tiles], c)  # patches start on 8-byte bounds: typed views of the payload
-    idx = rec.payload.view(np.uint16)[po // 2 + j].astype(np.int64)
-    if len(idx) and np.any(idx >= np.repeat(t.nbytes[tiles].astype(np.int64) // k, c)):
-        return None
+    ends = np.cumsum(c)
+    at = np.arange(int(ends[-1]) if len(c) else 0, dtype=np.int64)
+    idx = rec.payload.view(np.uint16)[np.repeat(po // 2 - (ends - c), c) + at].astype(np.int64)
     eo = np.repeat(heads.win[tiles].astype(np.int64), c) + idx * k
-    vals = rec.payload.view(_UINT[k])[(po + np.repeat((2 * c + 7) & ~7, c)) // k + j]
-    if len(eo) > 1 and np.any(eo[1:] <= eo[:-1]):
-        order = np.argsort(eo, kind="stable")
-        eo, vals = eo[order], vals[order]
-        if np.any(eo[1:] == eo[:-1]):
-            return None
+    vals = rec.payload.view(_UINT[k])[np.repeat((po + ((2 * c + 7) & ~7)) // k - (ends - c), c) + at]
+    lim = t.nbytes[tiles].astype(np.int64) // k
+    if len(eo) < 2 or np.all(eo[1:] > eo[:-1]):  # ascending: so is each patch, its last index its largest
+        return (eo, vals) if not len(c) or np.all(idx[ends - 1] < lim) else None
+    if np.any(np.maximum.reduceat(idx, ends - c) >= lim):
+        return None
+    order = np.argsort(eo, kind="stable")
+    eo, vals = eo[order], vals[order]
+    if np.any(eo[1:] == eo[:-1]):
+        return None  # an element twice in one record
     return eo, vals
 
 
@@ -235,14 +236,14 @@ def _through(eo: np.ndarray, vals: np.ndarray, rs: np.ndarray, rn: np.ndarray, t
     total = int(cnt.sum())
     if not total:
         return []
-    ri = np.repeat(np.arange(len(rs)), cnt)
-    ei = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt) + np.repeat(i0, cnt)
-    off = toff[ri] + eo[ei] - rs[ri]
-    per = np.bincount(tgt[ri], minlength=int(tgt.max()) + 1)
+    ei = np.repeat(i0 - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)  # run by run, its elements
+    off = np.repeat(toff - rs, cnt) + eo[ei]
+    vals = vals[ei]
+    per = np.bincount(tgt, weights=cnt).astype(np.int64)
     out, at = [], 0
     for target in np.flatnonzero(per).tolist():  # runs ordered by target: one slice each
         z = at + int(per[target])
-        out.append(_Patch(target, off[at:z], vals[ei[at:z]]))
+        out.append(_Patch(target, off[at:z], vals[at:z]))
         at = z
     return out
 
