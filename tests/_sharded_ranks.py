@@ -21,7 +21,8 @@ def values(version: int) -> np.ndarray:
 def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
     """Rank ``rank`` of 2, ``Shard(0)`` of a (9, 4) float32 tensor whose version v holds
     ``values(v)``. ``steps``: commit that many versions in lockstep (the barrier stands for the
-    training step's collective), as fast as it can; else follow the parent's commands."""
+    training step's collective), as fast as it can; else follow the parent's commands ("commit":
+    the next version holds ``values(v)``; "bump": element (0, 3) of its rows changes)."""
     off, size = local_box(G, (2,), (rank,), [Shard(0)])
     o, n = off[0], size[0]
     with memsem.Runtime(timeout=30) as rt:
@@ -35,10 +36,15 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
             conn.send("done")
             conn.recv()
             return
+        cur = values(1)[o:o + n].copy()
         while True:
             cmd = conn.recv()
             if cmd == "commit":
-                conn.send(pub.update({"w": values(pub.version() + 1)[o:o + n], "b": np.ones(3, np.int64)}))
+                cur = values(pub.version() + 1)[o:o + n].copy()
+                conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
+            elif cmd == "bump":  # one element of the rank's first row changes (column 3)
+                cur[0, 3] += 1
+                conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
             elif cmd == "die mid-commit":
                 sec = pub.write_section()
                 sec.tensors["w"][:] = -1.0  # half-written: never committed

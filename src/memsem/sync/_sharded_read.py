@@ -320,9 +320,10 @@ class ShardedReader:
 
         Exactly ``plan.nbytes`` bytes move (a delta load: the patches of the elements that
         changed and the tiles recorded whole, see ``delta``), from each rank only its part,
-        straight into ``into`` (a target converted on read goes through a staging buffer of its own size,
-        converted after the version's pins are released: ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version of a rank may
-        have been copied): load again.
+        straight into ``into`` (a target converted on read goes through a staging buffer of
+        its own size, converted after the version's pins are released:
+        ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version
+        of a rank may have been copied): load again.
 
         Raises:
             KeyError / ValueError / TypeError: ``into`` does not fit the plan (before any wait).
