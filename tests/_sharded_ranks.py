@@ -2,6 +2,7 @@
 not the test module, so it starts without importing torch)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -56,3 +57,24 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
 def np_trainer_on_node(conn, rank: int, name: str, node: str) -> None:
     os.environ.update(MEMSEM_NODE_ID=node, MEMSEM_ENGINES="loopback,host,tcp")
     np_trainer(conn, rank, name, None, 0)
+
+
+@contextlib.contextmanager
+def far_trainers(monkeypatch, name: str):
+    """Two :func:`np_trainer` ranks of ``name`` on another node ("node-trainer"), and a runtime
+    of this process on node "node-rollout" (tcp between them): yields the runtime and the
+    ranks' pipes; stops the ranks after."""
+    from tests._proc import reap, recv, spawn
+
+    monkeypatch.setenv("MEMSEM_JOB_SECRET", "sharded-test-secret")
+    procs = [spawn(np_trainer_on_node, r, name, "node-trainer") for r in range(2)]
+    try:
+        for _, c in procs:
+            assert recv(c, 60) == "published"
+        monkeypatch.setenv("MEMSEM_NODE_ID", "node-rollout")
+        with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
+            yield rt, [c for _, c in procs]
+        for _, c in procs:
+            c.send("stop")
+    finally:
+        reap([p for p, _ in procs], 30)

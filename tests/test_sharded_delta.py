@@ -14,8 +14,8 @@ from memsem.gva import RefSpec
 from memsem.sync import Shard, Target, local_box, lookup_sharded, publish_sharded, tp_targets
 from memsem.sync import _delta_format
 from memsem.sync._sharded_delta import intersect
-from tests._proc import reap, recv, spawn
-from tests._sharded_ranks import np_trainer_on_node, values
+from tests._proc import recv
+from tests._sharded_ranks import far_trainers, values
 
 WAIT = 30.0
 #: one layer of a model over 2 trainer ranks (``Shard(0)``; 301 rows: uneven shards); float16
@@ -298,30 +298,18 @@ def test_patches_decode_inside_their_tiles_and_map_through_whole_elements():
 def test_a_reader_on_another_node_reads_the_patches_over_tcp(monkeypatch):
     """Trainer ranks on another node: the records and their patches come over memsem's tcp
     route, owner-checked; one element changed per rank moves no bytes of the windows."""
-    import memsem
-
-    monkeypatch.setenv("MEMSEM_JOB_SECRET", "sharded-delta-test-secret")
-    procs = [spawn(np_trainer_on_node, r, "farpatch", "node-trainer") for r in range(2)]
-    try:
-        for _, c in procs:
-            assert recv(c, 60) == "published"
-        monkeypatch.setenv("MEMSEM_NODE_ID", "node-rollout")
-        with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
-            sd = lookup_sharded(rt, "farpatch", timeout=30)
-            assert rt.route(sd.refs[0]).engine == "tcp"
-            reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1)}, delta_wait=WAIT)
-            into = reader.empty("numpy")
-            assert reader.load(into) == 1
-            for _, c in procs:
-                c.send("bump")
-            assert [recv(c) for _, c in procs] == [2, 2]
-            w0 = reader.window_bytes
-            assert reader.load(into, version=2) == 2 and reader.deltas == 1
-            want = values(1)
-            want[[0, 5], 3] += 1  # the first row of each rank (5 and 4 rows)
-            assert into["w"].tobytes() == want[:, 2:].tobytes()
-            assert reader.window_bytes == w0 and reader.record_bytes > 0
-        for _, c in procs:
-            c.send("stop")
-    finally:
-        reap([p for p, _ in procs], 30)
+    with far_trainers(monkeypatch, "farpatch") as (rt, conns):
+        sd = lookup_sharded(rt, "farpatch", timeout=30)
+        assert rt.route(sd.refs[0]).engine == "tcp"
+        reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1)}, delta_wait=WAIT)
+        into = reader.empty("numpy")
+        assert reader.load(into) == 1
+        for c in conns:
+            c.send("bump")
+        assert [recv(c) for c in conns] == [2, 2]
+        w0 = reader.window_bytes
+        assert reader.load(into, version=2) == 2 and reader.deltas == 1
+        want = values(1)
+        want[[0, 5], 3] += 1  # the first row of each rank (5 and 4 rows)
+        assert into["w"].tobytes() == want[:, 2:].tobytes()
+        assert reader.window_bytes == w0 and reader.record_bytes > 0
