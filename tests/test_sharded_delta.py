@@ -154,6 +154,22 @@ def test_skipped_versions_apply_the_union_of_their_records(pubs):
     assert reader.deltas == 2
 
 
+def test_one_source_in_two_targets_gets_its_patches_in_both(pubs):
+    rt, ps, full, rng = pubs
+    sd = lookup_sharded(rt, "sd")
+    reader = sd.reader({"whole": Target("l.o"), "half": Target("l.o", dim=1, degree=2, rank=1),
+                        "rows": Target("l.w", dim=0, degree=4, rank=3)}, delta_wait=WAIT)
+    into = reader.empty("numpy")
+    reader.load(into)
+    for _ in range(2):
+        _spread(rng, full, 0.01)
+        v = _commit(ps, full)
+        assert reader.load(into, version=v) == v and _bytes(into) == _full_load(rt, reader, v)
+    assert reader.deltas == 2
+    assert into["half"].tobytes() == np.ascontiguousarray(full["l.o"][:, 128:]).tobytes()
+    assert into["rows"].tobytes() == full["l.w"][228:].tobytes()  # torch.chunk of 301 rows: 76, 76, 76, 73
+
+
 def test_buffers_changed_between_versions_load_in_full(pubs):
     rt, ps, full, rng = pubs
     reader = _readers(rt)[2]
