@@ -2,6 +2,7 @@
 not the test module, so it starts without importing torch)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -21,7 +22,8 @@ def values(version: int) -> np.ndarray:
 def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
     """Rank ``rank`` of 2, ``Shard(0)`` of a (9, 4) float32 tensor whose version v holds
     ``values(v)``. ``steps``: commit that many versions in lockstep (the barrier stands for the
-    training step's collective), as fast as it can; else follow the parent's commands."""
+    training step's collective), as fast as it can; else follow the parent's commands ("commit":
+    the next version holds ``values(v)``; "bump": element (0, 3) of its rows changes)."""
     off, size = local_box(G, (2,), (rank,), [Shard(0)])
     o, n = off[0], size[0]
     with memsem.Runtime(timeout=30) as rt:
@@ -35,10 +37,15 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
             conn.send("done")
             conn.recv()
             return
+        cur = values(1)[o:o + n].copy()
         while True:
             cmd = conn.recv()
             if cmd == "commit":
-                conn.send(pub.update({"w": values(pub.version() + 1)[o:o + n], "b": np.ones(3, np.int64)}))
+                cur = values(pub.version() + 1)[o:o + n].copy()
+                conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
+            elif cmd == "bump":  # one element of the rank's first row changes (column 3)
+                cur[0, 3] += 1
+                conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
             elif cmd == "die mid-commit":
                 sec = pub.write_section()
                 sec.tensors["w"][:] = -1.0  # half-written: never committed
@@ -50,3 +57,24 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
 def np_trainer_on_node(conn, rank: int, name: str, node: str) -> None:
     os.environ.update(MEMSEM_NODE_ID=node, MEMSEM_ENGINES="loopback,host,tcp")
     np_trainer(conn, rank, name, None, 0)
+
+
+@contextlib.contextmanager
+def far_trainers(monkeypatch, name: str):
+    """Two :func:`np_trainer` ranks of ``name`` on another node ("node-trainer"), and a runtime
+    of this process on node "node-rollout" (tcp between them): yields the runtime and the
+    ranks' pipes; stops the ranks after."""
+    from tests._proc import reap, recv, spawn
+
+    monkeypatch.setenv("MEMSEM_JOB_SECRET", "sharded-test-secret")
+    procs = [spawn(np_trainer_on_node, r, name, "node-trainer") for r in range(2)]
+    try:
+        for _, c in procs:
+            assert recv(c, 60) == "published"
+        monkeypatch.setenv("MEMSEM_NODE_ID", "node-rollout")
+        with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
+            yield rt, [c for _, c in procs]
+        for _, c in procs:
+            c.send("stop")
+    finally:
+        reap([p for p, _ in procs], 30)

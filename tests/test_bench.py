@@ -230,7 +230,8 @@ def test_reshard_bench_model_and_plan_figure():
     assert ms > 0 and runs >= 111 * 2 * 1024
     assert set(reshard.GOALS) == {"reshard_bytes_moved_ratio", "reshard_vs_gather_broadcast",
                                   "reshard_vs_dtensor_redistribute", "reshard_plan_ms_1000_tensors",
-                                  "reshard_trainer_blocked_ms"}
+                                  "reshard_trainer_blocked_ms", "reshard_delta_bytes_ratio_1pct",
+                                  "reshard_delta_vs_full_1pct"}
 
 
 def test_ray_transport_table_and_goals():

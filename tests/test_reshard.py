@@ -33,9 +33,9 @@ from memsem.sync import (
 )
 from memsem.sync._reshard import SourceShard, SourceTensor, check_tiling
 
-from memsem_bench.reshard import free_port
+from memsem_bench.measure import free_port
 from tests._proc import CTX, reap, recv, spawn
-from tests._sharded_ranks import np_trainer, np_trainer_on_node, values
+from tests._sharded_ranks import far_trainers, np_trainer, values
 
 torch = pytest.importorskip("torch")
 
@@ -425,7 +425,7 @@ def test_trainer_committing_faster_than_the_reader_never_mixes_versions():
         assert seen == sorted(set(seen)) and seen[-1] == steps
         # versions committed while the reader loaded others are skipped (counted), never mixed
         assert skipped == seen[-1] - seen[0] + 1 - len(seen) and reader.loads == len(seen)
-        assert reader.bytes_moved == len(seen) * (9 * 2 * 4 + 3 * 8)
+        assert reader.window_bytes == len(seen) * (9 * 2 * 4 + 3 * 8)
         for _, c in procs:
             assert recv(c, 60) == "done"
             c.send("stop")
@@ -438,30 +438,20 @@ def test_across_nodes_over_tcp_one_version_pinned_at_each_owner(monkeypatch):
     """Trainer ranks on another node (their own node id): every range is read over memsem's tcp
     route, owner-checked, and the version is pinned at each owner (a reservation); the second
     version is a delta: ``b`` did not change, so it does not move."""
-    monkeypatch.setenv("MEMSEM_JOB_SECRET", "reshard-test-secret")
-    procs = [spawn(np_trainer_on_node, r, "far", "node-trainer") for r in range(2)]
-    try:
-        for _, c in procs:
-            assert recv(c, 60) == "published"
-        monkeypatch.setenv("MEMSEM_NODE_ID", "node-rollout")
-        with memsem.Runtime(engines=("loopback", "host", "tcp"), timeout=20) as rt:
-            sd = lookup_sharded(rt, "far", timeout=30)
-            assert rt.route(sd.refs[1]).engine == "tcp"
-            reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1), "b": Target("b")}, delta_wait=30)
-            into = reader.empty("numpy")
-            assert reader.load(into) == 1 and into["w"].tobytes() == values(1)[:, 2:].tobytes()
-            for _, c in procs:
-                c.send("commit")
-            assert [recv(c) for _, c in procs] == [2, 2]
-            with rt.follow(reader, into=into, timeout=30, after=1) as follower:
-                v, _ = next(follower)
-            assert v == 2 and into["w"].tobytes() == values(2)[:, 2:].tobytes()
-            assert reader.retries == 0 and reader.deltas == 1
-            assert reader.bytes_moved == (9 * 2 * 4 + 3 * 8) + 9 * 2 * 4
-        for _, c in procs:
-            c.send("stop")
-    finally:
-        reap([p for p, _ in procs], 30)
+    with far_trainers(monkeypatch, "far") as (rt, conns):
+        sd = lookup_sharded(rt, "far", timeout=30)
+        assert rt.route(sd.refs[1]).engine == "tcp"
+        reader = sd.reader({"w": Target("w", dim=1, degree=2, rank=1), "b": Target("b")}, delta_wait=30)
+        into = reader.empty("numpy")
+        assert reader.load(into) == 1 and into["w"].tobytes() == values(1)[:, 2:].tobytes()
+        for c in conns:
+            c.send("commit")
+        assert [recv(c) for c in conns] == [2, 2]
+        with rt.follow(reader, into=into, timeout=30, after=1) as follower:
+            v, _ = next(follower)
+        assert v == 2 and into["w"].tobytes() == values(2)[:, 2:].tobytes()
+        assert reader.retries == 0 and reader.deltas == 1
+        assert reader.window_bytes == (9 * 2 * 4 + 3 * 8) + 9 * 2 * 4 and reader.record_bytes > 0
 
 
 # -- dtype on read: bf16 -> fp8 e4m3fn with block or per-tensor scales ----------------------------

@@ -26,6 +26,17 @@ they read, / bytes they hold; goal 1.0), ``reshard_vs_gather_broadcast`` (>= 2) 
 [p10, p90]), ``reshard_plan_ms_1000_tensors`` (planning a 1,000-tensor model once; <= 100),
 ``reshard_trainer_blocked_ms`` (a trainer rank's wait for readers per version while the rollouts
 load the previous one; <= 1), and the raw times.
+
+**Deltas** (after those rounds, same processes): every trainer rank changes 1% of its elements,
+spread over every tensor (``index_add_`` at random indices: what an AdamW step does to a bf16
+copy), commits and waits for its delta record; every rollout rank loads that version into the
+tensors its last load filled (a delta: the records' patches through its plan,
+``ShardedReader``), then the same version in full with a reader of its own (``delta=False``).
+Keys: ``reshard_delta_bytes_ratio_1pct`` (bytes the delta loads moved, window bytes and record
+bytes, / bytes the rollouts hold; goal <= 0.05) and ``reshard_delta_vs_full_1pct`` (delta load
+time / full load time, median of per-round ratios; goal <= 0.15: on one node a copy costs about
+what the delta's digests of the reader's own tensors cost, so the figure says what the checks
+cost, and a reader across nodes gains what the bytes not moved would have taken).
 """
 from __future__ import annotations
 
@@ -33,7 +44,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -50,7 +60,11 @@ GOALS = {
     "reshard_vs_dtensor_redistribute": ">= 3",
     "reshard_plan_ms_1000_tensors": "<= 100",
     "reshard_trainer_blocked_ms": "<= 1",
+    "reshard_delta_bytes_ratio_1pct": "<= 0.05",
+    "reshard_delta_vs_full_1pct": "<= 0.15",
 }
+#: fraction of each trainer rank's elements a delta round changes
+DELTA_FRAC = 0.01
 TP_RULES: dict[str, Any] = {
     "row": ["o_proj.weight", "down_proj.weight"], "column": ["embed_tokens.weight"],
     "fused": {"qkv_proj.weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"],
@@ -100,6 +114,7 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
     import torch.distributed as dist
 
     import memsem
+    from memsem.gva import RefSpec
     from memsem.sync import Shard, local_box, lookup_sharded, publish_sharded
 
     world = TRAINERS + REPLICAS * TP
@@ -130,6 +145,8 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                 into = reader.empty()
                 full_ref = rt.lookup_state_dict("bench-full", timeout=300)
                 full_into = full_ref.empty_like()
+                in_full = sd.reader(targets, reader=r // TP, delta=False)  # the delta rounds' baseline
+                in_full_into = in_full.empty()
             conn.send({"ready": True, "targets_bytes": None if trainer else reader.plan.target_bytes(),
                        "plan_runs": None if trainer else reader.plan.n_runs})
             while True:
@@ -147,6 +164,17 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                     out["version"] = pub.update(local)
                     out["update_s"] = time.perf_counter() - t1
                     out["blocked_s"] = pub.blocked_s
+                elif op == "spread":  # DELTA_FRAC of every tensor's elements, spread over it
+                    g = torch.Generator().manual_seed(step * TRAINERS + rank)
+                    for t in local.values():
+                        flat = t.view(-1)
+                        idx = torch.randint(0, flat.numel(), (max(1, int(DELTA_FRAC * flat.numel())),), generator=g)
+                        flat.index_add_(0, idx, torch.ones(len(idx), dtype=flat.dtype))
+                    out["version"] = v = pub.update(local)
+                    # the record is made off the trainer's path: the rollouts' delta_wait need not cover it
+                    pub.ref.runtime.wait_version(RefSpec.from_bytes(pub.ref.layout.delta.index), v, 300)
+                elif op == "load_in_full":
+                    out["version"] = in_full.load(in_full_into, version=step)
                 elif op == "load":
                     before = reader.bytes_moved
                     out["version"] = reader.load(into, version=step)
@@ -187,13 +215,6 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (gloo's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def plan_ms_1000_tensors(repeat: int = 3) -> tuple[float, int]:
     """Milliseconds to plan a 1,000-tensor model (111 Llama layers of hidden 1024 over 4 ranks,
     ``Shard(0)``) for one TP-2 rank, best of ``repeat``; and the plan's runs."""
@@ -221,7 +242,7 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
     shapes = model_shapes(model_mib) if model_mib >= 64 else model_shapes(
         model_mib, hidden=256, inter=704, kv=64, vocab=512)
     model_bytes = sum(math.prod(s) for s in shapes.values()) * 2
-    port, job = free_port(), f"bench-reshard-{os.getpid()}-{secrets.token_hex(3)}"
+    port, job = M.free_port(), f"bench-reshard-{os.getpid()}-{secrets.token_hex(3)}"
     world = TRAINERS + REPLICAS * TP
     pipes, procs = [], []
     for r in range(world):
@@ -278,6 +299,21 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
             dt.append(d)
             say(f"round {rnd + 1}/{rounds}: reshard {rs[-1] * 1e3:.0f} ms, gather+broadcast {gb[-1] * 1e3:.0f} ms, "
                 f"DTensor full_tensor+send {dt[-1] * 1e3:.0f} ms, trainer blocked {blocked[-1] * 1e3:.3f} ms")
+        dl, fl, dmoved = [], [], []
+        run(rollouts, "load", step)  # into holds this version again (the baselines wrote over it)
+        run(rollouts, "load_in_full", step)  # the full reader's first load (its tensors touched once)
+        for rnd in range(rounds):
+            step += 1
+            _, outs = run(trainers, "spread", step)
+            if any(o["version"] != step for o in outs):
+                raise RuntimeError(f"a trainer committed version {[o['version'] for o in outs]}, not {step}")
+            w, outs = run(rollouts, "load", step)
+            dl.append(w)
+            dmoved.append(sum(o["bytes"] for o in outs) / held)
+            f, _ = run(rollouts, "load_in_full", step)
+            fl.append(f)
+            say(f"delta round {rnd + 1}/{rounds}: {DELTA_FRAC:.0%} of elements changed, delta load {w * 1e3:.0f} ms "
+                f"({dmoved[-1]:.4f} of the bytes held), full load {f * 1e3:.0f} ms")
         for i in range(world):
             pipes[i].send({"op": "exit"})
     finally:
@@ -294,6 +330,10 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
         **M.ratio_of_rounds(dt, rs).keys("reshard_vs_dtensor_redistribute"),
         "reshard_plan_ms_1000_tensors": round(plan_ms, 2),
         "reshard_trainer_blocked_ms": round(statistics.median(blocked) * 1e3, 3),
+        "reshard_delta_bytes_ratio_1pct": round(statistics.median(dmoved), 4),
+        **M.ratio_of_rounds(dl, fl).keys("reshard_delta_vs_full_1pct"),
+        "reshard_delta_s_1pct": round(statistics.median(dl), 4),
+        "reshard_full_s_1pct": round(statistics.median(fl), 4),
         "reshard_s": round(statistics.median(rs), 4),
         "gather_broadcast_s": round(statistics.median(gb), 4),
         "dtensor_redistribute_s": round(statistics.median(dt), 4),
@@ -321,11 +361,12 @@ def run_reshard(args: Any) -> int:
     stream = sys.stderr if getattr(args, "json", False) else sys.stdout
     for k, goal in GOALS.items():
         print(f"{k:<36} {f.get(k)!s:>10}   goal {goal}", file=stream)
-    for k in ("reshard_s", "gather_broadcast_s", "dtensor_redistribute_s", "reshard_trainer_commit_ms"):
+    for k in ("reshard_s", "gather_broadcast_s", "dtensor_redistribute_s", "reshard_trainer_commit_ms",
+              "reshard_delta_s_1pct", "reshard_full_s_1pct"):
         print(f"{k:<36} {f.get(k)!s:>10}", file=stream)
     if getattr(args, "json", False):
         print(json.dumps(f))
     return 0
 
 
-__all__ = ["GOALS", "figures", "free_port", "model_shapes", "plan_ms_1000_tensors", "run_reshard"]
+__all__ = ["GOALS", "figures", "model_shapes", "plan_ms_1000_tensors", "run_reshard"]

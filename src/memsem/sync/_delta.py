@@ -17,10 +17,12 @@ does it by default):
    ``v``, so a load returns one version, bit-exact, or raises: never a mix.
 
 ``changed_ranges(a, b)`` gives the window byte ranges that changed between two versions (whole
-tiles) for a reader of parts of tensors (a reshard plan) to intersect with its own.
+tiles); :func:`record_heads` gives the records themselves, their payloads read only where a
+reader of parts of tensors (a reshard plan, ``memsem.sync._sharded_delta``) needs them.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -32,7 +34,16 @@ from memsem._errors import MemsemError, MemsemTimeoutError, VersionGoneError
 from memsem.core import Lease, RuntimeCore
 from memsem.gva import RefSpec
 from memsem.sync._state_dict import DeltaInfo, StateDictLayout, StateDictRef, install_delta_versions
-from memsem.sync._delta_format import DEFAULT_TILE_BYTES, KIND_RECORD, Index, Record, Tiles, index_nbytes, patch_sizes
+from memsem.sync._delta_format import (
+    DEFAULT_TILE_BYTES,
+    KIND_RECORD,
+    Index,
+    Record,
+    Tiles,
+    index_nbytes,
+    patch_sizes,
+    record_nbytes,
+)
 from memsem.sync._delta_writer import DENSE, DeltaHistory, chunks
 
 #: a delta is loaded only when its records and changed tiles come to at most this fraction of the
@@ -185,6 +196,23 @@ class _Plan:
             out.append(rec)
         return out
 
+    def heads(self, idx: Index, first: int, last: int) -> tuple[list[Record], list[RefSpec]] | None:
+        """The records of versions ``first`` to ``last`` read up to their payloads (head,
+        digests and counts, checked by ``Record.parse``; the payload bytes left unread), and
+        their windows; None when the history lacks one."""
+        recs, specs = [], []
+        for v in range(first, last + 1):
+            e = idx.entry(v)
+            if e is None or e.kind != KIND_RECORD:
+                return None
+            raw = np.empty(e.record_bytes, np.uint8)
+            spec = RefSpec.from_bytes(e.ref)
+            head = min(e.record_bytes, record_nbytes(self.tiles.n, 0))
+            self.core.transfer(spec, "get", 0, raw[:head])
+            recs.append(Record.parse(raw, v, self.tiles))
+            specs.append(spec)
+        return recs, specs
+
     def changed(self, recs: list[Record]) -> np.ndarray:
         """Per tile, whether any of ``recs`` (deltas) changed it."""
         m = np.zeros(self.tiles.n, bool)
@@ -331,6 +359,72 @@ class DeltaVersions:
         return plan.ranges(np.flatnonzero(plan.changed(recs)), with_addr=False)
 
 
+@dataclasses.dataclass
+class Heads:
+    """What :func:`record_heads` read: one window's records of the versions after ``a`` up
+    to ``b``, in version order, their payloads not yet read.
+
+    Attributes:
+        tiles: the window's tiles. win: each tile's byte offset in the window (uint64).
+        records: the records (``Record``; ``payload`` holds unread bytes until
+        :meth:`read_payload` reads a part of it). specs: each record's window. nbytes: bytes
+        read so far (the index and the records' heads, digests and counts).
+    """
+
+    core: RuntimeCore
+    tiles: Tiles
+    win: np.ndarray
+    records: list[Record]
+    specs: list[RefSpec]
+    nbytes: int
+
+    def read_payload(self, i: int, tiles: np.ndarray) -> int:
+        """Read the patches of ``tiles`` (ascending tile numbers; patched ones in record ``i``)
+        of record ``i`` into its ``payload`` (one gather, adjacent patches one range); returns
+        the bytes read."""
+        rec = self.records[i]
+        sizes = patch_sizes(rec.counts, self.tiles.itemsize)
+        offs = np.cumsum(sizes) - sizes
+        tiles = tiles[sizes[tiles] > 0]
+        if not len(tiles):
+            return 0
+        lo, hi = offs[tiles], offs[tiles] + sizes[tiles]
+        brk = np.ones(len(tiles), bool)
+        brk[1:] = lo[1:] != hi[:-1]
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], len(tiles)) - 1
+        a, z = lo[starts].astype(np.int64), hi[ends].astype(np.int64)
+        p0 = rec.payload.ctypes.data - rec.raw.ctypes.data
+        base = rec.raw.ctypes.data + p0
+        self.core.gather(self.specs[i], list(zip((a + p0).tolist(), (z - a).tolist(), (a + base).tolist())),
+                         keep=rec.raw)
+        n = int((z - a).sum())
+        self.nbytes += n
+        return n
+
+
+def record_heads(ref: StateDictRef, a: int, b: int, timeout: float) -> Heads | None:
+    """The records of versions ``a + 1`` to ``b`` (``a < b``) of ``ref``'s delta history, each
+    read up to its payload, for a reader of parts of tensors that reads only the patches it
+    needs (``memsem.sync._sharded_delta``). Waits up to ``timeout`` s for ``b``'s record.
+
+    Returns None when the history does not hold each of them as a delta from the version
+    before (gone, never recorded, recorded as digests only, not readable, or not that
+    version's: ``Record.parse``): the reader loads in full.
+    """
+    plan = _Plan(ref, [], [])
+    try:
+        idx = plan.index_at(b, timeout, None)
+        got = None if idx is None else plan.heads(idx, a + 1, b)
+    except (MemsemError, ValueError):
+        return None
+    if got is None or any(r.base != r.version - 1 for r in got[0]):
+        return None
+    recs, specs = got
+    n = index_nbytes(idx.history) + sum(min(r.raw.nbytes, record_nbytes(plan.tiles.n, 0)) for r in recs)
+    return Heads(plan.core, plan.tiles, plan.win, recs, specs, n)
+
+
 def _dense_any(recs: list[Record], n: int) -> np.ndarray:
     m = np.zeros(n, bool)
     for r in recs:
@@ -342,4 +436,4 @@ def install() -> None:
     install_delta_versions(DeltaVersions())
 
 
-__all__ = ["DELTA_MAX", "DeltaVersions", "install"]
+__all__ = ["DELTA_MAX", "DeltaVersions", "Heads", "install", "record_heads"]

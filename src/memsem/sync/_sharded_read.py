@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from memsem import _args, _dtypes
-from memsem._buffers import buffer_info, empty_arena
+from memsem._buffers import address_view, buffer_info, empty_arena
 from memsem._errors import MemsemError, MemsemTimeoutError, NotSupportedError, VersionGoneError
 from memsem.core import Lease, RuntimeCore
 from memsem.sync._state_dict import StateDictRef, lookup_state_dict
@@ -51,7 +51,8 @@ from memsem.sync._reshard import (
     plan_reshard,
 )
 from memsem.sync._sharded import MAX_RANKS, META_MAGIC, core_of, meta_name, shard_name
-from memsem.sync._sharded_delta import Held, intersect
+from memsem.sync._delta import record_heads
+from memsem.sync._sharded_delta import Held, RankDelta, apply, rank_delta
 
 #: the largest placement record a reader accepts (bytes)
 MAX_META_BYTES = 64 << 20
@@ -177,15 +178,20 @@ class ShardedReader:
     Attributes:
         sharded: the :class:`ShardedStateDictRef`. plan: the :class:`memsem.sync.ReshardPlan`.
         targets: the targets it was planned from (None when made from a plan). loads: versions
-        loaded. bytes_moved: bytes the loads moved (``plan.nbytes`` each in full, the changed
-        part of it for a delta). retries: loads started again (a rank's
+        loaded. window_bytes: bytes the loads read from the ranks' windows (``plan.nbytes``
+        each in full; for a delta, the tiles read whole). record_bytes: bytes of delta
+        history read (indexes, records' digests and counts, the patches: element indices and
+        values). bytes_moved: the two together. retries: loads started again (a rank's
         version gone before it was pinned). deltas: loads made as deltas.
 
     Args:
         delta: a load into the tensors the last load filled, which still hold what it left
-            there, moves only the parts of the plan's ranges that changed since (each rank's
-            delta history, ``StateDictRef.changed_ranges``; ``memsem.sync._sharded_delta``):
-            checked by a digest of every 64 KiB the reader holds (one read of its tensors per
+            there, moves only what changed since (``memsem.sync._sharded_delta``): each rank's
+            delta records of the versions since, their patches applied element by element
+            through the plan (changed elements of 2-byte tensors: 4 bytes each moved, index
+            and value), the tiles recorded whole read at the new version where the reader
+            holds them; targets converted on read (fp8) read the changed tiles' bytes whole.
+            Checked by a digest of every 64 KiB the reader holds (one read of its tensors per
             load, on the CPU threads); else, or when a rank's history does not cover the
             versions, in full. Default True.
         delta_wait: the most seconds a delta load waits for each rank to have recorded the
@@ -206,7 +212,8 @@ class ShardedReader:
         self.pin_ttl = _args.ttl(pin_ttl, "pin_ttl")
         self.name = sharded.name
         self.loads = 0
-        self.bytes_moved = 0
+        self.window_bytes = 0
+        self.record_bytes = 0
         self.retries = 0
         self.deltas = 0
         self.delta = delta
@@ -217,6 +224,11 @@ class ShardedReader:
 
     def __repr__(self) -> str:
         return f"<ShardedReader of {self.name!r}: {self.plan!r}>"
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes the loads moved: ``window_bytes + record_bytes``."""
+        return self.window_bytes + self.record_bytes
 
     def version(self) -> int:
         """The sharded state dict's latest version (every rank committed it)."""
@@ -253,13 +265,15 @@ class ShardedReader:
         return {n: torch.from_numpy(a).view(_dtypes.torch_dtype(_dtypes.code_of(d))).reshape(s)
                 for (n, s, d), a in zip(outs, arrs)}
 
-    def _bases(self, into: Mapping[str, Any]) -> tuple[list[int], list]:
+    def _bases(self, into: Mapping[str, Any]) -> tuple[list[int], list, list[np.ndarray]]:
         """The address each target is read to (``into``'s tensor, or the staging buffer of a
-        target converted on read), and what keeps them alive; ``into`` checked whole."""
+        target converted on read), what keeps them alive, and each one's bytes (flat uint8
+        views); ``into`` checked whole."""
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of target name to tensor, got {type(into).__name__}")
         p = self.plan
         addr: dict[str, int] = {}
+        views: dict[str, np.ndarray] = {}
         keep: list = []
         for n, s, d in self.outputs():
             if n not in into:
@@ -272,6 +286,7 @@ class ShardedReader:
                 raise ValueError(f"into[{n!r}] is {tuple(info.shape)} {_dtypes.name_of(info.dtype_code)}; the target "
                                  f"is {s} {_dtypes.name_of(code)}")
             addr[n] = info.address
+            views[n] = address_view(info.address, info.nbytes, info.keepalive)
             keep.append(info.keepalive)
         if any(t is not None for t in p.converts) and self._staging is None:
             self._staging = {i: np.empty(math.prod(s) * d.itemsize, np.uint8)
@@ -279,7 +294,7 @@ class ShardedReader:
         stage = self._staging or {}
         bases = [stage[i].ctypes.data if i in stage else addr[n] for i, n in enumerate(p.names)]
         keep.append(stage)
-        return bases, keep
+        return bases, keep, [stage[i] if i in stage else views[n] for i, n in enumerate(p.names)]
 
     def _convert(self, into: Mapping[str, Any]) -> None:
         """The targets converted on read, from their staging buffers into ``into``."""
@@ -303,11 +318,12 @@ class ShardedReader:
             version: the oldest version acceptable (waits for it; a newer one may be loaded).
             timeout: seconds for the whole load (waits included), default the runtime's.
 
-        Exactly ``plan.nbytes`` bytes move (a delta load: only the parts of them in tiles that
-        changed, see ``delta``), from each rank only its part, straight into
-        ``into`` (a target converted on read goes through a staging buffer of its own size,
-        converted after the version's pins are released: ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version of a rank may
-        have been copied): load again.
+        Exactly ``plan.nbytes`` bytes move (a delta load: the patches of the elements that
+        changed and the tiles recorded whole, see ``delta``), from each rank only its part,
+        straight into ``into`` (a target converted on read goes through a staging buffer of
+        its own size, converted after the version's pins are released:
+        ``memsem.sync.to_fp8``). On an error ``into``'s contents are unspecified (a version
+        of a rank may have been copied): load again.
 
         Raises:
             KeyError / ValueError / TypeError: ``into`` does not fit the plan (before any wait).
@@ -317,7 +333,7 @@ class ShardedReader:
         """
         if into is None:
             raise ValueError("into is needed: the tensors to load into (reader.empty())")
-        bases, keep = self._bases(into)
+        bases, keep, views = self._bases(into)
         want = _args.version(version, "version") or 1
         sd = self.sharded
         core = sd._core
@@ -329,7 +345,7 @@ class ShardedReader:
             held = None
         while True:
             v = sd.wait_version(want, max(1e-3, deadline - time.monotonic()))
-            moving = self._changed(held, v, ranges, deadline) if held is not None else None
+            moving = self._changed(held, v, bases, deadline) if held is not None else None
             pins: dict[int, Lease] = {}
             try:
                 try:
@@ -339,7 +355,8 @@ class ShardedReader:
                     self.retries += 1
                     want = v + 1
                     continue
-                for r, rr in (ranges if moving is None else moving).items():
+                reads = ranges if moving is None else {r: d.reads for r, d in moving.items()}
+                for r, rr in reads.items():
                     lease = pins.get(r)
                     try:
                         if rr:
@@ -358,40 +375,52 @@ class ShardedReader:
             finally:
                 for lease in pins.values():
                     lease.release()
+            self.window_bytes += sum(n for rr in reads.values() for _, n, _ in rr)
+            if moving is not None:
+                ok, wrote = apply(core, moving, views)
+                if not ok:  # a whole tile is not the writer's v after the patches: load v in full
+                    held, want = None, v
+                    continue
             self.loads += 1
-            done = ranges if moving is None else moving
-            self.bytes_moved += sum(n for rr in done.values() for _, n, _ in rr)
             if self.delta:
                 if moving is None:
                     sizes = [math.prod(sh) * d.itemsize for sh, d in zip(self.plan.shapes, self.plan.dtypes)]
                     held = Held(core, bases, sizes, v)
                 else:
                     self.deltas += 1
-                    held.moved(v, [x for rr in moving.values() for x in rr])
+                    held.moved(v, [x for rr in reads.values() for x in rr], wrote)
                 self._held = held
             if self._staging:
                 self._convert(into)  # after the pins went: the trainer never waits for it
             return v
 
-    def _changed(self, held: Held, v: int, ranges: dict[int, list[tuple[int, int, int]]],
-                 deadline: float) -> dict[int, list[tuple[int, int, int]]] | None:
-        """The parts of ``ranges`` (by rank) that changed from ``held.version`` to ``v``, or
-        None: a rank's history does not cover them (load in full)."""
+    def _changed(self, held: Held, v: int, bases: list[int], deadline: float) -> dict[int, RankDelta] | None:
+        """What each rank's delta records from ``held.version`` to ``v`` make this reader move
+        (its records read, the patches it needs among them), or None: a rank's history does
+        not cover the versions, or a record is in doubt (load in full)."""
         if held.version > v:
             return None
-        out = {}
-        for r, rr in ranges.items():
-            if held.version == v:
-                out[r] = []
-                continue
+        p = self.plan
+        out: dict[int, RankDelta] = {}
+        if held.version == v:
+            return {r: RankDelta.nothing() for r in p.runs}
+        base = np.asarray(bases, np.int64)
+        conv = np.array([t is not None for t in p.converts], bool)
+        for r, runs in p.runs.items():
             wait = max(1e-3, min(self.delta_wait, deadline - time.monotonic()))
-            try:
-                ch = self.sharded.refs[r].changed_ranges(held.version, v, timeout=wait)
-            except MemsemError:
-                return None  # the full load says why, if it fails too
-            if ch is None:
+            heads = None
+            if self.sharded.refs[r].layout.delta is not None:
+                heads = record_heads(self.sharded.refs[r], held.version, v, wait)
+            if heads is None:
                 return None
-            out[r] = intersect(rr, ch)
+            try:
+                d = rank_delta(heads, runs, base, conv)
+            except (MemsemError, ValueError):
+                d = None  # a record gone while its patches were read: the full load
+            self.record_bytes += heads.nbytes
+            if d is None:
+                return None
+            out[r] = d
         return out
 
     def _pin_all(self, v: int, deadline: float) -> dict[int, Lease]:
