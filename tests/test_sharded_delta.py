@@ -329,3 +329,38 @@ def test_a_reader_on_another_node_reads_the_patches_over_tcp(monkeypatch):
         want[[0, 5], 3] += 1  # the first row of each rank (5 and 4 rows)
         assert into["w"].tobytes() == want[:, 2:].tobytes()
         assert reader.window_bytes == w0 and reader.record_bytes > 0
+
+
+def test_by_default_a_reader_loads_in_full_while_its_deltas_are_slower_and_tries_one_again(pubs, monkeypatch):
+    """``delta_wait=None``: a delta load that took longer than the last full load makes the
+    next loads full (no digests kept), and one in ``PROBE_EVERY`` tries a delta again; with a
+    number for ``delta_wait`` every load that can be a delta is one. The loads' clock is one tick
+    per reading, so a delta (its check and its body: two spans) is always slower than a full load
+    (one span): the order is forced, not timed."""
+    from memsem.sync import _sharded_read
+    from memsem.sync._delta import PROBE_EVERY
+
+    ticks = iter(range(1, 1 << 30))
+    monkeypatch.setattr(_sharded_read, "_clock", lambda: float(next(ticks)))
+    rt, ps, full, rng = pubs
+    sd = lookup_sharded(rt, "sd")
+    targets = tp_targets(sd.names, degree=2, rank=1, **TP)
+    adaptive, eager = sd.reader(targets, reader=1), sd.reader(targets, reader=1, delta_wait=WAIT)
+    intos = {id(r): r.empty("numpy") for r in (adaptive, eager)}
+    for r in (adaptive, eager):
+        assert r.load(intos[id(r)]) == 1
+    _spread(rng, full, 0.01)
+    v = _commit(ps, full)
+    for r in (adaptive, eager):  # the first delta is tried by both, and is slower
+        assert r.load(intos[id(r)], version=v) == v and r.deltas == 1
+    for k in range(PROBE_EVERY - 1):  # full loads (the same version), no delta tried
+        w0 = adaptive.window_bytes
+        assert adaptive.load(intos[id(adaptive)], version=v) == v
+        assert adaptive.deltas == 1 and adaptive.window_bytes - w0 == adaptive.plan.nbytes, k
+    assert eager.load(intos[id(eager)], version=v) == v and eager.deltas == 2  # always a delta
+    _spread(rng, full, 0.01)
+    v = _commit(ps, full)
+    w0 = adaptive.window_bytes
+    assert adaptive.load(intos[id(adaptive)], version=v) == v  # the probe: a delta again
+    assert adaptive.deltas == 2 and adaptive.window_bytes - w0 < adaptive.plan.nbytes
+    assert _bytes(intos[id(adaptive)]) == _full_load(rt, adaptive, v)

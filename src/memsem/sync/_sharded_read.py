@@ -51,8 +51,13 @@ from memsem.sync._reshard import (
     plan_reshard,
 )
 from memsem.sync._sharded import MAX_RANKS, META_MAGIC, core_of, meta_name, shard_name
-from memsem.sync._delta import record_heads
+from memsem.sync._delta import PROBE_EVERY, record_heads
 from memsem.sync._sharded_delta import Held, RankDelta, apply, rank_delta
+
+#: ``delta_wait=None``: the most seconds a delta load waits for each rank's record
+DELTA_WAIT_S = 0.25
+#: the clock that times full and delta loads (``delta_wait=None`` compares them)
+_clock = time.perf_counter
 
 #: the largest placement record a reader accepts (bytes)
 MAX_META_BYTES = 64 << 20
@@ -162,7 +167,7 @@ class ShardedStateDictRef:
         return plan_reshard(self.layout, targets, reader=reader)
 
     def reader(self, targets: Mapping[str, Target] | ReshardPlan, *, reader: int = 0,
-               pin_ttl: float | None = 10.0, delta: bool = True, delta_wait: float = 0.25) -> "ShardedReader":
+               pin_ttl: float | None = 10.0, delta: bool = True, delta_wait: float | None = None) -> "ShardedReader":
         """A :class:`ShardedReader` loading ``targets`` (or a plan made of this state dict's
         layout) version after version; followable (``rt.follow(reader, into=reader.empty())``).
         ``delta`` / ``delta_wait``: see :class:`ShardedReader`."""
@@ -196,14 +201,18 @@ class ShardedReader:
             versions, in full. Default True.
         delta_wait: the most seconds a delta load waits for each rank to have recorded the
             version (its records are made after the commit, off the trainer's path) before it
-            loads in full.
+            loads in full. None (default): at most ``DELTA_WAIT_S`` (0.25 s), and a delta only
+            where it pays: while the last delta load here took longer than the last full load
+            (on one node a delta's digests of the reader's tensors cost about what the copy
+            does), loads are full and one in ``PROBE_EVERY`` (16) tries a delta again. A number:
+            that wait, and a delta whenever the histories allow one.
 
     Followable (``version``, ``wait_version``, ``load``): ``rt.follow(reader, into=...)``.
     Thread safety: one load at a time per reader.
     """
 
     def __init__(self, sharded: ShardedStateDictRef, plan: ReshardPlan, *, pin_ttl: float | None = 10.0,
-                 targets: Mapping[str, Target] | None = None, delta: bool = True, delta_wait: float = 0.25) -> None:
+                 targets: Mapping[str, Target] | None = None, delta: bool = True, delta_wait: float | None = None) -> None:
         if not isinstance(delta, bool):
             raise TypeError(f"delta must be True or False, got {delta!r}")
         self.sharded = sharded
@@ -217,8 +226,16 @@ class ShardedReader:
         self.retries = 0
         self.deltas = 0
         self.delta = delta
-        self.delta_wait = _args.timeout(delta_wait, "delta_wait")
+        #: deltas only where they pay (``delta_wait=None``)
+        self.adaptive = delta_wait is None
+        self.delta_wait = DELTA_WAIT_S if delta_wait is None else _args.timeout(delta_wait, "delta_wait")
         self._held: Held | None = None
+        #: seconds the last full and the last delta load took here (their waits excluded), and
+        #: the loads made in full since because deltas were slower (one in ``PROBE_EVERY`` tries
+        #: a delta again: the figures move)
+        self._full_s: float | None = None
+        self._delta_s: float | None = None
+        self._full_since = 0
         self._pin = True
         self._staging: dict[int, np.ndarray] | None = None
 
@@ -341,10 +358,13 @@ class ShardedReader:
         deadline = time.monotonic() + t
         ranges = self.plan.ranges(bases)
         held, self._held = self._held, None  # what the last load left; none until this one ends
+        t_check = _clock()
         if held is not None and (not self.delta or held.key != tuple(bases) or not held.intact()):
             held = None
+        t_check = _clock() - t_check
         while True:
             v = sd.wait_version(want, max(1e-3, deadline - time.monotonic()))
+            t0 = _clock()
             moving = self._changed(held, v, bases, deadline) if held is not None else None
             pins: dict[int, Lease] = {}
             try:
@@ -382,17 +402,30 @@ class ShardedReader:
                     held, want = None, v
                     continue
             self.loads += 1
-            if self.delta:
+            if moving is None:
+                self._full_s = _clock() - t0
+            else:
+                self.deltas += 1
+                held.moved(v, [x for rr in reads.values() for x in rr], wrote)
+                self._delta_s = _clock() - t0 + t_check
+                self._full_since = 0
+            if self.delta and self._delta_next():  # what a delta next time checks against
                 if moving is None:
                     sizes = [math.prod(sh) * d.itemsize for sh, d in zip(self.plan.shapes, self.plan.dtypes)]
                     held = Held(core, bases, sizes, v)
-                else:
-                    self.deltas += 1
-                    held.moved(v, [x for rr in reads.values() for x in rr], wrote)
                 self._held = held
             if self._staging:
                 self._convert(into)  # after the pins went: the trainer never waits for it
             return v
+
+    def _delta_next(self) -> bool:
+        """Whether the next load tries a delta: unless the last delta load here took longer than
+        the last full load (then one load in ``PROBE_EVERY`` tries it again), with
+        ``delta_wait=None``. Called once per load made while ``delta`` is on."""
+        if not self.adaptive or self._delta_s is None or self._full_s is None or self._delta_s < self._full_s:
+            return True
+        self._full_since += 1
+        return self._full_since % PROBE_EVERY == 0
 
     def _changed(self, held: Held, v: int, bases: list[int], deadline: float) -> dict[int, RankDelta] | None:
         """What each rank's delta records from ``held.version`` to ``v`` make this reader move
