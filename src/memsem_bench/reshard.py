@@ -141,7 +141,9 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                 r = rank - TRAINERS
                 sd = lookup_sharded(rt, "bench", timeout=300)
                 targets = _targets(sd.names, r % TP)
-                reader = sd.reader(targets, reader=r // TP)
+                # a delta whenever the histories allow (delta_wait given): the delta rounds time the
+                # delta itself, where the default would load in full once a delta was slower
+                reader = sd.reader(targets, reader=r // TP, delta_wait=300)
                 into = reader.empty()
                 full_ref = rt.lookup_state_dict("bench-full", timeout=300)
                 full_into = full_ref.empty_like()
