@@ -96,35 +96,7 @@ class Lease:
         """
         if self.held:
             raise MemsemError("lease already held; renew() it instead")
-        res = self.runtime.resolver.resolve(self.spec)
-        if res.cb is None:
-            if (self.version or self.reserve) and res.engine.reserves:
-                return self._acquire_reserved(res)
-            return self._acquire_remote(res)
-        if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
-            raise res.peer.lost(self.spec.label)
-        me = self.runtime.identity
-        cb = res.cb
-        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
-        try:
-            try:
-                slot, lid = _lease.acquire(cb, me.pid, me.start_time, self._ttl_ns(self.ttl), self.version)
-            except _lease.WindowClosing:
-                raise WindowRetiredError(f"{self.spec.label} is closing or closed: no new leases",
-                                         window=self.spec.name, generation=self.spec.generation) from None
-            except _lease.LeaseSlotsFull:
-                raise MemsemError(f"{self.spec.label}: all {cb.n_lease} lease slots are held") from None
-            if cb.generation != self.spec.generation:
-                _lease.release(cb, slot, lid)
-                raise tr.stale(self.spec, cb.generation)
-        except BaseException:
-            cb.unpin()
-            raise
-        self._cb, self._slot, self._id = cb, slot, lid
-        self._slot_addr = cb.lease_slot_addr(slot)
-        self._pid = os.getpid()
-        self.runtime.leases.add(self)
-        return self
+        return acquire_on(self, self.runtime.resolver.resolve(self.spec))
 
     def _acquire_reserved(self, res: Resolution) -> "Lease":
         """A version of a window of another node held at its owner (``Engine.reserve_version``:
@@ -314,3 +286,45 @@ class Lease:
         left = self.remaining()
         when = "held until released" if left == math.inf else f"held, {left:.3f} s left"
         return f"<Lease {self.spec.label} {when}>"
+
+
+def acquire_on(lease: Lease, res: Resolution) -> Lease:
+    """``lease.acquire()`` through ``res``, the caller's resolution of the lease's ref (a view
+    or a pin resolves once); the caller holds it (``res.enter()``) or has just made it.
+    Returns ``lease``. Raises as ``Lease.acquire``."""
+    if lease.held:
+        raise MemsemError("lease already held; renew() it instead")
+    if res.cb is None:
+        if (lease.version or lease.reserve) and res.engine.reserves:
+            return lease._acquire_reserved(res)
+        return lease._acquire_remote(res)
+    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
+        raise res.peer.lost(lease.spec.label)
+    me = lease.runtime.identity
+    cb = res.cb
+    try:
+        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
+    except ValueError:  # that resolution was dropped meanwhile (its mappings closing): a fresh one
+        fresh = lease.runtime.resolver.resolve(lease.spec)
+        if fresh is res:
+            raise
+        return acquire_on(lease, fresh)
+    try:
+        try:
+            slot, lid = _lease.acquire(cb, me.pid, me.start_time, lease._ttl_ns(lease.ttl), lease.version)
+        except _lease.WindowClosing:
+            raise WindowRetiredError(f"{lease.spec.label} is closing or closed: no new leases",
+                                     window=lease.spec.name, generation=lease.spec.generation) from None
+        except _lease.LeaseSlotsFull:
+            raise MemsemError(f"{lease.spec.label}: all {cb.n_lease} lease slots are held") from None
+        if cb.generation != lease.spec.generation:
+            _lease.release(cb, slot, lid)
+            raise tr.stale(lease.spec, cb.generation)
+    except BaseException:
+        cb.unpin()
+        raise
+    lease._cb, lease._slot, lease._id = cb, slot, lid
+    lease._slot_addr = cb.lease_slot_addr(slot)
+    lease._pid = os.getpid()
+    lease.runtime.leases.add(lease)
+    return lease

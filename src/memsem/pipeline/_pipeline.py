@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -49,10 +48,6 @@ DEFAULT_DEPTH = 2
 
 _perf = time.perf_counter
 _U8 = np.dtype(np.uint8)
-#: guards every tile's release (a tile may be released from any thread, once), its pipeline's
-#: count of released tiles and compute intervals; the sections are a few bytecodes, so one lock
-#: serves them all
-_HELD_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +105,8 @@ class Tile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        if not self._released:
+            self._pipe._release(self)
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
@@ -229,7 +225,7 @@ class Pipeline:
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
                  "_t0", "_lease", "_version", "_plan",
                  "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
-                 "_next", "_current", "_out", "_back", "_closed", "_finished", "_failed",
+                 "_next", "_current", "_out", "_held", "_closed", "_finished", "_failed",
                  "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
                  "_caller_tiles", "_computes", "_recorded",
                  "__weakref__")
@@ -269,7 +265,7 @@ class Pipeline:
         self.timeout = float(timeout)
         self._lease = lease
         self._version = version
-        res = runtime.resolve(spec)
+        res = runtime.resolver.resolve(spec)
         if tile_bytes is None and wait_ready is None and zero_copy is None and out is None:
             # The default tiling of a range depends on nothing but the range and its resolution:
             # decided once per resolution (a loop of small pipelines pays it once).
@@ -318,7 +314,8 @@ class Pipeline:
         self._handoff: Handoff | None = None  # the caller's side of a mover, from tile 0 on
         self._next = 0
         self._current: Tile | None = None
-        self._out = self._back = 0  # tiles handed out (the caller thread) / released (any thread)
+        self._out = 0  # tiles handed out (the caller thread); released: len(self._computes)
+        self._held: dict[int, Tile] = {}  # tiles handed out and not released (any thread pops)
         self._closed = self._finished = self._recorded = False
         self._failed: BaseException | None = None
         self._t_first: float | None = None
@@ -383,7 +380,11 @@ class Pipeline:
             self._current = None
         index = self._next
         if index >= self.n_tiles:
-            self._finish()
+            if not self._finished:  # (``_finish``)
+                self._finished = True
+                if self._t_end is None:
+                    self._t_end = _perf()
+                self.close()
             raise StopIteration
         if self._closed:
             raise MemsemError(f"pipeline over {self.spec.label} is closed (tile {index} of "
@@ -399,7 +400,17 @@ class Pipeline:
             elif index == 0:
                 if self.n_tiles > 1:
                     self._start_handoff()  # its worker wakes while the caller copies tile 0
-                raw, version = self._move_here(0, off, n)
+                    raw, version = self._move_here(0, off, n)
+                elif self.wait_ready or self._version:
+                    raw, version = self._move_here(0, off, n)
+                else:  # one tile, the latest version: a get into the slot (``_move_here``'s path)
+                    raw = self._base
+                    if n != raw.size:  # an empty ref's slot holds one byte
+                        raw = raw[:n]
+                    version = self.runtime.transfers.get_range(self.spec, 0, raw, self._lease)
+                    self._caller_move_s = _perf() - t0
+                    self._caller_bytes = n
+                    self._caller_tiles = 1
             elif self._handoff is None:
                 raw, version = self._move_here(index, off, n)
             else:
@@ -417,6 +428,7 @@ class Pipeline:
         else:
             arr, rows = self._typed(raw, off, n)
         tile = Tile(self, index, off, n, raw, arr, rows, version, t1)
+        self._held[index] = tile
         self._out += 1
         self._current = tile
         self._next = index + 1
@@ -468,13 +480,14 @@ class Pipeline:
 
     def _release(self, tile: Tile) -> None:
         t = _perf()
-        with _HELD_LOCK:
-            if tile._released:  # released by another thread meanwhile
-                return
-            tile._released = True
-            tile._array = tile._raw = None  # type: ignore[assignment]
-            self._back += 1
-            self._computes.append((tile._t_out, t))
+        # A tile may be released from any thread, once: the one pop (atomic) that finds it in
+        # the held tiles releases it; no lock. Each release adds one compute interval, so their
+        # count is the count of released tiles.
+        if self._held.pop(tile.index, None) is None:
+            return  # released by another thread meanwhile
+        tile._released = True
+        tile._array = tile._raw = None  # type: ignore[assignment]
+        self._computes.append((tile._t_out, t))
         h = self._handoff
         if h is not None:
             h.release()
@@ -493,7 +506,7 @@ class Pipeline:
     @property
     def tiles_held(self) -> int:
         """Tiles handed out and not yet released (0 or 1 with the iterator protocol)."""
-        return self._out - self._back
+        return self._out - len(self._computes)
 
     @property
     def free_slots(self) -> int:
@@ -502,7 +515,7 @@ class Pipeline:
         if self.mode == "view":
             return 0
         h = self._handoff
-        return max(0, self._n_slots - (self._out - self._back) - (h.ahead(self._next) if h is not None else 0))
+        return max(0, self._n_slots - (self._out - len(self._computes)) - (h.ahead(self._next) if h is not None else 0))
 
     # -- lifetime --------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -581,8 +594,7 @@ class Pipeline:
     def _parts(self) -> tuple[float, float, float, int, list[tuple[float, float]], list[tuple[float, float]]]:
         h = self._handoff
         m_move, m_ready, m_hold, m_bytes = (0.0, 0.0, 0.0, 0) if h is None else h.counters()
-        with _HELD_LOCK:
-            computes = list(self._computes)
+        computes = list(self._computes)  # one copy (atomic): releases append from any thread
         return (self._caller_move_s + m_move, self._caller_ready_s + m_ready, m_hold, self._caller_bytes + m_bytes,
                 [] if h is None else list(h.moves), computes)
 
