@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+import memsem
 from memsem.core._staging import StagingPool
 from memsem.native import Segment
 
@@ -114,3 +115,40 @@ def test_a_tile_released_by_two_threads_is_released_once(rt):
             assert tile.released and p.tiles_held == 0
     st = p.stats
     assert st.delivered == 16 and p.tiles_held == 0
+
+
+def test_a_pin_of_the_latest_waits_for_an_open_write_section_then_pins_its_commit(rt):
+    # the native one-call pin (memsem_pin_latest): an odd sequence word backs it off, and the
+    # pin waits for the commit (here: past its timeout, the section staying open)
+    ref = rt.publish(np.zeros(64, np.uint8))
+    with memsem.Runtime(timeout=0.5) as other:
+        r = other.ref(ref.to_bytes())
+        first = r.pin(ttl=None)
+        assert first.version == 1
+        first.release()
+        with rt.write_section(ref) as s:
+            s.array()[:] = 2
+            with pytest.raises(memsem.MemsemTimeoutError):
+                r.pin(ttl=None, timeout=0.05)  # the section stays open: no pin holds
+            with pytest.raises(memsem.MemsemTimeoutError):
+                r.view()  # nor does a view's own pin (within the runtime's timeout)
+        lease = r.pin(ttl=None)
+        assert lease.version == 2 and (r.get(lease=lease, version=2) == 2).all()
+        v = r.view()
+        assert (v == 2).all()
+        lease.release()
+        del v
+
+
+def test_a_pin_of_a_republished_window_is_stale(rt):
+    a = rt.alloc(64, np.uint8)
+    ref = rt.publish(a, name="w")
+    with memsem.Runtime(timeout=10.0) as other:
+        r = other.ref(ref.to_bytes())
+        r.view()  # resolved there
+        rt.unpublish("w", timeout=5.0)
+        rt.publish(a, name="w")
+        with pytest.raises(memsem.StaleReferenceError):
+            r.pin(ttl=None)
+        with pytest.raises(memsem.StaleReferenceError):
+            r.view()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -14,7 +15,7 @@ from memsem._errors import (
     WindowRetiredError,
 )
 from memsem.engines import RemoteOutcome
-from memsem.gva import ControlBlock, RefSpec, lease_slots as _lease
+from memsem.gva import ControlBlock, RefSpec, WindowState, lease_slots as _lease
 from memsem.core import _translate as tr
 from memsem.core._bracket import Outcome, failure
 from memsem.core._resolve import Resolution
@@ -328,3 +329,50 @@ def acquire_on(lease: Lease, res: Resolution) -> Lease:
     lease._pid = os.getpid()
     lease.runtime.leases.add(lease)
     return lease
+
+
+_pin_latest = native.lib.memsem_pin_latest
+_LIVE = int(WindowState.LIVE)
+
+
+def pin_latest(lease: Lease, res: Resolution) -> tuple[bool | None, int, int] | None:
+    """One try of pinning the latest version of ``res``'s window (a control block here) with
+    ``lease`` (not held, ``version`` 0): one native call (``memsem_pin_latest``: generation,
+    latest version, lease slot, writer intent and sequence checks). Returns ``(held, version,
+    seq)``: ``held`` True when ``lease`` now pins ``version``; False when a writer is
+    overwriting or writing it (nothing held: wait for the commit, then try again; ``seq`` is
+    its slot's sequence word); None when the generation moved (nothing held). None instead of
+    the tuple: no lease slot was free, or the resolution is being dropped; the general path
+    (``Lease.acquire``) reclaims or resolves again.
+
+    Raises:
+        WindowRetiredError: the window is closing. PeerLostError: its owner died.
+    """
+    cb = res.cb
+    spec = lease.spec
+    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
+        raise res.peer.lost(spec.label)
+    try:
+        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
+    except ValueError:
+        return None
+    me = lease.runtime.identity
+    lid = random.getrandbits(63) | 1  # tells leases of one slot apart (ABA); not a secret
+    out = native.ffi.new("uint64_t[2]")
+    slot = _pin_latest(cb.base, spec.generation, cb.n_slots, cb.lease_slot_addr(0), cb.n_lease,
+                       _lease.claim_mark(me.pid), me.pid, me.start_time,
+                       native.monotonic_ns() + lease._ttl_ns(lease.ttl), lid, _LIVE, out, out + 1)
+    if slot < 0:
+        cb.unpin()
+        if slot == -2:
+            raise WindowRetiredError(f"{spec.label} is closing or closed: no new leases",
+                                     window=spec.name, generation=spec.generation)
+        if slot == -1:
+            return None
+        return (None if slot == -3 else False), int(out[0]), int(out[1])
+    lease.version = int(out[0])
+    lease._cb, lease._slot, lease._id = cb, slot, lid
+    lease._slot_addr = cb.lease_slot_addr(slot)
+    lease._pid = os.getpid()
+    lease.runtime.leases.add(lease)
+    return True, lease.version, int(out[1])

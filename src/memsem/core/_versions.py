@@ -33,7 +33,7 @@ from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
-from memsem.core._lease import Lease, acquire_on
+from memsem.core._lease import Lease, acquire_on, pin_latest
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
@@ -229,6 +229,17 @@ class Versions:
         writer-intent word after the lease is visible (Dekker with the writer's intent store and
         lease scan): a writer about to overwrite the version wins, the reader backs off."""
         core, cb = self._core, res.cb
+        if not version and cb.n_lease:  # the latest version: one native call
+            lease = Lease(core, spec, ttl)
+            got = pin_latest(lease, res)
+            if got is not None:
+                held, v, seq = got
+                if held:
+                    return lease, v, seq
+                if held is None:  # the generation moved
+                    self._check_gen(res, spec)
+                    raise tr.stale(spec, None)
+                return None, v, seq
         self._check_gen(res, spec)
         v = version or cb.latest
         lease = acquire_on(Lease(core, spec, ttl, version=v), res)  # ends with a seq_cst fence
