@@ -124,7 +124,7 @@ class _Plan:
     window. A plan of the default arguments is kept on the resolution (``Resolution.memo``)."""
 
     __slots__ = ("route", "wait_ready", "window_tile_bytes", "n_ready", "dtype", "row_bytes", "flat", "view",
-                 "mode", "tile_bytes", "n_tiles", "why", "start_s")
+                 "mode", "tile_bytes", "n_tiles", "why", "start_s", "default_slots")
 
     def __init__(self, spec: RefSpec, res: Any, tile_bytes: int | None, wait_ready: bool | None,
                  zero_copy: bool | None, has_out: bool) -> None:
@@ -179,6 +179,8 @@ class _Plan:
         self.tile_bytes = tile_bytes
         self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
         self.why = why
+        #: ``(slots, bytes per slot)`` of the staging with ``depth=DEFAULT_DEPTH`` (see Pipeline)
+        self.default_slots = (min(DEFAULT_DEPTH, self.n_tiles), max(1, min(tile_bytes, nbytes)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,24 +243,28 @@ class Pipeline:
             spec = getattr(spec, "spec", spec)
             if not isinstance(spec, RefSpec):
                 raise TypeError(f"spec must be a RefSpec or a ref, got {type(spec).__name__}")
-        if depth is None or (depth == DEFAULT_DEPTH and type(depth) is int):
-            depth = DEFAULT_DEPTH
+        if tile_bytes is None and depth is None and wait_ready is None and timeout is None \
+                and zero_copy is None and out is None and lease is None:  # the defaults: nothing to check
+            depth, timeout, version = DEFAULT_DEPTH, runtime.timeout, 0
         else:
-            depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
-        timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
-        if zero_copy is not None and zero_copy is not True and zero_copy is not False:
-            raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
-        if wait_ready is not None and wait_ready is not True and wait_ready is not False:
-            raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
-        if zero_copy and out is not None:
-            raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
-        if tile_bytes is not None:
-            tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
-        version = 0
-        if lease is not None:
-            if lease.spec.gva != spec.gva:
-                raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
-            version = lease.version
+            if depth is None or (depth == DEFAULT_DEPTH and type(depth) is int):
+                depth = DEFAULT_DEPTH
+            else:
+                depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
+            timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
+            if zero_copy is not None and zero_copy is not True and zero_copy is not False:
+                raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
+            if wait_ready is not None and wait_ready is not True and wait_ready is not False:
+                raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
+            if zero_copy and out is not None:
+                raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
+            if tile_bytes is not None:
+                tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
+            version = 0
+            if lease is not None:
+                if lease.spec.gva != spec.gva:
+                    raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+                version = lease.version
         self.runtime = runtime
         self.spec = spec
         self.depth = depth
@@ -289,8 +295,11 @@ class Pipeline:
         nbytes = spec.nbytes
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
-        self._n_slots = min(depth, self.n_tiles)
-        self._slot_bytes = max(1, min(tile_bytes, nbytes))
+        if depth == DEFAULT_DEPTH:
+            self._n_slots, self._slot_bytes = plan.default_slots
+        else:
+            self._n_slots = min(depth, self.n_tiles)
+            self._slot_bytes = max(1, min(tile_bytes, nbytes))
 
         self._base: np.ndarray | None = None
         self._slots: np.ndarray | None = None
