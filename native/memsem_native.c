@@ -40,6 +40,41 @@ int64_t memsem_lease_claim(uint64_t slots_addr, uint32_t n_slots, uint64_t mark,
     return -1;
 }
 
+static void lease_free_and_wake(uint64_t *w, uint64_t lease_id) {
+    uint64_t held = lease_id;
+    if (__atomic_compare_exchange_n(&w[MEMSEM_LEASE_ID], &held, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        ms_futex_wake(ms_low32(&w[MEMSEM_LEASE_ID]), INT32_MAX, 1);  /* a writer of the pinned slot */
+}
+
+int64_t memsem_pin_latest(uint64_t cb_base, uint64_t generation, uint64_t n_slots, uint64_t slots_addr,
+                          uint32_t n_lease, uint64_t mark, uint64_t pid, uint64_t start, uint64_t expiry,
+                          uint64_t lease_id, uint64_t live, uint64_t *version, uint64_t *seq) {
+    uint64_t *cb = (uint64_t *)(uintptr_t)cb_base;
+    *version = 0;
+    *seq = 0;
+    if (n_slots == 0 || __atomic_load_n(&cb[MEMSEM_CB_GENERATION], __ATOMIC_ACQUIRE) != generation)
+        return -3;
+    uint64_t v = __atomic_load_n(&cb[MEMSEM_CB_LATEST], __ATOMIC_ACQUIRE);
+    *version = v;
+    int64_t slot = memsem_lease_claim(slots_addr, n_lease, mark, pid, start, v, expiry, lease_id,
+                                      cb_base + 8u * MEMSEM_CB_STATE, live);  /* ends with a seq_cst fence */
+    if (slot < 0)
+        return slot;
+    uint64_t *w = (uint64_t *)(uintptr_t)(slots_addr + 8u * MEMSEM_LEASE_WORDS * (uint64_t)slot);
+    if (__atomic_load_n(&cb[MEMSEM_CB_GENERATION], __ATOMIC_ACQUIRE) != generation) {
+        lease_free_and_wake(w, lease_id);
+        return -3;
+    }
+    uint64_t intent = __atomic_load_n(&cb[MEMSEM_CB_WRITER], __ATOMIC_ACQUIRE);
+    uint64_t s = __atomic_load_n(&cb[MEMSEM_CB_SEQ0 + v % n_slots], __ATOMIC_ACQUIRE);
+    *seq = s;
+    int overwriting = intent > v && intent % n_slots == v % n_slots;
+    if (!overwriting && s == v << 1)
+        return slot;
+    lease_free_and_wake(w, lease_id);
+    return -4;
+}
+
 uint64_t memsem_load_acquire(const uint64_t *addr) {
     return __atomic_load_n(addr, __ATOMIC_ACQUIRE);
 }

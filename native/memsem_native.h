@@ -153,6 +153,25 @@ typedef struct memsem_plan {
 int64_t memsem_lease_claim(uint64_t slots_addr, uint32_t n_slots, uint64_t mark, uint64_t pid, uint64_t start,
                            uint64_t version, uint64_t expiry, uint64_t lease_id, uint64_t state_addr,
                            uint64_t live);
+/* Header words of a control block that memsem_pin_latest reads (gva/_control_block.py holds
+ * the layout and checks these against it at import). */
+#define MEMSEM_CB_GENERATION 4
+#define MEMSEM_CB_STATE 5
+#define MEMSEM_CB_LATEST 8
+#define MEMSEM_CB_SEQ0 16
+#define MEMSEM_CB_WRITER 19
+/* One try of a reader's pin of the latest version (memsem.core._lease.pin_latest): check the
+ * generation word against `generation`, read the latest version v (*version = v), claim a
+ * lease slot pinning v (memsem_lease_claim, `live` being the LIVE state), check the generation
+ * again, then (Dekker with a writer's intent store and its lease scan) read the writer-intent
+ * word and v's slot sequence word (*seq). Returns the lease slot when no writer is about to
+ * overwrite v's slot and the sequence word says v is committed there; else -4: the slot is
+ * released again (its waiters woken) and the caller waits for the commit. -1: no free lease
+ * slot (the caller reclaims slots itself); -2: the window is not LIVE; -3: the generation is
+ * not `generation` (the claimed slot, if any, released). */
+int64_t memsem_pin_latest(uint64_t cb_base, uint64_t generation, uint64_t n_slots, uint64_t slots_addr,
+                          uint32_t n_lease, uint64_t mark, uint64_t pid, uint64_t start, uint64_t expiry,
+                          uint64_t lease_id, uint64_t live, uint64_t *version, uint64_t *seq);
 #define MEMSEM_INFLIGHT_WORDS 2
 #define MEMSEM_INFLIGHT_IDENT 0
 #define MEMSEM_INFLIGHT_COUNT 1

@@ -597,7 +597,7 @@ def test_default_tiling_is_decided_once_per_resolution_and_bounded():
     """A loop of small pipelines with the default arguments decides the tiling of each range once
     per resolution (kept on it); a republished window (a new resolution) decides again, from its
     own size; and the kept plans stay bounded however many ranges are piped."""
-    from memsem.pipeline import _pipeline
+    from memsem.pipeline import _plan
 
     with memsem.Runtime() as rt:
         data = pattern(256 << 10)
@@ -613,10 +613,10 @@ def test_default_tiling_is_decided_once_per_resolution_and_bounded():
         with rt.pipeline(ref, tile_bytes=4096, zero_copy=False) as p3:  # arguments given: not kept
             assert len(p3) == 64 and sum(t.nbytes for t in p3) == data.nbytes
         assert len(res.memo) == 1
-        for k in range(3 * _pipeline._MEMO_LIMIT):  # many ranges: the kept plans stay bounded
+        for k in range(3 * _plan.MEMO_LIMIT):  # many ranges: the kept plans stay bounded
             with rt.pipeline(ref.bytes(k * 64, 4096)) as p:
                 assert [t.raw.tobytes() for t in p] == [data[k * 64:k * 64 + 4096].tobytes()]
-        assert 0 < len(res.memo) <= _pipeline._MEMO_LIMIT
+        assert 0 < len(res.memo) <= _plan.MEMO_LIMIT
         rt.unpublish(ref)
         big = pattern(64 << 20, seed=3)
         ref2 = rt.publish(big, name="memo")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -14,7 +15,7 @@ from memsem._errors import (
     WindowRetiredError,
 )
 from memsem.engines import RemoteOutcome
-from memsem.gva import ControlBlock, RefSpec, lease_slots as _lease
+from memsem.gva import ControlBlock, RefSpec, WindowState, lease_slots as _lease
 from memsem.core import _translate as tr
 from memsem.core._bracket import Outcome, failure
 from memsem.core._resolve import Resolution
@@ -96,35 +97,7 @@ class Lease:
         """
         if self.held:
             raise MemsemError("lease already held; renew() it instead")
-        res = self.runtime.resolver.resolve(self.spec)
-        if res.cb is None:
-            if (self.version or self.reserve) and res.engine.reserves:
-                return self._acquire_reserved(res)
-            return self._acquire_remote(res)
-        if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
-            raise res.peer.lost(self.spec.label)
-        me = self.runtime.identity
-        cb = res.cb
-        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
-        try:
-            try:
-                slot, lid = _lease.acquire(cb, me.pid, me.start_time, self._ttl_ns(self.ttl), self.version)
-            except _lease.WindowClosing:
-                raise WindowRetiredError(f"{self.spec.label} is closing or closed: no new leases",
-                                         window=self.spec.name, generation=self.spec.generation) from None
-            except _lease.LeaseSlotsFull:
-                raise MemsemError(f"{self.spec.label}: all {cb.n_lease} lease slots are held") from None
-            if cb.generation != self.spec.generation:
-                _lease.release(cb, slot, lid)
-                raise tr.stale(self.spec, cb.generation)
-        except BaseException:
-            cb.unpin()
-            raise
-        self._cb, self._slot, self._id = cb, slot, lid
-        self._slot_addr = cb.lease_slot_addr(slot)
-        self._pid = os.getpid()
-        self.runtime.leases.add(self)
-        return self
+        return acquire_on(self, self.runtime.resolver.resolve(self.spec))
 
     def _acquire_reserved(self, res: Resolution) -> "Lease":
         """A version of a window of another node held at its owner (``Engine.reserve_version``:
@@ -314,3 +287,92 @@ class Lease:
         left = self.remaining()
         when = "held until released" if left == math.inf else f"held, {left:.3f} s left"
         return f"<Lease {self.spec.label} {when}>"
+
+
+def acquire_on(lease: Lease, res: Resolution) -> Lease:
+    """``lease.acquire()`` through ``res``, the caller's resolution of the lease's ref (a view
+    or a pin resolves once); the caller holds it (``res.enter()``) or has just made it.
+    Returns ``lease``. Raises as ``Lease.acquire``."""
+    if lease.held:
+        raise MemsemError("lease already held; renew() it instead")
+    if res.cb is None:
+        if (lease.version or lease.reserve) and res.engine.reserves:
+            return lease._acquire_reserved(res)
+        return lease._acquire_remote(res)
+    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
+        raise res.peer.lost(lease.spec.label)
+    me = lease.runtime.identity
+    cb = res.cb
+    try:
+        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
+    except ValueError:  # that resolution was dropped meanwhile (its mappings closing): a fresh one
+        fresh = lease.runtime.resolver.resolve(lease.spec)
+        if fresh is res:
+            raise
+        return acquire_on(lease, fresh)
+    try:
+        try:
+            slot, lid = _lease.acquire(cb, me.pid, me.start_time, lease._ttl_ns(lease.ttl), lease.version)
+        except _lease.WindowClosing:
+            raise WindowRetiredError(f"{lease.spec.label} is closing or closed: no new leases",
+                                     window=lease.spec.name, generation=lease.spec.generation) from None
+        except _lease.LeaseSlotsFull:
+            raise MemsemError(f"{lease.spec.label}: all {cb.n_lease} lease slots are held") from None
+        if cb.generation != lease.spec.generation:
+            _lease.release(cb, slot, lid)
+            raise tr.stale(lease.spec, cb.generation)
+    except BaseException:
+        cb.unpin()
+        raise
+    lease._cb, lease._slot, lease._id = cb, slot, lid
+    lease._slot_addr = cb.lease_slot_addr(slot)
+    lease._pid = os.getpid()
+    lease.runtime.leases.add(lease)
+    return lease
+
+
+_pin_latest = native.lib.memsem_pin_latest
+_LIVE = int(WindowState.LIVE)
+
+
+def pin_latest(lease: Lease, res: Resolution) -> tuple[bool | None, int, int] | None:
+    """One try of pinning the latest version of ``res``'s window (a control block here) with
+    ``lease`` (not held, ``version`` 0): one native call (``memsem_pin_latest``: generation,
+    latest version, lease slot, writer intent and sequence checks). Returns ``(held, version,
+    seq)``: ``held`` True when ``lease`` now pins ``version``; False when a writer is
+    overwriting or writing it (nothing held: wait for the commit, then try again; ``seq`` is
+    its slot's sequence word); None when the generation moved (nothing held). None instead of
+    the tuple: no lease slot was free, or the resolution is being dropped; the general path
+    (``Lease.acquire``) reclaims or resolves again.
+
+    Raises:
+        WindowRetiredError: the window is closing. PeerLostError: its owner died.
+    """
+    cb = res.cb
+    spec = lease.spec
+    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
+        raise res.peer.lost(spec.label)
+    try:
+        cb.pin()  # the lease reads its slot until released, whatever happens to the resolution
+    except ValueError:
+        return None
+    me = lease.runtime.identity
+    lid = random.getrandbits(63) | 1  # tells leases of one slot apart (ABA); not a secret
+    out = native.ffi.new("uint64_t[2]")
+    slot = _pin_latest(cb.base, spec.generation, cb.n_slots, cb.lease_slot_addr(0), cb.n_lease,
+                       _lease.claim_mark(me.pid), me.pid, me.start_time,
+                       native.monotonic_ns() + lease._ttl_ns(lease.ttl), lid, _LIVE, out, out + 1)
+    if slot < 0:
+        cb.unpin()
+        if slot == -2:
+            raise WindowRetiredError(f"{spec.label} is closing or closed: no new leases",
+                                     window=spec.name, generation=spec.generation)
+        if slot == -1:
+            return None
+        return (None if slot == -3 else False), int(out[0]), int(out[1])
+    lease.version = int(out[0])
+    lease._cb, lease._slot, lease._id = cb, slot, lid
+    lease._slot_addr = cb.lease_slot_addr(slot)
+    lease._pid = os.getpid()
+    lease.runtime.leases.add(lease)
+    return True, lease.version, int(out[1])

@@ -113,6 +113,18 @@ class Stats:
         return dataclasses.asdict(self)
 
 
+def _drain(q: "collections.deque[tuple]") -> list[tuple]:
+    """Everything queued in ``q`` now, oldest first (pops: appends of other threads meanwhile
+    are kept, in order, for the next drain)."""
+    out = []
+    pop = q.popleft
+    while True:
+        try:
+            out.append(pop())
+        except IndexError:
+            return out
+
+
 def _percentile(counts: np.ndarray, q: float) -> float:
     total = counts.sum()
     if total == 0:
@@ -140,6 +152,8 @@ class Telemetry:
         #: closed pipelines' figures not yet folded into ``pipelines`` (appends and pops of a
         #: deque are atomic: a pipeline's close takes no lock)
         self._pipes: collections.deque[tuple] = collections.deque()
+        #: the same for operations counted by ``record`` (views)
+        self._ops: collections.deque[tuple] = collections.deque()
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
         self._deltas: dict[str, float] = dict.fromkeys(DELTA_KEYS, 0)
         #: the follower loops of this runtime (held weakly: a follower nobody iterates goes)
@@ -202,12 +216,14 @@ class Telemetry:
 
     # -- off the hot path -------------------------------------------------------------------------
     def record(self, kind: str, route: str, nbytes: int, elapsed_ns: int) -> None:
-        """Count one operation that did not go through a plan (views)."""
-        with self._lock:
-            c = self._routes.setdefault(route, [0, 0])
-            c[0] += 1
-            c[1] += nbytes
-        self.record_latency(kind, elapsed_ns, route)
+        """Count one operation that did not go through a plan (views). Takes no lock: queued
+        like a pipeline's figures, and folded into the totals when they are read (or every
+        ``_PIPE_FOLD``)."""
+        q = self._ops
+        q.append((kind, route, nbytes, elapsed_ns))
+        if len(q) >= _PIPE_FOLD:
+            with self._lock:
+                self._fold_queued()
 
     def record_latency(self, kind: str, elapsed_ns: int, route: str = MIXED_ROUTE) -> None:
         self.record_latencies(kind, [elapsed_ns], route)
@@ -216,18 +232,8 @@ class Telemetry:
         """Latency samples of one op kind and route under one lock (xcopy's ranges done inline)."""
         if not samples_ns:
             return
-        bucket = native.lib.memsem_lat_bucket
-        idx = [bucket(max(0, int(ns))) for ns in samples_ns]
-        key = (kind, route)
         with self._lock:
-            h = self._hist.get(key)
-            if h is None:
-                h = self._hist[key] = np.zeros(_NB, np.int64)
-            if len(idx) == 1:
-                h[idx[0]] += 1  # one sample (a view, one xcopy range): no ufunc machinery
-            else:
-                np.add.at(h, idx, 1)
-            self._sum[key] = self._sum.get(key, 0) + sum(max(0, int(ns)) for ns in samples_ns)
+            self._add_samples((kind, route), samples_ns)
 
     def count_error(self, kind: str) -> None:
         """Count one outcome of ``ERROR_KINDS`` (the runtime calls it where it raises them)."""
@@ -258,41 +264,57 @@ class Telemetry:
         q.append((delivered, bytes_moved, move_s, caller_wait_s, ready_wait_s, overlap_ratio, first_tile_s))
         if len(q) >= _PIPE_FOLD:
             with self._lock:
-                self._fold_pipelines()
+                self._fold_queued()
 
-    def _fold_pipelines(self) -> None:
-        """Fold the queued pipelines' figures into the totals (the caller holds the lock)."""
-        q = self._pipes
-        if not q:
-            return
-        p = self.pipelines
-        key = ("pipeline_first_tile", MIXED_ROUTE)
+    def _fold_queued(self) -> None:
+        """Fold the queued operations' and pipelines' figures into the totals (the caller holds
+        the lock): column sums, and each kind's latencies into its histogram at once (one
+        bincount), so a queued record's share of a fold is a few hundred nanoseconds."""
+        samples: dict[tuple[str, str], list[int]] = {}
+        for kind, route, nbytes, ns in _drain(self._ops):
+            c = self._routes.setdefault(route, [0, 0])
+            c[0] += 1
+            c[1] += nbytes
+            lst = samples.get((kind, route))
+            if lst is None:
+                lst = samples[(kind, route)] = []
+            lst.append(ns)
+        pipes = _drain(self._pipes)
+        if pipes:
+            p = self.pipelines
+            delivered, moved, move_s, wait_s, ready_s, ov, first = zip(*pipes)
+            p["count"] += len(pipes)
+            p["tiles"] += sum(delivered)
+            p["bytes_moved"] += sum(moved)
+            p["move_s"] += sum(move_s)
+            p["caller_wait_s"] += sum(wait_s)
+            p["ready_wait_s"] += sum(ready_s)
+            p["overlap_ratio"] = ov[-1]
+            firsts = [f for f in first if f is not None]
+            if firsts:
+                p["first_tile_s"] = firsts[-1]
+                samples[("pipeline_first_tile", MIXED_ROUTE)] = [int(f * 1e9) for f in firsts]
+        for key, ns in samples.items():
+            self._add_samples(key, ns)
+
+    def _add_samples(self, key: tuple[str, str], samples_ns: list[int]) -> None:
+        """Latency samples (ns) of one op kind and route into its histogram and sum (the caller
+        holds the lock)."""
         bucket = native.lib.memsem_lat_bucket
-        while True:
-            try:
-                delivered, moved, move_s, wait_s, ready_s, ov, first = q.popleft()
-            except IndexError:
-                return
-            p["count"] += 1
-            p["tiles"] += delivered
-            p["bytes_moved"] += moved
-            p["move_s"] += move_s
-            p["caller_wait_s"] += wait_s
-            p["ready_wait_s"] += ready_s
-            p["overlap_ratio"] = ov
-            if first is not None:
-                p["first_tile_s"] = first
-                ns = max(0, int(first * 1e9))
-                h = self._hist.get(key)
-                if h is None:
-                    h = self._hist[key] = np.zeros(_NB, np.int64)
-                h[bucket(ns)] += 1
-                self._sum[key] = self._sum.get(key, 0) + ns
+        ns = [max(0, int(x)) for x in samples_ns]
+        h = self._hist.get(key)
+        if h is None:
+            h = self._hist[key] = np.zeros(_NB, np.int64)
+        if len(ns) == 1:
+            h[bucket(ns[0])] += 1  # one sample (one xcopy range): no ufunc machinery
+        else:
+            h += np.bincount([bucket(x) for x in ns], minlength=_NB)
+        self._sum[key] = self._sum.get(key, 0) + sum(ns)
 
     # -- reading ----------------------------------------------------------------------------------
     def _sums(self) -> tuple[dict[str, list[int]], dict[tuple[str, str], np.ndarray], dict[tuple[str, str], int]]:
         with self._lock:
-            self._fold_pipelines()
+            self._fold_queued()
             routes = {k: list(v) for k, v in self._routes.items()}
             hist = {k: v.copy() for k, v in self._hist.items()}
             sums = dict(self._sum)
@@ -339,7 +361,7 @@ class Telemetry:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         with self._lock:
             errors = dict(self.errors)
-            self._fold_pipelines()
+            self._fold_queued()
             pipelines = dict(self.pipelines)
             sections = {"committed": self._sections[0], "blocked_s": self._sections[1]}
             deltas = dict(self._deltas)

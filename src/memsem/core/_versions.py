@@ -33,7 +33,7 @@ from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
-from memsem.core._lease import Lease
+from memsem.core._lease import Lease, acquire_on, pin_latest
 from memsem.core._resolve import Resolution
 from memsem.core._wait import Wait, window_checks
 
@@ -178,14 +178,18 @@ class Versions:
                 node's window on a route that cannot reserve versions.
             TypeError / ValueError: ``version`` is not an int in ``[0, VERSION_MAX]``.
         """
-        core = self._core
         version = _args.version(version, "version")
-        t = _args.timeout_or(timeout, core.timeout)
-        res = self._resolve(spec)
+        return self.pin_on(self._resolve(spec), spec, version, ttl, _args.timeout_or(timeout, self._core.timeout))
+
+    def pin_on(self, res: Resolution, spec: RefSpec, version: int, ttl: float | None, timeout: float) -> Lease:
+        """``pin`` through ``res``, the caller's resolution of ``spec`` (a view resolves once),
+        with ``version`` and ``timeout`` (seconds) already checked. Raises as ``pin``."""
+        core = self._core
         if res.cb is None:
             if not res.engine.reserves:
                 return self._remote(res, spec, "pinning a version")
-            return Lease(core, spec, ttl, version=version, reserve=True).acquire()  # reserved at the owner
+            return acquire_on(Lease(core, spec, ttl, version=version, reserve=True), res)  # reserved at the owner
+        t = timeout
         cb = res.cb
         wait: Wait | None = None
         while True:
@@ -225,9 +229,20 @@ class Versions:
         writer-intent word after the lease is visible (Dekker with the writer's intent store and
         lease scan): a writer about to overwrite the version wins, the reader backs off."""
         core, cb = self._core, res.cb
+        if not version and cb.n_lease:  # the latest version: one native call
+            lease = Lease(core, spec, ttl)
+            got = pin_latest(lease, res)
+            if got is not None:
+                held, v, seq = got
+                if held:
+                    return lease, v, seq
+                if held is None:  # the generation moved
+                    self._check_gen(res, spec)
+                    raise tr.stale(spec, None)
+                return None, v, seq
         self._check_gen(res, spec)
         v = version or cb.latest
-        lease = Lease(core, spec, ttl, version=v).acquire()  # ends with a seq_cst fence
+        lease = acquire_on(Lease(core, spec, ttl, version=v), res)  # ends with a seq_cst fence
         intent = cb.word(W_WRITER)
         seq = cb.seq(cb.slot_of(v))
         overwriting = intent > v and cb.slot_of(intent) == cb.slot_of(v)

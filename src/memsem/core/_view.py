@@ -11,7 +11,7 @@ from memsem import _dtypes
 from memsem._errors import MemsemError, NotSupportedError
 from memsem.gva import RefSpec
 from memsem.core import _translate as tr
-from memsem.core._lease import Lease
+from memsem.core._lease import Lease, acquire_on
 
 if TYPE_CHECKING:
     from memsem.core._runtime_core import RuntimeCore
@@ -30,46 +30,53 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
     no version is joined by a pin of the view's own.
     """
     t0 = time.perf_counter_ns()
-    res = core.resolver.resolve(spec)
-    if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
-        raise res.peer.lost(spec.label)
-    if not res.route.zero_copy:
-        raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
-                                f"({res.route.reason}); use get()")
-    if res.cb is not None and res.cb.n_slots > 1:
-        raise NotSupportedError(f"view() of {spec.label} is not possible: it is a double-buffered "
-                                "versioned window (its owner rewrites the slots); use get()")
-    if lease is not None and lease.spec.gva != spec.gva:
-        raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+    resolver = core.resolver
+    for _ in range(3):  # one resolution for the whole view (checks, pin, lease, mapping)
+        res = resolver.resolve(spec)
+        if res.enter():  # held: nothing releases its mappings under the pin and the export
+            break
+        # the resolution is being dropped (evicted, or its window retired): resolve again
+    else:
+        raise tr.stale(spec, None)
     pin: Lease | None = None
-    if lease is None or (not lease.version and res.cb is not None):
-        # the bytes shown are one version's: pinned, so no write section changes them meanwhile
-        pin = core.versions.pin(spec, ttl=None) if res.cb is not None else Lease(core, spec, None).acquire()
-    own_lease = lease is None
-    if own_lease:
-        lease = pin
-    if not res.enter():  # the resolution is being dropped: its region may be released
-        if pin is not None:
-            pin.release()
-        raise tr.stale(spec, res.cb.generation if res.cb is not None else None)
     try:
-        lease.check("at view()")
+        if not res.own_cb and not res.peer.alive_recently():  # a cached resolution may outlive its owner
+            raise res.peer.lost(spec.label)
+        cb = res.cb
+        if not res.route.zero_copy:
+            raise NotSupportedError(f"view() of {spec.label} is not possible on route {res.route.kind} "
+                                    f"({res.route.reason}); use get()")
+        if cb is not None and cb.n_slots > 1:
+            raise NotSupportedError(f"view() of {spec.label} is not possible: it is a double-buffered "
+                                    "versioned window (its owner rewrites the slots); use get()")
+        if lease is not None:
+            if lease.spec.gva != spec.gva:
+                raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+            lease.check("at view()")
+        if lease is None or (not lease.version and cb is not None):
+            # the bytes shown are one version's: pinned, so no write section changes them
+            # meanwhile (a lease held until released, acquired here: it needs no expiry check)
+            pin = core.versions.pin_on(res, spec, 0, None, core.timeout) if cb is not None \
+                else acquire_on(Lease(core, spec, None), res)
         raw = res.engine.view(res.remote)
-        if res.cb is not None and res.cb.generation != spec.generation:
-            raise tr.stale(spec, res.cb.generation)
-        dt = _dtypes.numpy_dtype(spec.dtype_code)
+        if cb is not None and cb.generation != spec.generation:
+            raise tr.stale(spec, cb.generation)
         flat = raw[spec.offset:spec.offset + spec.nbytes]
         if not spec.writable and flat.flags.writeable:
             flat = flat.view()
             flat.flags.writeable = False
-        arr = flat.view(dt).reshape(spec.shape)
+        arr = flat.view(_dtypes.numpy_dtype(spec.dtype_code)).reshape(spec.shape)
     except BaseException:
         if pin is not None:
             pin.release()
         raise
     finally:
         res.leave()
-    lease.add_view()
+    own_lease = lease is None
+    if own_lease:
+        lease = pin
+    else:
+        lease.add_view()  # refuses the caller's release while the view lives
     # The lease is tied to the object under every array derived from this view (a slice or
     # reshape of ``arr`` outlives ``arr`` itself and must keep the lease).
     holder = raw.base if raw.base is not None and not isinstance(raw.base, np.ndarray) else raw
@@ -79,7 +86,8 @@ def view(core: "RuntimeCore", spec: RefSpec, *, lease: Lease | None = None) -> n
 
 
 def _view_gone(lease: Lease, own: bool, pin: Lease | None) -> None:
-    lease.drop_view()
+    if not own:
+        lease.drop_view()
     for held in ((lease,) if own else ()) + ((pin,) if pin is not None else ()):
         try:
             held.release()

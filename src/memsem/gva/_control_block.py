@@ -76,6 +76,12 @@ MAX_READY_WORDS = 1 << 24
 (W_MAGIC, W_VERSION, W_OWNER_PID, W_OWNER_START, W_GENERATION, W_STATE, W_PERMS, W_NBYTES,
  W_LATEST, W_HEARTBEAT, W_NREADY, W_NLEASE, W_TILE_BYTES, W_NINFLIGHT, W_NSLOTS, W_SLOT_STRIDE,
  W_SEQ0, W_SEQ1, W_FLAGS, W_WRITER, W_READY_SEQ) = range(21)
+#: the header words the native pin (``memsem_pin_latest``) reads, as native/memsem_native.h names them
+_NATIVE_WORDS = {"MEMSEM_CB_GENERATION": W_GENERATION, "MEMSEM_CB_STATE": W_STATE, "MEMSEM_CB_LATEST": W_LATEST,
+                 "MEMSEM_CB_SEQ0": W_SEQ0, "MEMSEM_CB_WRITER": W_WRITER}
+if any(getattr(native.lib, k) != w for k, w in _NATIVE_WORDS.items()):
+    raise ImportError("native/memsem_native.h's control block words differ from memsem.gva._control_block's "
+                      "layout: rebuild memsem's native library")
 
 PERM_READ = 1
 PERM_WRITE = 2

@@ -13,6 +13,8 @@ import os
 import secrets
 import weakref
 
+import numpy as np
+
 from memsem._errors import AccessDeniedError, EngineError, OutOfMemoryError, WindowNotFoundError
 from memsem.native._lib import UseWord, map_fd, unmap
 from memsem.native._proc import process_start_time
@@ -46,7 +48,7 @@ class Segment:
         writable: whether the mapping allows writes.
     """
 
-    __slots__ = ("name", "nbytes", "address", "owner", "writable", "_pid", "_use", "__weakref__")
+    __slots__ = ("name", "nbytes", "address", "owner", "writable", "_pid", "_use", "_whole", "__weakref__")
 
     def __init__(self, name: str, nbytes: int, address: int, owner: bool, writable: bool) -> None:
         self.name = name
@@ -56,6 +58,9 @@ class Segment:
         self.writable = writable
         self._pid = os.getpid()
         self._use = UseWord()
+        #: an array over the whole mapping, holding one pin on it, that exports slice (made at the
+        #: first export, dropped by close)
+        self._whole: object = None
         if not self._use.enter():  # the opener's own claim, dropped by close()
             raise EngineError(f"segment {name!r}: use word closed at creation")  # pragma: no cover
 
@@ -153,6 +158,7 @@ class Segment:
 
     def close(self) -> None:
         """Drop the opener's claim: unmapped now, or when the last holder lets go. Safe twice."""
+        self._whole = None  # its pin goes when the last export over it does
         if self._use.close() == 2:
             return  # closed before: the opener's claim was dropped then
         if self._use.leave():  # the opener's own claim
@@ -191,8 +197,19 @@ class Segment:
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ValueError(f"range [{offset}, {offset + n}) lies outside segment {self.name!r} "
                              f"of {self.nbytes} bytes")
-        holder = _Hold(self)
-        return address_view(self.address + offset, n, holder, readonly=readonly or not self.writable)
+        if n == 0:
+            return address_view(0, 0, None)
+        # Every export is a slice of one array over the whole mapping that holds one pin on it
+        # (no pin, finalizer or array interface per export), under a memoryview of its own: the
+        # export's ``base``, one object per export that every array derived from it references
+        # (what a caller ties the export's lifetime to).
+        whole = self._whole
+        if whole is None:
+            if self._use.closed:
+                raise ValueError(f"segment {self.name!r} is closed: no new holders")
+            whole = self._whole = address_view(self.address, self.nbytes, _Hold(self), readonly=not self.writable)
+        mv = memoryview(whole[offset:offset + n])  # type: ignore[index]
+        return np.frombuffer(mv.toreadonly() if readonly and not mv.readonly else mv, np.uint8)
 
     def unlink(self) -> None:
         """Remove the name. Only the creating process does (an attached segment, or a creator's

@@ -5,7 +5,8 @@ A :class:`Pipeline` iterates the tiles of a ref. The caller moves tile 0 itself 
 (:mod:`memsem.pipeline._movers`: a native copy worker on the same node, a Python thread on other
 routes) into ``depth`` staging slots (tile i in slot ``i % depth``) while the caller computes.
 The caller's side of that, and why the caller never waits long for a mover that does not run:
-:mod:`memsem.pipeline._handoff`. How the ref is cut into tiles: :mod:`memsem.pipeline._tiling`.
+:mod:`memsem.pipeline._handoff`. How the ref is cut into tiles: :mod:`memsem.pipeline._tiling`; what a
+pipeline decides before it moves anything (kept per resolution): :mod:`memsem.pipeline._plan`.
 
 A tile's slot is reused only after the caller released the tile: leaving ``with tile:``,
 advancing the iterator, or closing the pipeline (also when the caller raised). Closing stops the
@@ -25,34 +26,27 @@ This layer works on :class:`memsem.gva.RefSpec` through :class:`memsem.core.Runt
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from memsem import _args, _dtypes
+from memsem import _args
 from memsem._buffers import as_byte_array, check_dtype
-from memsem._errors import MemsemError, NotSupportedError
+from memsem._errors import MemsemError
 from memsem.core import Lease, RuntimeCore
 from memsem.gva import RefSpec
 from memsem.pipeline import _tiling
 from memsem.pipeline._handoff import Handoff
 from memsem.pipeline._movers import reap_unjoined, wait_ready
+from memsem.pipeline._plan import DEFAULT_DEPTH, MEMO_LIMIT, Plan
 from memsem.pipeline._stats import PipelineStats, overlap
 
 log = logging.getLogger(__name__)
 
-#: default look-ahead (staging slots)
-DEFAULT_DEPTH = 2
 
 _perf = time.perf_counter
 _U8 = np.dtype(np.uint8)
-#: guards every tile's release (a tile may be released from any thread, once), its pipeline's
-#: count of released tiles and compute intervals; the sections are a few bytecodes, so one lock
-#: serves them all
-_HELD_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,79 +104,12 @@ class Tile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        if not self._released:
+            self._pipe._release(self)
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
         return f"<Tile {self.index} bytes [{self.offset}, {self.offset + self.nbytes}) {state}>"
-
-
-# ----------------------------------------------------------------------------------------------
-#: plans kept per resolution (distinct ranges piped with the default tiling); past it, forgotten
-_MEMO_LIMIT = 64
-
-
-class _Plan:
-    """What a pipeline over one range decides from the ref, its resolution and the arguments
-    (the route, view or copy, the tiling and why); raises for arguments that contradict the
-    window. A plan of the default arguments is kept on the resolution (``Resolution.memo``)."""
-
-    __slots__ = ("route", "wait_ready", "window_tile_bytes", "n_ready", "dtype", "row_bytes", "flat", "view",
-                 "mode", "tile_bytes", "n_tiles", "why", "start_s")
-
-    def __init__(self, spec: RefSpec, res: Any, tile_bytes: int | None, wait_ready: bool | None,
-                 zero_copy: bool | None, has_out: bool) -> None:
-        route = self.route = res.route
-        # the mover's modelled start: the node's native copy worker, or a thread off the node
-        self.start_s = _tiling.NATIVE_START_COST_S if res.direct else _tiling.START_COST_S
-        info = res.info
-        has_ready = info.n_ready > 0 and info.tile_bytes > 0
-        if wait_ready is None:
-            wait_ready = has_ready
-        elif wait_ready and not has_ready:
-            raise ValueError(f"wait_ready=True but {spec.label} was published without tiles "
-                             "(no ready words); publish with tile_bytes= or tiles=")
-        self.wait_ready = wait_ready
-        self.window_tile_bytes = info.tile_bytes
-        self.n_ready = info.n_ready
-        dtype = self.dtype = _dtypes.numpy_dtype(spec.dtype_code)
-        shape = spec.shape
-        self.row_bytes = rb = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
-        self.flat = rb == 1 and len(shape) == 1 and dtype is _U8
-        nbytes = spec.nbytes
-        # A double-buffered versioned window: its owner rewrites the slots, so nothing may view
-        # them (a view would show the next version being written); tiles are copies.
-        slotted = res.cb is not None and res.cb.n_slots > 1
-        why = "auto"
-        if zero_copy is None:
-            view = not has_out and route.zero_copy and not slotted
-            if view and tile_bytes is None and not has_ready and nbytes \
-                    and not _tiling.prefer_view(nbytes, route.alpha, route.beta):
-                view, why = False, "small"
-        elif zero_copy:
-            if not route.zero_copy:
-                raise NotSupportedError(f"zero_copy=True but route {route.kind} to {spec.label} cannot "
-                                        f"map the window ({route.reason})")
-            if slotted:
-                raise NotSupportedError(f"zero_copy=True but {spec.label} is a double-buffered versioned "
-                                        "window (its owner rewrites the slots): nothing can view it; copy "
-                                        "it (zero_copy=None or False), with lease=ref.pin() for one version")
-            view = True
-        else:
-            view = False
-        self.view = view
-        self.mode = "view" if view else ("out" if has_out else "staged")
-        if tile_bytes is not None:
-            why = "tile_bytes given"
-        elif has_ready:
-            tile_bytes, why = info.tile_bytes, "the window's own tiles"
-        elif view or nbytes == 0:
-            tile_bytes, why = max(1, nbytes), "view" if nbytes else "empty"
-        else:
-            tile_bytes = _tiling.choose_tiles(nbytes, route.alpha, route.beta, rb, dtype.itemsize, self.start_s)[0]
-        self.tile_bytes = tile_bytes
-        self.n_tiles = -(-nbytes // tile_bytes) if nbytes else 1
-        self.why = why
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,7 +156,7 @@ class Pipeline:
     __slots__ = ("runtime", "spec", "depth", "timeout", "route", "wait_ready", "mode", "tile_bytes", "n_tiles",
                  "_t0", "_lease", "_version", "_plan",
                  "_n_slots", "_slot_bytes", "_base", "_slots", "_slot_mem", "_handoff", "_view",
-                 "_next", "_current", "_out", "_back", "_closed", "_finished", "_failed",
+                 "_next", "_current", "_out", "_held", "_closed", "_finished", "_failed",
                  "_t_first", "_t_end", "_caller_wait_s", "_caller_ready_s", "_caller_move_s", "_caller_bytes",
                  "_caller_tiles", "_computes", "_recorded",
                  "__weakref__")
@@ -245,31 +172,35 @@ class Pipeline:
             spec = getattr(spec, "spec", spec)
             if not isinstance(spec, RefSpec):
                 raise TypeError(f"spec must be a RefSpec or a ref, got {type(spec).__name__}")
-        if depth is None or (depth == DEFAULT_DEPTH and type(depth) is int):
-            depth = DEFAULT_DEPTH
+        if tile_bytes is None and depth is None and wait_ready is None and timeout is None \
+                and zero_copy is None and out is None and lease is None:  # the defaults: nothing to check
+            depth, timeout, version = DEFAULT_DEPTH, runtime.timeout, 0
         else:
-            depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
-        timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
-        if zero_copy is not None and zero_copy is not True and zero_copy is not False:
-            raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
-        if wait_ready is not None and wait_ready is not True and wait_ready is not False:
-            raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
-        if zero_copy and out is not None:
-            raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
-        if tile_bytes is not None:
-            tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
-        version = 0
-        if lease is not None:
-            if lease.spec.gva != spec.gva:
-                raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
-            version = lease.version
+            if depth is None or (depth == DEFAULT_DEPTH and type(depth) is int):
+                depth = DEFAULT_DEPTH
+            else:
+                depth = _args.count(depth, "depth", minimum=1, unit="staging slots")
+            timeout = runtime.timeout if timeout is None else _args.timeout(timeout, "timeout", positive=True)
+            if zero_copy is not None and zero_copy is not True and zero_copy is not False:
+                raise TypeError(f"zero_copy must be None, True or False, got {zero_copy!r}")
+            if wait_ready is not None and wait_ready is not True and wait_ready is not False:
+                raise TypeError(f"wait_ready must be None, True or False, got {wait_ready!r}")
+            if zero_copy and out is not None:
+                raise ValueError("zero_copy=True and out= exclude each other: views move nothing into out")
+            if tile_bytes is not None:
+                tile_bytes = _args.count(tile_bytes, "tile_bytes", minimum=1, unit="bytes")
+            version = 0
+            if lease is not None:
+                if lease.spec.gva != spec.gva:
+                    raise ValueError(f"lease is for {lease.spec.label}, not {spec.label}")
+                version = lease.version
         self.runtime = runtime
         self.spec = spec
         self.depth = depth
         self.timeout = float(timeout)
         self._lease = lease
         self._version = version
-        res = runtime.resolve(spec)
+        res = runtime.resolver.resolve(spec)
         if tile_bytes is None and wait_ready is None and zero_copy is None and out is None:
             # The default tiling of a range depends on nothing but the range and its resolution:
             # decided once per resolution (a loop of small pipelines pays it once).
@@ -277,12 +208,12 @@ class Pipeline:
             memo = res.memo
             plan = memo.get(key)
             if plan is None:
-                plan = _Plan(spec, res, None, None, None, False)
-                if len(memo) >= _MEMO_LIMIT:
+                plan = Plan(spec, res, None, None, None, False)
+                if len(memo) >= MEMO_LIMIT:
                     memo.clear()
                 memo[key] = plan
         else:
-            plan = _Plan(spec, res, tile_bytes, wait_ready, zero_copy, out is not None)
+            plan = Plan(spec, res, tile_bytes, wait_ready, zero_copy, out is not None)
         self._plan = plan
         self.route = plan.route
         self.wait_ready = plan.wait_ready
@@ -293,8 +224,11 @@ class Pipeline:
         nbytes = spec.nbytes
         # Staging never exceeds what the ref can fill: at most one slot per tile, and a slot no
         # larger than the ref (a tile_bytes or depth far above the ref's size costs nothing).
-        self._n_slots = min(depth, self.n_tiles)
-        self._slot_bytes = max(1, min(tile_bytes, nbytes))
+        if depth == DEFAULT_DEPTH:
+            self._n_slots, self._slot_bytes = plan.default_slots
+        else:
+            self._n_slots = min(depth, self.n_tiles)
+            self._slot_bytes = max(1, min(tile_bytes, nbytes))
 
         self._base: np.ndarray | None = None
         self._slots: np.ndarray | None = None
@@ -318,7 +252,8 @@ class Pipeline:
         self._handoff: Handoff | None = None  # the caller's side of a mover, from tile 0 on
         self._next = 0
         self._current: Tile | None = None
-        self._out = self._back = 0  # tiles handed out (the caller thread) / released (any thread)
+        self._out = 0  # tiles handed out (the caller thread); released: len(self._computes)
+        self._held: dict[int, Tile] = {}  # tiles handed out and not released (any thread pops)
         self._closed = self._finished = self._recorded = False
         self._failed: BaseException | None = None
         self._t_first: float | None = None
@@ -383,7 +318,11 @@ class Pipeline:
             self._current = None
         index = self._next
         if index >= self.n_tiles:
-            self._finish()
+            if not self._finished:  # (``_finish``)
+                self._finished = True
+                if self._t_end is None:
+                    self._t_end = _perf()
+                self.close()
             raise StopIteration
         if self._closed:
             raise MemsemError(f"pipeline over {self.spec.label} is closed (tile {index} of "
@@ -399,7 +338,17 @@ class Pipeline:
             elif index == 0:
                 if self.n_tiles > 1:
                     self._start_handoff()  # its worker wakes while the caller copies tile 0
-                raw, version = self._move_here(0, off, n)
+                    raw, version = self._move_here(0, off, n)
+                elif self.wait_ready or self._version:
+                    raw, version = self._move_here(0, off, n)
+                else:  # one tile, the latest version: a get into the slot (``_move_here``'s path)
+                    raw = self._base
+                    if n != raw.size:  # an empty ref's slot holds one byte
+                        raw = raw[:n]
+                    version = self.runtime.transfers.get_range(self.spec, 0, raw, self._lease)
+                    self._caller_move_s = _perf() - t0
+                    self._caller_bytes = n
+                    self._caller_tiles = 1
             elif self._handoff is None:
                 raw, version = self._move_here(index, off, n)
             else:
@@ -417,6 +366,7 @@ class Pipeline:
         else:
             arr, rows = self._typed(raw, off, n)
         tile = Tile(self, index, off, n, raw, arr, rows, version, t1)
+        self._held[index] = tile
         self._out += 1
         self._current = tile
         self._next = index + 1
@@ -468,13 +418,14 @@ class Pipeline:
 
     def _release(self, tile: Tile) -> None:
         t = _perf()
-        with _HELD_LOCK:
-            if tile._released:  # released by another thread meanwhile
-                return
-            tile._released = True
-            tile._array = tile._raw = None  # type: ignore[assignment]
-            self._back += 1
-            self._computes.append((tile._t_out, t))
+        # A tile may be released from any thread, once: the one pop (atomic) that finds it in
+        # the held tiles releases it; no lock. Each release adds one compute interval, so their
+        # count is the count of released tiles.
+        if self._held.pop(tile.index, None) is None:
+            return  # released by another thread meanwhile
+        tile._released = True
+        tile._array = tile._raw = None  # type: ignore[assignment]
+        self._computes.append((tile._t_out, t))
         h = self._handoff
         if h is not None:
             h.release()
@@ -493,7 +444,7 @@ class Pipeline:
     @property
     def tiles_held(self) -> int:
         """Tiles handed out and not yet released (0 or 1 with the iterator protocol)."""
-        return self._out - self._back
+        return self._out - len(self._computes)
 
     @property
     def free_slots(self) -> int:
@@ -502,7 +453,7 @@ class Pipeline:
         if self.mode == "view":
             return 0
         h = self._handoff
-        return max(0, self._n_slots - (self._out - self._back) - (h.ahead(self._next) if h is not None else 0))
+        return max(0, self._n_slots - (self._out - len(self._computes)) - (h.ahead(self._next) if h is not None else 0))
 
     # -- lifetime --------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -581,8 +532,7 @@ class Pipeline:
     def _parts(self) -> tuple[float, float, float, int, list[tuple[float, float]], list[tuple[float, float]]]:
         h = self._handoff
         m_move, m_ready, m_hold, m_bytes = (0.0, 0.0, 0.0, 0) if h is None else h.counters()
-        with _HELD_LOCK:
-            computes = list(self._computes)
+        computes = list(self._computes)  # one copy (atomic): releases append from any thread
         return (self._caller_move_s + m_move, self._caller_ready_s + m_ready, m_hold, self._caller_bytes + m_bytes,
                 [] if h is None else list(h.moves), computes)
 
