@@ -323,6 +323,36 @@ def test_manager_publishes_in_place_and_frees_on_gc(manager):
     assert refused.tensor_device == "meta" and refused.refs == [] and m.stats()["published"] == 4
 
 
+def test_a_window_being_unpublished_is_still_live_until_its_unpublish_is_counted(manager, monkeypatch):
+    """A freed object's window leaves ``live_windows`` only once its unpublish ended and was
+    counted (CI: a stats read between the two saw no live window and nothing unpublished). The
+    unpublish is held in the test while stats are read."""
+    m, rt = manager
+    entered, go = threading.Event(), threading.Event()
+    unpublish = rt.unpublish_spec
+
+    def held(spec, **kw):
+        entered.set()
+        assert go.wait(60)
+        return unpublish(spec, **kw)
+
+    monkeypatch.setattr(rt, "unpublish_spec", held)
+    t = torch.arange(64, dtype=torch.float32)
+    meta = m.extract_tensor_transport_metadata("held", [t])
+    gc = threading.Thread(target=m.garbage_collect, args=("held", meta, [t]))
+    gc.start()
+    try:
+        assert entered.wait(60)
+        st = m.stats()
+        assert st["live_windows"] == 1 and m.live_windows() == 1
+        assert st["unpublished"] == 0 and st["freed"] == 1
+    finally:
+        go.set()
+        gc.join(60)
+    st = m.stats()
+    assert not gc.is_alive() and st["live_windows"] == 0 and st["unpublished"] == 1
+
+
 def test_abort_stops_a_read_in_flight(manager, monkeypatch):
     """The owner holds a write section open, so the first chunk waits; an abort meanwhile ends
     the read before its next chunk (nothing after the chunk in flight is written), and a fetch's timeout aborts too."""

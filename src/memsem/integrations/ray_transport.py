@@ -195,6 +195,10 @@ class MemsemTensorTransport(TensorTransportManager):
         self._count_lock = threading.Lock()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._windows: dict[tuple, _Window] = {}
+        #: windows no live object names that are being unpublished now: still live (counted in
+        #: ``live_windows``) until their unpublish ended, so a caller that sees none live sees
+        #: every unpublish done and counted
+        self._retiring = 0
         self._objects: dict[str, tuple[MemsemTransportMetadata, list[tuple]]] = {}
         self._inflight: dict[str, set[threading.Event]] = {}
         self.counts = dict.fromkeys(("published", "reused", "unpublished", "objects", "freed", "received_tensors",
@@ -328,15 +332,19 @@ class MemsemTensorTransport(TensorTransportManager):
                 if w.objects <= 0:
                     del self._windows[key]
                     gone.append(w)
+            self._retiring += len(gone)
         rt = self._runtime if self._runtime is not None else _RUNTIME[0]
         for w in gone:
-            if rt is None or rt.closed:
-                continue  # the runtime's close retired every window already
             try:
+                if rt is None or rt.closed:
+                    continue  # the runtime's close retired every window already
                 rt.unpublish_spec(w.ref)  # waits (bounded) for copies in flight to drain
                 self._count("unpublished")
             except MemsemError as exc:
                 logger.warning("memsem transport: unpublishing %s failed: %s", w.ref, exc)
+            finally:
+                with self._lock:
+                    self._retiring -= 1
 
     def stats(self) -> dict[str, Any]:
         """Counters: windows ``published`` / ``reused`` / ``unpublished`` and ``live_windows``;
@@ -344,7 +352,7 @@ class MemsemTensorTransport(TensorTransportManager):
         ``reads_in_flight`` (objects being read now) and ``aborted`` reads; ``refused`` objects (not on the CPU); ``bytes_by_route`` of its runtime (moved by
         anything of this process that uses it; None before its first use)."""
         with self._lock:
-            live, reading = len(self._windows), sum(len(evs) for evs in self._inflight.values())
+            live, reading = len(self._windows) + self._retiring, sum(len(evs) for evs in self._inflight.values())
         with self._count_lock:
             out: dict[str, Any] = dict(self.counts, live_windows=live, reads_in_flight=reading)
         rt = self._runtime if self._runtime is not None else _RUNTIME[0]
@@ -352,9 +360,9 @@ class MemsemTensorTransport(TensorTransportManager):
         return out
 
     def live_windows(self) -> int:
-        """Windows this process publishes for live Ray objects."""
+        """Windows this process publishes for live Ray objects, and those being unpublished now."""
         with self._lock:
-            return len(self._windows)
+            return len(self._windows) + self._retiring
 
     # -- the receiving side ------------------------------------------------------------------------
     def _empties(self, tensor_meta: list[tuple[Any, Any]]) -> list[Any]:
