@@ -1,7 +1,8 @@
 """Process helpers shared by tests: spawn a child with a Pipe, receive with a timeout, reap.
 
 Every wait here is bounded; a child's exception comes back as an AssertionError with its
-traceback.
+traceback, and a child that dies without one (a signal, a native crash: faulthandler prints its
+threads' stacks) as an AssertionError saying so.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class Gate:
 
 
 def _child(fn, conn, *args):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's stack (captured stderr)
     try:
         fn(conn, *args)
     except BaseException:
@@ -51,7 +55,11 @@ def spawn(fn, *args):
 def recv(conn, timeout=60.0):
     if not conn.poll(timeout):
         raise TimeoutError(f"no message from the child within {timeout} s")
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except (EOFError, ConnectionResetError) as exc:  # no Python error of its own came first
+        raise AssertionError(f"the child died without a message ({exc!r}): killed, or a native crash "
+                             "(its stack, from faulthandler, is in the captured stderr)") from exc
     if isinstance(msg, tuple) and msg and msg[0] == "error":
         raise AssertionError("child failed:\n" + msg[1])
     return msg
