@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -599,3 +600,42 @@ def test_a_reader_on_another_node_moves_deltas_over_tcp(monkeypatch):
         conn.send("exit")
     finally:
         _proc.reap([p], timeout=10)
+
+
+def test_a_republish_while_the_keeper_writes_the_index_waits_for_its_section(rt, monkeypatch):
+    """The owner's history keeper writes each record's index entry inside a write section on the
+    index window; a republish (or unpublish) of the state dict meanwhile retired the index under
+    that open section and the section's commit wrote to unmapped memory (SIGSEGV: a loaded run's
+    owner died silently). The keeper is held inside its section here while the state dict is
+    republished: the republish returns, the index stays mapped until the section closed, and the
+    keeper unpublishes it then."""
+    from memsem.sync import _delta_writer
+
+    entered, go = threading.Event(), threading.Event()
+    write_entry = _delta_writer.write_entry
+
+    def held(arr, history, entry):
+        if entry.version == 2:
+            entered.set()
+            assert go.wait(60)
+        return write_entry(arr, history, entry)
+
+    monkeypatch.setattr(_delta_writer, "write_entry", held)
+    sd = {"w": np.ones(4096, np.float32)}
+    ref = rt.publish_state_dict(sd, name="hold")
+    index = RefSpec.from_bytes(ref.layout.delta.index)
+    sd["w"][:10] = 2
+    assert ref.update(sd) == 2
+    assert entered.wait(60)  # the keeper's section on the index is open
+    again = rt.publish_state_dict(sd, name="hold", replace=True)  # retires the first window
+    go.set()  # the keeper closes its section, then unpublishes the old index
+    _proc.until(lambda: _index_gone(rt, index), 60, "the old index unpublished by the keeper")
+    assert again.update(sd) == 2 and again.version() == 2
+
+
+def _index_gone(rt, index) -> bool:
+    try:
+        rt.ref(index.to_bytes()).get()
+    except (memsem.StaleReferenceError, memsem.WindowNotFoundError):
+        return True
+    return False
