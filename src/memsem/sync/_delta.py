@@ -58,6 +58,17 @@ WAIT_MAX_S, WAIT_FIRST_S = 2.0, 0.25
 PROBE_EVERY = 16
 
 
+def delta_pays(delta_s: float | None, full_s: float | None, skipped: int) -> tuple[bool, int]:
+    """The rule every delta reader follows by default: try a delta unless the last delta load
+    (``delta_s`` seconds) took at least as long as the last full load (``full_s``); then load in
+    full, and try a delta again every ``PROBE_EVERY`` loads. ``skipped``: the loads made in full
+    so far for that reason. Returns ``(try a delta, skipped now)``."""
+    if delta_s is None or full_s is None or delta_s < full_s:
+        return True, skipped
+    skipped += 1
+    return skipped % PROBE_EVERY == 0, skipped
+
+
 class _Reader:
     """What a runtime's delta loads keep between calls (``core.part("delta-reader")``): the tiles
     of each layout, the refs of index windows."""
@@ -160,11 +171,9 @@ class _Plan:
         """Whether a delta load took longer here last time than a full load (the check reads
         every byte: on one node with few CPUs a copy is as fast): then load in full, but try a
         delta again every ``PROBE_EVERY`` loads (the figures move)."""
-        delta = self.reader.delta_s.get(self.key)
-        if delta is None or full_s is None or delta < full_s:
-            return False
-        n = self.reader.skipped[self.key] = self.reader.skipped.get(self.key, 0) + 1
-        return n % PROBE_EVERY != 0
+        pays, self.reader.skipped[self.key] = delta_pays(self.reader.delta_s.get(self.key), full_s,
+                                                          self.reader.skipped.get(self.key, 0))
+        return not pays
 
     def budget(self, idx: Index, full_s: float | None) -> float:
         """Seconds worth waiting for a record: what a full load costs here (its last time;

@@ -51,7 +51,7 @@ from memsem.sync._reshard import (
     plan_reshard,
 )
 from memsem.sync._sharded import MAX_RANKS, META_MAGIC, core_of, meta_name, shard_name
-from memsem.sync._delta import PROBE_EVERY, record_heads
+from memsem.sync._delta import delta_pays, record_heads
 from memsem.sync._sharded_delta import Held, RankDelta, apply, rank_delta
 
 #: ``delta_wait=None``: the most seconds a delta load waits for each rank's record
@@ -422,10 +422,10 @@ class ShardedReader:
         """Whether the next load tries a delta: unless the last delta load here took longer than
         the last full load (then one load in ``PROBE_EVERY`` tries it again), with
         ``delta_wait=None``. Called once per load made while ``delta`` is on."""
-        if not self.adaptive or self._delta_s is None or self._full_s is None or self._delta_s < self._full_s:
+        if not self.adaptive:
             return True
-        self._full_since += 1
-        return self._full_since % PROBE_EVERY == 0
+        pays, self._full_since = delta_pays(self._delta_s, self._full_s, self._full_since)
+        return pays
 
     def _changed(self, held: Held, v: int, bases: list[int], deadline: float) -> dict[int, RankDelta] | None:
         """What each rank's delta records from ``held.version`` to ``v`` make this reader move
