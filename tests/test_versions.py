@@ -348,3 +348,120 @@ def test_a_gather_counts_the_bytes_of_its_ranges_not_the_window():
         assert sum(reader.stats().bytes_by_route.values()) - before == 300
         assert (dst[:100] == np.arange(100)).all() and (dst[100:] == (np.arange(1000, 1200) % 256)).all()
         del ref
+
+
+# -- a retire and an open write section -----------------------------------------------------------
+class _SeenLock:
+    """The window's section lock, telling the test when a retire waits on it (an order forced,
+    not hoped for)."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking and self._lock.acquire(blocking=False):
+            return True
+        if blocking:
+            self.waiting.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+
+    def locked(self):
+        return self._lock.locked()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_an_unpublish_from_another_thread_waits_for_the_open_section_then_retires(rt, slots):
+    a = rt.alloc(1 << 16, np.uint8) if slots == 1 else np.zeros(1 << 16, np.uint8)
+    ref = rt.publish(a, name="w", slots=slots)
+    owned = rt.publisher.owned[ref.spec.gva]
+    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    sec = rt.write_section(ref)
+    sec.array()[:] = 7
+    done = {}
+
+    def unpublish():
+        try:
+            rt.unpublish(ref, timeout=30)
+            done["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            done["exc"] = exc
+
+    t = threading.Thread(target=unpublish)
+    t.start()
+    assert seen.waiting.wait(30), "the unpublish never waited on the open section"
+    assert ref.version() == 1 and not owned.retiring  # the window is untouched while it waits
+    sec.array()[:] = 9  # the slot is still mapped and writable: no SIGSEGV
+    assert sec.commit() == 2
+    t.join(30)
+    assert done == {"ok": True}
+    assert owned.retiring
+    with pytest.raises(memsem.WindowRetiredError):
+        ref.version()
+
+
+def test_an_unpublish_bounded_by_an_open_section_names_it_and_leaves_the_window_live(rt):
+    ref = rt.publish(np.zeros(4096, np.uint8), name="w", slots=2)
+    with rt.write_section(ref) as sec:
+        err = {}
+        t = threading.Thread(target=lambda: err.setdefault("e", _raises(lambda: rt.unpublish(ref, timeout=0.2))))
+        t.start()
+        t.join(30)
+        e = err["e"]
+        assert isinstance(e, memsem.MemsemTimeoutError), e
+        assert "write section open on it in another thread" in str(e) and "stays live" in str(e)
+        sec.array()[:] = 3
+    assert ref.version() == 2  # the section committed; the window lived on
+    np.testing.assert_array_equal(ref.get(), np.full(4096, 3, np.uint8))
+    rt.unpublish(ref)  # no section open now: retires at once
+
+
+def test_an_unpublish_inside_its_own_threads_section_is_refused_at_once(rt):
+    ref = rt.publish(np.zeros(4096, np.uint8), name="w", slots=2)
+    with rt.write_section(ref) as sec:
+        with pytest.raises(memsem.MemsemError, match="inside a write section open on it in this thread"):
+            rt.unpublish(ref, timeout=30)
+        with pytest.raises(memsem.MemsemError, match="inside a write section open on it in this thread"):
+            rt.publish(np.ones(4096, np.uint8), name="w", replace=True)  # a republish retires it too
+        sec.array()[:] = 5
+    assert ref.version() == 2
+    np.testing.assert_array_equal(ref.get(), np.full(4096, 5, np.uint8))
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_runtime_closed_inside_a_section_fails_its_commit_without_touching_freed_memory(slots):
+    rt = memsem.Runtime(timeout=10.0)
+    a = rt.alloc(1 << 20, np.uint8) if slots == 1 else np.zeros(1 << 20, np.uint8)
+    ref = rt.publish(a, name="w", slots=slots)
+    with pytest.warns(ResourceWarning, match="write section"):
+        sec = rt.write_section(ref)
+        arr = sec.array()
+        t = threading.Thread(target=rt.close, kwargs={"timeout": 0.2})
+        t.start()
+        t.join(30)
+    assert rt.closed
+    arr[:] = 1  # the section still holds the slot's memory
+    with pytest.raises(memsem.WindowRetiredError, match="retired while this write section was open"):
+        sec.commit()
+    assert not sec.open
+
+
+def test_no_section_opens_on_a_window_once_retired(rt):
+    from memsem.core._sections import open_sections
+
+    ref = rt.publish(np.zeros(4096, np.uint8), name="w", slots=2)
+    owned = rt.publisher.owned[ref.spec.gva]
+    rt.unpublish(ref)
+    with pytest.raises(memsem.WindowRetiredError, match="no write section opens"):
+        open_sections([owned], copy=True, timeout=1.0, telemetry=rt.telemetry)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None

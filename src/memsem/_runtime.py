@@ -136,11 +136,18 @@ class Runtime(RuntimeCore):
                                                 slots=slots, write_guard=write_guard, replace=replace), self)
 
     def unpublish(self, ref: TensorRef | str, *, timeout: float | None = None) -> None:
-        """Retire a window this runtime owns: refuse new leases, wait up to ``timeout`` s for
-        held leases, bump the generation (every outstanding ref becomes stale), wait for
-        in-flight copies to drain, then release the memory.
+        """Retire a window this runtime owns: wait for a write section open on it in another
+        thread to close, refuse new leases, wait for held leases, bump the generation (every
+        outstanding ref becomes stale), wait for in-flight copies to drain, then release the
+        memory. Blocking; the three waits share one deadline of ``timeout`` s (default the
+        runtime's).
 
         Raises:
+            MemsemError: a write section is open on the window in the calling thread (leave it
+                first: waiting for it could never end).
+            MemsemTimeoutError: a write section open in another thread outlasted ``timeout``
+                (the window stays published), or copies in flight did not drain (retired;
+                retry to finish).
             LeaseHeldError: leases outlasted ``timeout`` (the window stays published).
             WindowNotFoundError: this runtime owns no such window.
             StaleReferenceError: ``ref`` is from an older generation.

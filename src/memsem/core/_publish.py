@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 
 #: page size: double-buffered slots start on page boundaries (mprotect of a write guard)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+#: ``Owned.section_thread`` while a retire holds the section lock (no thread ident is negative)
+RETIRE_HOLDS = -1
+
 #: write guards: None (off), "protect" (mprotect between sections), "checksum" (crc32)
 WRITE_GUARDS = (None, "protect", "checksum")
 
@@ -133,8 +136,12 @@ class Owned:
     guard: str | None = None
     #: crc32 of each slot's committed bytes (guard "checksum"), by slot
     sums: dict = dataclasses.field(default_factory=dict)
-    #: held while a write section is open on the window (one writer at a time)
+    #: held while a write section is open on the window (one writer at a time), and by a retire
+    #: (which waits for an open section to close before it releases the window's memory)
     section_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: ``threading.get_ident()`` of the thread whose write section is open (0: none;
+    #: ``RETIRE_HOLDS``: a retire holds the section lock)
+    section_thread: int = 0
     #: the last section's body raised: its slot's sequence word is left odd
     aborted: bool = False
     #: telemetry: sections committed and seconds writers waited for pinned leases
@@ -475,12 +482,56 @@ class Publisher:
     # -- retire ---------------------------------------------------------------------------------
     def retire(self, owned: Owned, *, timeout: float, keep_name: bool = False, force: bool = False) -> None:
         """Run the retire protocol (module docstring). Raises LeaseHeldError (window left LIVE)
-        or MemsemTimeoutError (left CLOSING, retry resumes) unless ``force``."""
+        or MemsemTimeoutError (left CLOSING, retry resumes) unless ``force``.
+
+        A write section open on the window is waited for first (within the same deadline): the
+        retire never releases memory a section is writing (it was a SIGSEGV in the section's
+        commit when another thread unpublished under it). A section open by the calling thread
+        itself cannot close while it waits: MemsemError at once (``force``: the retire goes on
+        and the section's commit raises WindowRetiredError; the section keeps the memory mapped
+        until it closes)."""
+        core = self._core
+        label = owned.label
+        # one deadline for the three waits: an open section, the leases, the copies in flight
+        wait = Wait(f"the retire of {label}", timeout, telemetry=core.telemetry)
+        locked = self._hold_sections(owned, wait, force=force)
+        try:
+            self._retire(owned, wait, timeout=timeout, keep_name=keep_name, force=force)
+        finally:
+            if locked:
+                owned.section_thread = 0
+                owned.section_lock.release()
+
+    def _hold_sections(self, owned: Owned, wait: Wait, *, force: bool) -> bool:
+        """Take the window's section lock for a retire (no section opens or stays open under it).
+        True when taken; False only under ``force`` when a section stayed open."""
+        lock = owned.section_lock
+        if lock.acquire(blocking=False):
+            owned.section_thread = RETIRE_HOLDS
+            return True
+        if owned.section_thread == threading.get_ident():
+            if force:
+                return False
+            raise MemsemError(
+                f"cannot retire {owned.label} inside a write section open on it in this thread: "
+                "commit or abort the section first (leave its with block), then unpublish")
+        if lock.acquire(timeout=wait.left()):
+            owned.section_thread = RETIRE_HOLDS
+            return True
+        if force:
+            warnings.warn(f"{owned.label} closed with a write section open in another thread "
+                          f"({owned.section_thread}): its commit will raise", ResourceWarning, stacklevel=4)
+            return False
+        self._core.telemetry.count_error("timeout")
+        raise MemsemTimeoutError(
+            f"cannot retire {owned.label}: a write section open on it in another thread did not "
+            f"close in {wait.timeout} s; the window stays live",
+            what=f"the open write section on {owned.label}", timeout=wait.timeout)
+
+    def _retire(self, owned: Owned, wait: Wait, *, timeout: float, keep_name: bool, force: bool) -> None:
         core = self._core
         cb = owned.cb
         label = owned.label
-        # one deadline for both waits: the leases, then the copies in flight
-        wait = Wait(f"the retire of {label}", timeout, telemetry=core.telemetry)
         d = core.directory
         if not owned.retiring:
             cb.set_word(W_STATE, WindowState.CLOSING)

@@ -299,6 +299,11 @@ class RuntimeCore:
         Blocking: opening waits (up to ``timeout`` s, default the runtime's) for leases that
         pin a version the section overwrites (``TensorRef.pin``): never longer than they last.
 
+        An open section holds its window's memory: an ``unpublish`` or republish from another
+        thread waits for it to close (within its own timeout), one from the section's own
+        thread is refused, and a runtime closed under it keeps the memory until the section
+        ends, whose commit then raises ``WindowRetiredError`` (nothing published).
+
         Writes by the owner outside a write section are invisible to readers' checks: a reader
         may then get a mixture of old and new bytes with no error. The ``write_guard`` of
         ``publish`` makes such writes loud in debug and tests.
@@ -311,8 +316,9 @@ class RuntimeCore:
         Raises:
             LeaseHeldError: pinned leases outlasted ``timeout``. OwnerWriteError: the checksum
             guard found the latest version changed outside a section. WindowNotFoundError: this
-            runtime owns no such window. StaleReferenceError: an old ref. MemsemError: a section
-            is already open on it. TypeError: ``ref`` is none of the above.
+            runtime owns no such window. StaleReferenceError: an old ref (WindowRetiredError:
+            the window is being retired). MemsemError: a section is already open on it.
+            TypeError: ``ref`` is none of the above.
         """
         if isinstance(ref, (list, tuple)):
             target: Any = [window_of(r, f"ref[{i}]") for i, r in enumerate(ref)]

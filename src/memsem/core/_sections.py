@@ -24,6 +24,7 @@ The owner's windows themselves (``Owned``) and the retire protocol live in ``_pu
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,7 +33,7 @@ import numpy as np
 
 from memsem import _args, native
 from memsem._args import VERSION_MAX
-from memsem._errors import LeaseHeldError, MemsemError, OwnerWriteError
+from memsem._errors import LeaseHeldError, MemsemError, OwnerWriteError, WindowRetiredError
 from memsem.gva import ControlBlock, lease_slots as _lease
 from memsem.gva._control_block import W_SEQ0, W_WRITER
 from memsem.core._wait import Wait
@@ -74,8 +75,21 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telem
 
 def _open_one(o: "Owned", wait: Wait) -> "_Item":
     if not o.section_lock.acquire(blocking=False):
+        if o.retiring or o.section_thread < 0:  # a retire holds it (RETIRE_HOLDS)
+            raise WindowRetiredError(f"{o.label} is being retired: no write section opens on it")
         raise MemsemError(f"{o.label}: a write section is already open")
     cb = o.cb
+    if o.retiring:
+        o.section_lock.release()
+        raise WindowRetiredError(f"{o.label} was retired: no write section opens on it")
+    # The section holds the memory it writes (the control block, the slots' segment, the
+    # published object): a forced retire (the runtime closing) never unmaps it under the section.
+    try:
+        holds = _hold_memory(o)
+    except ValueError:
+        o.section_lock.release()
+        raise WindowRetiredError(f"{o.label} was retired: no write section opens on it") from None
+    o.section_thread = threading.get_ident()
     try:
         if o.guard == "checksum":
             latest = cb.latest
@@ -107,21 +121,46 @@ def _open_one(o: "Owned", wait: Wait) -> "_Item":
             raise
         native.store_release(seq_a, (new << 1) | 1)
         native.lib.memsem_fence_seq_cst()
-        return _Item(o, new, slot, prev, blocked)
+        return _Item(o, new, slot, prev, blocked, holds)
     except BaseException:
-        o.section_lock.release()
+        _release(o, holds)
         raise
+
+
+def _hold_memory(o: "Owned") -> tuple:
+    """Pin the segments a section writes (ValueError: one was closed: the window retired)."""
+    segs = [o.cb.segment] + ([o.slots_segment] if o.slots_segment is not None else [])
+    pinned: list = []
+    try:
+        for seg in segs:
+            seg.pin()
+            pinned.append(seg)
+    except ValueError:
+        for seg in pinned:
+            seg.unpin()
+        raise
+    return (tuple(pinned), o.keepalive)
+
+
+def _release(o: "Owned", holds: tuple) -> None:
+    """End a section's hold on its window: the section lock, then the memory pins."""
+    o.section_thread = 0
+    o.section_lock.release()
+    for seg in holds[0]:
+        seg.unpin()
 
 
 class _Item:
     """One window of an open write section."""
 
-    __slots__ = ("owned", "version", "slot", "prev_seq", "blocked_s", "copied")
+    __slots__ = ("owned", "version", "slot", "prev_seq", "blocked_s", "copied", "holds")
 
-    def __init__(self, owned: "Owned", version: int, slot: int, prev_seq: int, blocked_s: float) -> None:
+    def __init__(self, owned: "Owned", version: int, slot: int, prev_seq: int, blocked_s: float,
+                 holds: tuple) -> None:
         self.owned, self.version, self.slot, self.prev_seq = owned, version, slot, prev_seq
         self.blocked_s = blocked_s
         self.copied = False
+        self.holds = holds  # the pinned segments and the published object (``_hold_memory``)
 
     def rollback(self) -> None:
         """Undo an open whose bytes were not touched yet (another window of the set failed)."""
@@ -131,7 +170,7 @@ class _Item:
         native.store_release(cb.addr(W_WRITER), 0)
         native.futex_wake(a)
         native.futex_wake(cb.latest_addr)
-        o.section_lock.release()
+        _release(o, self.holds)
 
     def prepare(self, copy: bool) -> None:
         o = self.owned
@@ -159,7 +198,7 @@ class _Item:
         o.aborted = False
         o.sections += 1
         o.blocked_s += self.blocked_s
-        o.section_lock.release()
+        _release(o, self.holds)
         for w in o.watchers:
             try:
                 w.committed(self.version, self.slot)
@@ -173,7 +212,7 @@ class _Item:
         o.aborted = True
         native.store_release(cb.addr(W_WRITER), 0)
         native.futex_wake(cb.latest_addr)
-        o.section_lock.release()
+        _release(o, self.holds)
 
 
 class WriteSection:
@@ -231,6 +270,11 @@ class WriteSection:
         """Publish the next version of every window; returns it (of the first window)."""
         if self._done:
             raise MemsemError("the write section is already closed")
+        retired = [it.owned.label for it in self._items if it.owned.retiring]
+        if retired:  # a forced retire (its runtime closed) went on under the section
+            self.abort()
+            raise WindowRetiredError(f"{', '.join(retired)} retired while this write section was open "
+                                     "(its runtime closed): no version was published")
         self._done = True
         for it in self._items:
             it.commit()
