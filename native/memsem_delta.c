@@ -186,12 +186,14 @@ static inline void bulk(uint64_t acc[8], const uint8_t *p, uint64_t stripes) {
     f(acc, p, stripes);
 }
 
-uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed) {
-    const uint8_t *p = (const uint8_t *)(uintptr_t)addr;
-    uint64_t acc[8] = {P3, P1, P2, P4, P5, P3 ^ seed, P2 ^ seed, P1 ^ seed};
-    uint64_t stripes = nbytes / STRIPE;
-    bulk(acc, p, stripes);
-    p += stripes * STRIPE;
+static inline void digest_init(uint64_t acc[8], uint64_t seed) {
+    const uint64_t init[8] = {P3, P1, P2, P4, P5, P3 ^ seed, P2 ^ seed, P1 ^ seed};
+    memcpy(acc, init, sizeof init);
+}
+
+/* The digest of nbytes at addr whose whole stripes were already folded into acc by bulk(). */
+static uint64_t digest_finish(const uint64_t acc[8], uint64_t addr, uint64_t nbytes, uint64_t seed) {
+    const uint8_t *p = (const uint8_t *)(uintptr_t)addr + (nbytes / STRIPE) * STRIPE;
     uint64_t h = seed + P5 + nbytes;
     for (int i = 0; i < 8; i++) {
         h ^= round64(0, acc[i]);
@@ -214,6 +216,13 @@ uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed) {
     h *= P3;
     h ^= h >> 32;
     return h;
+}
+
+uint64_t memsem_digest(uint64_t addr, uint64_t nbytes, uint64_t seed) {
+    uint64_t acc[8];
+    digest_init(acc, seed);
+    bulk(acc, (const uint8_t *)(uintptr_t)addr, nbytes / STRIPE);
+    return digest_finish(acc, addr, nbytes, seed);
 }
 
 void memsem_digest_tiles(const uint64_t *addr, const uint64_t *nbytes, uint64_t n, uint64_t *out) {
@@ -398,17 +407,75 @@ uint64_t memsem_patch_tiles(const uint64_t *dst, const uint64_t *nbytes, const u
     return bad;
 }
 
+/* Patch and digest one tile in one pass, in blocks of FUSED_BLOCK bytes (whole digest blocks, a
+ * multiple of every element size): a block's patches are applied right before the digest reads
+ * the block, so each line of the tile is fetched once, in address order (patching the whole tile
+ * first fetched its lines in the patches' scattered order: 3 times the digest's time for 1% of
+ * elements). Needs ascending indices (record_tiles writes them so); when one falls in a block
+ * already digested, the rest of the patch is applied and the tile digested again whole. Returns the digest; *bad
+ * gets the indices past the tile (not written). */
+#define FUSED_BLOCK (STRIPE * STRIPES_PER_BLOCK)
+#define FUSED_LOOP(T)                                                                            \
+    do {                                                                                         \
+        T *d = (T *)dst;                                                                         \
+        const T *vals = (const T *)(p + pad8(2 * (uint64_t)c));                                  \
+        uint64_t elems = nbytes / sizeof(T), prev = 0;                                           \
+        for (; off < whole; off += FUSED_BLOCK) {                                                \
+            uint64_t end = (off + FUSED_BLOCK) / sizeof(T);                                      \
+            for (; k < c && idx[k] < end; k++) {                                                 \
+                if (idx[k] < prev) {                                                             \
+                    sorted = 0;                                                                  \
+                    goto T##_rest;                                                               \
+                }                                                                                \
+                prev = idx[k];                                                                   \
+                d[idx[k]] = vals[k];                                                             \
+            }                                                                                    \
+            bulk(acc, dst + off, STRIPES_PER_BLOCK);                                             \
+        }                                                                                        \
+    T##_rest:                                                                                    \
+        for (; k < c; k++) {                                                                     \
+            if ((uint64_t)idx[k] * sizeof(T) < off)                                              \
+                sorted = 0; /* a block already digested */                                       \
+            if (idx[k] < elems)                                                                  \
+                d[idx[k]] = vals[k];                                                             \
+            else                                                                                 \
+                (*bad)++;                                                                        \
+        }                                                                                        \
+    } while (0)
+
+static uint64_t digest_patched(uint8_t *dst, uint64_t nbytes, uint32_t size, uint32_t c, const uint8_t *p,
+                               uint64_t *bad) {
+    const uint16_t *idx = (const uint16_t *)p;
+    uint64_t acc[8];
+    uint64_t whole = (nbytes / FUSED_BLOCK) * FUSED_BLOCK, off = 0;
+    uint32_t k = 0;
+    int sorted = 1;
+    digest_init(acc, 0);
+    switch (size) {
+    case 1: FUSED_LOOP(uint8_t); break;
+    case 2: FUSED_LOOP(uint16_t); break;
+    case 4: FUSED_LOOP(uint32_t); break;
+    case 8: FUSED_LOOP(uint64_t); break;
+    default: *bad = c; return 0;
+    }
+    if (!sorted)
+        return memsem_digest((uint64_t)(uintptr_t)dst, nbytes, 0);
+    bulk(acc, dst + whole, (nbytes - whole) / STRIPE);
+    return digest_finish(acc, (uint64_t)(uintptr_t)dst, nbytes, 0);
+}
+
 uint64_t memsem_check_tiles(const uint64_t *dst, const uint64_t *nbytes, const uint32_t *itemsize,
                             const uint32_t *count, const uint64_t *patch, const uint64_t *expected, uint64_t n) {
     uint64_t wrong = 0;
     for (uint64_t t = 0; t < n; t++) {
         uint32_t c = count ? count[t] : 0;
-        if (c && c != MEMSEM_DELTA_DENSE &&
-            patch_one((uint8_t *)(uintptr_t)dst[t], nbytes[t], itemsize[t], c, (const uint8_t *)(uintptr_t)patch[t])) {
-            wrong++;
-            continue;
-        }
-        if (memsem_digest(dst[t], nbytes[t], 0) != expected[t])
+        uint64_t got, bad = 0;
+        if (c && c != MEMSEM_DELTA_DENSE)
+            got = digest_patched((uint8_t *)(uintptr_t)dst[t], nbytes[t], itemsize[t], c,
+                                 (const uint8_t *)(uintptr_t)patch[t], &bad);
+        else
+            got = memsem_digest(dst[t], nbytes[t], 0);
+        if (bad || got != expected[t])
             wrong++;
     }
     return wrong;

@@ -95,6 +95,47 @@ def test_record_then_check_rebuilds_every_tile_bit_exact(itemsize, frac):
         assert wrong >= 1
 
 
+@pytest.mark.parametrize("order", ["ascending", "shuffled", "one_past_the_tile"])
+def test_the_check_patches_and_digests_in_one_pass_as_patch_then_digest_would(order):
+    """check_tiles applies a tile's patch block by block as its digest reaches each block; it
+    must equal patching the whole tile first, then digesting it: for ascending indices (the
+    writer's), for indices out of order (one falling in a block already digested), and for an
+    index past the tile (a mismatch, never written), whatever the element size and the tile's
+    tail (sizes that are not whole digest blocks)."""
+    rng = np.random.default_rng({"ascending": 1, "shuffled": 2, "one_past_the_tile": 3}[order])
+    pad = lambda x: (x + 7) // 8 * 8  # noqa: E731
+    for _ in range(150):
+        size = int(rng.choice([1, 2, 4, 8]))
+        nbytes = int(rng.integers(1, (64 << 10) // size + 1)) * size
+        elems = nbytes // size
+        a = rng.integers(0, 255, nbytes, dtype=np.uint8)
+        ref = a.copy()
+        c = int(rng.integers(1, min(elems, 2000) + 1))
+        idx = rng.choice(elems, c, replace=False).astype(np.uint16)
+        if order == "ascending":
+            idx.sort()
+        elif order == "shuffled" and c > 1:
+            idx.sort()
+            i, j = sorted(rng.choice(c, 2, replace=False))
+            idx[i], idx[j] = idx[j], idx[i]  # a later entry falls before an earlier one
+        elif order == "one_past_the_tile" and elems < 65535:
+            idx.sort()
+            idx[int(rng.integers(0, c))] = elems + int(rng.integers(0, min(8, 65535 - elems)))
+        patch = np.zeros(pad(2 * c) + pad(c * size), np.uint8)
+        patch[:2 * c] = idx.view(np.uint8)
+        patch[pad(2 * c):pad(2 * c) + c * size] = rng.integers(0, 255, c * size, dtype=np.uint8)
+        args = [np.array([nbytes], np.uint64), np.array([size], np.uint32), np.array([c], np.uint32),
+                np.array([patch.ctypes.data], np.uint64)]
+        bad = native.patch_tiles(np.array([ref.ctypes.data], np.uint64).ctypes.data, *(x.ctypes.data for x in args), 1)
+        want = np.array([native.digest(ref.ctypes.data, nbytes)], np.uint64)
+        dst = np.array([a.ctypes.data], np.uint64)
+        wrong = native.check_tiles(dst.ctypes.data, *(x.ctypes.data for x in args), want.ctypes.data, 1)
+        assert np.array_equal(a, ref), (size, nbytes, c)  # the same bytes written, the same left alone
+        assert wrong == (1 if bad else 0), (size, nbytes, c, bad)
+        if order == "one_past_the_tile" and elems < 65535:
+            assert bad == 1 and wrong == 1
+
+
 def test_a_patch_index_past_its_tile_is_never_written():
     dst = np.zeros(8, np.uint16)
     guard = np.zeros(64, np.uint16)
