@@ -343,7 +343,6 @@ def test_strict_false_loads_a_subset_as_a_delta(rt):
 
 
 def test_changed_ranges_cover_every_changed_byte_and_nothing_is_claimed_beyond_the_history(rt):
-    rng = np.random.default_rng(17)
     sd = {"a": np.zeros(1 << 20, np.float32), "b": np.zeros(4096, np.int64), "c": np.zeros(3 << 16, np.uint8)}
     ref = rt.publish_state_dict(sd, name="cr")
     lay = ref.layout
