@@ -647,8 +647,9 @@ def test_a_republish_while_the_keeper_writes_the_index_waits_for_its_section(rt,
     index window; a republish (or unpublish) of the state dict meanwhile retired the index under
     that open section and the section's commit wrote to unmapped memory (SIGSEGV: a loaded run's
     owner died silently). The keeper is held inside its section here while the state dict is
-    republished: the republish returns, the index stays mapped until the section closed, and the
-    keeper unpublishes it then."""
+    republished in another thread: the republish waits for the section (seen waiting on its
+    lock), the section commits into mapped memory, and when the republish returns the old index
+    and records are gone (nothing left to a later moment)."""
     from memsem.sync import _delta_writer
 
     entered, go = threading.Event(), threading.Event()
@@ -664,13 +665,41 @@ def test_a_republish_while_the_keeper_writes_the_index_waits_for_its_section(rt,
     sd = {"w": np.ones(4096, np.float32)}
     ref = rt.publish_state_dict(sd, name="hold")
     index = RefSpec.from_bytes(ref.layout.delta.index)
+    owned = rt.publisher.owned[index.gva]
+    seen = owned.section_lock = _SeenLock(owned.section_lock)
     sd["w"][:10] = 2
     assert ref.update(sd) == 2
     assert entered.wait(60)  # the keeper's section on the index is open
-    again = rt.publish_state_dict(sd, name="hold", replace=True)  # retires the first window
-    go.set()  # the keeper closes its section, then unpublishes the old index
-    _proc.until(lambda: _index_gone(rt, index), 60, "the old index unpublished by the keeper")
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("ref", rt.publish_state_dict(sd, name="hold", replace=True)))
+    t.start()
+    assert seen.waiting.wait(60), "the republish did not wait for the keeper's section"
+    assert not _index_gone(rt, index)  # still live while its section is open
+    go.set()  # the keeper commits its entry, then the republish retires the index
+    t.join(60)
+    again = got["ref"]
+    assert _index_gone(rt, index)  # gone when the republish returned
+    # the new state dict, its index and its version 1's record (digests); none of the old four left
+    assert rt.stats().windows_published == 3
     assert again.update(sd) == 2 and again.version() == 2
+
+
+class _SeenLock:
+    """A window's section lock that tells the test when a retire waits on it."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking and self._lock.acquire(blocking=False):
+            return True
+        if blocking:
+            self.waiting.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
 
 
 def _index_gone(rt, index) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from memsem import native
-from memsem._errors import MemsemError
+from memsem._errors import MemsemError, StaleReferenceError
 from memsem.core import RuntimeCore
 from memsem.gva import RefSpec
 from memsem.sync._delta_format import (
@@ -129,10 +129,6 @@ class DeltaHistory:
         self._stopped = False
         self._pending: dict[int, float] = {}  # version -> perf_counter() of its commit
         self._cleaned = False
-        #: the keeper's thread is inside its write section on the index: a cleanup meanwhile
-        #: leaves the unpublishing to it (``_deferred``), never unmapping the index under it
-        self._committing = False
-        self._deferred: list | None = None
         self._next = 2  # the next version to record (version 1 is recorded here)
         self._records: dict[int, RefSpec] = {}
         self._slots: Any = None
@@ -301,10 +297,10 @@ class DeltaHistory:
         seconds since that version's commit, in the head); unpublish the record that falls out
         of the history. False (and the history stops) when the index is not in step."""
         core = self._core
-        with self._lock:
-            if self._cleaned:  # the window retired: the index is gone or going
-                return False
-            self._committing = True
+        if self._cleaned:  # the window retired: the index is gone or going
+            return False
+        # A retire of the index (the state dict's unpublish or republish, in another thread) waits
+        # for this section to close before it releases the index's memory (the core's rule).
         try:
             with core.write_section(self.index, copy=True, counted=False) as sec:
                 arr = sec.array().reshape(-1).view(np.uint8)
@@ -315,14 +311,6 @@ class DeltaHistory:
                 log.warning("delta history of %s: the index could not be written; it stops", self.label,
                             exc_info=True)
             self.stop()
-            return False
-        finally:
-            with self._lock:
-                self._committing = False
-                deferred, self._deferred = self._deferred, None
-            if deferred is not None:  # the window retired while the section was open
-                self._unpublish(deferred)
-        if deferred is not None:
             return False
         if sec.version != entry.version:
             log.error("delta history of %s: index version %d for version %d: it stops", self.label, sec.version,
@@ -336,26 +324,23 @@ class DeltaHistory:
         return True
 
     def _cleanup(self) -> None:
-        """Unpublish the index and the records (once; a closing runtime retires them itself). While
-        the keeper's thread has its write section open on the index (``_commit``), it does so
-        itself when the section closed: unmapping the index under an open section crashed the
-        owner (a republish beside a record's commit: SIGSEGV in the section's commit)."""
+        """Unpublish the index and the records, before the caller's retire returns (once; a
+        closing runtime retires them itself). The index's retire waits for the keeper's write
+        section on it, if one is open (``_commit``), to close: never unmapped under it."""
         with self._lock:
             if self._cleaned:
                 return
             self._cleaned = True
             specs, self._records = [*self._records.values(), self.index], {}
-            if self._committing:  # the keeper's section on the index is open: it unpublishes them after
-                self._deferred = specs
-                return
-        self._unpublish(specs)
-
-    def _unpublish(self, specs: list) -> None:
         if self._core.closed:
             return  # a closing runtime retires them itself
         for spec in specs:
-            with contextlib.suppress(MemsemError):
+            try:
                 self._core.unpublish_spec(spec, timeout=self._core.timeout)
+            except StaleReferenceError:  # gone already (WindowNotFoundError included)
+                pass
+            except MemsemError as exc:  # the window's retire goes on; this one is left to its close
+                log.warning("delta history of %s: unpublishing %#x failed: %s", self.label, spec.gva, exc)
 
 
 __all__ = ["CHUNK_BYTES", "DeltaHistory", "DeltaKeeper", "chunks", "digest_tiles"]
