@@ -46,6 +46,8 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
             elif cmd == "bump":  # one element of the rank's first row changes (column 3)
                 cur[0, 3] += 1
                 conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
+            elif cmd == "stats":  # the tcp server's counters (digests answered, from its cache)
+                conn.send(rt.engines["tcp"].server_stats() if "tcp" in rt.engines else {})
             elif cmd == "die mid-commit":
                 sec = pub.write_section()
                 sec.tensors["w"][:] = -1.0  # half-written: never committed

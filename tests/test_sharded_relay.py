@@ -233,6 +233,13 @@ def test_over_tcp_the_trainer_ranks_answer_digests_of_the_runs(monkeypatch):
             assert relay.load(held, version=2) == 2 and child.load(into, version=2) == 2
             assert into["w"].tobytes() == values(2)[:, 2:].tobytes()
             assert asked == [1, 1, 2, 2]  # one DIGEST per trainer rank and version, at its owner
+            # a second child of the same plan: each trainer rank answers from its cache
+            other = sd.relay_reader(targets, relay="farrelay@tp1")
+            assert other.load(other.empty("numpy"), version=2) == 2
+            for c in conns:
+                c.send("stats")
+            stats = [recv(c) for c in conns]
+            assert [(st["digests"], st["digests_cached"]) for st in stats] == [(2, 1), (2, 1)]
             with relay.ref.write_section() as sec:
                 sec.tensors["w"][4, 0] += 1
             with pytest.raises(DigestMismatchError, match="relay 'farrelay@tp1'"):

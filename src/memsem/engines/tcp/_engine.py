@@ -128,7 +128,8 @@ class TcpEngine(Engine):
     def server_stats(self) -> dict[str, int]:
         """The owner's server counters (connections accepted, and closed by which bound:
         ``closed_grace``, ``closed_stall``, ``closed_send``, ``closed_idle``, ``closed_preauth_evicted``; 
-        ``full``, ``denied``, ``parked``...) and ``connections`` now; empty before the first
+        ``full``, ``denied``, ``parked``, ``digests`` computed and ``digests_cached`` answered
+        from the server's cache...) and ``connections`` now; empty before the first
         register."""
         srv = self._server
         if srv is None:
