@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 
+import memsem
 from memsem import DigestMismatchError, MemsemTimeoutError
 from memsem.sync import Shard, Target, local_box, lookup_sharded, publish_sharded, tp_targets
 from memsem.sync._sharded_relay import HEADER, ShardedRelay
@@ -245,3 +246,46 @@ def test_over_tcp_the_trainer_ranks_answer_digests_of_the_runs(monkeypatch):
             with pytest.raises(DigestMismatchError, match="relay 'farrelay@tp1'"):
                 child.load(into)
             assert child.trainer_reader.window_bytes == 0
+
+
+@pytest.mark.multiproc
+def test_fsdp2_trainer_to_two_tp2_replicas_through_relays_bit_exact():
+    """FSDP2 ``fully_shard`` over gloo on 2 trainer ranks (bf16 and fp32, uneven shards); replica
+    1's TP 2 ranks load from the trainer ranks and relay, replica 2's ranks load from them: every
+    slice bit-exact against torch's ``full_tensor()`` sliced the same way, two versions."""
+    from memsem_bench.measure import free_port
+    from tests._proc import reap, spawn
+    from tests.test_reshard import TP as FSDP_TP, _expected, _fsdp_trainer, _np
+
+    port, name = free_port(), "policy"
+    procs = [spawn(_fsdp_trainer, r, 2, port, name) for r in range(2)]
+    try:
+        step, full = recv(procs[0][1], 120)
+        with memsem.Runtime(timeout=30) as rt:
+            sd = lookup_sharded(rt, name, timeout=60)
+            ranks = []
+            for rank in range(2):
+                targets = tp_targets(sd.names, degree=2, rank=rank, **FSDP_TP)
+                reader = sd.reader(targets, reader=rank)
+                relay = ShardedRelay(rt, reader, name=f"{name}@tp{rank}")
+                child = sd.relay_reader(targets, relay=f"{name}@tp{rank}", reader=rank)
+                ranks.append((targets, relay, reader.empty(), child, child.empty()))
+            for version in (1, 2):
+                if version == 2:
+                    for _, c in procs:
+                        c.send("step")
+                    step, full = recv(procs[0][1], 60)
+                fulln = {k: _np(t) for k, t in full.items()}
+                for targets, relay, held, child, into in ranks:
+                    assert relay.load(held, version=version) == version == step
+                    assert child.load(into, version=version) == version
+                    for n, t in targets.items():
+                        assert _np(into[n]).tobytes() == _expected(t, fulln).tobytes(), (version, n)
+            for targets, relay, held, child, into in ranks:
+                assert child.fallbacks == [] and child.trainer_reader.bytes_moved == 0
+                relay.close()
+        for _, c in procs:
+            c.send("stop")
+    finally:
+        reap([p for p, _ in procs], 60)
+    assert [p.exitcode for p, _ in procs] == [0, 0]
