@@ -17,10 +17,10 @@ import pytest
 
 import memsem
 from memsem import DigestMismatchError, MemsemTimeoutError
-from memsem.sync import Shard, Target, local_box, lookup_sharded, publish_sharded, tp_targets
+from memsem.sync import Shard, Target, lookup_sharded, publish_sharded, tp_targets
 from memsem.sync._sharded_relay import HEADER, ShardedRelay
 from tests._proc import recv
-from tests._sharded_ranks import far_trainers, values
+from tests._sharded_ranks import far_trainers, random_model, row_shards, values
 
 torch = pytest.importorskip("torch")
 
@@ -30,28 +30,19 @@ TP = {"column": ["w"], "row": ["o"], "fused": {"qkv": ["q", "k", "v"]}}
 
 
 def _full(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {k: rng.standard_normal(s).astype(DTYPES.get(k, np.float16)) for k, s in SHAPES.items()}
-
-
-def _local(full: dict, rank: int) -> dict[str, np.ndarray]:
-    out = {}
-    for k, s in SHAPES.items():
-        off, size = local_box(s, (2,), (rank,), [Shard(0)])
-        out[k] = np.ascontiguousarray(full[k][off[0]:off[0] + size[0]])
-    return out
+    return random_model(np.random.default_rng(seed), SHAPES, DTYPES)
 
 
 @pytest.fixture
 def trainer(memsem_runtime):
     """Two trainer ranks of ``"sd"`` in this process; ``commit(seed)`` commits the next version."""
-    pubs = [publish_sharded(memsem_runtime, _local(_full(1), r), name="sd", rank=r, world_size=2,
+    pubs = [publish_sharded(memsem_runtime, row_shards(_full(1), r), name="sd", rank=r, world_size=2,
                             placements={k: [Shard(0)] for k in SHAPES}, global_shapes=SHAPES) for r in range(2)]
     fulls = {1: _full(1)}
 
     def commit(seed: int) -> int:
         full = _full(seed)
-        vs = {p.update(_local(full, r)) for r, p in enumerate(pubs)}
+        vs = {p.update(row_shards(full, r)) for r, p in enumerate(pubs)}
         assert len(vs) == 1
         fulls[vs.pop()] = full
         return max(fulls)
@@ -119,6 +110,12 @@ def test_a_relay_that_flips_a_byte_is_named(trainer):
         assert child.loads == 0
 
 
+def _relabel(relay, version: int) -> None:
+    """The relay's bytes stay, its label says ``version`` (what a faulty relay may serve)."""
+    with relay.ref.write_section() as sec:
+        sec.tensors[HEADER][16:24] = np.frombuffer(version.to_bytes(8, "little"), np.uint8)
+
+
 def test_a_relay_that_serves_an_older_version_under_the_new_label_is_named(trainer):
     rt, commit, _ = trainer
     sd, relay, held, child, into = _relay_and_child(rt, 0, "sd@stale")
@@ -127,14 +124,12 @@ def test_a_relay_that_serves_an_older_version_under_the_new_label_is_named(train
         assert commit(2) == 2
         # the relay labels version 1's bytes as version 2 (a relay that skipped its copy)
         old = _bytes(held)
-        with relay.ref.write_section() as sec:
-            sec.tensors[HEADER][16:24] = np.frombuffer((2).to_bytes(8, "little"), np.uint8)
+        _relabel(relay, 2)
         with pytest.raises(DigestMismatchError, match="not version 2's") as e:
             child.load(into, version=2)
         assert e.value.relay == "sd@stale" and _bytes(into)["l.qkv"] == old["l.qkv"]
         # a label the trainer has not committed yet is named too (never waited for)
-        with relay.ref.write_section() as sec:
-            sec.tensors[HEADER][16:24] = np.frombuffer((9).to_bytes(8, "little"), np.uint8)
+        _relabel(relay, 9)
         with pytest.raises(DigestMismatchError, match="committed only up to 2"):
             child.load(into)
 
