@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import memsem
-from memsem import DigestMismatchError, MemsemTimeoutError
+from memsem import DigestMismatchError, MemsemTimeoutError, VersionGoneError
 from memsem.sync import Shard, Target, lookup_sharded, publish_sharded, tp_targets
 from memsem.sync._sharded_relay import HEADER, ShardedRelay
 from tests._proc import recv
@@ -185,6 +185,27 @@ def test_a_version_the_trainer_no_longer_holds_loads_from_the_trainer_ranks(trai
             assert into[n].tobytes() == _torch_expected(t, fulls[3])
 
 
+def test_the_digest_of_runs_is_of_exactly_one_version(trainer):
+    """``RuntimeCore.digest_runs`` on one node: the runs' bytes of the version asked, in order,
+    concatenated; a version overwritten is VersionGoneError."""
+    from memsem.engines import run_digest
+
+    rt, commit, _ = trainer
+    ref = lookup_sharded(rt, "sd").refs[1]
+    raw = np.asarray(rt.get_spec(ref.spec)).view(np.uint8).reshape(-1)
+    runs = [(ref.layout.header_bytes + 40, 7), (3, 5), (ref.spec.nbytes - 9, 9)]
+    h = run_digest()
+    for off, n in runs:
+        h.update(raw[off:off + n].tobytes())
+    assert rt.digest_runs(ref.spec, runs, version=1) == (1, h.digest())
+    commit(2)
+    commit(3)
+    with pytest.raises(VersionGoneError):
+        rt.digest_runs(ref.spec, runs, version=1)
+    with pytest.raises(ValueError, match="runs\\[0\\]"):
+        rt.digest_runs(ref.spec, [(ref.spec.nbytes, 1)], version=3)
+
+
 def test_the_follower_of_a_relay_child(trainer):
     rt, commit, _ = trainer
     _, relay, held, child, into = _relay_and_child(rt, 1, "sd@follow")
@@ -240,6 +261,14 @@ def test_over_tcp_the_trainer_ranks_answer_digests_of_the_runs(monkeypatch):
                 sec.tensors["w"][4, 0] += 1
             with pytest.raises(DigestMismatchError, match="relay 'farrelay@tp1'"):
                 child.load(into)
+            # version 2 overwritten at the owners: its digest is refused, cached or not
+            for c in conns:
+                c.send("commit")
+                c.send("commit")
+            assert [recv(c) for c in conns for _ in range(2)] == [3, 4, 3, 4]
+            for r in (0, 1):
+                with pytest.raises(VersionGoneError):
+                    rt.digest_runs(sd.refs[r].spec, child._runs[r][0], version=2)
             assert child.trainer_reader.window_bytes == 0
 
 

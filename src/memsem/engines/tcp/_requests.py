@@ -342,7 +342,11 @@ class Requests:
             return
         key = (g.gva, g.generation, version, hashlib.blake2b(body, digest_size=16).digest())
         known = self._digests.get(key) if version else None
-        if known is not None and not g.closed:  # a version's bytes never change: its digest neither
+        if known is not None:  # a version's bytes never change, so neither does their digest
+            o, _ = g.move(False, runs[0][0], 0, version, lambda address, m: 0)
+            if not o.ok:  # answered as the window answers now (the version gone, the generation moved)
+                yield from self.srv.outcome(s, handle, rid, o) or ()
+                return
             self.srv.stats["digests_cached"] += 1
             yield from self.srv.send_now(s, W.REP.pack(W.DATA, 0, handle, rid, 0, RUN_DIGEST_BYTES) + known
                                          + W.REP.pack(W.OK, 0, handle, rid, version, 0)) or ()
