@@ -27,18 +27,14 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from memsem import _args, native
 from memsem._errors import MemsemTimeoutError, NotSupportedError, VersionGoneError
-from memsem.engines._base import RemoteOutcome, run_digest
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_LATEST, W_SEQ0, W_WRITER
 from memsem.core import _translate as tr
 from memsem.core._bracket import Bracket, Outcome, Status, failure
 from memsem.core._lease import Lease, acquire_on, pin_latest
 from memsem.core._resolve import Resolution
-from memsem.core._routes import engine_error
 from memsem.core._wait import Wait, window_checks
 
 if TYPE_CHECKING:
@@ -47,8 +43,6 @@ if TYPE_CHECKING:
 #: gathers of the latest version restarted after the version moved on between ranges (routes
 #: without one bracket here) before the error is raised
 GATHER_RETRIES = 64
-#: bytes of the buffer a digest of another process's private memory (cross-memory attach) reads through
-DIGEST_SCRATCH_BYTES = 1 << 20
 
 
 class Versions:
@@ -349,53 +343,14 @@ class Versions:
         for i, (off, n) in enumerate(runs):
             if off < 0 or n < 0 or off + n > total:
                 raise ValueError(f"runs[{i}]: bytes [{off}, {off + n}) lie outside {spec.label}'s {total} bytes")
-        res = self._resolve(spec)
         out: list[bytes] = []
-        if res.direct:
-            ls, lid = lease.native_args(spec) if lease is not None else (0, 0)
 
-            def attempt(r: Resolution) -> Outcome:
-                if not r.direct:
-                    raise NotSupportedError(f"{spec.label}: resolved again onto route {r.route.kind} during a digest")
-                b = Bracket(r)
-                o = b.open(False, spec.offset, total, version, ls, lid)
-                if not o.ok:
-                    return o
-                h, base, d = run_digest(), b.address, r.remote.direct
-                scratch = np.empty(DIGEST_SCRATCH_BYTES if d.cma else 0, np.uint8)
-                try:
-                    for off, n in runs:
-                        if d.cma:  # another process's private memory: through a scratch buffer
-                            for o2 in range(0, n, DIGEST_SCRATCH_BYTES):
-                                k = min(DIGEST_SCRATCH_BYTES, n - o2)
-                                native.vm_read(d.pid, scratch.ctypes.data, base + off + o2, k)
-                                h.update(scratch.data[:k])
-                        elif n:
-                            h.update(native.ffi.buffer(native.ffi.cast("char *", base + off), n))
-                except BaseException as exc:
-                    closed = b.close(failed=True)
-                    if closed.status in (Status.GEN_AFTER, Status.GEN_BEFORE):
-                        raise failure(closed, r, spec, lease=lease, version=version) from None
-                    raise exc
-                o = b.close()
-                if o.ok:
-                    out[:] = [h.digest()]
-                return o
-        else:
-            at = [(spec.offset + off, n) for off, n in runs]
+        def attempt(r: Resolution) -> Outcome:
+            o, d = r.strategy.digest(r, spec, runs, version, lease)
+            out[:] = [d]
+            return o
 
-            def attempt(r: Resolution) -> Outcome:
-                try:
-                    v, dg = r.engine.digest_version(r.remote_for(spec), at, version)
-                except RemoteOutcome as exc:
-                    refused = Outcome.remote(exc)
-                    if refused.retry:
-                        return refused
-                    raise engine_error(exc, r, spec, False, lease, version, refused) from exc
-                out[:] = [dg]
-                return Outcome(Status.OK, v)
-
-        v = self._core.transfers.run(spec, res, attempt, lease=lease, version=version)
+        v = self._core.transfers.run(spec, self._resolve(spec), attempt, lease=lease, version=version)
         return v, out[0]
 
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
