@@ -167,11 +167,20 @@ class ShardedRelayReader:
     checks them against the trainer ranks' digests (see the module docstring). Followable
     (``version``, ``wait_version``, ``load``): ``rt.follow(child, into=child.empty())``.
 
+    Args:
+        sharded: the trainer's :class:`ShardedStateDictRef`. plan: this rank's plan (equal to
+            the relay's). relay: the relay window's name. timeout: seconds to wait for the relay
+            window to be published (0: it must exist now). pin_ttl: the pins of a load made from
+            the trainer ranks (``ShardedReader``).
+
     Attributes:
         sharded, plan, relay (the relay window's name), loads, fallbacks (``(version, reason)``
         of each load made from the trainer ranks instead), relay_bytes (bytes copied from the
         relay), digest_s (seconds the checks took), trainer_reader (the :class:`ShardedReader`
         of the fallbacks).
+
+    Thread safety: one load at a time per reader. A relay that is republished (restarted) is
+    not followed: make a new reader (its window's old ref raises ``StaleReferenceError``).
 
     Raises (constructor):
         ValueError: the relay's plan is not this plan (names the relay and both plan digests),
@@ -333,8 +342,9 @@ class ShardedRelayReader:
 
 def relay_reader(sharded: ShardedStateDictRef, targets: Any, *, relay: str, reader: int = 0,
                  timeout: float = 0.0) -> ShardedRelayReader:
-    """A :class:`ShardedRelayReader` of ``targets`` (or a plan of ``sharded``'s layout) through
-    the relay window ``relay`` (see ``ShardedStateDictRef.relay_reader``)."""
+    """A :class:`ShardedRelayReader` of ``targets`` (or a plan of ``sharded``'s layout, for
+    reader index ``reader``) through the relay window ``relay``, waiting ``timeout`` s for it
+    (see ``ShardedStateDictRef.relay_reader``). Raises as the reader's constructor."""
     plan = targets if isinstance(targets, ReshardPlan) else sharded.plan(targets, reader=reader)
     return ShardedRelayReader(sharded, plan, relay=relay, timeout=timeout)
 
