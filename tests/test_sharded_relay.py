@@ -97,6 +97,24 @@ def test_child_of_a_relay_gets_the_slices_bit_exact_and_the_trainer_serves_none(
             assert child.relay_bytes == 3 * child.plan.target_bytes() and child.loads == 3
 
 
+def test_runs_are_checked_in_groups_and_a_flip_in_any_group_is_named(trainer, monkeypatch):
+    """A plan of more runs than one digest request asks for (a column slice: one run per row)
+    is checked group by group, every group against its own digest."""
+    from memsem.sync import _sharded_relay
+
+    monkeypatch.setattr(_sharded_relay, "DIGEST_RUNS", 4)
+    rt, _, _ = trainer
+    sd, relay, held, child, into = _relay_and_child(rt, 1, "sd@groups")
+    with relay:
+        assert min(len(g) for g in child._runs.values()) > 2  # l.o's columns: 24 rows over 2 ranks
+        v = relay.load(held)
+        assert child.load(into) == v and _bytes(into) == _bytes(held)
+        with relay.ref.write_section() as sec:  # the last row's column slice of l.o
+            sec.tensors["l.o"][-1, -1] += 1
+        with pytest.raises(DigestMismatchError, match="relay 'sd@groups'"):
+            child.load(into)
+
+
 def test_a_relay_that_flips_a_byte_is_named(trainer):
     rt, _, _ = trainer
     _, relay, held, child, into = _relay_and_child(rt, 1, "sd@flip")
@@ -268,7 +286,7 @@ def test_over_tcp_the_trainer_ranks_answer_digests_of_the_runs(monkeypatch):
             assert [recv(c) for c in conns for _ in range(2)] == [3, 4, 3, 4]
             for r in (0, 1):
                 with pytest.raises(VersionGoneError):
-                    rt.digest_runs(sd.refs[r].spec, child._runs[r][0], version=2)
+                    rt.digest_runs(sd.refs[r].spec, child._runs[r][0][0], version=2)
             assert child.trainer_reader.window_bytes == 0
 
 

@@ -55,6 +55,9 @@ HEADER = "__memsem_relay__"
 _MAGIC = b"memsem-shrelay/1"
 #: magic (16), the trainer's version (8, little-endian), the plan's digest (16), reserved (24)
 HEADER_BYTES = 64
+#: the most runs one digest request asks for (a column slice reads one run per row: a plan's
+#: runs of one trainer rank are asked for in groups)
+DIGEST_RUNS = 1 << 14
 
 
 def plan_digest(sharded_name: str, plan: ReshardPlan) -> bytes:
@@ -210,17 +213,22 @@ class ShardedRelayReader:
         self._check_plan(self._read_header()[1])
         self.trainer_reader = ShardedReader(sharded, plan, pin_ttl=pin_ttl, delta=False)
         # per trainer rank: the runs the plan reads (source order, merged where the source
-        # continues) and where each piece lands here (target index, byte offset, nbytes)
-        self._runs: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
+        # continues) in groups of at most DIGEST_RUNS (one digest each), and where each piece
+        # of a group lands here (target index, byte offset, nbytes)
+        self._runs: dict[int, list[tuple[list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
         for r in plan.ranks:
             rows = plan.runs[r][np.argsort(plan.runs[r][:, 0], kind="stable")]
-            src: list[tuple[int, int]] = []
-            for off, _t, _o, n in rows.tolist():
+            groups: list[tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = []
+            for off, ti, toff, n in rows.tolist():
+                src = groups[-1][0] if groups else None
                 if src and src[-1][0] + src[-1][1] == off:
                     src[-1] = (src[-1][0], src[-1][1] + n)
                 else:
-                    src.append((off, n))
-            self._runs[r] = (src, rows[:, 1:])
+                    if src is None or len(src) >= DIGEST_RUNS:
+                        groups.append(([], []))
+                    groups[-1][0].append((off, n))
+                groups[-1][1].append((ti, toff, n))
+            self._runs[r] = groups
         self.loads = 0
         self.relay_bytes = 0
         self.digest_s = 0.0
@@ -322,19 +330,20 @@ class ShardedRelayReader:
                 raise DigestMismatchError(
                     f"relay {self.relay!r} labels its bytes version {v} of {self.sharded.name!r}; the trainer ranks "
                     f"have committed only up to {latest}", relay=self.relay, version=v)
-            for r, (src, pieces) in self._runs.items():
-                try:
-                    _, theirs = self._core.digest_runs(self.sharded.refs[r].spec, src, version=v)
-                except VersionGoneError:
-                    return f"trainer rank {r} no longer holds version {v} (committed twice since): not checkable"
-                h = run_digest()
-                for ti, off, n in pieces.tolist():
-                    h.update(views[ti].data[off:off + n])
-                if h.digest() != theirs:
-                    raise DigestMismatchError(
-                        f"relay {self.relay!r} served bytes of trainer rank {r}'s slices of {self.sharded.name!r} "
-                        f"that are not version {v}'s (the trainer rank's digest of them differs)",
-                        relay=self.relay, version=v)
+            for r, groups in self._runs.items():
+                for src, pieces in groups:
+                    try:
+                        _, theirs = self._core.digest_runs(self.sharded.refs[r].spec, src, version=v)
+                    except VersionGoneError:
+                        return f"trainer rank {r} no longer holds version {v} (committed twice since): not checkable"
+                    h = run_digest()
+                    for ti, off, n in pieces:
+                        h.update(views[ti].data[off:off + n])
+                    if h.digest() != theirs:
+                        raise DigestMismatchError(
+                            f"relay {self.relay!r} served bytes of trainer rank {r}'s slices of {self.sharded.name!r} "
+                            f"that are not version {v}'s (the trainer rank's digest of them differs)",
+                            relay=self.relay, version=v)
             return None
         finally:
             self.digest_s += time.perf_counter() - t0
@@ -349,4 +358,4 @@ def relay_reader(sharded: ShardedStateDictRef, targets: Any, *, relay: str, read
     return ShardedRelayReader(sharded, plan, relay=relay, timeout=timeout)
 
 
-__all__ = ["HEADER", "HEADER_BYTES", "ShardedRelay", "ShardedRelayReader", "plan_digest", "relay_reader"]
+__all__ = ["DIGEST_RUNS", "HEADER", "HEADER_BYTES", "ShardedRelay", "ShardedRelayReader", "plan_digest", "relay_reader"]
