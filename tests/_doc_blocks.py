@@ -382,6 +382,8 @@ def p_weight_sync_sharded(ctx: Ctx) -> dict:
 def c_weight_sync_sharded(a: dict, b: dict) -> None:
     assert a["version"] == 1 and a["out"]["w"].tobytes() == a["full"][:, 2:].copy().tobytes()
     assert a["reader"].bytes_moved == 5 * 2 * 4  # its bytes only
+    assert a["mine"]["w"].tobytes() == a["out"]["w"].tobytes() and a["child"].fallbacks == []
+    assert a["child"].trainer_reader.bytes_moved == 0  # the relay's bytes, checked by digests
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ side (TcpEngine, its connections, the kept route) can be tried against replies n
 sends: bare OKs, wrong ids, huge numbers, trickled bytes, stalls.
 
 A script is ``answer(req) -> reply``; ``req`` is a :class:`Request` (op, handle, rid, offset,
-nbytes, arg, wait_ms, body: an OPEN's credential or a PUT's payload, read whole). The reply is
+nbytes, arg, wait_ms, body: an OPEN's credential, a PUT's payload or a DIGEST's runs, read whole). The reply is
 bytes sent at once, a list of ``(bytes, pause_s)`` sent piece by piece (trickled), ``None``
 (nothing: a stall until the connection ends) or the helpers below. OPEN is answered OK unless
 ``scripts_open`` is set; CLOSE, UNWATCH and UNPIN are never answered.
@@ -140,7 +140,7 @@ class ScriptedOwner:
                 op, _, handle, rid, off, n, arg, wait_ms = W.REQ.unpack(self._recv(s, W.REQ.size))
                 if op == W.OP_PUT and self.body_after:
                     time.sleep(self.body_after)
-                body = self._recv(s, n) if op in (W.OP_OPEN, W.OP_PUT, W.OP_WATCH) else b""
+                body = self._recv(s, n) if op in (W.OP_OPEN, W.OP_PUT, W.OP_WATCH, W.OP_DIGEST) else b""
                 req = Request(op, handle, rid, off, n, arg, wait_ms, body)
                 self.requests.append(req)
                 if op in (W.OP_CLOSE, W.OP_UNWATCH, W.OP_UNPIN):

@@ -15,6 +15,21 @@ from memsem.sync import Shard, local_box, publish_sharded
 G = (9, 4)  # 9 rows over 2 ranks: 5 and 4
 
 
+def random_model(rng: np.random.Generator, shapes: dict, dtypes: dict) -> dict[str, np.ndarray]:
+    """A model of ``shapes``: normal values, float16 but for the tensors ``dtypes`` names."""
+    return {k: rng.standard_normal(s).astype(dtypes.get(k, np.float16)) for k, s in shapes.items()}
+
+
+def row_shards(full: dict, rank: int, world: int = 2) -> dict[str, np.ndarray]:
+    """Trainer rank ``rank``'s ``Shard(0)`` boxes of ``full``'s tensors over ``world`` ranks
+    (torch.chunk's cut: uneven shards)."""
+    out = {}
+    for k, a in full.items():
+        off, size = local_box(a.shape, (world,), (rank,), [Shard(0)])
+        out[k] = np.ascontiguousarray(a[off[0]:off[0] + size[0]])
+    return out
+
+
 def values(version: int) -> np.ndarray:
     return (np.arange(math.prod(G), dtype=np.float32).reshape(G) + 1000 * version)
 
@@ -46,6 +61,8 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
             elif cmd == "bump":  # one element of the rank's first row changes (column 3)
                 cur[0, 3] += 1
                 conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
+            elif cmd == "stats":  # the tcp server's counters (digests answered, from its cache)
+                conn.send(rt.engines["tcp"].server_stats() if "tcp" in rt.engines else {})
             elif cmd == "die mid-commit":
                 sec = pub.write_section()
                 sec.tensors["w"][:] = -1.0  # half-written: never committed

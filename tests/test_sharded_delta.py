@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from memsem.gva import RefSpec
-from memsem.sync import Shard, Target, local_box, lookup_sharded, publish_sharded, tp_targets
+from memsem.sync import Shard, Target, lookup_sharded, publish_sharded, tp_targets
 from memsem.sync import _delta_format
 from memsem.sync._sharded_delta import intersect
 from tests._proc import recv
-from tests._sharded_ranks import far_trainers, values
+from tests._sharded_ranks import far_trainers, random_model, row_shards, values
 
 WAIT = 30.0
 #: one layer of a model over 2 trainer ranks (``Shard(0)``; 301 rows: uneven shards); float16
@@ -27,15 +27,11 @@ TP = {"column": ["w"], "row": ["o"], "fused": {"qkv": ["q", "k", "v"]}}
 
 
 def _full(rng) -> dict[str, np.ndarray]:
-    return {k: rng.standard_normal(s).astype(DTYPES.get(k, np.float16)) for k, s in SHAPES.items()}
+    return random_model(rng, SHAPES, DTYPES)
 
 
 def _local(full: dict, rank: int) -> dict[str, np.ndarray]:
-    out = {}
-    for k, s in SHAPES.items():
-        off, size = local_box(s, (2,), (rank,), [Shard(0)])
-        out[k] = np.ascontiguousarray(full[k][off[0]:off[0] + size[0]])
-    return out
+    return row_shards(full, rank)
 
 
 def _spread(rng, full: dict, frac: float) -> None:

@@ -149,6 +149,33 @@ def test_a_row_count_and_a_pin_are_bounded(engine):
         _protocol(ei, owner)
 
 
+@pytest.mark.parametrize("case", ["15 bytes", "OK without the digest", "a version past the largest", "DENIED after it"])
+def test_a_digest_whose_reply_breaks_the_protocol_is_refused(engine, case):
+    d = bytes(range(16))
+    script = {"15 bytes": lambda req: data_reply(req, d[:15], 3),
+              "OK without the digest": lambda req: ok(req, 3),
+              "a version past the largest": lambda req: data_reply(req, d, W.VERSION_MAX + 1),
+              "DENIED after it": lambda req: (W.REP.pack(W.DATA, 0, req.handle, req.rid, 0, 16) + d
+                                              + W.REP.pack(W.DENIED, 0, req.handle, req.rid, 0, 0))}[case]
+    with ScriptedOwner(script) as owner:
+        remote = remote_of(engine, owner, 4096)
+        with pytest.raises(EngineError) as ei:
+            engine.digest_version(remote, [(0, 8), (100, 9)], 3)
+        _protocol(ei, owner)
+
+
+def test_a_digest_sends_its_runs_and_takes_the_owners_answer(engine):
+    d = bytes(range(16))
+    with ScriptedOwner(lambda req: data_reply(req, d, 3)) as owner:
+        remote = remote_of(engine, owner, 4096)
+        assert engine.digest_version(remote, [(0, 8), (100, 9)], 3) == (3, d)
+        (req,) = ops(owner, W.OP_DIGEST)
+        assert req.arg == 3 and req.body == W.RUN.pack(0, 8) + W.RUN.pack(100, 9)
+        with pytest.raises(ValueError, match="outside the region"):
+            engine.digest_version(remote, [(4090, 8)], 3)  # refused here, nothing sent
+        assert len(ops(owner, W.OP_DIGEST)) == 1
+
+
 def test_an_open_answered_with_data_is_refused(engine):
     with ScriptedOwner(lambda req: W.REP.pack(W.DATA, 0, req.handle, req.rid, 0, 0)) as owner:
         owner.scripts_open = True

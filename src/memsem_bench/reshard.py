@@ -27,6 +27,14 @@ they read, / bytes they hold; goal 1.0), ``reshard_vs_gather_broadcast`` (>= 2) 
 ``reshard_trainer_blocked_ms`` (a trainer rank's wait for readers per version while the rollouts
 load the previous one; <= 1), and the raw times.
 
+**Relays of sharded slices** (after those rounds): replica 0's ranks load each version from the
+trainer ranks and serve it (``ShardedRelay``), then replica 1's ranks load it from them, checked
+against each trainer rank's digest of their runs (``ShardedRelayReader``). Keys:
+``reshard_relay_trainer_bytes_ratio`` (bytes the trainer ranks served, digests included, with
+the relays / without them, the reshard rounds' bytes; 1 / replicas when no child falls back),
+``reshard_relay_s`` (replica 0's loads, then replica 1's: one node, so the copy from a relay
+costs what a copy from the trainer does; the figure is the bytes), ``reshard_relay_fallbacks``.
+
 **Deltas** (after those rounds, same processes): every trainer rank changes 1% of its elements,
 spread over every tensor (``index_add_`` at random indices: what an AdamW step does to a bf16
 copy), commits and waits for its delta record; every rollout rank loads that version into the
@@ -115,7 +123,7 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
 
     import memsem
     from memsem.gva import RefSpec
-    from memsem.sync import Shard, local_box, lookup_sharded, publish_sharded
+    from memsem.sync import Shard, ShardedRelay, local_box, lookup_sharded, publish_sharded
 
     world = TRAINERS + REPLICAS * TP
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -149,6 +157,12 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                 full_into = full_ref.empty_like()
                 in_full = sd.reader(targets, reader=r // TP, delta=False)  # the delta rounds' baseline
                 in_full_into = in_full.empty()
+                # relays of sharded slices: replica 0's ranks serve, replica 1's load from them
+                if r // TP == 0:
+                    relay = ShardedRelay(rt, sd.reader(targets, delta=False), name=f"bench@tp{r % TP}")
+                else:
+                    child = sd.relay_reader(targets, relay=f"bench@tp{r % TP}", timeout=300)
+                relay_into = in_full.empty()
             conn.send({"ready": True, "targets_bytes": None if trainer else reader.plan.target_bytes(),
                        "plan_runs": None if trainer else reader.plan.n_runs})
             while True:
@@ -181,6 +195,16 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                     before = reader.bytes_moved
                     out["version"] = reader.load(into, version=step)
                     out["bytes"] = reader.bytes_moved - before
+                elif op == "relay_load":  # replica 0: from the trainer ranks, then served
+                    before = relay.reader.window_bytes
+                    out["version"] = relay.load(relay_into, version=step)
+                    out["trainer_bytes"] = relay.reader.window_bytes - before
+                elif op == "child_load":  # replica 1: from the relay, checked by the trainer's digests
+                    before = child.trainer_reader.window_bytes
+                    out["version"] = child.load(relay_into, version=step)
+                    out["trainer_bytes"] = child.trainer_reader.window_bytes - before
+                    out["digest_bytes"] = 16 * len(child.plan.ranks)
+                    out["fallbacks"] = len(child.fallbacks)
                 elif op == "gather":
                     full = {}
                     for n, t in local.items():
@@ -209,6 +233,8 @@ def _worker(conn: Any, rank: int, port: int, job: str, shapes: dict) -> None:
                             dist.recv(into[n], src=r)
                 out["s"] = time.perf_counter() - t0
                 conn.send(out)
+            if not trainer and r // TP == 0:
+                relay.close()
             if trainer:
                 pub.close()
                 if full_ref is not None:
@@ -301,6 +327,22 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
             dt.append(d)
             say(f"round {rnd + 1}/{rounds}: reshard {rs[-1] * 1e3:.0f} ms, gather+broadcast {gb[-1] * 1e3:.0f} ms, "
                 f"DTensor full_tensor+send {dt[-1] * 1e3:.0f} ms, trainer blocked {blocked[-1] * 1e3:.3f} ms")
+        # relays: the trainer ranks serve replica 0 only (replica 1: 16-byte digests per rank)
+        rl, rbytes, rfall = [], [], 0
+        replica0 = range(TRAINERS, TRAINERS + TP)
+        replica1 = range(TRAINERS + TP, world)
+        for rnd in range(rounds):
+            step += 1
+            run(trainers, "commit", step)
+            w0, outs0 = run(replica0, "relay_load", step)
+            w1, outs1 = run(replica1, "child_load", step)
+            if any(o["version"] != step for o in outs0 + outs1):
+                raise RuntimeError(f"a relayed load got version {[o['version'] for o in outs0 + outs1]}, not {step}")
+            rl.append(w0 + w1)
+            rbytes.append(sum(o["trainer_bytes"] + o.get("digest_bytes", 0) for o in outs0 + outs1) / held)
+            rfall += sum(o["fallbacks"] for o in outs1)
+            say(f"relay round {rnd + 1}/{rounds}: replica 0 {w0 * 1e3:.0f} ms then replica 1 from it "
+                f"{w1 * 1e3:.0f} ms; trainer bytes served {rbytes[-1]:.4f} of the bytes held")
         dl, fl, dmoved = [], [], []
         run(rollouts, "load", step)  # into holds this version again (the baselines wrote over it)
         run(rollouts, "load_in_full", step)  # the full reader's first load (its tensors touched once)
@@ -334,6 +376,9 @@ def figures(model_mib: int = 256, rounds: int = 3, log: Any = None) -> dict[str,
         "reshard_trainer_blocked_ms": round(statistics.median(blocked) * 1e3, 3),
         "reshard_delta_bytes_ratio_1pct": round(statistics.median(dmoved), 4),
         **M.ratio_of_rounds(dl, fl).keys("reshard_delta_vs_full_1pct"),
+        "reshard_relay_trainer_bytes_ratio": round(statistics.median(rbytes) / statistics.median(moved), 4),
+        "reshard_relay_s": round(statistics.median(rl), 4),
+        "reshard_relay_fallbacks": rfall,
         "reshard_delta_s_1pct": round(statistics.median(dl), 4),
         "reshard_full_s_1pct": round(statistics.median(fl), 4),
         "reshard_s": round(statistics.median(rs), 4),
@@ -363,7 +408,8 @@ def run_reshard(args: Any) -> int:
     stream = sys.stderr if getattr(args, "json", False) else sys.stdout
     for k, goal in GOALS.items():
         print(f"{k:<36} {f.get(k)!s:>10}   goal {goal}", file=stream)
-    for k in ("reshard_s", "gather_broadcast_s", "dtensor_redistribute_s", "reshard_trainer_commit_ms",
+    for k in ("reshard_relay_trainer_bytes_ratio", "reshard_relay_s", "reshard_relay_fallbacks",
+              "reshard_s", "gather_broadcast_s", "dtensor_redistribute_s", "reshard_trainer_commit_ms",
               "reshard_delta_s_1pct", "reshard_full_s_1pct"):
         print(f"{k:<36} {f.get(k)!s:>10}", file=stream)
     if getattr(args, "json", False):

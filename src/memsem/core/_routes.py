@@ -21,7 +21,9 @@ route                  one attempt of a copy
 =====================  ======================================================================
 
 Each offers :meth:`~CopyRoute.attempt` (one try; it returns an :class:`Outcome`, and the one retry
-loop, ``Transfers.run``, decides what follows) and :meth:`~CopyRoute.ref_route` (what a ref holds
+loop, ``Transfers.run``, decides what follows), :meth:`~CopyRoute.digest` (one try of a digest
+of byte runs of a version, taken where the bytes are: one node, or the owner over tcp; other
+routes refuse) and :meth:`~CopyRoute.ref_route` (what a ref holds
 for its next plain gets and puts: a :class:`PlanRoute` on the same node, a :class:`WireRoute`
 over tcp, else None). A ref's route is *valid* while its ``spec`` is the ref's and its
 ``token`` the runtime's; a route whose resolution was released since refuses natively (its
@@ -42,11 +44,11 @@ import numpy as np
 from memsem import _hot, native
 from memsem._buffers import address_view
 from memsem._errors import EngineError, NotSupportedError, StaleReferenceError
-from memsem.engines import WATCH_HEADER, GenerationCheck, RemoteOutcome, WatchMode
+from memsem.engines import WATCH_HEADER, GenerationCheck, RemoteOutcome, WatchMode, run_digest
 from memsem.gva import RefSpec
 from memsem.gva._control_block import W_GENERATION, W_LATEST, W_NSLOTS, W_SEQ0, W_SEQ1, W_SLOT_STRIDE
 from memsem.core import _translate as tr
-from memsem.core._bracket import ATTENTION, Bracket, KeptBracket, Outcome, Status, engine_failure, settle
+from memsem.core._bracket import ATTENTION, Bracket, KeptBracket, Outcome, Status, engine_failure, failure, settle
 
 if TYPE_CHECKING:
     from memsem.core._lease import Lease
@@ -65,6 +67,8 @@ ROUTE_STALE = native.lib.MEMSEM_RC_ATTENTION
 #: the whole path makes the request again within the route's deadline (another word no native
 #: call returns)
 ROUTE_LOST = ROUTE_STALE - 1
+#: bytes of the buffer a digest of another process's private memory (cross-memory attach) reads through
+DIGEST_SCRATCH_BYTES = 1 << 20
 
 
 def lease_args(lease: "Lease | None", spec: RefSpec) -> tuple[int, int]:
@@ -101,6 +105,19 @@ class CopyRoute:
         """
         raise NotImplementedError
 
+    def digest(self, res: "Resolution", spec: RefSpec, runs: Any, version: int,
+               lease: "Lease | None") -> tuple[Outcome, bytes]:
+        """One try of the digest (``memsem.engines.run_digest``) of the bytes of ``runs``
+        (``(offset into the ref, nbytes)``, in order, concatenated) of ``version`` (0: the
+        latest): ``(outcome, digest)``, the digest valid only with an OK outcome (its value:
+        the version digested). No byte of the runs crosses a link.
+
+        Raises:
+            NotSupportedError: this route cannot (names it). As :meth:`attempt`.
+        """
+        raise NotSupportedError(f"route {self.kind!r} to {spec.label} cannot digest byte runs of a version "
+                                "(one node and the owner-checked tcp route can)")
+
     def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "PlanRoute | WireRoute | None":
         """What a ref holds for its next plain gets and puts of ``spec`` through ``res``
         (``token``: the runtime's), or None: the route has nothing quicker than the whole path."""
@@ -120,6 +137,33 @@ class DirectRoute(CopyRoute):
                 lease: "Lease | None", version: int, signal_tile: int | None, deadline: float | None) -> Outcome:
         ls, lid = lease_args(lease, spec)
         return settle(res, _copy(res.plan, put, at, addr, n, version, ls, lid))
+
+    def digest(self, res: "Resolution", spec: RefSpec, runs: Any, version: int,
+               lease: "Lease | None") -> tuple[Outcome, bytes]:
+        """Over the mapped window (or through a scratch buffer, by cross-memory attach) inside
+        one seqlock bracket: a torn one is tried again whole by the caller's loop."""
+        ls, lid = lease_args(lease, spec)
+        b = Bracket(res)
+        o = b.open(False, spec.offset, spec.nbytes, version, ls, lid)
+        if not o.ok:
+            return o, b""
+        h, base, d = run_digest(), b.address, res.remote.direct
+        scratch = np.empty(DIGEST_SCRATCH_BYTES if d.cma else 0, np.uint8)
+        try:
+            for off, n in runs:
+                if d.cma:  # another process's private memory
+                    for o2 in range(0, n, DIGEST_SCRATCH_BYTES):
+                        k = min(DIGEST_SCRATCH_BYTES, n - o2)
+                        native.vm_read(d.pid, scratch.ctypes.data, base + off + o2, k)
+                        h.update(scratch.data[:k])
+                elif n:
+                    h.update(native.ffi.buffer(native.ffi.cast("char *", base + off), n))
+        except BaseException:
+            closed = b.close(failed=True)
+            if closed.status in (Status.GEN_AFTER, Status.GEN_BEFORE):  # the window went under the read
+                raise failure(closed, res, spec, lease=lease, version=version) from None
+            raise
+        return b.close(), h.digest()
 
     #: a ref's route here is a PlanRoute of the resolution: ``ref_route(res, spec, token)``
     #: makes one (the class itself, set below: no call in between)
@@ -203,6 +247,18 @@ class OwnerRoute(EngineRoute):
         if put:
             return eng.put_version(remote, at, flat, **kw)
         return eng.get_version(remote, at, flat, version, **kw)
+
+    def digest(self, res: "Resolution", spec: RefSpec, runs: Any, version: int,
+               lease: "Lease | None") -> tuple[Outcome, bytes]:
+        """The owner's digest (``Engine.digest_version``: a DIGEST request, bracketed there)."""
+        try:
+            v, d = res.engine.digest_version(res.remote_for(spec), [(spec.offset + o, n) for o, n in runs], version)
+        except RemoteOutcome as exc:
+            refused = Outcome.remote(exc)
+            if refused.retry:
+                return refused, b""  # a write section open at the owner: again
+            raise engine_error(exc, res, spec, False, lease, version, refused) from exc
+        return Outcome(Status.OK, v), d
 
     def ref_route(self, res: "Resolution", spec: RefSpec, token: object) -> "WireRoute | None":
         requests = res.engine.kept(res.remote_for(spec), spec.nbytes)

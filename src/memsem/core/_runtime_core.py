@@ -379,6 +379,12 @@ class RuntimeCore:
                keep: Any = None) -> int:
         return self.versions.gather(spec, ranges, version=version, lease=lease, keep=keep)
 
+    def digest_runs(self, spec: RefSpec, runs: Any, *, version: int = 0,
+                    lease: Lease | None = None) -> tuple[int, bytes]:
+        """``(version, digest)`` of byte runs of one version, computed where the window lives
+        (``Versions.digest``: only the digest crosses a link)."""
+        return self.versions.digest(spec, runs, version=version, lease=lease)
+
     def lease_holders(self, ref: Any) -> list[tuple[int, float]]:
         """Owner: ``(pid, seconds left)`` of the unexpired leases live processes hold on a window
         this runtime owns (``ref``: a ``TensorRef``, its ``RefSpec`` or the window's name)."""

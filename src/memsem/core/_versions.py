@@ -317,6 +317,42 @@ class Versions:
         moved = sum(n for _off, n, _addr in ranges)
         return self._core.transfers.run(spec, res, attempt, lease=lease, version=version)
 
+    def digest(self, spec: RefSpec, runs: Sequence[tuple[int, int]], *, version: int = 0,
+               lease: Lease | None = None) -> tuple[int, bytes]:
+        """The digest (``memsem.engines.run_digest``, ``RUN_DIGEST_BYTES`` bytes) of the bytes
+        of ``runs`` (``(offset, nbytes)`` into the ref, in that order, concatenated) of one
+        version of ``spec``'s window: ``(the version, the digest)``. No byte of the runs moves
+        here from another node: there the owner computes it (``Engine.digest_version``, tcp's
+        DIGEST request, bracketed at the owner); on one node it is computed over the mapped
+        window inside one seqlock bracket (like ``gather``; a torn bracket is redone whole).
+
+        Args:
+            version: 0 the latest committed version, else exactly that one (a pinned lease keeps
+                it). lease: a held lease (its checks, as ``gather``).
+
+        Raises:
+            VersionGoneError: ``version`` is gone. StaleReferenceError, PeerLostError,
+            MemsemTimeoutError: as ``gather``. NotSupportedError: a route whose engine cannot
+            digest at the owner (the error names it). ValueError: a run outside the ref, or
+            no runs.
+        """
+        version = _args.version(version, "version")
+        total = spec.nbytes
+        if not runs:
+            raise ValueError("runs must hold at least one (offset, nbytes) run")
+        for i, (off, n) in enumerate(runs):
+            if off < 0 or n < 0 or off + n > total:
+                raise ValueError(f"runs[{i}]: bytes [{off}, {off + n}) lie outside {spec.label}'s {total} bytes")
+        out: list[bytes] = []
+
+        def attempt(r: Resolution) -> Outcome:
+            o, d = r.strategy.digest(r, spec, runs, version, lease)
+            out[:] = [d]
+            return o
+
+        v = self._core.transfers.run(spec, self._resolve(spec), attempt, lease=lease, version=version)
+        return v, out[0]
+
     def _gather_ranges(self, spec: RefSpec, ranges: Sequence[tuple[int, int, int]], version: int,
                        lease: Lease | None, keep: Any) -> int:
         """Routes without a native bracket here: range by range, the first fixes the version.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from memsem.engines._base import (
+    RUN_DIGEST_BYTES,
     WATCH_HEADER,
     WATCH_READY,
     Availability,
@@ -27,6 +28,7 @@ from memsem.engines._base import (
     RemoteRegion,
     Request,
     WatchMode,
+    run_digest,
 )
 from memsem.engines.host import HostEngine
 from memsem.engines.loopback import LoopbackEngine
@@ -84,6 +86,7 @@ _LOADED: dict[str, type[Engine]] = {}
 
 
 __all__ = [
+    "RUN_DIGEST_BYTES", "run_digest",
     "WATCH_HEADER", "WATCH_READY", "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "GenerationCheck", "RemoteOutcome", "WatchMode", "HostEngine", "LocalRegion",
     "LoopbackEngine", "Op", "OpKind", "OpState", "RemoteRegion", "Request", "engine_class",
     "engine_names",

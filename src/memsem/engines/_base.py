@@ -33,6 +33,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -498,6 +499,18 @@ class Engine(abc.ABC):
         """Give back a reservation of ``reserve_version`` (does not wait for an answer)."""
         raise NotSupportedError(f"engine {self.name!r} cannot reserve versions at the owner")
 
+    def digest_version(self, remote: RemoteRegion, runs: Sequence[tuple[int, int]], version: int) -> tuple[int, bytes]:
+        """Ask the owner for :func:`run_digest` of the bytes of ``runs`` (``(offset, nbytes)``
+        into ``remote``'s range, in that order, concatenated) of exactly version ``version``
+        (0: its latest): ``(the version digested, RUN_DIGEST_BYTES bytes)``. Only the digest
+        crosses the link. Blocking, bounded by the engine's timeout.
+
+        Raises:
+            RemoteOutcome: the owner's outcome (the version is gone, the generation moved).
+            NotSupportedError: not this engine.
+        """
+        raise NotSupportedError(f"engine {self.name!r} cannot digest byte runs at the owner")
+
     def can_signal(self, remote: RemoteRegion) -> bool:
         """Whether ``put_signal`` can set the window's tile signal words with the data."""
         return False
@@ -632,7 +645,18 @@ class EngineContext(abc.ABC):
         """Whether a process (on this node by pid, elsewhere by the directory's heartbeat) lives."""
 
 
+#: bytes of a digest of byte runs (:func:`run_digest`)
+RUN_DIGEST_BYTES = 16
+
+
+def run_digest() -> Any:
+    """A new hash of byte runs, the one both an owner answering ``digest_version`` and a
+    consumer checking bytes it holds use (blake2b of ``RUN_DIGEST_BYTES`` bytes)."""
+    return hashlib.blake2b(digest_size=RUN_DIGEST_BYTES)
+
+
 __all__ = [
+    "RUN_DIGEST_BYTES", "run_digest",
     "Availability", "ControlWords", "Credential", "Descriptor", "DirectAccess", "Engine", "EngineContext", "LocalRegion", "Op",
     "WATCH_HEADER", "WATCH_READY",
     "OpKind", "OpState", "RemoteRegion", "Request", "MemsemError", "GenerationCheck", "RemoteOutcome", "WatchMode",

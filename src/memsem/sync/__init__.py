@@ -30,10 +30,11 @@ from memsem.sync._reshard import (
 )
 from memsem.sync._sharded import ShardedPublisher, publish_sharded
 from memsem.sync._sharded_read import ShardedReader, ShardedStateDictRef, lookup_sharded
+from memsem.sync._sharded_relay import ShardedRelay, ShardedRelayReader
 from memsem.sync._state_dict import StateDictLayout, StateDictRef, StateDictSection, StreamBucket, TensorEntry
 
 __all__ = ["FanoutPlan", "FanoutSource", "Followable", "Follower", "LinkModel", "Relay", "RelayStats",
-           "Replicate", "ReshardPlan", "Shard", "ShardedLayout", "ShardedPublisher", "ShardedReader",
+           "Replicate", "ReshardPlan", "Shard", "ShardedLayout", "ShardedPublisher", "ShardedReader", "ShardedRelay", "ShardedRelayReader",
            "ShardedStateDictRef", "SourceShard", "SourceTensor", "StateDictLayout", "StateDictRef",
            "StateDictSection", "StreamBucket", "Target", "TensorEntry", "fanout_plan", "local_box",
            "lookup_sharded", "model_time", "plan_reshard", "publish_sharded", "to_fp8", "tp_targets"]

@@ -176,6 +176,17 @@ class ShardedStateDictRef:
         return ShardedReader(self, self.plan(targets, reader=reader), pin_ttl=pin_ttl, targets=targets, delta=delta,
                              delta_wait=delta_wait)
 
+    def relay_reader(self, targets: Mapping[str, Target] | ReshardPlan, *, relay: str, reader: int = 0,
+                     timeout: float = 0.0) -> Any:
+        """A :class:`memsem.sync.ShardedRelayReader`: loads ``targets`` (or a plan of this
+        layout) from the relay of sharded slices ``relay`` (a :class:`memsem.sync.ShardedRelay`
+        of the same plan), each version checked against the trainer ranks' digests of it.
+        ``timeout``: seconds to wait for the relay's window. Raises ValueError when the relay's
+        plan differs (names both)."""
+        from memsem.sync._sharded_relay import relay_reader
+
+        return relay_reader(self, targets, relay=relay, reader=reader, timeout=timeout)
+
 
 class ShardedReader:
     """Loads one plan of a sharded state dict, version after version (see the module docstring).
@@ -282,10 +293,14 @@ class ShardedReader:
         return {n: torch.from_numpy(a).view(_dtypes.torch_dtype(_dtypes.code_of(d))).reshape(s)
                 for (n, s, d), a in zip(outs, arrs)}
 
-    def _bases(self, into: Mapping[str, Any]) -> tuple[list[int], list, list[np.ndarray]]:
-        """The address each target is read to (``into``'s tensor, or the staging buffer of a
-        target converted on read), what keeps them alive, and each one's bytes (flat uint8
-        views); ``into`` checked whole."""
+    def bind(self, into: Mapping[str, Any]) -> tuple[list[int], list, list[np.ndarray]]:
+        """``into`` bound to the plan: ``(bases, keep, views)``: the address each target is
+        read to (``into``'s tensor, or the staging buffer of a target converted on read), what
+        keeps them alive, and each target's bytes (flat uint8 views), in plan order.
+
+        Raises:
+            KeyError / ValueError / TypeError: ``into`` does not fit the plan (names the tensor).
+        """
         if not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping of target name to tensor, got {type(into).__name__}")
         p = self.plan
@@ -350,7 +365,7 @@ class ShardedReader:
         """
         if into is None:
             raise ValueError("into is needed: the tensors to load into (reader.empty())")
-        bases, keep, views = self._bases(into)
+        bases, keep, views = self.bind(into)
         want = _args.version(version, "version") or 1
         sd = self.sharded
         core = sd._core

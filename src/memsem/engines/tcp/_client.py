@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from memsem import _hot
 from memsem._errors import AccessDeniedError, EngineError, MemsemError, PeerLostError
-from memsem.engines._base import Credential, RemoteOutcome
+from memsem.engines._base import RUN_DIGEST_BYTES, Credential, RemoteOutcome
 from memsem.engines.tcp import _wire as W
 from memsem.native import lib as _lib
 
@@ -44,7 +44,8 @@ _OP_GET, _OP_PUT = W.OP_GET, W.OP_PUT
 #: the op :meth:`Connection.reply` is given for the trailer after a GET's bytes (OK or OUTCOME)
 TRAILER = -1
 _OP_NAMES = {W.OP_OPEN: "open", W.OP_GET: "get", TRAILER: "get", W.OP_PUT: "put", W.OP_MARK: "ready mark",
-             W.OP_CLEAR: "ready mark", W.OP_PIN: "pin", W.OP_WATCH: "watch", W.OP_SYNC: "watch"}
+             W.OP_CLEAR: "ready mark", W.OP_PIN: "pin", W.OP_WATCH: "watch", W.OP_SYNC: "watch",
+             W.OP_DIGEST: "digest"}
 _ERRNO = _lib.MEMSEM_RC_ERRNO
 #: outcome statuses whose value is a version (an open section's, the version found)
 _VERSIONED = frozenset({_lib.MEMSEM_RC_BUSY, _lib.MEMSEM_RC_VERSION_GONE})
@@ -177,8 +178,8 @@ class Connection:
             raise self.violation(what, f"a reply to request {got} on handle {h} came for request {rid} on "
                                        f"handle {handle}")
         if status == W.DATA:
-            if op != W.OP_GET:
-                raise self.violation(what, "DATA answers only a GET")
+            if op != W.OP_GET and op != W.OP_DIGEST:
+                raise self.violation(what, "DATA answers only a GET or a DIGEST")
         elif status == W.OK or status == W.OUTCOME:
             if nbytes:
                 raise self.violation(what, f"{W.STATUS_NAMES[status]} carries {nbytes} bytes")
@@ -339,6 +340,24 @@ class Connection:
         self.send(W.REQ.pack(W.OP_PIN, 0, h, rid, ttl_ms, 0, version, wait_ms), deadline)
         status, flags, value, nbytes = self.reply(rid, h, W.OP_PIN, deadline)
         return self.answer(status, flags, value, nbytes, deadline, "pin")
+
+    def digest(self, h: int, deadline: float, wait_ms: int, body: bytes, version: int) -> tuple[int, bytes]:
+        """A DIGEST of the runs ``body`` lists (``W.RUN`` each) of ``version`` (0: the latest):
+        ``(the version digested, its RUN_DIGEST_BYTES bytes)``. Raises as :meth:`result`."""
+        rid = self.next_rid()
+        self.send(W.REQ.pack(W.OP_DIGEST, 0, h, rid, 0, len(body), version, wait_ms) + body, deadline)
+        status, flags, value, nbytes = self.reply(rid, h, W.OP_DIGEST, deadline)
+        if status == _DATA:
+            if nbytes != RUN_DIGEST_BYTES:
+                raise self.violation("digest", f"DATA of {nbytes} bytes answers a DIGEST ({RUN_DIGEST_BYTES})")
+            out = bytearray(RUN_DIGEST_BYTES)
+            self.read_into(memoryview(out), deadline)
+            status, flags, value, nbytes = self.reply(rid, h, TRAILER, deadline)
+            return self.answer(status, flags, value, nbytes, deadline, "digest"), bytes(out)
+        if status == _OK:
+            raise self.violation("digest", "a DIGEST answered OK without its digest")
+        self.answer(status, flags, value, nbytes, deadline, "digest")  # raises
+        raise self.violation("digest", f"status {status} answers a DIGEST")
 
     def unpin(self, h: int, deadline: float, wait_ms: int, version: int) -> None:
         """Give a reservation back (no reply: sent now, not with the next request)."""

@@ -128,7 +128,8 @@ class TcpEngine(Engine):
     def server_stats(self) -> dict[str, int]:
         """The owner's server counters (connections accepted, and closed by which bound:
         ``closed_grace``, ``closed_stall``, ``closed_send``, ``closed_idle``, ``closed_preauth_evicted``; 
-        ``full``, ``denied``, ``parked``...) and ``connections`` now; empty before the first
+        ``full``, ``denied``, ``parked``, ``digests`` computed and ``digests_cached`` answered
+        from the server's cache...) and ``connections`` now; empty before the first
         register."""
         srv = self._server
         if srv is None:
@@ -251,6 +252,18 @@ class TcpEngine(Engine):
         ``drop_reservation``, the ttl, or that connection. Raises as ``get``."""
         ttl_ms = max(1, min(0xFFFFFFFF, int(ttl * 1000)))
         return self._call(remote, Connection.pin, version, ttl_ms)
+
+    def digest_version(self, remote: RemoteRegion, runs: Sequence[tuple[int, int]], version: int) -> tuple[int, bytes]:
+        """The owner's digest of ``runs`` of ``version`` (see ``Engine.digest_version``): one
+        DIGEST request on this thread's connection (a reservation it holds keeps the version).
+        Raises as ``get``; ValueError: a run outside the region, or more than
+        ``MAX_DIGEST_RUNS`` runs."""
+        if not 0 < len(runs) <= W.MAX_DIGEST_RUNS:
+            raise ValueError(f"runs must hold 1 to {W.MAX_DIGEST_RUNS} runs, got {len(runs)}")
+        for off, n in runs:
+            self._check_range(remote, off, n)
+        body = b"".join(W.RUN.pack(off, n) for off, n in runs)
+        return self._call(remote, Connection.digest, body, version)
 
     def drop_reservation(self, remote: RemoteRegion, version: int) -> None:
         """Give a reservation back (the owner's writer may overwrite the version from now)."""

@@ -13,11 +13,14 @@ status themselves.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from memsem._errors import AccessDeniedError, MemsemError
+from memsem.engines._base import RUN_DIGEST_BYTES, run_digest
 from memsem.engines.tcp import _wire as W
 from memsem.native import ffi as _ffi
 from memsem.native import memcpy as _memcpy
@@ -31,6 +34,9 @@ READ, WRITE, PARK = 1, 2, 3
 AGAIN, WAIT = 1, 2
 _REP_SIZE, _SMALL, _DATA, _OK = W.REP.size, W.SMALL_BYTES, W.DATA, W.OK
 _pack_rep = W.REP.pack_into
+#: digests of runs kept per server, by (gva, generation, version, the runs' digest): the children
+#: of relays of one plan ask for the same runs of the same version, computed once
+DIGEST_CACHE = 64
 #: zeros sent in place of the rest of a reply whose bytes stopped being valid mid-way
 _ZEROS = memoryview(bytes(W.CHUNK_BYTES))
 
@@ -55,7 +61,9 @@ class Requests:
             W.OP_OPEN: self.open, W.OP_CLOSE: self.close_handle, W.OP_GET: self.get, W.OP_PUT: self.put,
             W.OP_MARK: self.mark, W.OP_CLEAR: self.mark, W.OP_WATCH: self.watch, W.OP_UNWATCH: self.unwatch,
             W.OP_PIN: self.pin, W.OP_UNPIN: self.unpin, W.OP_SYNC: self.sync,
+            W.OP_DIGEST: self.digest,
         }
+        self._digests: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
 
     def _parked(self, s: Session, g: Any, wait_until: float) -> Generator[tuple[int, float], None, bool]:
         """A BUSY answer (a write section is open): park the job until the section ends or
@@ -307,6 +315,78 @@ class Requests:
                 continue
             yield from self.srv.outcome(s, handle, rid, o) or ()
             return
+
+    def digest(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int,
+               wait_ms: int) -> Job | None:
+        """DIGEST: ``run_digest`` of the runs the body lists (``RUN``: offset, nbytes) of one
+        version (``version``, 0 the latest), each run read in a bracket of that version; the
+        reply is DATA of ``RUN_DIGEST_BYTES`` bytes and its trailer (OK with the version), so
+        only the digest crosses the link. A malformed body is refused before it is read."""
+        if n % W.RUN.size or not 0 < n <= W.MAX_DIGEST_RUNS * W.RUN.size:
+            return self.srv.deny(s, handle, rid, f"a digest request of {n} bytes (1 to {W.MAX_DIGEST_RUNS} runs "
+                                                 f"of {W.RUN.size} bytes)", True)
+        return self._digest_job(s, handle, rid, n, version, self.srv.park_until(wait_ms))
+
+    def _digest_job(self, s: Session, handle: int, rid: int, n: int, version: int, wait_until: float) -> Job:
+        body = yield from self.srv.body(s, n)
+        g, refused = self._grant(s, handle, rid)
+        if g is None:
+            yield from refused or ()
+            return
+        runs = [W.RUN.unpack_from(body, i) for i in range(0, n, W.RUN.size)]
+        try:
+            for off, k in runs:
+                g.check(False, off, k)
+        except (ValueError, AccessDeniedError) as exc:
+            yield from self.srv.deny(s, handle, rid, str(exc), False) or ()
+            return
+        key = (g.gva, g.generation, version, hashlib.blake2b(body, digest_size=16).digest())
+        known = self._digests.get(key) if version else None
+        if known is not None:  # a version's bytes never change, so neither does their digest
+            o, _ = g.move(False, runs[0][0], 0, version, lambda address, m: 0)
+            if not o.ok:  # answered as the window answers now (the version gone, the generation moved)
+                yield from self.srv.outcome(s, handle, rid, o) or ()
+                return
+            self.srv.stats["digests_cached"] += 1
+            yield from self.srv.send_now(s, W.REP.pack(W.DATA, 0, handle, rid, 0, RUN_DIGEST_BYTES) + known
+                                         + W.REP.pack(W.OK, 0, handle, rid, version, 0)) or ()
+            return
+        while True:
+            h, v = run_digest(), version
+            o = None
+
+            def feed(address: int, m: int, h: Any = h) -> int:
+                h.update(_buffer(address, m))
+                return m
+
+            for off, k in runs:
+                done = 0
+                while done < k:
+                    o, m = g.move(False, off + done, k - done, v, feed)
+                    if not o.ok:
+                        break
+                    v, done = o.value, done + m
+                if o is not None and not o.ok:
+                    break
+            if o is not None and not o.ok and o.waits and (yield from self._parked(s, g, wait_until)):
+                continue  # an open write section: the whole digest again after its commit
+            break
+        if o is not None and not o.ok:
+            yield from self.srv.outcome(s, handle, rid, o) or ()
+            return
+        if not v:  # only empty runs: the latest version, read with an empty bracket
+            o, _ = g.move(False, runs[0][0], 0, version, lambda address, m: 0)
+            if not o.ok:
+                yield from self.srv.outcome(s, handle, rid, o) or ()
+                return
+            v = o.value
+        d = h.digest()
+        self.srv.stats["digests"] += 1
+        self._digests[key[:2] + (v,) + key[3:]] = d
+        while len(self._digests) > DIGEST_CACHE:
+            self._digests.popitem(last=False)
+        yield from self.srv.send_now(s, W.REP.pack(W.DATA, 0, handle, rid, 0, RUN_DIGEST_BYTES) + d
+                                     + W.REP.pack(W.OK, 0, handle, rid, v, 0)) or ()
 
     def unpin(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int, *_: int) -> None:
         """UNPIN: drop the session's reservation of ``version`` (no reply)."""

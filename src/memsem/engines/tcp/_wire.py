@@ -67,7 +67,11 @@ TGT = struct.Struct("<B3xII")
 EVT = struct.Struct("<B3xIQ")
 H16 = struct.Struct("<H")
 
-OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH, OP_PIN, OP_UNPIN, OP_SYNC = range(1, 12)
+OP_OPEN, OP_CLOSE, OP_GET, OP_PUT, OP_MARK, OP_CLEAR, OP_WATCH, OP_UNWATCH, OP_PIN, OP_UNPIN, OP_SYNC, OP_DIGEST = range(1, 13)
+#: one run of a DIGEST request's body: ``(offset, nbytes)``
+RUN = struct.Struct("<QQ")
+#: runs one DIGEST request may carry (its body: ``RUN.size`` bytes each)
+MAX_DIGEST_RUNS = 1 << 16
 #: reservations (PIN) one grant holds at once
 MAX_PINS = 8
 OK, DATA, OUTCOME, DENIED, FULL, ERROR, EVENT = range(7)
