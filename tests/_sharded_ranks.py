@@ -63,6 +63,11 @@ def np_trainer(conn, rank: int, name: str, barrier, steps: int) -> None:
                 conn.send(pub.update({"w": cur, "b": np.ones(3, np.int64)}))
             elif cmd == "stats":  # the tcp server's counters (digests answered, from its cache)
                 conn.send(rt.engines["tcp"].server_stats() if "tcp" in rt.engines else {})
+            elif cmd == "small digest slices":  # the owner hashes a DIGEST 8 bytes per turn of its loop
+                from memsem.engines.tcp import _requests
+
+                _requests.DIGEST_SLICE_BYTES = 8
+                conn.send("ok")
             elif cmd == "die mid-commit":
                 sec = pub.write_section()
                 sec.tensors["w"][:] = -1.0  # half-written: never committed

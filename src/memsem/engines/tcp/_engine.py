@@ -129,7 +129,7 @@ class TcpEngine(Engine):
         """The owner's server counters (connections accepted, and closed by which bound:
         ``closed_grace``, ``closed_stall``, ``closed_send``, ``closed_idle``, ``closed_preauth_evicted``; 
         ``full``, ``denied``, ``parked``, ``digests`` computed and ``digests_cached`` answered
-        from the server's cache...) and ``connections`` now; empty before the first
+        from the server's cache, ``digest_slices`` hashed between two turns of the loop...) and ``connections`` now; empty before the first
         register."""
         srv = self._server
         if srv is None:

@@ -37,6 +37,9 @@ _pack_rep = W.REP.pack_into
 #: digests of runs kept per server, by (gva, generation, version, the runs' digest): the children
 #: of relays of one plan ask for the same runs of the same version, computed once
 DIGEST_CACHE = 64
+#: bytes a DIGEST hashes in one copy bracket before it lets the loop serve the other sessions
+#: (the loop's one thread is never held longer than hashing this much)
+DIGEST_SLICE_BYTES = 4 << 20
 #: zeros sent in place of the rest of a reply whose bytes stopped being valid mid-way
 _ZEROS = memoryview(bytes(W.CHUNK_BYTES))
 
@@ -319,8 +322,9 @@ class Requests:
     def digest(self, s: Session, op: int, handle: int, rid: int, off: int, n: int, version: int,
                wait_ms: int) -> Job | None:
         """DIGEST: ``run_digest`` of the runs the body lists (``RUN``: offset, nbytes) of one
-        version (``version``, 0 the latest), each run read in a bracket of that version; the
-        reply is DATA of ``RUN_DIGEST_BYTES`` bytes and its trailer (OK with the version), so
+        version (``version``, 0 the latest), read in slices of ``DIGEST_SLICE_BYTES``, each in
+        a bracket of that version, the loop serving the other sessions between two; the reply
+        is DATA of ``RUN_DIGEST_BYTES`` bytes and its trailer (OK with the version), so
         only the digest crosses the link. A malformed body is refused before it is read."""
         if n % W.RUN.size or not 0 < n <= W.MAX_DIGEST_RUNS * W.RUN.size:
             return self.srv.deny(s, handle, rid, f"a digest request of {n} bytes (1 to {W.MAX_DIGEST_RUNS} runs "
@@ -362,10 +366,14 @@ class Requests:
             for off, k in runs:
                 done = 0
                 while done < k:
-                    o, m = g.move(False, off + done, k - done, v, feed)
+                    o, m = g.move(False, off + done, min(k - done, DIGEST_SLICE_BYTES), v, feed)
                     if not o.ok:
                         break
                     v, done = o.value, done + m
+                    self.srv.stats["digest_slices"] += 1
+                    # each slice is its own bracket of version v: between two, the other sessions
+                    # are served (the socket is writable at once unless the peer stopped reading)
+                    yield WRITE, time.monotonic() + self.srv.bounds.send_s
                 if o is not None and not o.ok:
                     break
             if o is not None and not o.ok and o.waits and (yield from self._parked(s, g, wait_until)):

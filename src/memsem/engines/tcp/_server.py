@@ -13,7 +13,8 @@ per open handle. Nothing a peer does holds a thread, a copy bracket or memory pa
   byte counts); a PUT's payload must make progress every ``stall_s``;
 * **a reply** must make progress every ``send_s``. A copy bracket is held only around one
   non-blocking ``send``/``recv`` straight between the window and the socket (``Grant.move``),
-  never while the loop waits for the peer, so a consumer that never reads, or a partitioned
+  or one slice of a DIGEST's hashing (``DIGEST_SLICE_BYTES``, the other sessions served
+  between two slices), never while the loop waits for the peer, so a consumer that never reads, or a partitioned
   link, never holds a window: ``unpublish`` does not wait for it at all;
 * **a wait a request asks for** (an open write section) is capped at ``max_wait_s``; the
   request is parked (no bracket, no thread) until the window commits a version or the cap
