@@ -303,7 +303,7 @@ def _follow(name, until):
             seen.append((got, hashlib.sha256(dst["w"].tobytes()).hexdigest(), int(dst["step"])))
             if got >= until:
                 return seen
-            v = sd.wait_version(got + 1, timeout=30)
+            sd.wait_version(got + 1, timeout=30)
 
 
 def test_versions_followed_by_name_in_other_processes(rt):
@@ -465,3 +465,80 @@ def _raises(fn):
     except BaseException as exc:  # noqa: BLE001
         return exc
     return None
+
+
+def test_a_section_body_that_publishes_while_another_thread_unpublishes_its_window_commits(rt):
+    """A retire waits for an open section without holding the publisher's lock: a section body
+    that needs it (a publish) goes on, the section commits, then the unpublish retires."""
+    a = rt.publish(np.zeros(4096, np.uint8), name="a", slots=2)
+    owned = rt.publisher.owned[a.spec.gva]
+    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    done = {}
+
+    def unpublish():
+        try:
+            rt.unpublish(a, timeout=20)
+            done["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            done["exc"] = exc
+
+    with rt.write_section(a) as sec:
+        t = threading.Thread(target=unpublish)
+        t.start()
+        assert seen.waiting.wait(30)  # the unpublish waits for this section
+        b = rt.publish(np.ones(16, np.uint8), name="b")  # needs the publisher's lock: not held by the wait
+        sec.array()[:] = 4
+    t.join(30)
+    assert done == {"ok": True}
+    assert b.version() == 1
+    with pytest.raises(memsem.WindowRetiredError):
+        a.version()
+
+
+@pytest.mark.parametrize("ends", ["leases held: the window stays live", "retired"])
+def test_a_section_opened_during_a_retire_waits_for_its_outcome(rt, monkeypatch, ends):
+    """A section opened while a retire holds the window waits for the retire's outcome: a retire
+    that fails (LeaseHeldError) leaves the window live and the section opens on it; one that
+    succeeds ends the wait with WindowRetiredError. The retire's lease wait starts only once the
+    section waits (order forced)."""
+    from memsem.core import _publish
+
+    ref = rt.publish(np.zeros(4096, np.uint8), name="w", slots=2)
+    owned = rt.publisher.owned[ref.spec.gva]
+    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    real = _publish.Publisher._wait_unleased
+
+    def after_the_section_waits(self, o, wait, **kw):
+        assert seen.waiting.wait(30)
+        return real(self, o, wait, **kw)
+
+    monkeypatch.setattr(_publish.Publisher, "_wait_unleased", after_the_section_waits)
+    with memsem.Runtime(timeout=10.0) as other:
+        lease = other.ref(ref.to_bytes()).pin(ttl=60)  # a live holder: the retire cannot finish
+        out = {}
+
+        def retire():
+            try:
+                rt.unpublish(ref, timeout=0.2 if ends.startswith("leases") else 30)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                out["retire"] = exc
+
+        r = threading.Thread(target=retire)
+        r.start()
+        _until(lambda: owned.section_thread == _publish.RETIRE_HOLDS, 30, "the retire holding the window")
+        if not ends.startswith("leases"):
+            threading.Thread(target=lambda: (seen.waiting.wait(30), lease.release())).start()
+        try:
+            with rt.write_section(ref, timeout=30) as sec:  # waits while the retire holds the window
+                sec.array()[:] = 6
+            out["section"] = sec.version
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            out["section"] = exc
+        r.join(30)
+        if ends.startswith("leases"):
+            assert isinstance(out["retire"], memsem.LeaseHeldError), out
+            assert out["section"] == 2 and ref.version() == 2  # the window lived on: the section opened
+            lease.release()
+        else:
+            assert "retire" not in out, out
+            assert isinstance(out["section"], memsem.WindowRetiredError), out

@@ -290,6 +290,11 @@ class Publisher:
             raise ValueError("a double-buffered window (slots=2) is published access='r': only its owner "
                              "changes it, inside write sections")
         n_ready, tb = tiling(info.nbytes, tile_bytes, tiles)
+        if name is not None and replace:  # a republish retires the old window: its sections first
+            with self.lock:
+                old = self.owned.get(self.names.get(name, -1))
+            if old is not None:
+                self._await_sections(old, core.timeout)
         with self.lock:
             if name is not None and name in self.names:
                 old = self.owned.get(self.names[name])
@@ -522,11 +527,7 @@ class Publisher:
             warnings.warn(f"{owned.label} closed with a write section open in another thread "
                           f"({owned.section_thread}): its commit will raise", ResourceWarning, stacklevel=4)
             return False
-        self._core.telemetry.count_error("timeout")
-        raise MemsemTimeoutError(
-            f"cannot retire {owned.label}: a write section open on it in another thread did not "
-            f"close in {wait.timeout} s; the window stays live",
-            what=f"the open write section on {owned.label}", timeout=wait.timeout)
+        raise self._section_timeout(owned, wait.timeout)
 
     def _retire(self, owned: Owned, wait: Wait, *, timeout: float, keep_name: bool, force: bool) -> None:
         core = self._core
@@ -650,8 +651,40 @@ class Publisher:
         t = _args.timeout_or(timeout, core.timeout)
         with self.lock:
             owned = self.owned_for(spec_or_name, allow_retiring=True)
+        t = self._await_sections(owned, t)
+        with self.lock:
+            owned = self.owned_for(spec_or_name, allow_retiring=True)
             self.retire(owned, timeout=t)
             self._release_cb(owned.cb)
+
+    def _await_sections(self, owned: Owned, timeout: float) -> float:
+        """Before a retire takes the publisher's lock: wait up to ``timeout`` s until no write
+        section is open on ``owned`` in another thread (a section's body may need that lock: a
+        retire holding it while it waits would wait for nothing). Returns the seconds left of
+        ``timeout`` (a section opened since is the retire's to wait for, within them).
+
+        Raises:
+            MemsemError: the section is open in the calling thread (it could never close).
+            MemsemTimeoutError: it stayed open in another thread for ``timeout`` s (the window
+                stays live).
+        """
+        if owned.section_thread == threading.get_ident():
+            raise MemsemError(
+                f"cannot retire {owned.label} inside a write section open on it in this thread: "
+                "commit or abort the section first (leave its with block), then unpublish")
+        t0 = time.monotonic()
+        lock = owned.section_lock
+        if not lock.acquire(timeout=timeout):
+            raise self._section_timeout(owned, timeout)
+        lock.release()
+        return max(0.0, timeout - (time.monotonic() - t0))
+
+    def _section_timeout(self, owned: Owned, timeout: float) -> MemsemTimeoutError:
+        self._core.telemetry.count_error("timeout")
+        return MemsemTimeoutError(
+            f"cannot retire {owned.label}: a write section open on it in another thread did not "
+            f"close in {timeout:g} s; the window stays live",
+            what=f"the open write section on {owned.label}", timeout=timeout)
 
     def owned_for(self, spec_or_name: RefSpec | str, *, allow_retiring: bool = False) -> Owned:
         if isinstance(spec_or_name, str):

@@ -33,7 +33,7 @@ import numpy as np
 
 from memsem import _args, native
 from memsem._args import VERSION_MAX
-from memsem._errors import LeaseHeldError, MemsemError, OwnerWriteError, WindowRetiredError
+from memsem._errors import LeaseHeldError, MemsemError, MemsemTimeoutError, OwnerWriteError, WindowRetiredError
 from memsem.gva import ControlBlock, lease_slots as _lease
 from memsem.gva._control_block import W_SEQ0, W_WRITER
 from memsem.core._wait import Wait
@@ -74,22 +74,28 @@ def open_sections(owned: Sequence["Owned"], *, copy: bool, timeout: float, telem
 
 
 def _open_one(o: "Owned", wait: Wait) -> "_Item":
-    if not o.section_lock.acquire(blocking=False):
-        if o.retiring or o.section_thread < 0:  # a retire holds it (RETIRE_HOLDS)
-            raise WindowRetiredError(f"{o.label} is being retired: no write section opens on it")
-        raise MemsemError(f"{o.label}: a write section is already open")
-    cb = o.cb
-    if o.retiring:
-        o.section_lock.release()
-        raise WindowRetiredError(f"{o.label} was retired: no write section opens on it")
+    lock = o.section_lock
+    if not lock.acquire(blocking=False):
+        if o.section_thread >= 0:
+            raise MemsemError(f"{o.label}: a write section is already open")
+        # a retire holds it (RETIRE_HOLDS): it may yet end with the window live (leases held)
+        if not lock.acquire(timeout=wait.left()):
+            raise MemsemTimeoutError(f"{o.label}: a retire of the window in progress did not end within "
+                                     f"{wait.timeout:g} s: no write section opened",
+                                     what=f"the retire of {o.label}", timeout=wait.timeout)
     # The section holds the memory it writes (the control block, the slots' segment, the
-    # published object): a forced retire (the runtime closing) never unmaps it under the section.
+    # published object): a forced retire (the runtime closing) never unmaps it under the
+    # section. Pinned first, then the window checked: a retire that went on meanwhile is seen.
     try:
         holds = _hold_memory(o)
     except ValueError:
-        o.section_lock.release()
+        lock.release()
         raise WindowRetiredError(f"{o.label} was retired: no write section opens on it") from None
+    if o.retiring or (o.n_slots > 1 and o.slots_segment is None):
+        _release(o, holds)
+        raise WindowRetiredError(f"{o.label} was retired: no write section opens on it")
     o.section_thread = threading.get_ident()
+    cb = o.cb
     try:
         if o.guard == "checksum":
             latest = cb.latest
