@@ -153,10 +153,11 @@ class ShardedRelay:
         return v
 
     def close(self, timeout: float | None = None) -> None:
-        """Unpublish the relay window (children's later loads fail). Safe twice."""
+        """Unpublish the relay window (children's later loads fail). Safe twice; a close that
+        raised (leases held past ``timeout``) may be retried."""
         if not self._closed:
-            self._closed = True
             self._core.unpublish_spec(self.ref.spec, timeout=timeout)
+            self._closed = True
 
     def __enter__(self) -> "ShardedRelay":
         return self
@@ -336,6 +337,8 @@ class ShardedRelayReader:
                         _, theirs = self._core.digest_runs(self.sharded.refs[r].spec, src, version=v)
                     except VersionGoneError:
                         return f"trainer rank {r} no longer holds version {v} (committed twice since): not checkable"
+                    except NotSupportedError as exc:  # a route that cannot digest at its owner
+                        return f"trainer rank {r}'s route cannot digest runs ({exc}): not checkable"
                     h = run_digest()
                     for ti, off, n in pieces:
                         h.update(views[ti].data[off:off + n])
