@@ -140,7 +140,8 @@ class Runtime(RuntimeCore):
         thread to close, refuse new leases, wait for held leases, bump the generation (every
         outstanding ref becomes stale), wait for in-flight copies to drain, then release the
         memory. Blocking; the three waits share one deadline of ``timeout`` s (default the
-        runtime's).
+        runtime's); a state dict's delta history windows, retired with it, each get the
+        runtime's timeout.
 
         Raises:
             MemsemError: a write section is open on the window in the calling thread (leave it
