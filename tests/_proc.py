@@ -7,6 +7,7 @@ threads' stacks) as an AssertionError saying so.
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 import traceback
 
@@ -73,6 +74,28 @@ def until(cond, timeout=20.0, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached in {timeout} s")
         time.sleep(0.005)
+
+
+class SeenLock:
+    """Stands in for a window's section lock (``Owned.section_lock``) and tells the test when
+    someone waits on it (``waiting``): an order forced, not hoped for."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking and self._lock.acquire(blocking=False):
+            return True
+        if blocking:
+            self.waiting.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+
+    def locked(self):
+        return self._lock.locked()
 
 
 def reap(procs, timeout=20.0):

@@ -666,7 +666,7 @@ def test_a_republish_while_the_keeper_writes_the_index_waits_for_its_section(rt,
     ref = rt.publish_state_dict(sd, name="hold")
     index = RefSpec.from_bytes(ref.layout.delta.index)
     owned = rt.publisher.owned[index.gva]
-    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    seen = owned.section_lock = _proc.SeenLock(owned.section_lock)
     sd["w"][:10] = 2
     assert ref.update(sd) == 2
     assert entered.wait(60)  # the keeper's section on the index is open
@@ -684,22 +684,6 @@ def test_a_republish_while_the_keeper_writes_the_index_waits_for_its_section(rt,
     assert again.update(sd) == 2 and again.version() == 2
 
 
-class _SeenLock:
-    """A window's section lock that tells the test when a retire waits on it."""
-
-    def __init__(self, lock):
-        self._lock = lock
-        self.waiting = threading.Event()
-
-    def acquire(self, blocking=True, timeout=-1):
-        if blocking and self._lock.acquire(blocking=False):
-            return True
-        if blocking:
-            self.waiting.set()
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self):
-        self._lock.release()
 
 
 def _index_gone(rt, index) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import memsem
+from tests._proc import SeenLock
 from tests._proc import until as _until
 from tests.conftest import run_children
 
@@ -296,7 +297,6 @@ def _follow(name, until):
     with memsem.Runtime(timeout=30.0) as rt:
         sd = rt.lookup_state_dict(name)
         seen = []
-        v = sd.version()
         while True:
             dst = sd.empty_like("numpy")
             got = sd.load(dst)
@@ -351,34 +351,12 @@ def test_a_gather_counts_the_bytes_of_its_ranges_not_the_window():
 
 
 # -- a retire and an open write section -----------------------------------------------------------
-class _SeenLock:
-    """The window's section lock, telling the test when a retire waits on it (an order forced,
-    not hoped for)."""
-
-    def __init__(self, lock):
-        self._lock = lock
-        self.waiting = threading.Event()
-
-    def acquire(self, blocking=True, timeout=-1):
-        if blocking and self._lock.acquire(blocking=False):
-            return True
-        if blocking:
-            self.waiting.set()
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self):
-        self._lock.release()
-
-    def locked(self):
-        return self._lock.locked()
-
-
 @pytest.mark.parametrize("slots", [1, 2])
 def test_an_unpublish_from_another_thread_waits_for_the_open_section_then_retires(rt, slots):
     a = rt.alloc(1 << 16, np.uint8) if slots == 1 else np.zeros(1 << 16, np.uint8)
     ref = rt.publish(a, name="w", slots=slots)
     owned = rt.publisher.owned[ref.spec.gva]
-    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    seen = owned.section_lock = SeenLock(owned.section_lock)
     sec = rt.write_section(ref)
     sec.array()[:] = 7
     done = {}
@@ -472,7 +450,7 @@ def test_a_section_body_that_publishes_while_another_thread_unpublishes_its_wind
     that needs it (a publish) goes on, the section commits, then the unpublish retires."""
     a = rt.publish(np.zeros(4096, np.uint8), name="a", slots=2)
     owned = rt.publisher.owned[a.spec.gva]
-    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    seen = owned.section_lock = SeenLock(owned.section_lock)
     done = {}
 
     def unpublish():
@@ -505,7 +483,7 @@ def test_a_section_opened_during_a_retire_waits_for_its_outcome(rt, monkeypatch,
 
     ref = rt.publish(np.zeros(4096, np.uint8), name="w", slots=2)
     owned = rt.publisher.owned[ref.spec.gva]
-    seen = owned.section_lock = _SeenLock(owned.section_lock)
+    seen = owned.section_lock = SeenLock(owned.section_lock)
     real = _publish.Publisher._wait_unleased
 
     def after_the_section_waits(self, o, wait, **kw):
