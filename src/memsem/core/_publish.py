@@ -517,9 +517,7 @@ class Publisher:
         if owned.section_thread == threading.get_ident():
             if force:
                 return False
-            raise MemsemError(
-                f"cannot retire {owned.label} inside a write section open on it in this thread: "
-                "commit or abort the section first (leave its with block), then unpublish")
+            raise self._own_section_error(owned)
         if lock.acquire(timeout=wait.left()):
             owned.section_thread = RETIRE_HOLDS
             return True
@@ -669,15 +667,19 @@ class Publisher:
                 stays live).
         """
         if owned.section_thread == threading.get_ident():
-            raise MemsemError(
-                f"cannot retire {owned.label} inside a write section open on it in this thread: "
-                "commit or abort the section first (leave its with block), then unpublish")
+            raise self._own_section_error(owned)
         t0 = time.monotonic()
         lock = owned.section_lock
         if not lock.acquire(timeout=timeout):
             raise self._section_timeout(owned, timeout)
         lock.release()
         return max(0.0, timeout - (time.monotonic() - t0))
+
+    @staticmethod
+    def _own_section_error(owned: Owned) -> MemsemError:
+        return MemsemError(
+            f"cannot retire {owned.label} inside a write section open on it in this thread: "
+            "commit or abort the section first (leave its with block), then unpublish")
 
     def _section_timeout(self, owned: Owned, timeout: float) -> MemsemTimeoutError:
         self._core.telemetry.count_error("timeout")
