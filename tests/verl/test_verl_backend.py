@@ -68,9 +68,19 @@ def _stepped(v: torch.Tensor, step: int) -> torch.Tensor:
     return v ^ bool(step % 2) if v.dtype == torch.bool else v + step
 
 
+def _sparse(v: torch.Tensor, step: int) -> torch.Tensor:
+    """The trainer's value of ``v`` at ``step`` when it changes few elements (the delta runs):
+    every 50th element from ``step % 50`` stepped, the others as built (4% differ between two
+    steps)."""
+    out = v.clone()
+    flat = out.view(-1)
+    flat[step % 50::50] = _stepped(flat[step % 50::50], step)
+    return out
+
+
 @ray.remote(num_cpus=0)
 class Worker:
-    def __init__(self, role: str, index: int, fanout: str = "chain", model: str = "llama") -> None:
+    def __init__(self, role: str, index: int, fanout: str = "chain", model: str = "llama", delta: bool = False) -> None:
         import memsem.integrations.verl  # registers the backend, as custom_backend_module does
         from verl.checkpoint_engine import CheckpointEngineRegistry
 
@@ -78,7 +88,8 @@ class Worker:
         self.model = _model() if model == "llama" else _Odd()
         # as verl's actor workers do: is_master=(rank == 0) on the actors
         self.engine = CheckpointEngineRegistry.new("memsem", bucket_size=BUCKET, timeout=TIMEOUT, fanout=fanout,
-                                                   is_master=(role == "trainer" and index == 0))
+                                                   is_master=(role == "trainer" and index == 0), delta=delta)
+        self.value = _sparse if delta else _stepped  # the trainer's value of a weight at a step
         self.received: dict[str, torch.Tensor] = {}
         self.round = 0
         self.stalled = False
@@ -92,7 +103,7 @@ class Worker:
         self.round = step
         if self.role == "trainer":
             with torch.no_grad():
-                sd = {k: _stepped(v, step) for k, v in self.model.state_dict().items()}
+                sd = {k: self.value(v, step) for k, v in self.model.state_dict().items()}
             return await self.engine.send_weights(iter(sd.items()), global_steps=step)
         async for name, weight in self.engine.receive_weights(global_steps=step):
             self.received[name] = weight.clone()
@@ -135,8 +146,11 @@ class Worker:
         """(weights received, weights of the model, names of those received that are not the
         trainer's of this round)."""
         sd = self.model.state_dict()
-        wrong = [k for k, v in self.received.items() if not torch.equal(v, _stepped(sd[k], self.round))]
+        wrong = [k for k, v in self.received.items() if not torch.equal(v, self.value(sd[k], self.round))]
         return len(self.received), len(sd), wrong
+
+    def metrics(self) -> dict:
+        return dict(self.engine.metrics)
 
     def pid(self) -> int:
         return os.getpid()
@@ -162,7 +176,7 @@ class Worker:
         n = 0
         for name, weight in self.model.state_dict().items():
             assert name in self.received, f"weight {name} not received"
-            want = _stepped(weight, self.round)
+            want = self.value(weight, self.round)
             got = self.received[name]
             assert got.dtype == want.dtype and got.shape == want.shape, name
             assert torch.equal(got, want), f"weight {name} not equal"
@@ -259,6 +273,33 @@ def test_memsem_checkpoint_engine_across_nodes(ray_cluster, redis_url, num_rollo
         want = r["tcp"] + (num_rollout - 1) * digests if k == 1 else r["tcp"] - digests
         assert chain[k - 1].get("loopback", 0) == want, (k, digests, routes)
     assert chain[-1].get("loopback", 0) == 0, routes  # the last rollout serves nothing
+
+
+def test_deltas_across_nodes(ray_cluster, redis_url):
+    """``delta=True`` across nodes (tcp, the redis directory), a chain of 2 rollouts, 4 rounds
+    of 4% of the elements changed: the first round whole, the next ones every bucket a delta
+    (the rollouts relay deltas), every weight equal to the trainer's, no fallback, and the bytes
+    each rollout loaded over tcp in the delta rounds a small part of the first round's."""
+    trainer, rollout = _workers(2, 2, redis_url, delta=True)
+    workers = trainer + rollout
+    try:
+        tcp = []
+        for step in range(1, 5):
+            _setup(trainer, rollout)
+            out = ray.get([w.update_weights.remote(step) for w in workers], timeout=300)
+            ray.get([w.execute_checkpoint_engine.remote("finalize") for w in workers], timeout=120)
+            assert all(c > 0 for c in ray.get([w.check_weights.remote() for w in rollout], timeout=120))
+            m, rm = out[0], ray.get([w.metrics.remote() for w in rollout], timeout=60)
+            assert m["memsem/delta_buckets"] == (0 if step == 1 else m["memsem/buckets"]), (step, m)
+            assert all(r["memsem/fallbacks"] == 0 and r["memsem/received_bytes"] == m["memsem/sent_bytes"]
+                       for r in rm), rm
+            tcp.append([r.get("tcp", 0) for r in ray.get([w.bytes_by_route.remote() for w in rollout], timeout=60)])
+        first = tcp[0]
+        for a, b in zip(tcp[1:], tcp[2:]):
+            assert all(y - x < 0.2 * f for x, y, f in zip(a, b, first)), tcp
+    finally:
+        for w in workers:
+            ray.kill(w)
 
 
 @pytest.mark.parametrize("how", ["killed-across-nodes", "failed"])
@@ -385,12 +426,12 @@ def test_a_relay_that_reserves_an_older_bucket_whole_is_named(ray_cluster):
 
 
 def _workers(num_trainer: int, num_rollout: int, directory: str | None = None,
-             fanout: str = "chain", model: str = "llama") -> tuple[list, list]:
+             fanout: str = "chain", model: str = "llama", delta: bool = False) -> tuple[list, list]:
     """Trainer and rollout actors; with ``directory`` each on its own memsem node."""
     def make(role: str, i: int):
         if directory is None:
-            return Worker.remote(role, i, fanout, model)
-        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i, fanout, model)
+            return Worker.remote(role, i, fanout, model, delta)
+        return Worker.options(runtime_env=_env(f"verl-{role}-{i}", directory)).remote(role, i, fanout, model, delta)
 
     return [make("trainer", i) for i in range(num_trainer)], [make("rollout", i) for i in range(num_rollout)]
 

@@ -5,6 +5,7 @@ Select it by config, no patch to verl::
     actor_rollout_ref.rollout.checkpoint_engine.backend=memsem
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=memsem.integrations.verl
     # across nodes nothing more (the ray directory); optional: ...engine_kwargs.memsem.directory=redis://host:6379/0
+    # deltas (each sync moves what changed since the last one): ...engine_kwargs.memsem.delta=true
 
 How the refs travel: through verl's own metadata channel, no name lookup and no job secret.
 verl calls ``prepare()`` on every worker before each sync, hands the results to
@@ -41,12 +42,12 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
   its slowest reader and never overwrites a bucket someone still needs. A relay publishes its
   bucket window in ``init_process_group`` and puts its ref into its status window
   (``W_RELAY``), where the rollout after it finds it.
-* A rollout follows the window's versions with the follower loop (``Runtime.follow(...,
-  every=True)``: each bucket is exactly the next version, waited for on the window's
-  latest-version word; a gone version raises ``VersionGoneError`` naming both), copying each
-  bucket (its slot: metadata and bytes of that one version) into one of two local buffers
-  while the previous bucket's tensors are being consumed, and checks the bucket's index and
-  step.
+* A rollout takes the window's versions one by one: each bucket is exactly the next version,
+  waited for on the window's latest-version word (``wait_version_async``), then read at that
+  version (a gone version raises ``StaleReferenceError`` naming both): its header and
+  metadata, then as many data bytes as the header names (a last bucket half full, or a delta
+  bucket, moves only those), into one of two local buffers while the previous bucket's
+  tensors are being consumed; it checks the bucket's index and step.
 * Every bucket is checked end to end: the trainer writes its ``sha256`` digest (of the header,
   the metadata and the data bytes) into entry b of its **digest window** (published in
   ``prepare()`` beside the bucket window, its ref in the master's metadata) before it commits
@@ -70,6 +71,14 @@ times after the first; ``fanout="star"``: every rollout reads every bucket from 
   so the trainer's error names the first rollout on the way and every one after it up to the
   one that died or failed; a relay that leaves retires its bucket window, so the rollouts after
   it stop at once too.
+
+With ``delta=True`` (the master's choice) the trainer and every rollout keep the last sync's
+buckets in host memory, and a bucket whose layout did not change goes as a delta against them
+(``memsem.integrations._verl_delta``: the changed elements of each tile, or the tile whole, and
+the digest of every new tile): checked as sent by its sha256 as above, then patched into the
+rollout's copy and checked tile by tile; a copy that does not check is read whole from the
+trainer's copy (its store window, published for the sync). Deltas are sent only when every
+rollout completed the trainer's last sync.
 
 Errors are exceptions (``memsem.MemsemError`` subclasses, ``MemsemTimeoutError``), never an
 ``exit``. Every wait is bounded by ``timeout``. Same node: route host/shm; across nodes the
@@ -99,10 +108,16 @@ from verl.checkpoint_engine.base import (
 )
 
 import memsem
+from memsem.integrations import _verl_delta as vd
 
-#: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes
-_HEAD = struct.Struct("<8sQQqI")
-_MAGIC = b"MSVERLB1"
+#: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes,
+#: kind (``KIND_FULL``, ``KIND_DELTA``), bytes of the data area sent, the bucket's offset in the
+#: trainer's store window (delta buckets)
+_HEAD = struct.Struct("<8sQQqIIQQ")
+_MAGIC = b"MSVERLB2"
+#: a bucket's data area holds its tensor chunks (full) or a delta against the last sync's
+#: bucket of the same layout (``memsem.integrations._verl_delta``)
+KIND_FULL, KIND_DELTA = 0, 1
 #: first version a bucket gets (1 is the empty window right after publish)
 FIRST_BUCKET_VERSION = 2
 #: ready words of a status window: done with slot 0, done with slot 1, failed, relay window ready
@@ -119,6 +134,8 @@ FANOUTS = ("chain", "star")
 #: bucket b's, written before the bucket is committed and read by every rollout from the trainer
 #: itself (never through a relay)
 DIGEST, DIGEST_SIZE = "sha256", 32
+#: bytes of a slot a rollout reads first: the header and (most often all of) the metadata
+HEAD_PROBE = 4 << 10
 #: buckets one sync may have (the digest window's entries: 2 MiB)
 MAX_BUCKETS = 1 << 16
 #: a slot's data area starts at ``meta_bytes``, a multiple of this; each tensor chunk in it at a
@@ -159,11 +176,22 @@ class MemsemCheckpointEngine(CheckpointEngine):
             but the last re-serves it to the next from a double-buffered bucket window of its
             own, bucket by bucket) or "star" (every rollout reads every bucket from the
             trainer). The master's choice holds for the sync.
+        delta: keep the bytes of the last sync's buckets in host memory (the trainer and every
+            rollout: about the model's bytes each, beside the buckets) and send a bucket whose
+            layout did not change as a delta against them (``memsem.integrations._verl_delta``):
+            the changed elements of each 64 KiB tile, or the tile whole, with the digest of
+            every tile; each rollout patches its copy, checks every tile, and yields views of
+            it (valid until the next sync). Used for a sync only when every rollout holds the
+            trainer's last sync (a new or restarted rollout makes that sync full for all); a
+            bucket whose delta would be more than half its bytes goes in full. A rollout whose
+            copy does not check (a consumer wrote into a yielded tensor) reads that bucket whole
+            from the trainer's copy (``metrics["memsem/fallbacks"]``): never a mix. The
+            master's choice holds for the sync. Default False (host memory).
     """
 
     def __init__(self, bucket_size: int, device: str = "cpu", rollout_dtype: torch.dtype = torch.bfloat16,
                  is_master: bool = False, directory: str | None = None, timeout: float = 300.0,
-                 meta_bytes: int = 1 << 20, fanout: str = "chain") -> None:
+                 meta_bytes: int = 1 << 20, fanout: str = "chain", delta: bool = False) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be an int > 0 (bytes), got {bucket_size!r}")
         if fanout not in FANOUTS:
@@ -172,7 +200,10 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 or meta_bytes % DATA_ALIGN):
             raise ValueError(f"meta_bytes must be an int > {_HEAD.size} and a multiple of {DATA_ALIGN} (bytes: the "
                              f"data area of a slot starts there, aligned for every dtype), got {meta_bytes!r}")
+        if not isinstance(delta, bool):
+            raise ValueError(f"delta must be a bool, got {delta!r}")
         self.fanout = fanout
+        self.delta = delta
         self.bucket_size = bucket_size
         self.device = device
         self.rollout_dtype = rollout_dtype
@@ -194,6 +225,16 @@ class MemsemCheckpointEngine(CheckpointEngine):
         self._relay: Any = None  # a relaying rollout's own bucket window
         self._upstream: tuple[Any, str] | None = None  # a chained rollout's upstream: (status ref, label)
         self._token = ""
+        #: delta: the last completed sync's buckets (``_verl_delta.BucketStore``), the trainer's
+        #: copy published for the sync (its window on the trainer, a ref on rollouts), whether
+        #: this sync sends deltas (the master: every rollout holds its last sync), the master's
+        #: token of this sync (rollouts), the trainer's bucket being filled
+        self._store: vd.BucketStore | None = None
+        self._store_win: Any = None
+        self._delta_now = False
+        self._keep = False  # a rollout: keep this sync's buckets (the master sends deltas)
+        self._sync_token: str | None = None
+        self._cur: np.ndarray | None = None
         #: per-sync figures of the last send (verl merges the trainer's into its metrics)
         self.metrics: dict[str, float] = {}
 
@@ -220,7 +261,17 @@ class MemsemCheckpointEngine(CheckpointEngine):
             out["window"] = self._window.to_bytes().hex()
             out["digests"] = self._digests.to_bytes().hex()
             out["fanout"] = self.fanout
+            out["delta"] = self.delta
+            st = self._store
+            if self.delta and st is not None and st.token is not None and st.flat is not None:
+                # the trainer's copy of the last sync, changed in place bucket by bucket as this
+                # sync sends them: a rollout whose own copy does not check reads a bucket here
+                self._store_win = rt.publish(st.flat, access="r")
+                out["store"] = self._store_win.to_bytes().hex()
+                out["base"] = st.token
         else:
+            st = self._store
+            out["base"] = st.token if st is not None else None
             # (a relay's bucket window is published in init_process_group, once this engine
             # knows it is a rollout with a rollout after it: no other engine pays for one)
             self._status = rt.publish(np.zeros(STATUS_BYTES, np.uint8), tiles=4, access="rw")
@@ -288,11 +339,19 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 raise ValueError(f"rank 0 needs the metadata of its {self.world_size - 1} rollouts, got {rollouts!r:.200}")
             self._everyone = [(rt.ref(bytes.fromhex(md["status"])), _label(i, md)) for i, md in enumerate(rollouts, 1)]
             self._rollouts = self._everyone[:1] if self.fanout == "chain" else list(self._everyone)
+            base = self._store.token if self._store is not None else None
+            self._delta_now = (self.delta and self._store_win is not None and base is not None
+                               and all(md.get("base") == base for md in rollouts))
         elif self.rank > 0:
             if not isinstance(master_metadata.get("digests"), str):
                 raise ValueError("master_metadata has no digest window: the trainer runs another version of this backend")
             self._window = rt.ref(bytes.fromhex(master_metadata["window"]))
             self._digests = rt.ref(bytes.fromhex(master_metadata["digests"]))
+            # the master's choice: keep this sync's buckets for the next one's deltas
+            self._keep = bool(master_metadata.get("delta"))
+            self._sync_token = str(master_metadata.get("token"))
+            store = master_metadata.get("store")
+            self._store_win = rt.ref(bytes.fromhex(store)) if isinstance(store, str) else None
             self._source_label = f"the trainer (pid {master_metadata.get('pid')} on {master_metadata.get('node')!r})"
             if upstream is not None:
                 self._upstream = (rt.ref(bytes.fromhex(upstream["status"])), _label(self.rank - 1, upstream))
@@ -316,17 +375,18 @@ class MemsemCheckpointEngine(CheckpointEngine):
     def _drop_windows(self) -> None:
         rt = self._rt
         for ref, owned in ((self._window, self.is_master), (self._digests, self.is_master), (self._relay, True),
-                           (self._status, True)):
+                           (self._status, True), (self._store_win, self.is_master)):
             if ref is not None and owned and rt is not None and not rt.closed:
                 rt.unpublish(ref, timeout=self.timeout)
-        self._window = self._digests = self._status = self._relay = self._upstream = None
+        self._window = self._digests = self._status = self._relay = self._upstream = self._store_win = None
         self._rollouts, self._everyone = [], []
 
     def close(self) -> None:
         if self._rt is not None:
             self._rt.close()
             self._rt = None
-        self._window = self._digests = self._status = self._relay = self._upstream = None
+        self._window = self._digests = self._status = self._relay = self._upstream = self._store_win = None
+        self._store = self._cur = None
         self._rollouts, self._everyone = [], []
 
     # -- trainer ----------------------------------------------------------------------------------
@@ -352,6 +412,12 @@ class MemsemCheckpointEngine(CheckpointEngine):
         loop = asyncio.get_running_loop()
         step = -1 if global_steps is None else int(global_steps)
         buckets = 0
+        # delta: the chunks go into ``_cur``, each bucket then into its slot (a delta or whole)
+        # and into the store, in place where its layout held (``_keep_bucket``)
+        builder = vd.StoreBuilder(self._store) if self.delta else None
+        if builder is not None and (self._cur is None or self._cur.nbytes != self.bucket_size):
+            self._cur = np.empty(self.bucket_size, np.uint8)
+        sent = [0, 0, 0]  # delta buckets, data bytes sent, data bytes of the buckets
         blocked = await self._await_slot(loop, 0)
         sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                         timeout=self.timeout))
@@ -364,7 +430,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 size = _itemsize(tm.dtype)
                 at = -(-offset // size) * size  # the chunk's data offset: a multiple of its dtype's size
                 if meta and (at + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
-                    await self._seal(sec, buckets, False, step, meta, offset)
+                    await self._seal(sec, buckets, False, step, meta, offset, builder, sent)
                     blocked += sec.blocked_s
                     sec.commit()
                     buckets += 1
@@ -372,12 +438,12 @@ class MemsemCheckpointEngine(CheckpointEngine):
                     sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                                     timeout=self.timeout))
                     meta, offset, at = [], 0, 0
-                data = torch.from_numpy(sec.array()[self.meta_bytes:])
+                data = torch.from_numpy(self._cur if builder is not None else sec.array()[self.meta_bytes:])
                 entry[5] = at
                 data[at:at + tm.chunk_size].copy_(chunk.reshape(-1).view(torch.uint8).cpu())
                 meta.append(entry)
                 offset = at + tm.chunk_size
-            await self._seal(sec, buckets, True, step, meta, offset)
+            await self._seal(sec, buckets, True, step, meta, offset, builder, sent)
             blocked += sec.blocked_s
             sec.commit()
             buckets += 1
@@ -385,17 +451,24 @@ class MemsemCheckpointEngine(CheckpointEngine):
             sec.abort()
             raise
         await self._await_done(loop, buckets - 1)
+        if builder is not None:  # every rollout holds this sync: the next one's base
+            self._store = builder.finish(self._token, flat=True)
         self.metrics = {"memsem/buckets": float(buckets), "memsem/trainer_blocked_s": blocked,
-                        "memsem/trainer_readers": float(len(self._rollouts))}
+                        "memsem/trainer_readers": float(len(self._rollouts)),
+                        "memsem/delta_buckets": float(sent[0]), "memsem/sent_bytes": float(sent[1]),
+                        "memsem/bucket_bytes": float(sent[2])}
         return dict(self.metrics)
 
     def _meta_len(self, meta: list) -> int:
         return _HEAD.size + len(json.dumps(meta, separators=(",", ":")))
 
-    async def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list, used: int) -> None:
-        """Write bucket ``index``'s header and metadata, then its digest (over the header, the
-        metadata and the ``used`` data bytes) into entry ``index`` of the digest window, before
-        the caller commits the bucket.
+    async def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list, used: int,
+                    builder: vd.StoreBuilder | None, sent: list[int]) -> None:
+        """Write bucket ``index``'s header and metadata (with ``builder``, the delta mode: its
+        ``used`` data bytes from ``_cur`` into the slot, a delta or whole, see ``_keep_bucket``),
+        then its digest (over the header, the metadata and the data bytes sent) into entry
+        ``index`` of the digest window, before the caller commits the bucket. Counts into
+        ``sent``: delta buckets, data bytes sent, data bytes of the buckets.
 
         Raises:
             MemsemError: more than ``MAX_BUCKETS`` buckets in one sync.
@@ -405,17 +478,53 @@ class MemsemCheckpointEngine(CheckpointEngine):
                                      f"(update_weights_bucket_megabytes; {self.bucket_size} bytes now)")
         body = json.dumps(meta, separators=(",", ":")).encode()
         arr = sec.array()
-        head = _HEAD.pack(_MAGIC, index, 1 if last else 0, step, len(body))
-        arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
-        arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
         rt, at = self.runtime, index * DIGEST_SIZE
 
         def put() -> None:
-            d = _digest(arr, _HEAD.size + len(body), self.meta_bytes, used)
+            kind, wire, store_at = KIND_FULL, used, 0
+            if builder is not None:
+                kind, wire, store_at = self._keep_bucket(builder, index, body, meta, used, arr[self.meta_bytes:])
+            head = _HEAD.pack(_MAGIC, index, 1 if last else 0, step, len(body), kind, wire, store_at)
+            arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
+            arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
+            d = _digest(arr, _HEAD.size + len(body), self.meta_bytes, wire)
             with rt.write_section(self._digests, copy=False, timeout=self.timeout) as ds:
                 ds.array()[at:at + DIGEST_SIZE] = np.frombuffer(d, np.uint8)
+            sent[0] += kind == KIND_DELTA
+            sent[1] += wire
+            sent[2] += used
 
         await rt.submit(f"digest of bucket {index}", put)
+
+    def _keep_bucket(self, builder: vd.StoreBuilder, index: int, body: bytes, meta: list, used: int,
+                     out: np.ndarray) -> tuple[int, int, int]:
+        """The trainer's bucket ``index`` (its ``used`` bytes in ``_cur``) into the slot's data
+        area ``out``: a delta against the last sync's bucket of the same layout when this sync
+        sends deltas and it pays, else whole; and into the store (in place where the layout
+        held: the store window, where rollouts whose copy does not check read it). Blocking.
+        Returns the header's kind, data bytes sent and offset in the store window."""
+        new = self._cur[:used]
+        st = builder.old
+        old = st.part(index, body)
+        if old is None or old.nbytes != used:
+            out[:used] = new
+            builder.add(body, new.copy(), None)
+            return KIND_FULL, used, 0
+        kind, wire, digests = KIND_FULL, used, None
+        if self._delta_now:
+            got, digests = vd.encode(vd.BucketTiles.of(_chunk_tiles(meta)), new, old, st.digests[index], out)
+            if got is not None:
+                kind, wire = KIND_DELTA, got
+        if kind == KIND_FULL:
+            out[:used] = new
+        at = st.offsets[index]
+        if self._store_win is not None:  # published: this sync's bytes inside a section of it
+            with self.runtime.write_section(self._store_win, copy=False, timeout=self.timeout) as ss:
+                ss.array()[at:at + used] = new
+        else:
+            old[:] = new
+        builder.add(body, old, digests)
+        return kind, wire, at
 
     async def _await_slot(self, loop: asyncio.AbstractEventLoop, bucket: int) -> float:
         """Before bucket ``bucket`` is written: every rollout is done with what its slot holds
@@ -532,9 +641,11 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 f"bucket {want} (version {version}) from {win.spec.label}: {why}: {self._source_label} served a "
                 "wrong bucket (none of it was accepted)", relay=self._source_label, version=version, chunk=want)
 
-        magic, index, last, step, mlen = _HEAD.unpack(buf[:_HEAD.size].tobytes())
+        magic, index, last, step, mlen, kind, wire, store_at = _HEAD.unpack(buf[:_HEAD.size].tobytes())
         if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
             raise wrong(f"version {got} is not a memsem verl bucket")
+        if kind not in (KIND_FULL, KIND_DELTA) or wire > self.bucket_size:
+            raise wrong(f"its header claims kind {kind} and {wire} bytes of a {self.bucket_size}-byte bucket")
         try:
             meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
             used = max((int(e[5]) + int(e[4]) for e in meta), default=0)
@@ -543,6 +654,8 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise wrong(f"its metadata is malformed ({type(exc).__name__})") from None
         if used > self.bucket_size:
             raise wrong(f"it claims {used} bytes of a {self.bucket_size}-byte bucket")
+        if kind == KIND_FULL and wire != used:
+            raise wrong(f"a whole bucket of {used} bytes sent as {wire}")
         if misaligned:
             raise wrong(f"tensor {misaligned[0]!r} is not at a multiple of its dtype's size")
         if index != want:
@@ -552,7 +665,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 raise memsem.MemsemError(f"bucket {index} from {self._source_label} is of step {step}, this rollout "
                                          f"expects step {global_steps}")
             raise wrong(f"it is of step {step}, this rollout expects step {global_steps}")
-        return {"meta": meta, "last": bool(last), "index": index, "head": _HEAD.size + mlen, "used": used}
+        return {"meta": meta, "last": bool(last), "index": index, "head": _HEAD.size + mlen, "used": used,
+                "kind": kind, "wire": wire, "store_at": store_at,
+                "body": buf[_HEAD.size:_HEAD.size + mlen].tobytes()}
 
     def _verify(self, buf: np.ndarray, head: dict[str, Any], version: int) -> None:
         """Bucket ``head["index"]`` in ``buf`` against the trainer's digest of it, read from the
@@ -563,7 +678,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         """
         index = head["index"]
         want = self._digests.bytes(index * DIGEST_SIZE, DIGEST_SIZE).get().tobytes()
-        got = _digest(buf, head["head"], self.meta_bytes, head["used"])
+        got = _digest(buf, head["head"], self.meta_bytes, head["wire"])
         if got != want:
             raise memsem.DigestMismatchError(
                 f"bucket {index} (version {version}) does not match the trainer's {DIGEST} digest: "
@@ -574,7 +689,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         """Tell the trainer (or the rollout before this one in a chain) this rollout leaves the
         sync: the message into the status window, then "failed" and both slot words marked
         (failed first: whoever sees a slot word sees it). A relaying rollout also retires its
-        bucket window, so the rollout after it stops at once (its follower meets the retired
+        bucket window, so the rollout after it stops at once (its wait meets the retired
         window) instead of waiting out its timeout. Best effort: this rollout's own windows."""
         status, rt = self._status, self._rt
         if status is None or rt is None or rt.closed:
@@ -620,6 +735,72 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise memsem.MemsemError(f"{label}'s status window holds no bucket window ref ({n} bytes)")
         return self.runtime.ref(raw[RELAY_AT + 4:RELAY_AT + 4 + n])
 
+    def _read(self, win: Any, buf: np.ndarray, version: int) -> int:
+        """Read exactly ``version`` of ``win`` into ``buf``: the header and the metadata, then
+        the data bytes the header names (none more: the rest of the slot holds older buckets).
+        A header that is not a bucket's reads no further (``_check_bucket`` names it). Blocking.
+        Returns the version read.
+
+        Raises:
+            StaleReferenceError: that version was overwritten or the window retired.
+        """
+        probe = min(self.meta_bytes, HEAD_PROBE)
+        got = win.bytes(0, probe).get(buf[:probe], version=version, with_version=True).version
+        magic, _, _, _, mlen, _, wire, _ = _HEAD.unpack(buf[:_HEAD.size].tobytes())
+        if magic != _MAGIC or _HEAD.size + mlen > self.meta_bytes or wire > self.bucket_size:
+            return got
+        if _HEAD.size + mlen > probe:
+            win.bytes(probe, _HEAD.size + mlen - probe).get(buf[probe:_HEAD.size + mlen], version=version)
+        if wire:
+            win.bytes(self.meta_bytes, wire).get(buf[self.meta_bytes:self.meta_bytes + wire], version=version)
+        return got
+
+    def _take(self, builder: vd.StoreBuilder, head: dict[str, Any], buf: np.ndarray, version: int,
+              took: list[int]) -> np.ndarray:
+        """This rollout's copy of the bucket in ``buf`` (its bytes already checked against the
+        trainer's digest): a whole bucket copied into the last sync's copy of that bucket (the
+        same layout) or a new array; a delta applied to that copy, every tile checked, else (the
+        copy was not the last sync's bytes) the bucket read whole from the trainer's store window
+        and checked again. Blocking. Returns the copy (the bucket's data area).
+
+        Raises:
+            DigestMismatchError: the trainer's store window does not hold the bucket's bytes
+                either (nothing of the bucket is yielded).
+            MemsemError: a delta this rollout cannot read (no store window, malformed).
+        """
+        used, body, index = head["used"], head["body"], head["index"]
+        data = buf[self.meta_bytes:]
+        part = builder.old.part(index, body)
+        if part is not None and part.nbytes != used:
+            part = None
+        if head["kind"] == KIND_FULL:
+            part = part if part is not None else np.empty(used, np.uint8)
+            part[:] = data[:used]
+            builder.add(body, part, None)
+            return part
+        tiles = vd.BucketTiles.of(_chunk_tiles(head["meta"]))
+        try:
+            delta = vd.parse(tiles, data[:head["wire"]])
+        except ValueError as exc:
+            raise memsem.MemsemError(f"bucket {index} (version {version}): the trainer's delta is malformed: "
+                                     f"{exc}") from None
+        took[0] += 1
+        if part is None or vd.apply(self.runtime, tiles, delta, part):
+            # not the last sync's bytes here: the trainer's copy, whole
+            if self._store_win is None:
+                raise memsem.MemsemError(f"bucket {index} (version {version}) is a delta this rollout cannot use, and "
+                                         "the trainer published no store window to read it whole")
+            part = part if part is not None else np.empty(used, np.uint8)
+            took[1] += 1
+            self._store_win.bytes(head["store_at"], used).get(part)
+            if vd.check(self.runtime, tiles, part, delta.digests):
+                raise memsem.DigestMismatchError(
+                    f"bucket {index} (version {version}): the trainer's store window does not hold the bytes its "
+                    "delta's digests name (none of the bucket was accepted)", relay="the trainer", version=version,
+                    chunk=index)
+        builder.add(body, part, None)
+        return part
+
     async def _chunks(self, global_steps: int | None) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
         rt = self.runtime
         status, relay = self._status, self._relay
@@ -632,8 +813,10 @@ class MemsemCheckpointEngine(CheckpointEngine):
         # rollout will read (a write section of exactly that version); the last rollout (or
         # every rollout of a star) into two local buffers.
         bufs = [np.empty(cap, np.uint8) for _ in range(2)] if relay is None else None
+        # delta (the master's choice): this sync's buckets kept for the next one (``_take``)
+        builder = vd.StoreBuilder(self._store) if self._keep else None
+        took = [0, 0, 0]  # delta buckets, fallbacks (read whole from the trainer), data bytes received
         # every bucket in order, exactly its version (the ready words keep it readable)
-        follower = rt.follow(win, timeout=self.timeout, every=True, pin=False, after=v - 1)
         loop = asyncio.get_running_loop()
 
         async def fetch(version: int) -> tuple[dict, np.ndarray]:
@@ -647,7 +830,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 sec = rt.write_section(relay, copy=False, timeout=self.timeout)
                 buf = sec.array()
             try:
-                got, _ = await follower.next_async(into=buf)  # the whole slot of exactly the next version
+                # exactly the next version: its header and metadata, then the data bytes it names
+                await win.wait_version_async(version, timeout=self.timeout)
+                got = await rt.submit(f"bucket {version - FIRST_BUCKET_VERSION}", lambda: self._read(win, buf, version))
                 head = self._check_bucket(win, buf, got, version, global_steps)
                 # before it is yielded or re-served: the trainer's bytes, whoever served them
                 await rt.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
@@ -657,28 +842,46 @@ class MemsemCheckpointEngine(CheckpointEngine):
                 raise
             if sec is not None:
                 sec.commit()  # version ``version`` of this rollout's window: the next rollout reads it
+            took[2] += head["wire"]
+            if builder is not None:  # into this rollout's copy; the tensors are yielded from it
+                head["part"] = await rt.submit(f"bucket {head['index']}: into this rollout's copy",
+                                               lambda: self._take(builder, head, buf, version, took))
+            elif head["kind"] != KIND_FULL:
+                raise memsem.MemsemError(f"bucket {head['index']} from {self._source_label} is a delta, but the "
+                                         "trainer said it sends no deltas this sync")
             return head, buf
 
         task = asyncio.ensure_future(fetch(v))
         try:
             while True:
                 got, arr = await task
-                buf = torch.from_numpy(arr)
+                part = got.get("part")
+                buf, data_at = (torch.from_numpy(arr), self.meta_bytes) if part is None else (torch.from_numpy(part), 0)
                 # copied out: the trainer (or the rollout before) may write this slot again (v + 2)
                 status.mark_ready(v % 2)
                 if not got["last"]:
                     task = asyncio.ensure_future(fetch(v + 1))
                 for name, dt, shape, chunk_offset, chunk_size, off in got["meta"]:
-                    at = self.meta_bytes + off
+                    at = data_at + off
                     yield (TensorMeta(name=name, shape=torch.Size(shape), dtype=_dtype(dt), chunk_offset=chunk_offset,
                                       chunk_size=chunk_size, offset=off), buf[at:at + chunk_size])
                 if got["last"]:
                     break
                 v += 1
+            if builder is not None:  # every bucket checked and yielded: the next sync's base
+                self._store = builder.finish(str(self._sync_token), flat=False)
+            self.metrics = {"memsem/buckets": float(v - FIRST_BUCKET_VERSION + 1),
+                            "memsem/delta_buckets": float(took[0]), "memsem/fallbacks": float(took[1]),
+                            "memsem/received_bytes": float(took[2])}
         finally:
             if not task.done():
                 task.cancel()
-            follower.close()
+
+
+def _chunk_tiles(meta: list) -> list[tuple[int, int, int]]:
+    """(data offset, bytes, itemsize) of each chunk of a bucket's metadata: what its tiles are
+    made of (``_verl_delta.BucketTiles.of``)."""
+    return [(int(e[5]), int(e[4]), _itemsize(_dtype(e[1]))) for e in meta]
 
 
 def _digest(buf: Any, head: int, meta_bytes: int, used: int) -> bytes:
