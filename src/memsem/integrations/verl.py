@@ -678,7 +678,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         """
         index = head["index"]
         want = self._digests.bytes(index * DIGEST_SIZE, DIGEST_SIZE).get().tobytes()
-        got = _digest(buf, head["head"], self.meta_bytes, head["wire"])
+        got = _digest(buf, head["head"], self.meta_bytes, head["wire"], head.get("direct"))
         if got != want:
             raise memsem.DigestMismatchError(
                 f"bucket {index} (version {version}) does not match the trainer's {DIGEST} digest: "
@@ -735,25 +735,32 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise memsem.MemsemError(f"{label}'s status window holds no bucket window ref ({n} bytes)")
         return self.runtime.ref(raw[RELAY_AT + 4:RELAY_AT + 4 + n])
 
-    def _read(self, win: Any, buf: np.ndarray, version: int) -> int:
+    def _read(self, win: Any, buf: np.ndarray, version: int,
+              builder: vd.StoreBuilder | None) -> tuple[int, np.ndarray | None]:
         """Read exactly ``version`` of ``win`` into ``buf``: the header and the metadata, then
         the data bytes the header names (none more: the rest of the slot holds older buckets).
-        A header that is not a bucket's reads no further (``_check_bucket`` names it). Blocking.
-        Returns the version read.
+        A header that is not a bucket's reads no further (``_check_bucket`` names it). With
+        ``builder``, a whole bucket's data goes into this rollout's copy of that bucket (the
+        last sync's of the same metadata, else a new array) instead of ``buf``. Blocking.
+        Returns the version read and that copy (None: the data is in ``buf``).
 
         Raises:
             StaleReferenceError: that version was overwritten or the window retired.
         """
         probe = min(self.meta_bytes, HEAD_PROBE)
         got = win.bytes(0, probe).get(buf[:probe], version=version, with_version=True).version
-        magic, _, _, _, mlen, _, wire, _ = _HEAD.unpack(buf[:_HEAD.size].tobytes())
+        magic, index, _, _, mlen, kind, wire, _ = _HEAD.unpack(buf[:_HEAD.size].tobytes())
         if magic != _MAGIC or _HEAD.size + mlen > self.meta_bytes or wire > self.bucket_size:
-            return got
+            return got, None
         if _HEAD.size + mlen > probe:
             win.bytes(probe, _HEAD.size + mlen - probe).get(buf[probe:_HEAD.size + mlen], version=version)
+        dst, direct = buf[self.meta_bytes:self.meta_bytes + wire], None
+        if builder is not None and kind == KIND_FULL:
+            part = builder.old.part(index, buf[_HEAD.size:_HEAD.size + mlen].tobytes())
+            dst = direct = part if part is not None and part.nbytes == wire else np.empty(wire, np.uint8)
         if wire:
-            win.bytes(self.meta_bytes, wire).get(buf[self.meta_bytes:self.meta_bytes + wire], version=version)
-        return got
+            win.bytes(self.meta_bytes, wire).get(dst, version=version)
+        return got, direct
 
     def _take(self, builder: vd.StoreBuilder, head: dict[str, Any], buf: np.ndarray, version: int,
               took: list[int]) -> np.ndarray:
@@ -774,8 +781,11 @@ class MemsemCheckpointEngine(CheckpointEngine):
         if part is not None and part.nbytes != used:
             part = None
         if head["kind"] == KIND_FULL:
-            part = part if part is not None else np.empty(used, np.uint8)
-            part[:] = data[:used]
+            if head.get("direct") is not None:  # read straight into it
+                part = head["direct"]
+            else:
+                part = part if part is not None else np.empty(used, np.uint8)
+                part[:] = data[:used]
             builder.add(body, part, None)
             return part
         tiles = vd.BucketTiles.of(_chunk_tiles(head["meta"]))
@@ -832,8 +842,13 @@ class MemsemCheckpointEngine(CheckpointEngine):
             try:
                 # exactly the next version: its header and metadata, then the data bytes it names
                 await win.wait_version_async(version, timeout=self.timeout)
-                got = await rt.submit(f"bucket {version - FIRST_BUCKET_VERSION}", lambda: self._read(win, buf, version))
+                # (a whole bucket of a sync that keeps its buckets, on a rollout that re-serves
+                # nothing: its data straight into this rollout's copy)
+                keep = builder if bufs is not None else None
+                got, direct = await rt.submit(f"bucket {version - FIRST_BUCKET_VERSION}",
+                                              lambda: self._read(win, buf, version, keep))
                 head = self._check_bucket(win, buf, got, version, global_steps)
+                head["direct"] = direct
                 # before it is yielded or re-served: the trainer's bytes, whoever served them
                 await rt.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
             except BaseException:
@@ -884,12 +899,13 @@ def _chunk_tiles(meta: list) -> list[tuple[int, int, int]]:
     return [(int(e[5]), int(e[4]), _itemsize(_dtype(e[1]))) for e in meta]
 
 
-def _digest(buf: Any, head: int, meta_bytes: int, used: int) -> bytes:
+def _digest(buf: Any, head: int, meta_bytes: int, used: int, data: Any = None) -> bytes:
     """The bucket digest: of its header and metadata (``buf[:head]``) and its data bytes
-    (``used`` from ``meta_bytes``); the rest of the slot holds older buckets' bytes."""
+    (``used`` from ``meta_bytes``, or of ``data`` where they were read to); the rest of the
+    slot holds older buckets' bytes."""
     h = hashlib.new(DIGEST)
     h.update(memoryview(buf[:head]))
-    h.update(memoryview(buf[meta_bytes:meta_bytes + used]))
+    h.update(memoryview(buf[meta_bytes:meta_bytes + used] if data is None else data[:used]))
     return h.digest()
 
 
