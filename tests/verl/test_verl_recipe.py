@@ -93,6 +93,15 @@ def test_one_node_recipe_composes_with_verls_config_and_builds_the_engine():
         engine.close()
 
 
+def test_the_delta_key_of_the_table_reaches_the_engine_as_a_bool():
+    """``engine_kwargs.memsem.delta=true`` (docs/howto.md's table) composes with verl's config
+    and makes an engine that sends deltas (a bool, as the engine requires)."""
+    _, engine = _engine_from(_compose(COMMANDS[0] + [f"+{PREFIX}.engine_kwargs.memsem.delta=true"]))
+    assert engine.delta is True
+    _, engine = _engine_from(_compose(COMMANDS[0]))
+    assert engine.delta is False
+
+
 def test_cross_node_recipe_composes_and_reaches_the_workers_environment(monkeypatch):
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
