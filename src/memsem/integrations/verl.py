@@ -89,7 +89,6 @@ memsem opens inside a Ray job by itself (verl's workers are Ray actors: nothing 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import secrets
@@ -102,62 +101,40 @@ import torch
 from verl.checkpoint_engine.base import (
     CheckpointEngine,
     CheckpointEngineRegistry,
-    TensorMeta,
-    merge_weight_chunks,
     split_weight_chunks,
 )
 
 import memsem
 from memsem.integrations import _verl_delta as vd
-
-#: bucket header at the start of every slot: magic, bucket index, is_last, step, metadata bytes,
-#: kind (``KIND_FULL``, ``KIND_DELTA``), bytes of the data area sent, the bucket's offset in the
-#: trainer's store window (delta buckets)
-_HEAD = struct.Struct("<8sQQqIIQQ")
-_MAGIC = b"MSVERLB2"
-#: a bucket's data area holds its tensor chunks (full) or a delta against the last sync's
-#: bucket of the same layout (``memsem.integrations._verl_delta``)
-KIND_FULL, KIND_DELTA = 0, 1
-#: first version a bucket gets (1 is the empty window right after publish)
-FIRST_BUCKET_VERSION = 2
-#: ready words of a status window: done with slot 0, done with slot 1, failed, relay window ready
-W_SLOT0, W_SLOT1, W_FAILED, W_RELAY = 0, 1, 2, 3
-#: bytes of a status window: the failure message (UTF-8, NUL-terminated) in the first half, the
-#: serialized ref of the rollout's relay window (length-prefixed) from ``RELAY_AT``
-STATUS_BYTES = 4096
-RELAY_AT = 2048
-#: how the buckets reach the rollouts: "chain" (the trainer sends each bucket once, to rollout 1;
-#: rollout k re-serves it to rollout k + 1 from a bucket window of its own), "star" (every rollout
-#: reads every bucket from the trainer)
-FANOUTS = ("chain", "star")
-#: the trainer's digest of every bucket (hashlib name, bytes), in its digest window: entry b is
-#: bucket b's, written before the bucket is committed and read by every rollout from the trainer
-#: itself (never through a relay)
-DIGEST, DIGEST_SIZE = "sha256", 32
-#: bytes of a slot a rollout reads first: the header and (most often all of) the metadata
-HEAD_PROBE = 4 << 10
-#: buckets one sync may have (the digest window's entries: 2 MiB)
-MAX_BUCKETS = 1 << 16
-#: a slot's data area starts at ``meta_bytes``, a multiple of this; each tensor chunk in it at a
-#: multiple of its dtype's size (a bucket of ``bool (3,)`` then ``float32 (2,)`` puts the float32
-#: chunk at data offset 4, not 3: every rollout's view of it is aligned)
-DATA_ALIGN = 64
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Bytes of one element of ``dtype``: the alignment of a chunk of it in a bucket."""
-    return int(dtype.itemsize)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"bucket metadata names an unknown torch dtype {name!r}")
-    return dt
+from memsem.integrations._verl_rollout import RolloutSide
+from memsem.integrations._verl_wire import (
+    DATA_ALIGN,
+    DIGEST,
+    DIGEST_SIZE,
+    FANOUTS,
+    FIRST_BUCKET_VERSION,
+    HEAD,
+    HEAD_PROBE,
+    KIND_DELTA,
+    KIND_FULL,
+    MAGIC,
+    MAX_BUCKETS,
+    RELAY_AT,
+    STATUS_BYTES,
+    W_FAILED,
+    W_RELAY,
+    W_SLOT0,
+    W_SLOT1,
+    bucket_digest,
+    chunk_tiles,
+    failure_message,
+    itemsize_of,
+    rollout_label,
+)
 
 
 @CheckpointEngineRegistry.register("memsem")
-class MemsemCheckpointEngine(CheckpointEngine):
+class MemsemCheckpointEngine(RolloutSide, CheckpointEngine):
     """verl checkpoint engine over memsem windows (see the module docstring).
 
     Args:
@@ -196,9 +173,9 @@ class MemsemCheckpointEngine(CheckpointEngine):
             raise ValueError(f"bucket_size must be an int > 0 (bytes), got {bucket_size!r}")
         if fanout not in FANOUTS:
             raise ValueError(f"fanout must be one of {FANOUTS}, got {fanout!r}")
-        if (isinstance(meta_bytes, bool) or not isinstance(meta_bytes, int) or meta_bytes <= _HEAD.size
+        if (isinstance(meta_bytes, bool) or not isinstance(meta_bytes, int) or meta_bytes <= HEAD.size
                 or meta_bytes % DATA_ALIGN):
-            raise ValueError(f"meta_bytes must be an int > {_HEAD.size} and a multiple of {DATA_ALIGN} (bytes: the "
+            raise ValueError(f"meta_bytes must be an int > {HEAD.size} and a multiple of {DATA_ALIGN} (bytes: the "
                              f"data area of a slot starts there, aligned for every dtype), got {meta_bytes!r}")
         if not isinstance(delta, bool):
             raise ValueError(f"delta must be a bool, got {delta!r}")
@@ -337,7 +314,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
                                  "make it with is_master=True")
             if not isinstance(rollouts, list) or len(rollouts) != self.world_size - 1:
                 raise ValueError(f"rank 0 needs the metadata of its {self.world_size - 1} rollouts, got {rollouts!r:.200}")
-            self._everyone = [(rt.ref(bytes.fromhex(md["status"])), _label(i, md)) for i, md in enumerate(rollouts, 1)]
+            self._everyone = [(rt.ref(bytes.fromhex(md["status"])), rollout_label(i, md)) for i, md in enumerate(rollouts, 1)]
             self._rollouts = self._everyone[:1] if self.fanout == "chain" else list(self._everyone)
             base = self._store.token if self._store is not None else None
             self._delta_now = (self.delta and self._store_win is not None and base is not None
@@ -354,11 +331,11 @@ class MemsemCheckpointEngine(CheckpointEngine):
             self._store_win = rt.ref(bytes.fromhex(store)) if isinstance(store, str) else None
             self._source_label = f"the trainer (pid {master_metadata.get('pid')} on {master_metadata.get('node')!r})"
             if upstream is not None:
-                self._upstream = (rt.ref(bytes.fromhex(upstream["status"])), _label(self.rank - 1, upstream))
+                self._upstream = (rt.ref(bytes.fromhex(upstream["status"])), rollout_label(self.rank - 1, upstream))
                 self._source_label = self._upstream[1]
             if rollouts:
                 md = rollouts[0]
-                self._rollouts = [(rt.ref(bytes.fromhex(md["status"])), _label(self.rank + 1, md))]
+                self._rollouts = [(rt.ref(bytes.fromhex(md["status"])), rollout_label(self.rank + 1, md))]
                 cap = self.meta_bytes + self.bucket_size
                 self._relay = rt.publish(np.zeros(cap, np.uint8), slots=2)
                 ref = self._relay.to_bytes()
@@ -427,7 +404,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         try:
             async for tm, chunk in split_weight_chunks(weights, self.bucket_size):
                 entry = [tm.name, str(tm.dtype), list(tm.shape), tm.chunk_offset, tm.chunk_size, 0]
-                size = _itemsize(tm.dtype)
+                size = itemsize_of(tm.dtype)
                 at = -(-offset // size) * size  # the chunk's data offset: a multiple of its dtype's size
                 if meta and (at + tm.chunk_size > self.bucket_size or self._meta_len(meta + [entry]) > self.meta_bytes):
                     await self._seal(sec, buckets, False, step, meta, offset, builder, sent)
@@ -460,7 +437,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
         return dict(self.metrics)
 
     def _meta_len(self, meta: list) -> int:
-        return _HEAD.size + len(json.dumps(meta, separators=(",", ":")))
+        return HEAD.size + len(json.dumps(meta, separators=(",", ":")))
 
     async def _seal(self, sec: Any, index: int, last: bool, step: int, meta: list, used: int,
                     builder: vd.StoreBuilder | None, sent: list[int]) -> None:
@@ -484,10 +461,10 @@ class MemsemCheckpointEngine(CheckpointEngine):
             kind, wire, store_at = KIND_FULL, used, 0
             if builder is not None:
                 kind, wire, store_at = self._keep_bucket(builder, index, body, meta, used, arr[self.meta_bytes:])
-            head = _HEAD.pack(_MAGIC, index, 1 if last else 0, step, len(body), kind, wire, store_at)
-            arr[:_HEAD.size] = np.frombuffer(head, np.uint8)
-            arr[_HEAD.size:_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
-            d = _digest(arr, _HEAD.size + len(body), self.meta_bytes, wire)
+            head = HEAD.pack(MAGIC, index, 1 if last else 0, step, len(body), kind, wire, store_at)
+            arr[:HEAD.size] = np.frombuffer(head, np.uint8)
+            arr[HEAD.size:HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
+            d = bucket_digest(arr, HEAD.size + len(body), self.meta_bytes, wire)
             with rt.write_section(self._digests, copy=False, timeout=self.timeout) as ds:
                 ds.array()[at:at + DIGEST_SIZE] = np.frombuffer(d, np.uint8)
             sent[0] += kind == KIND_DELTA
@@ -512,7 +489,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             return KIND_FULL, used, 0
         kind, wire, digests = KIND_FULL, used, None
         if self._delta_now:
-            got, digests = vd.encode(vd.BucketTiles.of(_chunk_tiles(meta)), new, old, st.digests[index], out)
+            got, digests = vd.encode(vd.BucketTiles.of(chunk_tiles(meta)), new, old, st.digests[index], out)
             if got is not None:
                 kind, wire = KIND_DELTA, got
         if kind == KIND_FULL:
@@ -569,7 +546,7 @@ class MemsemCheckpointEngine(CheckpointEngine):
             PeerLostError: always.
         """
         raw = await self.runtime.submit(f"{label}: its error", status.get)
-        raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {_failure_message(raw)}")
+        raise memsem.PeerLostError(f"{label} left the sync before it could {what}: {failure_message(raw)}")
 
     async def _await_done(self, loop: asyncio.AbstractEventLoop, last: int) -> None:
         """After the last bucket (index ``last``): every rollout has copied it (its word of that
@@ -605,319 +582,6 @@ class MemsemCheckpointEngine(CheckpointEngine):
             if failed:
                 await self._left(status, label, what)
 
-    # -- rollout ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Yield (name, tensor) of every weight; a tensor is valid until the bucket after the
-        next one arrives (copy it, as verl's loaders do). A failure here, or a consumer that
-        stops before the last weight, is reported to the trainer (see the module docstring)."""
-        if self.rank is None or self.rank < 1 or self._window is None or self._status is None:
-            raise RuntimeError("receive_weights() runs on rollout ranks (>= 1) after prepare() and init_process_group()")
-        try:
-            async for name, weight in merge_weight_chunks(self._chunks(global_steps), self.bucket_size):
-                yield name, weight.to(self.device) if self.device != "cpu" else weight
-        except GeneratorExit:
-            self._report_failure("it stopped receiving before the last weight (its consumer closed the stream)")
-            raise
-        except BaseException as exc:
-            self._report_failure(f"it failed: {type(exc).__name__}: {exc}")
-            raise
-
-    def _check_bucket(self, win: Any, buf: np.ndarray, got: int, version: int,
-                      global_steps: int | None) -> dict[str, Any]:
-        """The header of the bucket in ``buf`` (exactly version ``version`` of ``win``), checked.
-
-        Raises:
-            DigestMismatchError: whatever is wrong with it (not a bucket, another bucket than
-                this version's, sizes or offsets that do not fit, a relay's bucket of another
-                step), naming who served it (``relay``: the trainer, or the rollout before this
-                one in a chain), like a bucket whose bytes do not match the trainer's digest.
-            MemsemError: the trainer's own bucket is of another step than ``global_steps``.
-        """
-        want = version - FIRST_BUCKET_VERSION
-
-        def wrong(why: str) -> memsem.DigestMismatchError:
-            return memsem.DigestMismatchError(
-                f"bucket {want} (version {version}) from {win.spec.label}: {why}: {self._source_label} served a "
-                "wrong bucket (none of it was accepted)", relay=self._source_label, version=version, chunk=want)
-
-        magic, index, last, step, mlen, kind, wire, store_at = _HEAD.unpack(buf[:_HEAD.size].tobytes())
-        if got != version or magic != _MAGIC or mlen > self.meta_bytes - _HEAD.size:
-            raise wrong(f"version {got} is not a memsem verl bucket")
-        if kind not in (KIND_FULL, KIND_DELTA) or wire > self.bucket_size:
-            raise wrong(f"its header claims kind {kind} and {wire} bytes of a {self.bucket_size}-byte bucket")
-        try:
-            meta = json.loads(buf[_HEAD.size:_HEAD.size + mlen].tobytes())
-            used = max((int(e[5]) + int(e[4]) for e in meta), default=0)
-            misaligned = [e[0] for e in meta if int(e[5]) % _itemsize(_dtype(e[1]))]
-        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
-            raise wrong(f"its metadata is malformed ({type(exc).__name__})") from None
-        if used > self.bucket_size:
-            raise wrong(f"it claims {used} bytes of a {self.bucket_size}-byte bucket")
-        if kind == KIND_FULL and wire != used:
-            raise wrong(f"a whole bucket of {used} bytes sent as {wire}")
-        if misaligned:
-            raise wrong(f"tensor {misaligned[0]!r} is not at a multiple of its dtype's size")
-        if index != want:
-            raise wrong(f"it holds bucket {index}: a bucket out of order")
-        if global_steps is not None and step != int(global_steps):
-            if self._upstream is None:  # the trainer's own bucket: the sync is of another step
-                raise memsem.MemsemError(f"bucket {index} from {self._source_label} is of step {step}, this rollout "
-                                         f"expects step {global_steps}")
-            raise wrong(f"it is of step {step}, this rollout expects step {global_steps}")
-        return {"meta": meta, "last": bool(last), "index": index, "head": _HEAD.size + mlen, "used": used,
-                "kind": kind, "wire": wire, "store_at": store_at,
-                "body": buf[_HEAD.size:_HEAD.size + mlen].tobytes()}
-
-    def _verify(self, buf: np.ndarray, head: dict[str, Any], version: int) -> None:
-        """Bucket ``head["index"]`` in ``buf`` against the trainer's digest of it, read from the
-        trainer's digest window (never through a relay). Blocking (a worker thread runs it).
-
-        Raises:
-            DigestMismatchError: the bytes are not the trainer's; names who served them.
-        """
-        index = head["index"]
-        want = self._digests.bytes(index * DIGEST_SIZE, DIGEST_SIZE).get().tobytes()
-        got = _digest(buf, head["head"], self.meta_bytes, head["wire"], head.get("direct"))
-        if got != want:
-            raise memsem.DigestMismatchError(
-                f"bucket {index} (version {version}) does not match the trainer's {DIGEST} digest: "
-                f"{self._source_label} served wrong bytes (none were accepted)",
-                relay=self._source_label, version=version, chunk=index)
-
-    def _report_failure(self, why: str) -> None:
-        """Tell the trainer (or the rollout before this one in a chain) this rollout leaves the
-        sync: the message into the status window, then "failed" and both slot words marked
-        (failed first: whoever sees a slot word sees it). A relaying rollout also retires its
-        bucket window, so the rollout after it stops at once (its wait meets the retired
-        window) instead of waiting out its timeout. Best effort: this rollout's own windows."""
-        status, rt = self._status, self._rt
-        if status is None or rt is None or rt.closed:
-            return
-        try:
-            with rt.write_section(status, timeout=self.timeout) as sec:
-                body = why.encode("utf-8", "replace")[:RELAY_AT - 1] + b"\0"
-                sec.array()[:len(body)] = np.frombuffer(body, np.uint8)
-            for w in (W_FAILED, W_SLOT0, W_SLOT1, W_RELAY):
-                status.mark_ready(w)
-        except memsem.MemsemError:
-            pass
-        relay, self._relay = self._relay, None
-        if relay is not None:
-            try:
-                rt.unpublish(relay, timeout=min(self.timeout, 5.0))
-            except memsem.MemsemError:
-                pass
-
-    async def _source(self) -> Any:
-        """The bucket window this rollout reads: the trainer's, or in a chain its upstream
-        rollout's (its ref read from the upstream's status window once ``W_RELAY`` is marked).
-
-        Raises:
-            PeerLostError: the upstream rollout died or left the sync (named, with its message).
-            MemsemTimeoutError: it published no bucket window within ``timeout``.
-        """
-        if self._upstream is None:
-            return self._window
-        status, label = self._upstream
-        try:
-            await status.wait_tile_async(W_RELAY, timeout=self.timeout)
-        except memsem.PeerLostError as exc:
-            raise memsem.PeerLostError(f"{label} died before it relayed the buckets: {exc}") from exc
-        except memsem.MemsemTimeoutError as exc:
-            raise memsem.MemsemTimeoutError(f"{label} published no bucket window to relay within {self.timeout:g} s",
-                                            what=label, timeout=self.timeout) from exc
-        raw = bytes(await self.runtime.submit(f"{label}: its bucket window", status.get))
-        if status.is_ready(W_FAILED):
-            raise memsem.PeerLostError(f"{label} left the sync before it relayed the buckets: {_failure_message(raw)}")
-        (n,) = struct.unpack_from("<I", raw, RELAY_AT)
-        if not 0 < n <= STATUS_BYTES - RELAY_AT - 4:
-            raise memsem.MemsemError(f"{label}'s status window holds no bucket window ref ({n} bytes)")
-        return self.runtime.ref(raw[RELAY_AT + 4:RELAY_AT + 4 + n])
-
-    def _read(self, win: Any, buf: np.ndarray, version: int,
-              builder: vd.StoreBuilder | None) -> tuple[int, np.ndarray | None]:
-        """Read exactly ``version`` of ``win`` into ``buf``: the header and the metadata, then
-        the data bytes the header names (none more: the rest of the slot holds older buckets).
-        A header that is not a bucket's reads no further (``_check_bucket`` names it). With
-        ``builder``, a whole bucket's data goes into this rollout's copy of that bucket (the
-        last sync's of the same metadata, else a new array) instead of ``buf``. Blocking.
-        Returns the version read and that copy (None: the data is in ``buf``).
-
-        Raises:
-            StaleReferenceError: that version was overwritten or the window retired.
-        """
-        probe = min(self.meta_bytes, HEAD_PROBE)
-        got = win.bytes(0, probe).get(buf[:probe], version=version, with_version=True).version
-        magic, index, _, _, mlen, kind, wire, _ = _HEAD.unpack(buf[:_HEAD.size].tobytes())
-        if magic != _MAGIC or _HEAD.size + mlen > self.meta_bytes or wire > self.bucket_size:
-            return got, None
-        if _HEAD.size + mlen > probe:
-            win.bytes(probe, _HEAD.size + mlen - probe).get(buf[probe:_HEAD.size + mlen], version=version)
-        dst, direct = buf[self.meta_bytes:self.meta_bytes + wire], None
-        if builder is not None and kind == KIND_FULL:
-            part = builder.old.part(index, buf[_HEAD.size:_HEAD.size + mlen].tobytes())
-            dst = direct = part if part is not None and part.nbytes == wire else np.empty(wire, np.uint8)
-        if wire:
-            win.bytes(self.meta_bytes, wire).get(dst, version=version)
-        return got, direct
-
-    def _take(self, builder: vd.StoreBuilder, head: dict[str, Any], buf: np.ndarray, version: int,
-              took: list[int]) -> np.ndarray:
-        """This rollout's copy of the bucket in ``buf`` (its bytes already checked against the
-        trainer's digest): a whole bucket copied into the last sync's copy of that bucket (the
-        same layout) or a new array; a delta applied to that copy, every tile checked, else (the
-        copy was not the last sync's bytes) the bucket read whole from the trainer's store window
-        and checked again. Blocking. Returns the copy (the bucket's data area).
-
-        Raises:
-            DigestMismatchError: the trainer's store window does not hold the bucket's bytes
-                either (nothing of the bucket is yielded).
-            MemsemError: a delta this rollout cannot read (no store window, malformed).
-        """
-        used, body, index = head["used"], head["body"], head["index"]
-        data = buf[self.meta_bytes:]
-        part = builder.old.part(index, body)
-        if part is not None and part.nbytes != used:
-            part = None
-        if head["kind"] == KIND_FULL:
-            if head.get("direct") is not None:  # read straight into it
-                part = head["direct"]
-            else:
-                part = part if part is not None else np.empty(used, np.uint8)
-                part[:] = data[:used]
-            builder.add(body, part, None)
-            return part
-        tiles = vd.BucketTiles.of(_chunk_tiles(head["meta"]))
-        try:
-            delta = vd.parse(tiles, data[:head["wire"]])
-        except ValueError as exc:
-            raise memsem.MemsemError(f"bucket {index} (version {version}): the trainer's delta is malformed: "
-                                     f"{exc}") from None
-        took[0] += 1
-        if part is None or vd.apply(self.runtime, tiles, delta, part):
-            # not the last sync's bytes here: the trainer's copy, whole
-            if self._store_win is None:
-                raise memsem.MemsemError(f"bucket {index} (version {version}) is a delta this rollout cannot use, and "
-                                         "the trainer published no store window to read it whole")
-            part = part if part is not None else np.empty(used, np.uint8)
-            took[1] += 1
-            self._store_win.bytes(head["store_at"], used).get(part)
-            if vd.check(self.runtime, tiles, part, delta.digests):
-                raise memsem.DigestMismatchError(
-                    f"bucket {index} (version {version}): the trainer's store window does not hold the bytes its "
-                    "delta's digests name (none of the bucket was accepted)", relay="the trainer", version=version,
-                    chunk=index)
-        builder.add(body, part, None)
-        return part
-
-    async def _chunks(self, global_steps: int | None) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
-        rt = self.runtime
-        status, relay = self._status, self._relay
-        v = FIRST_BUCKET_VERSION
-        status.mark_ready(W_SLOT0)  # joined: both slots may be written
-        status.mark_ready(W_SLOT1)
-        win = await self._source()
-        cap = self.meta_bytes + self.bucket_size
-        # A relay receives each bucket straight into the slot of its own window that the next
-        # rollout will read (a write section of exactly that version); the last rollout (or
-        # every rollout of a star) into two local buffers.
-        bufs = [np.empty(cap, np.uint8) for _ in range(2)] if relay is None else None
-        # delta (the master's choice): this sync's buckets kept for the next one (``_take``)
-        builder = vd.StoreBuilder(self._store) if self._keep else None
-        took = [0, 0, 0]  # delta buckets, fallbacks (read whole from the trainer), data bytes received
-        # every bucket in order, exactly its version (the ready words keep it readable)
-        loop = asyncio.get_running_loop()
-
-        async def fetch(version: int) -> tuple[dict, np.ndarray]:
-            sec = None
-            if bufs is not None:
-                buf = bufs[version % 2]
-            else:
-                # the next rollout is done with what this slot holds (bucket version - 2)
-                await self._await_slot(loop, version - FIRST_BUCKET_VERSION)
-                # at once: nothing reads that slot now (so no await holds an open section)
-                sec = rt.write_section(relay, copy=False, timeout=self.timeout)
-                buf = sec.array()
-            try:
-                # exactly the next version: its header and metadata, then the data bytes it names
-                await win.wait_version_async(version, timeout=self.timeout)
-                # (a whole bucket of a sync that keeps its buckets, on a rollout that re-serves
-                # nothing: its data straight into this rollout's copy)
-                keep = builder if bufs is not None else None
-                got, direct = await rt.submit(f"bucket {version - FIRST_BUCKET_VERSION}",
-                                              lambda: self._read(win, buf, version, keep))
-                head = self._check_bucket(win, buf, got, version, global_steps)
-                head["direct"] = direct
-                # before it is yielded or re-served: the trainer's bytes, whoever served them
-                await rt.submit(f"bucket {head['index']}: its digest", lambda: self._verify(buf, head, version))
-            except BaseException:
-                if sec is not None:
-                    sec.abort()
-                raise
-            if sec is not None:
-                sec.commit()  # version ``version`` of this rollout's window: the next rollout reads it
-            took[2] += head["wire"]
-            if builder is not None:  # into this rollout's copy; the tensors are yielded from it
-                head["part"] = await rt.submit(f"bucket {head['index']}: into this rollout's copy",
-                                               lambda: self._take(builder, head, buf, version, took))
-            elif head["kind"] != KIND_FULL:
-                raise memsem.MemsemError(f"bucket {head['index']} from {self._source_label} is a delta, but the "
-                                         "trainer said it sends no deltas this sync")
-            return head, buf
-
-        task = asyncio.ensure_future(fetch(v))
-        try:
-            while True:
-                got, arr = await task
-                part = got.get("part")
-                buf, data_at = (torch.from_numpy(arr), self.meta_bytes) if part is None else (torch.from_numpy(part), 0)
-                # copied out: the trainer (or the rollout before) may write this slot again (v + 2)
-                status.mark_ready(v % 2)
-                if not got["last"]:
-                    task = asyncio.ensure_future(fetch(v + 1))
-                for name, dt, shape, chunk_offset, chunk_size, off in got["meta"]:
-                    at = data_at + off
-                    yield (TensorMeta(name=name, shape=torch.Size(shape), dtype=_dtype(dt), chunk_offset=chunk_offset,
-                                      chunk_size=chunk_size, offset=off), buf[at:at + chunk_size])
-                if got["last"]:
-                    break
-                v += 1
-            if builder is not None:  # every bucket checked and yielded: the next sync's base
-                self._store = builder.finish(str(self._sync_token), flat=False)
-            self.metrics = {"memsem/buckets": float(v - FIRST_BUCKET_VERSION + 1),
-                            "memsem/delta_buckets": float(took[0]), "memsem/fallbacks": float(took[1]),
-                            "memsem/received_bytes": float(took[2])}
-        finally:
-            if not task.done():
-                task.cancel()
-
-
-def _chunk_tiles(meta: list) -> list[tuple[int, int, int]]:
-    """(data offset, bytes, itemsize) of each chunk of a bucket's metadata: what its tiles are
-    made of (``_verl_delta.BucketTiles.of``)."""
-    return [(int(e[5]), int(e[4]), _itemsize(_dtype(e[1]))) for e in meta]
-
-
-def _digest(buf: Any, head: int, meta_bytes: int, used: int, data: Any = None) -> bytes:
-    """The bucket digest: of its header and metadata (``buf[:head]``) and its data bytes
-    (``used`` from ``meta_bytes``, or of ``data`` where they were read to); the rest of the
-    slot holds older buckets' bytes."""
-    h = hashlib.new(DIGEST)
-    h.update(memoryview(buf[:head]))
-    h.update(memoryview(buf[meta_bytes:meta_bytes + used] if data is None else data[:used]))
-    return h.digest()
-
-
-def _failure_message(raw: Any) -> str:
-    """The message a rollout that left wrote into its status window (its first half)."""
-    return bytes(raw[:RELAY_AT]).split(b"\0", 1)[0].decode("utf-8", "replace") or "no message"
-
-
-def _label(i: int, md: dict[str, Any]) -> str:
-    return f"rollout {i} (pid {md.get('pid')} on {md.get('node')!r})"
-
-
 def _await_word(status: Any, slot: int, timeout: float) -> bool:
     """Block until a rollout's word of ``slot`` is marked (memsem's wait: PeerLostError when the
     rollout dies); True when the rollout also marked "failed"."""
@@ -934,4 +598,6 @@ async def _aiter(weights: Any) -> AsyncGenerator[Any, None]:
             yield x
 
 
-__all__ = ["MemsemCheckpointEngine"]
+__all__ = ["MemsemCheckpointEngine", "DATA_ALIGN", "DIGEST", "DIGEST_SIZE", "FANOUTS", "FIRST_BUCKET_VERSION",
+           "HEAD_PROBE", "KIND_DELTA", "KIND_FULL", "MAX_BUCKETS", "RELAY_AT", "STATUS_BYTES", "W_FAILED", "W_RELAY",
+           "W_SLOT0", "W_SLOT1"]
