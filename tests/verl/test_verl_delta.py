@@ -75,13 +75,14 @@ def _sync(trainer, rollouts, sd: dict[str, torch.Tensor], step: int, keep: dict 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
     """bf16 matrices (one bigger than a bucket: it travels in chunks), an fp32 vector, odd
-    sizes and dtypes."""
+    sizes and dtypes (bool, int64, complex128)."""
     g = torch.Generator().manual_seed(seed)
     sd = {f"layer{i}.weight": torch.randn(96, 512, generator=g).to(torch.bfloat16) for i in range(6)}
     sd["embed"] = torch.randn(600, 512, generator=g).to(torch.bfloat16)  # 600 KiB: > BUCKET
     sd["norm"] = torch.randn(5001, generator=g)
     sd["mask"] = torch.rand(333, generator=g) > 0.5
     sd["ids"] = torch.randint(0, 1 << 40, (77,), generator=g)
+    sd["freqs"] = torch.randn(64, 32, dtype=torch.complex128, generator=g)  # 16-byte elements
     return sd
 
 
@@ -176,6 +177,9 @@ def test_a_rollout_whose_tensors_were_written_reads_the_trainers_copy():
         assert m["memsem/delta_buckets"] == m["memsem/buckets"]
         assert rollouts[0].metrics["memsem/fallbacks"] == 1, rollouts[0].metrics
         assert rollouts[1].metrics["memsem/fallbacks"] == 0, rollouts[1].metrics
+        # the bucket read whole is counted beside the deltas
+        assert rollouts[0].metrics["memsem/received_bytes"] > m["memsem/sent_bytes"]
+        assert rollouts[1].metrics["memsem/received_bytes"] == m["memsem/sent_bytes"]
         # and its copy is right again: the next delta checks everywhere
         sd = _change(sd, 0.01, 3)
         _sync(trainer, rollouts, sd, 3)
@@ -293,6 +297,7 @@ def test_a_sync_that_failed_is_no_base():
                                         _receive(rollouts[0], 2), fail(), return_exceptions=True)
 
         out = asyncio.run(run())
+        assert trainer.metrics == {} and rollouts[1].metrics == {}  # a failed sync reports no figures
         # (the consumer's error closes the stream: the rollout reports that it stopped receiving)
         assert isinstance(out[0], memsem.PeerLostError) and "stopped receiving" in str(out[0]), out[0]
         assert isinstance(out[2], ValueError), out[2]
@@ -332,6 +337,43 @@ def test_a_relay_that_passes_on_a_wrong_delta_is_named():
         err = out[2]
         assert isinstance(err, memsem.DigestMismatchError), out
         assert "rollout 1" in str(err) and "bucket 1" in str(err), err
+    finally:
+        _close(trainer, *rollouts)
+
+
+def test_a_relay_serving_another_buckets_header_never_touches_yielded_tensors():
+    """A faulty relay serves, in the slot of bucket 2, bucket 1's header and metadata with wrong
+    data (a sync whose buckets go whole: every element changed). The last rollout refuses it
+    (DigestMismatchError naming the relay), and the tensors it yielded from bucket 1 (views of
+    its copy of bucket 1) still hold the trainer's bytes: the wrong data was never read into that
+    copy."""
+    trainer, rollouts = _engines(2)
+    try:
+        sd = _model()
+        _sync(trainer, rollouts, sd, 1)
+        relay, last = rollouts
+        seen: dict = {}
+
+        def verify(buf, head, version):
+            seen[head["index"]] = buf.copy()
+            if head["index"] == 2:
+                buf[:] = seen[1]
+                buf[relay.meta_bytes] ^= 0xFF
+
+        relay._verify = verify
+        sd = _change(sd, 1.0, 2)
+        _setup(trainer, rollouts)
+        views: dict[str, torch.Tensor] = {}
+
+        async def run():
+            return await asyncio.gather(trainer.send_weights(iter(sd.items()), global_steps=2),
+                                        _receive(relay, 2), _receive(last, 2, keep=views), return_exceptions=True)
+
+        out = asyncio.run(run())
+        assert isinstance(out[2], memsem.DigestMismatchError) and "rollout 1" in str(out[2]), out
+        assert views, "the last rollout yielded nothing before the faulty bucket"
+        for name, view in views.items():
+            assert torch.equal(view.view(torch.uint8), sd[name].view(torch.uint8)), name
     finally:
         _close(trainer, *rollouts)
 
@@ -377,6 +419,10 @@ def test_bucket_tiles_and_a_delta_round_trip():
         bad = old.copy()
         bad[7] ^= 0x10
         assert vd.apply(rt, tiles, vd.parse(tiles, out[:wire]), bad) == 1
+    wide = vd.BucketTiles.of([(0, 64, 16)])  # complex128: patched as 8-byte words
+    assert wide.itemsize.tolist() == [8] and wide.nbytes.tolist() == [64]
+    with pytest.raises(ValueError, match="itemsize must be an int > 0"):
+        vd.BucketTiles.of([(0, 8, 0)])
     with pytest.raises(ValueError, match="tiles"):
         vd.parse(vd.BucketTiles.of(chunks[:2]), out[:wire])
     assert vd.encode(tiles, rng.integers(0, 256, used, dtype=np.uint8), old, digests, out)[0] is None

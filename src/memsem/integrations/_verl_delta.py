@@ -69,11 +69,18 @@ class BucketTiles:
     @classmethod
     def of(cls, chunks_: list[tuple[int, int, int]], tile_bytes: int = TILE_BYTES) -> "BucketTiles":
         """The tiles of a bucket's chunks: ``(offset, nbytes, itemsize)`` each (offset in bytes
-        from the data area's start, a multiple of ``itemsize``)."""
+        from the data area's start, a multiple of ``itemsize``). Elements of another size than
+        1, 2, 4 or 8 bytes (``complex128``: 16) are patched as the widest of those that divides
+        it (a patch moves exact bytes whatever it calls an element).
+
+        Raises:
+            ValueError: an itemsize that is not a positive int.
+        """
         offs, sizes, items = [np.zeros(0, np.uint64)], [np.zeros(0, np.uint64)], [np.zeros(0, np.uint32)]
         for off, size, item in chunks_:
-            if item not in (1, 2, 4, 8):
-                raise ValueError(f"itemsize must be 1, 2, 4 or 8 (bytes), got {item!r}")
+            if isinstance(item, bool) or not isinstance(item, int) or item <= 0:
+                raise ValueError(f"itemsize must be an int > 0 (bytes), got {item!r}")
+            item = next(w for w in (8, 4, 2, 1) if item % w == 0)
             step = min(tile_bytes, 65536 * item) // item * item
             starts = np.arange(0, size, step, dtype=np.uint64)
             offs.append(starts + np.uint64(off))

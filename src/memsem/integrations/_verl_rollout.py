@@ -191,7 +191,9 @@ class RolloutSide:
         if HEAD.size + mlen > probe:
             win.bytes(probe, HEAD.size + mlen - probe).get(buf[probe:HEAD.size + mlen], version=version)
         dst, direct = buf[self.meta_bytes:self.meta_bytes + wire], None
-        if builder is not None and kind == KIND_FULL:
+        if builder is not None and kind == KIND_FULL and index == version - FIRST_BUCKET_VERSION:
+            # (only the copy of this version's own bucket, which no yielded tensor views yet: a
+            # header naming another bucket is refused by _check_bucket, its bytes in ``buf``)
             part = builder.old.part(index, buf[HEAD.size:HEAD.size + mlen].tobytes())
             dst = direct = part if part is not None and part.nbytes == wire else np.empty(wire, np.uint8)
         if wire:
@@ -238,6 +240,7 @@ class RolloutSide:
                                          "the trainer published no store window to read it whole")
             part = part if part is not None else np.empty(used, np.uint8)
             took[1] += 1
+            took[2] += used
             self._store_win.bytes(head["store_at"], used).get(part)
             if vd.check(self.runtime, tiles, part, delta.digests):
                 raise memsem.DigestMismatchError(
@@ -261,7 +264,9 @@ class RolloutSide:
         bufs = [np.empty(cap, np.uint8) for _ in range(2)] if relay is None else None
         # delta (the master's choice): this sync's buckets kept for the next one (``_take``)
         builder = vd.StoreBuilder(self._store) if self._keep else None
-        took = [0, 0, 0]  # delta buckets, fallbacks (read whole from the trainer), data bytes received
+        # delta buckets, fallbacks (read whole from the trainer), data bytes received (fallbacks' included)
+        took = [0, 0, 0]
+        self.metrics = {}  # (a sync that fails leaves none)
         # every bucket in order, exactly its version (the ready words keep it readable)
         loop = asyncio.get_running_loop()
 

@@ -351,12 +351,18 @@ class MemsemCheckpointEngine(RolloutSide, CheckpointEngine):
 
     def _drop_windows(self) -> None:
         rt = self._rt
+        first: BaseException | None = None
         for ref, owned in ((self._window, self.is_master), (self._digests, self.is_master), (self._relay, True),
                            (self._status, True), (self._store_win, self.is_master)):
             if ref is not None and owned and rt is not None and not rt.closed:
-                rt.unpublish(ref, timeout=self.timeout)
+                try:
+                    rt.unpublish(ref, timeout=self.timeout)
+                except memsem.MemsemError as exc:  # the others are retired all the same
+                    first = first or exc
         self._window = self._digests = self._status = self._relay = self._upstream = self._store_win = None
         self._rollouts, self._everyone = [], []
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         if self._rt is not None:
@@ -395,6 +401,7 @@ class MemsemCheckpointEngine(RolloutSide, CheckpointEngine):
         if builder is not None and (self._cur is None or self._cur.nbytes != self.bucket_size):
             self._cur = np.empty(self.bucket_size, np.uint8)
         sent = [0, 0, 0]  # delta buckets, data bytes sent, data bytes of the buckets
+        self.metrics = {}  # (a sync that fails leaves none)
         blocked = await self._await_slot(loop, 0)
         sec = await core.submit("open bucket", lambda: rt.write_section(self._window, copy=False,
                                                                         timeout=self.timeout))
@@ -495,11 +502,11 @@ class MemsemCheckpointEngine(RolloutSide, CheckpointEngine):
         if kind == KIND_FULL:
             out[:used] = new
         at = st.offsets[index]
-        if self._store_win is not None:  # published: this sync's bytes inside a section of it
-            with self.runtime.write_section(self._store_win, copy=False, timeout=self.timeout) as ss:
-                ss.array()[at:at + used] = new
-        else:
-            old[:] = new
+        # (the store window, published for the sync, is written outside a write section, so a
+        # rollout's fallback read of an earlier bucket is never retried for it: each bucket's
+        # range is written once per sync, before its bucket is committed, and read only after,
+        # by rollouts that check every tile of it against the delta's digests)
+        old[:] = new
         builder.add(body, old, digests)
         return kind, wire, at
 
