@@ -413,3 +413,40 @@ def test_unremovable_dead_segment_is_skipped_with_the_reason(root, shm):
     (path, why), = res["ok"]["skipped"]
     assert path == seg and "cannot remove it" in why and "Permission denied" in why
     assert os.path.exists(seg)
+
+
+def test_a_job_folder_removed_between_its_mkdir_and_its_open_is_made_again(shm, monkeypatch):
+    """Another runtime of the job closing removes the empty job folder right after this one's
+    mkdir found it (the order forced: the removal runs inside the first open): the folder is
+    made again and opened, never FileNotFoundError (a loaded CI run met that order: a trainer
+    rank's Runtime() failed to start). A folder removed every time ends in FileNotFoundError
+    after OPEN_TRIES, not a loop."""
+    from memsem.directory import local
+
+    path = os.path.join(shm, f"memsem.{os.getuid()}.dir.race")
+    os.mkdir(path, 0o700)  # the job's folder, empty: its last runtime is closing
+    real = local._open_dir
+    removed = []
+
+    def open_after_a_removal(p):
+        if len(removed) < 3:  # the closing runtime's rmdir lands between mkdir and open
+            os.rmdir(p)
+            removed.append(p)
+        return real(p)
+
+    monkeypatch.setattr(local, "_open_dir", open_after_a_removal)
+    d = LocalDirectory("race", alive=lambda rec: True)
+    try:
+        assert len(removed) == 3 and os.path.isdir(path)
+        assert os.fstat(d.fd).st_ino == os.stat(path).st_ino
+    finally:
+        d.close()
+
+    def always_removed(p):
+        os.rmdir(p)
+        return real(p)
+
+    monkeypatch.setattr(local, "_open_dir", always_removed)
+    with pytest.raises(FileNotFoundError):
+        local.open_folder(path, create=True)
+    assert not os.path.exists(path)

@@ -162,21 +162,48 @@ def check_folder(fd: int, path: str) -> None:
             "root or its owner) or use another MEMSEM_JOB")
 
 
+#: how many times ``open_folder`` makes a job folder removed under it again
+OPEN_TRIES = 100
+
+
 def open_folder(path: str, *, create: bool) -> int:
     """Open (creating it when ``create``) the job folder at ``path`` without following a symlink,
     and check it (:func:`check_folder`). Returns the directory descriptor.
 
+    Another runtime of the job that closes may remove the empty folder between this mkdir and
+    this open (it found no rank, window or entry in it): then it is made again, up to
+    ``OPEN_TRIES`` times (a loaded CI machine met that order once).
+
     Raises:
         AccessDeniedError: ``path`` is a symlink or not a folder of this user with mode 0700.
-        FileNotFoundError: ``path`` does not exist and ``create`` is False.
+        FileNotFoundError: ``path`` does not exist and ``create`` is False, or it was removed
+            ``OPEN_TRIES`` times in a row as it was made.
     """
-    if create:
+    for tries in range(1, OPEN_TRIES + 1):
+        if create:
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+            fd = _open_dir(path)
+        except FileNotFoundError:
+            if not create or tries == OPEN_TRIES:
+                raise
+            continue
+        break
     try:
-        fd = os.open(path, _O_DIR)
+        check_folder(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dir(path: str) -> int:
+    """``os.open`` of the job folder, without following a symlink; errors named."""
+    try:
+        return os.open(path, _O_DIR)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             kind = "a symlink" if os.path.islink(path) else "not a folder"
@@ -192,12 +219,6 @@ def open_folder(path: str, *, create: bool) -> int:
                                     f"mode 0700; found {found}: another user may have planted it; remove "
                                     "it (as root or its owner) or use another MEMSEM_JOB") from None
         raise
-    try:
-        check_folder(fd, path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def read_record(fd: int, name: str, max_bytes: int = MAX_RECORD_BYTES) -> str | None:
