@@ -387,6 +387,16 @@ def test_without_delta_nothing_is_kept():
             m = _sync(trainer, rollouts, _change(sd, 0.01, step), step)
             assert m["memsem/delta_buckets"] == 0 and m["memsem/sent_bytes"] == m["memsem/bucket_bytes"]
         assert trainer._store is None and rollouts[0]._store is None
+        # a trainer that sends deltas makes the rollout keep a copy; one that does not (a
+        # restart with delta=False) makes it drop that copy
+        delta_trainer = _engines(0)[0]
+        try:
+            _sync(delta_trainer, rollouts, sd, 3)
+            assert rollouts[0]._store is not None and rollouts[0]._store.nbytes() > 0
+        finally:
+            delta_trainer.close()
+        _sync(trainer, rollouts, sd, 4)
+        assert rollouts[0]._store is None
     finally:
         _close(trainer, *rollouts)
 

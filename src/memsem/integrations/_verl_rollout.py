@@ -264,6 +264,8 @@ class RolloutSide:
         bufs = [np.empty(cap, np.uint8) for _ in range(2)] if relay is None else None
         # delta (the master's choice): this sync's buckets kept for the next one (``_take``)
         builder = vd.StoreBuilder(self._store) if self._keep else None
+        if builder is None:
+            self._store = None  # the trainer sends no deltas: no copy is kept here
         # delta buckets, fallbacks (read whole from the trainer), data bytes received (fallbacks' included)
         took = [0, 0, 0]
         self.metrics = {}  # (a sync that fails leaves none)
